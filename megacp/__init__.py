@@ -1,0 +1,35 @@
+"""megacp: context parallelism for long-context LLMs.
+
+Public entry points (imported lazily so that ``import megacp`` stays cheap):
+
+* :class:`ParallelLayout`, :func:`initialize`, :class:`ParallelState` — the process mesh.
+* :func:`load_config`, :class:`ConfigError` — the ``context_parallel`` section of a DeepSpeed config.
+* :func:`swap_attention` — replace a model's attention modules by CP attention layers.
+* :mod:`megacp.attention` — partial attention, merge, sharding, ring prefill, decode.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "ParallelLayout": "megacp.parallel.layout",
+    "ParallelState": "megacp.parallel.state",
+    "initialize": "megacp.parallel.state",
+    "load_config": "megacp.config",
+    "ConfigError": "megacp.config",
+    "MegacpConfig": "megacp.config",
+    "swap_attention": "megacp.layers.swap",
+    "ModelConfig": "megacp.models.config",
+}
+
+__all__ = sorted(_EXPORTS) + ["__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'megacp' has no attribute {name!r}")

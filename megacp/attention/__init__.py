@@ -1,0 +1,32 @@
+"""CP attention: partial attention + merge, sharding, pass-KV / pass-Q ring prefill, all-gather
+decode and the strategy choice. Nothing here knows about models."""
+
+from megacp.attention.decode import allgather_decode
+from megacp.attention.merge import merge_into, merge_stack, merge_states
+from megacp.attention.partial import partial_attention
+from megacp.attention.pass_kv import ring_pass_kv
+from megacp.attention.pass_q import ring_pass_q
+from megacp.attention.prefill import build_kv_block, cp_attention, cp_prefill, resolve_strategy
+from megacp.attention.sharding import ShardPlan, local_counts, local_positions, shard_ranges
+from megacp.attention.strategy import Hardware, calibrate, choose_strategy
+
+__all__ = [
+    "Hardware",
+    "ShardPlan",
+    "allgather_decode",
+    "build_kv_block",
+    "calibrate",
+    "choose_strategy",
+    "cp_attention",
+    "cp_prefill",
+    "local_counts",
+    "local_positions",
+    "merge_into",
+    "merge_stack",
+    "merge_states",
+    "partial_attention",
+    "resolve_strategy",
+    "ring_pass_kv",
+    "ring_pass_q",
+    "shard_ranges",
+]

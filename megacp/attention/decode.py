@@ -1,0 +1,71 @@
+"""All-gather decode: replicated decode queries, KV sharded over the CP ranks.
+
+Each request's decode query (one token) is the same on every CP rank. Each rank attends over the
+tokens of the request it holds (prefill shards + its round-robin share of decoded tokens; zero
+tokens is fine), then the partial (out, LSE) of the whole batch travel in **one** all-gather (packed
+into one byte buffer: two collectives would cost twice the latency) and every rank merges the N
+partials exactly. No host synchronisation happens inside, so the step can be captured in a CUDA
+graph when the per-request lengths are fixed.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from megacp.attention.merge import merge_stack
+from megacp.attention.partial import partial_attention
+from megacp.parallel.ring import Ring, pack_states, unpack_states
+
+
+def local_decode_states(
+    q: Tensor,
+    kv: Sequence[tuple[Tensor, Tensor]] | tuple[Tensor, Tensor],
+    *,
+    scale: float | None = None,
+    backend: str | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Partial attention of each request's query over this rank's keys of that request.
+
+    Args:
+        q: ``[B, Hq, D]`` one query token per request.
+        kv: per request ``(k_i, v_i)`` each ``[L_i, Hkv, D]`` (ragged), or one pair of batched
+            tensors ``[B, L, Hkv, D]`` when every request has L local tokens (one kernel call).
+
+    Returns:
+        ``(out [B, Hq, D], lse [B, Hq] fp32)``.
+    """
+    if isinstance(kv, tuple) and len(kv) == 2 and isinstance(kv[0], Tensor) and kv[0].dim() == 4:
+        out, lse = partial_attention(q.unsqueeze(1), kv[0], kv[1], scale=scale, backend=backend)
+        return out[:, 0], lse[:, 0]
+    if len(kv) != q.shape[0]:
+        raise ValueError(f"{q.shape[0]} decode queries but KV for {len(kv)} requests")
+    outs, lses = zip(*(partial_attention(q[i : i + 1], k, v, scale=scale, backend=backend) for i, (k, v) in enumerate(kv)))
+    return torch.cat(outs), torch.cat(lses)
+
+
+def allgather_decode(
+    q: Tensor,
+    kv: Sequence[tuple[Tensor, Tensor]] | tuple[Tensor, Tensor],
+    ring: Ring | None,
+    *,
+    scale: float | None = None,
+    backend: str | None = None,
+) -> Tensor:
+    """Exact decode attention over KV sharded across the CP ring.
+
+    Args:
+        q: ``[B, Hq, D]`` (identical on every CP rank); kv: see :func:`local_decode_states`.
+        ring: the CP ring (``None`` or size 1: local attention only).
+
+    Returns:
+        ``[B, Hq, D]`` in ``q.dtype``, identical on every rank.
+    """
+    out, lse = local_decode_states(q, kv, scale=scale, backend=backend)
+    if ring is None or ring.size == 1:
+        return out.to(q.dtype)
+    gathered = ring.all_gather(pack_states(out.to(q.dtype), lse))  # [N, B, bytes]
+    outs, lses = unpack_states(gathered, q.shape[1], q.shape[2], q.dtype)
+    return merge_stack(outs, lses)[0]

@@ -1,0 +1,77 @@
+"""Exact merging of partial attention states (out, LSE).
+
+Attention of a query over a union of disjoint key subsets s equals the merge of the partial
+results ``(O_s, LSE_s)``::
+
+    LSE = m + log Σ_s exp(LSE_s − m),  m = max_s LSE_s
+    O   = Σ_s O_s · exp(LSE_s − LSE)
+
+Layouts: ``out`` is ``[..., H, D]`` and ``lse`` is ``[..., H]`` (natural log, fp32); leading
+dimensions (tokens, batch) are arbitrary but must agree. A partial with ``lse == -inf`` (no visible
+key) contributes nothing; when every partial is empty the result is ``out = 0, lse = -inf`` and no
+NaN is ever produced.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+NEG_INF = float("-inf")
+
+
+def _finite_or_zero(m: Tensor) -> Tensor:
+    """Replace -inf maxima by 0 so that ``x - m`` never evaluates ``-inf - (-inf)``."""
+    return torch.where(torch.isneginf(m), torch.zeros_like(m), m)
+
+
+def merge_states(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> tuple[Tensor, Tensor]:
+    """Merge two partial states of the same queries.
+
+    Args:
+        out_a, out_b: ``[..., H, D]`` partial outputs (any float dtype).
+        lse_a, lse_b: ``[..., H]`` fp32 natural-log LSEs.
+
+    Returns:
+        ``(out, lse)``: ``out`` fp32 ``[..., H, D]``, ``lse`` fp32 ``[..., H]``.
+    """
+    m = _finite_or_zero(torch.maximum(lse_a, lse_b))
+    wa = torch.exp(lse_a - m)
+    wb = torch.exp(lse_b - m)
+    total = wa + wb
+    lse = m + torch.log(total)
+    inv = torch.where(total > 0, 1.0 / total, torch.zeros_like(total))
+    out = out_a.float() * (wa * inv).unsqueeze(-1) + out_b.float() * (wb * inv).unsqueeze(-1)
+    return out, lse
+
+
+def merge_into(acc_out: Tensor, acc_lse: Tensor, out: Tensor, lse: Tensor) -> None:
+    """Online merge: fold one partial ``(out, lse)`` into the running state in place.
+
+    Args:
+        acc_out: fp32 ``[..., H, D]`` running output (updated in place; may be a view/slice).
+        acc_lse: fp32 ``[..., H]`` running LSE (updated in place).
+        out, lse: the partial to add, same leading shape.
+    """
+    new_out, new_lse = merge_states(acc_out, acc_lse, out, lse)
+    acc_out.copy_(new_out)
+    acc_lse.copy_(new_lse)
+
+
+def merge_stack(outs: Tensor, lses: Tensor) -> tuple[Tensor, Tensor]:
+    """Merge N partials stacked on dim 0.
+
+    Args:
+        outs: ``[N, ..., H, D]`` partial outputs.
+        lses: ``[N, ..., H]`` fp32 LSEs.
+
+    Returns:
+        ``(out, lse)`` with the leading N removed; ``out`` in ``outs.dtype``.
+    """
+    m = _finite_or_zero(lses.max(dim=0).values)
+    w = torch.exp(lses - m.unsqueeze(0))
+    total = w.sum(dim=0)
+    lse = m + torch.log(total)
+    inv = torch.where(total > 0, 1.0 / total, torch.zeros_like(total))
+    out = (outs.float() * (w * inv.unsqueeze(0)).unsqueeze(-1)).sum(dim=0)
+    return out.to(outs.dtype), lse

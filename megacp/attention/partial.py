@@ -1,0 +1,215 @@
+"""Partial attention: one block of queries over one block of keys, returning (out, LSE).
+
+Layout (one sequence segment, "thd" without the batch): ``q`` ``[Lq, Hq, D]``, ``k``/``v``
+``[Lk, Hkv, D]`` with ``Hq % Hkv == 0`` (GQA: KV heads are never materialised Hq/Hkv times); or
+the same with a leading batch dimension ``B`` (equal lengths, e.g. a batch of decode queries).
+Results: ``out`` ``[(B,) Lq, Hq, D]`` in ``q.dtype`` and ``lse`` ``[(B,) Lq, Hq]`` fp32, natural log of
+Σ_j exp(q·k_j·scale) over the visible keys (``-inf`` and ``out = 0`` for a query that sees none).
+
+Masks: ``causal=False`` — every key visible. ``causal=True`` — bottom-right aligned: query ``i``
+sees key ``j`` iff ``j <= i + (Lk - Lq)``; this is the plain causal mask when ``Lq == Lk`` and
+"causal with offset" (queries placed after a cached prefix of ``Lk - Lq`` keys) otherwise.
+
+Backends (``backend=`` or env ``MEGACP_ATTN_BACKEND``; default ``"auto"``):
+
+* ``"cudnn"`` — ``aten._scaled_dot_product_cudnn_attention`` (fastest on H100/H200, LSE ``[B,H,S,1]``).
+* ``"flash"`` — ``aten._scaled_dot_product_flash_attention`` (FlashAttention-2, LSE ``[B,H,S]``).
+* ``"reference"`` — exact blocked computation in fp32 on any device with memory bounded by
+  ``block_q × block_k`` scores per head (never an ``Lq × Lk`` matrix).
+
+``"auto"`` tries cuDNN then flash for fp16/bf16 CUDA tensors and falls back to the next backend
+for shapes a kernel refuses (the refusal is remembered per shape signature); fp32 and CPU tensors
+use the reference path. Every kernel's LSE is natural log, fp32 (checked on H200, see GPU_NOTES).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from megacp.attention.merge import merge_states
+
+BACKENDS = ("auto", "cudnn", "flash", "reference")
+_KERNEL_ORDER = ("cudnn", "flash")
+_refused: set[tuple] = set()
+
+
+def default_backend() -> str:
+    """The backend named by ``MEGACP_ATTN_BACKEND`` (``"auto"`` when unset)."""
+    name = os.environ.get("MEGACP_ATTN_BACKEND", "auto")
+    if name not in BACKENDS:
+        raise ValueError(f"MEGACP_ATTN_BACKEND={name!r} is not one of {', '.join(BACKENDS)}")
+    return name
+
+
+def empty_state(*shape: int, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor]:
+    """The state of queries that see no key, for ``shape = (..., H, D)``: ``out = 0`` ``shape``,
+    ``lse = -inf`` ``shape[:-1]``."""
+    return (
+        torch.zeros(shape, dtype=dtype, device=device),
+        torch.full(shape[:-1], float("-inf"), dtype=torch.float32, device=device),
+    )
+
+
+def partial_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    backend: str | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Attention of ``q`` over ``k``/``v`` returning ``(out [Lq,Hq,D], lse [Lq,Hq] fp32)``.
+
+    See the module docstring for layouts, the (bottom-right) causal convention and backends.
+    """
+    _check_shapes(q, k, v)
+    lq, hq, d = q.shape[-3:]
+    lk = k.shape[-3]
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    backend = backend or default_backend()
+    if backend not in BACKENDS:
+        raise ValueError(f"attention backend {backend!r} is not one of {', '.join(BACKENDS)}")
+    if lq == 0 or lk == 0 or q.numel() == 0:
+        return empty_state(*q.shape, dtype=q.dtype, device=q.device)
+    if backend == "reference" or (backend == "auto" and not _kernels_apply(q)):
+        return _reference_batched(q, k, v, causal=causal, scale=scale)
+    candidates = _KERNEL_ORDER if backend == "auto" else (backend,)
+    for name in candidates:
+        key = (name, q.dtype, hq, k.shape[-2], d)
+        if backend == "auto" and key in _refused:
+            continue
+        try:
+            return _kernel_attention(_KERNELS[name], q, k, v, causal=causal, scale=scale)
+        except RuntimeError:
+            if backend != "auto":
+                raise
+            _refused.add(key)
+    return _reference_batched(q, k, v, causal=causal, scale=scale)
+
+
+def _check_shapes(q: Tensor, k: Tensor, v: Tensor) -> None:
+    if q.dim() not in (3, 4) or k.dim() != q.dim() or v.dim() != q.dim() or (q.dim() == 4 and q.shape[0] != k.shape[0]):
+        raise ValueError(
+            f"partial_attention expects q [(B,)Lq,Hq,D], k/v [(B,)Lk,Hkv,D]; got {tuple(q.shape)}, "
+            f"{tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    if k.shape != v.shape or q.shape[-1] != k.shape[-1] or q.shape[-2] % k.shape[-2]:
+        raise ValueError(
+            f"partial_attention shape mismatch: q {tuple(q.shape)}, k {tuple(k.shape)}, "
+            f"v {tuple(v.shape)} (need k == v shape, same D, Hq divisible by Hkv)"
+        )
+    if q.dtype != k.dtype or k.dtype != v.dtype:
+        raise ValueError(f"partial_attention dtype mismatch: q {q.dtype}, k {k.dtype}, v {v.dtype}")
+
+
+def _kernels_apply(q: Tensor) -> bool:
+    return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+
+
+# --------------------------------------------------------------------------- fused kernels
+
+
+def _cudnn(q4: Tensor, k4: Tensor, v4: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+    res = torch.ops.aten._scaled_dot_product_cudnn_attention(
+        q4, k4, v4, None, True, 0.0, causal, False, scale=scale
+    )
+    return res[0], res[1].reshape(res[1].shape[0], res[1].shape[1], -1)
+
+
+def _flash(q4: Tensor, k4: Tensor, v4: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+    res = torch.ops.aten._scaled_dot_product_flash_attention(q4, k4, v4, 0.0, causal, False, scale=scale)
+    return res[0], res[1]
+
+
+_KERNELS: dict[str, Callable[..., tuple[Tensor, Tensor]]] = {"cudnn": _cudnn, "flash": _flash}
+
+
+def _kernel_call(kernel: Callable, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+    """One fused call on ``[(B,) L, H, D]`` inputs viewed as ``[B, H, L, D]`` (no copies)."""
+    if q.dim() == 3:
+        out, lse = _kernel_call(kernel, q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), causal, scale)
+        return out[0], lse[0]
+    out, lse = kernel(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal, scale)
+    return out.transpose(1, 2), lse.transpose(1, 2)
+
+
+def _kernel_attention(kernel: Callable, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+    """Fused kernels only do square (top-left == bottom-right) causal masks; a bottom-right mask
+    with ``Lq != Lk`` is split into a dense prefix and a square causal block, then merged."""
+    lq, lk = q.shape[-3], k.shape[-3]
+    if not causal:
+        return _kernel_call(kernel, q, k, v, False, scale)
+    if lq > lk:  # the first lq - lk queries see nothing
+        out, lse = empty_state(*q.shape, dtype=q.dtype, device=q.device)
+        o, l = _kernel_call(kernel, q[..., lq - lk:, :, :], k, v, True, scale)
+        out[..., lq - lk:, :, :] = o
+        lse[..., lq - lk:, :] = l
+        return out, lse
+    if lq == lk:
+        return _kernel_call(kernel, q, k, v, True, scale)
+    prefix = lk - lq
+    o1, l1 = _kernel_call(kernel, q, k[..., :prefix, :, :], v[..., :prefix, :, :], False, scale)
+    o2, l2 = _kernel_call(kernel, q, k[..., prefix:, :, :], v[..., prefix:, :, :], True, scale)
+    out, lse = merge_states(o1, l1, o2, l2)
+    return out.to(q.dtype), lse
+
+
+# --------------------------------------------------------------------------- reference
+
+
+def _reference_batched(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+    if q.dim() == 3:
+        return _reference(q, k, v, causal=causal, scale=scale)
+    outs, lses = zip(*(_reference(qb, kb, vb, causal=causal, scale=scale) for qb, kb, vb in zip(q, k, v)))
+    return torch.stack(outs), torch.stack(lses)
+
+
+def _reference(
+    q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float, block_q: int = 256, block_k: int = 1024
+) -> tuple[Tensor, Tensor]:
+    """Exact blocked attention with an online softmax, fp32 accumulation.
+
+    Memory: ``Hq × block_q × block_k`` fp32 scores at a time; causal key blocks that no query of
+    the block can see are skipped.
+    """
+    lq, hq, d = q.shape
+    lk, hkv, _ = k.shape
+    g = hq // hkv
+    offset = lk - lq  # query i sees keys j <= i + offset
+    out = torch.empty(lq, hq, d, dtype=q.dtype, device=q.device)
+    lse = torch.empty(lq, hq, dtype=torch.float32, device=q.device)
+    kf = k.float().permute(1, 0, 2).unsqueeze(1)  # [Hkv, 1, Lk, D]
+    vf = v.float().permute(1, 0, 2).unsqueeze(1)
+    for i0 in range(0, lq, block_q):
+        i1 = min(i0 + block_q, lq)
+        qb = q[i0:i1].float().reshape(i1 - i0, hkv, g, d).permute(1, 2, 0, 3) * scale  # [Hkv,G,bq,D]
+        m = torch.full((hkv, g, i1 - i0), float("-inf"), device=q.device)
+        s = torch.zeros(hkv, g, i1 - i0, device=q.device)
+        acc = torch.zeros(hkv, g, i1 - i0, d, device=q.device)
+        k_end = min(lk, i1 - 1 + offset + 1) if causal else lk
+        for j0 in range(0, max(k_end, 0), block_k):
+            j1 = min(j0 + block_k, k_end)
+            scores = qb @ kf[:, :, j0:j1].transpose(-1, -2)  # [Hkv,G,bq,bk]
+            if causal:
+                rows = torch.arange(i0, i1, device=q.device).unsqueeze(1) + offset
+                cols = torch.arange(j0, j1, device=q.device).unsqueeze(0)
+                scores = scores.masked_fill(cols > rows, float("-inf"))
+            m_new = torch.maximum(m, scores.amax(dim=-1))
+            m_safe = torch.where(torch.isneginf(m_new), torch.zeros_like(m_new), m_new)
+            p = torch.exp(scores - m_safe.unsqueeze(-1))
+            corr = torch.exp(m - m_safe)
+            s = s * corr + p.sum(dim=-1)
+            acc = acc * corr.unsqueeze(-1) + p @ vf[:, :, j0:j1]
+            m = m_new
+        seen = s > 0
+        ob = torch.where(seen.unsqueeze(-1), acc / torch.where(seen, s, 1.0).unsqueeze(-1), 0.0)
+        lb = torch.where(seen, torch.where(torch.isneginf(m), 0.0, m) + torch.log(s), float("-inf"))
+        out[i0:i1] = ob.permute(2, 0, 1, 3).reshape(i1 - i0, hq, d).to(q.dtype)
+        lse[i0:i1] = lb.permute(2, 0, 1).reshape(i1 - i0, hq)
+    return out, lse

@@ -1,0 +1,153 @@
+"""CP prefill entry point: build the local KV block, pick the strategy, run the ring.
+
+This is the function the CP attention layer (and users with their own loop) call with local
+shards: queries and new keys/values of this rank in the plan's layout, plus, when a KV cache holds
+earlier tokens, this rank's cached tokens of each request.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from megacp.attention.pass_kv import ring_pass_kv
+from megacp.attention.pass_q import ring_pass_q
+from megacp.attention.sharding import ShardPlan
+from megacp.attention.strategy import STRATEGIES, Choice, choose_strategy, hardware_for
+from megacp.parallel.ring import Ring
+
+log = logging.getLogger("megacp.prefill")
+
+
+def build_kv_block(
+    plan: ShardPlan,
+    k: Tensor,
+    v: Tensor,
+    cached: Callable[[int], tuple[Tensor, Tensor]] | None = None,
+) -> Tensor:
+    """This rank's KV block ``[2, plan.max_kv_block, Hkv, D]`` in ``plan.kv_layout(rank)`` order.
+
+    Args:
+        k, v: ``[n_local, Hkv, D]`` this rank's new keys/values (``plan.q_layout`` order).
+        cached: ``cached(i) -> (k_i, v_i)`` each ``[prefix_i, Hkv, D]``, this rank's cached tokens of
+            request ``i`` (required when the plan has cached tokens on this rank).
+    """
+    block = k.new_zeros((2, plan.max_kv_block, *k.shape[1:]))
+    kv_lay, q_lay = plan.kv_layout(plan.rank), plan.q_layout(plan.rank)
+    if not any(lay.prefix for lay in kv_lay):
+        block[0, : k.shape[0]] = k
+        block[1, : v.shape[0]] = v
+        return block
+    if cached is None:
+        raise ValueError("the plan has cached tokens on this rank but no cache was given")
+    for i, (kl, ql) in enumerate(zip(kv_lay, q_lay)):
+        if kl.prefix:
+            ck, cv = cached(i)
+            block[0, kl.offset : kl.offset + kl.prefix] = ck
+            block[1, kl.offset : kl.offset + kl.prefix] = cv
+        a, b = kl.offset + kl.prefix, kl.offset + kl.length
+        block[0, a:b] = k[ql.offset : ql.offset + ql.num_new]
+        block[1, a:b] = v[ql.offset : ql.offset + ql.num_new]
+    return block
+
+
+def resolve_strategy(strategy: str, plan: ShardPlan, num_heads: int, num_kv_heads: int,
+                     elem_bytes: int, device: torch.device) -> Choice | str:
+    """``"pass_kv"``/``"pass_q"`` as given; ``"auto"`` applies the paper's rule to the batch totals."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"prefill strategy {strategy!r} is not one of {', '.join(STRATEGIES)}")
+    if strategy != "auto":
+        return strategy
+    choice = choose_strategy(
+        sum(plan.new), sum(plan.cached), num_heads=num_heads, num_kv_heads=num_kv_heads,
+        cp_size=plan.cp_size, elem_bytes=elem_bytes, hw=hardware_for(device, plan.cp_size),
+    )
+    log.debug("prefill strategy %s", choice)
+    return choice
+
+
+def cp_prefill(
+    q: Tensor,
+    kv_block: Tensor,
+    plan: ShardPlan,
+    ring: Ring | None,
+    *,
+    strategy: str = "pass_kv",
+    scale: float | None = None,
+    backend: str | None = None,
+) -> Tensor:
+    """Exact causal attention of this rank's new queries over all ranks' keys.
+
+    Args:
+        q: ``[n_local, Hq, D]`` local queries; kv_block: from :func:`build_kv_block`.
+        strategy: ``"pass_kv"`` or ``"pass_q"`` (resolve ``"auto"`` with :func:`resolve_strategy`).
+
+    Returns:
+        ``[n_local, Hq, D]`` in ``q.dtype``.
+    """
+    if plan.cp_size > 1 and ring is None:
+        raise ValueError(f"CP size {plan.cp_size} needs a ring (process group)")
+    if ring is not None and ring.size != plan.cp_size:
+        raise ValueError(f"plan is for CP size {plan.cp_size} but the group has {ring.size} ranks")
+    if q.shape[0] != plan.num_local():
+        raise ValueError(f"q has {q.shape[0]} tokens but the plan gives this rank {plan.num_local()}")
+    fn = {"pass_kv": ring_pass_kv, "pass_q": ring_pass_q}.get(strategy)
+    if fn is None:
+        raise ValueError(f"prefill strategy {strategy!r} must be resolved to pass_kv or pass_q")
+    out, _ = fn(q, kv_block, plan, ring, scale=scale, backend=backend)
+    return out.to(q.dtype)
+
+
+def cp_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    group: "torch.distributed.ProcessGroup | None" = None,
+    *,
+    cu_seqlens: Tensor | Sequence[int] | None = None,
+    strategy: str = "auto",
+    load_balance: bool = True,
+    scale: float | None = None,
+    backend: str | None = None,
+) -> Tensor:
+    """Causal attention of whole packed sequences computed with CP over ``group``.
+
+    A convenience for checking exactness (tests, notebooks): every rank passes the same full inputs;
+    each rank keeps only its shard, the ring computes, and the output is gathered back.
+
+    Args:
+        q: ``[T, Hq, D]``; k, v: ``[T, Hkv, D]`` (identical on every rank).
+        group: the CP process group (``None`` = the whole world; world of one without init).
+        cu_seqlens: int32 ``[B+1]`` sequence boundaries (default: one sequence).
+
+    Returns:
+        ``[T, Hq, D]``, the full output, on every rank.
+    """
+    import torch.distributed as dist
+
+    total = q.shape[0]
+    bounds = [0, total] if cu_seqlens is None else [int(x) for x in cu_seqlens]
+    if bounds[0] != 0 or bounds[-1] != total or any(b <= a for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(f"cu_seqlens must rise strictly from 0 to T={total}, got {bounds}")
+    lens = [b - a for a, b in zip(bounds, bounds[1:])]
+    ring = Ring(group) if dist.is_initialized() else None
+    n, r = (ring.size, ring.rank) if ring else (1, 0)
+    plan = ShardPlan([0] * len(lens), lens, n, r, load_balance=load_balance)
+    idx = plan.local_index().to(q.device)
+    ql, kl, vl = q[idx], k[idx], v[idx]
+    choice = resolve_strategy(strategy, plan, q.shape[1], k.shape[1], k.element_size(), q.device)
+    name = choice if isinstance(choice, str) else choice.strategy
+    out_local = cp_prefill(ql, build_kv_block(plan, kl, vl), plan, ring, strategy=name, scale=scale, backend=backend)
+    if ring is None or n == 1:
+        return out_local
+    padded = out_local.new_zeros((plan.max_local, *out_local.shape[1:]))
+    padded[: out_local.shape[0]] = out_local
+    gathered = ring.all_gather(padded)
+    out = torch.empty_like(q)
+    for j in range(n):
+        ij = plan.local_index(j).to(q.device)
+        out[ij] = gathered[j, : ij.numel()]
+    return out

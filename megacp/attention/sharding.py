@@ -1,0 +1,216 @@
+"""Which CP rank holds which token: load-balanced prefill sharding, round-robin decode placement,
+per-rank buffer layouts, and the bookkeeping that derives a rank's positions from a request's
+history.
+
+Placement rules (DESIGN.md §1):
+
+* A step that adds ``T > 1`` tokens (prefill, or a chunk of a chunked prefill) at positions
+  ``P .. P+T-1`` splits them into ``2N`` chunks of ``c = ceil(T / 2N)`` positions; rank ``r`` holds
+  chunks ``r`` and ``2N-1-r`` (causal work is then equal on every rank). Chunks past the end are
+  shorter or empty: that is the "padding to a multiple of 2N", except that padded positions are
+  never materialised, so they cannot change a result. With ``load_balance=False`` rank ``r`` holds
+  the ``r``-th of ``N`` contiguous chunks.
+* A step that adds one token (decode) places the token at position ``t`` on rank ``t mod N``.
+
+Every rank computes the same plan from the same host-side integers; no communication is needed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+Range = tuple[int, int]
+
+
+def shard_ranges(start: int, num_new: int, cp_size: int, rank: int, *, load_balance: bool = True) -> list[Range]:
+    """Position ranges ``[a, b)`` (ascending, non-empty) of a step's new tokens held by ``rank``.
+
+    Args:
+        start: position of the step's first new token (= tokens already computed, P).
+        num_new: new tokens in the step (T).
+        cp_size: N; rank: this CP rank in ``[0, N)``.
+    """
+    if num_new <= 0:
+        return []
+    if num_new == 1:
+        return [(start, start + 1)] if start % cp_size == rank else []
+    if load_balance:
+        c = -(-num_new // (2 * cp_size))
+        chunks = (rank, 2 * cp_size - 1 - rank)
+    else:
+        c = -(-num_new // cp_size)
+        chunks = (rank,)
+    end = start + num_new
+    out = []
+    for idx in chunks:
+        a, b = min(start + idx * c, end), min(start + (idx + 1) * c, end)
+        if b > a:
+            out.append((a, b))
+    return out
+
+
+def local_positions(history: Sequence[int], cp_size: int, rank: int, *, load_balance: bool = True) -> list[int]:
+    """Positions held by ``rank`` after a request's steps.
+
+    Args:
+        history: computed-token counts after each step, starting at 0 (e.g. ``[0, 4, 8, 9, 10, 11]``:
+            two prefill chunks of 4, then three decoded tokens).
+
+    Example (cp=2): rank 0 → ``[0, 3, 4, 7, 8, 10]``, rank 1 → ``[1, 2, 5, 6, 9]``.
+    """
+    if len(history) == 0 or history[0] != 0 or any(b < a for a, b in zip(history, history[1:])):
+        raise ValueError(f"history must start at 0 and never decrease, got {list(history)}")
+    out: list[int] = []
+    for a, b in zip(history, history[1:]):
+        for lo, hi in shard_ranges(a, b - a, cp_size, rank, load_balance=load_balance):
+            out.extend(range(lo, hi))
+    return out
+
+
+def local_counts(histories: Sequence[Sequence[int]], cp_size: int, rank: int, *, load_balance: bool = True) -> list[int]:
+    """Number of tokens ``rank`` holds for each request of a batch (a flat list, one int each)."""
+    return [len(local_positions(h, cp_size, rank, load_balance=load_balance)) for h in histories]
+
+
+@dataclass(frozen=True)
+class SeqLayout:
+    """Where one request's keys or queries sit in a rank's buffer.
+
+    The request occupies ``[offset, offset + length)``: first ``prefix`` cached tokens (all at
+    positions before this step's new tokens, so visible to every new query of the request), then the
+    new tokens of ``ranges`` in position order.
+    """
+
+    offset: int
+    prefix: int
+    ranges: tuple[Range, ...]
+
+    @property
+    def num_new(self) -> int:
+        return sum(b - a for a, b in self.ranges)
+
+    @property
+    def length(self) -> int:
+        return self.prefix + self.num_new
+
+
+def _pack(prefixes: Sequence[int], ranges: Sequence[Sequence[Range]]) -> list[SeqLayout]:
+    out, off = [], 0
+    for p, rs in zip(prefixes, ranges):
+        lay = SeqLayout(off, p, tuple(rs))
+        out.append(lay)
+        off += lay.length
+    return out
+
+
+class ShardPlan:
+    """The sharding of one batch step over N CP ranks, identical on every rank.
+
+    Args:
+        cached: per request, tokens already in its KV cache (P_i; the new tokens start there).
+        new: per request, new tokens of this step (T_i).
+        cp_size, rank: N and this rank.
+        prefix_counts: ``prefix_counts[j][i]`` = cached tokens of request i held by rank j
+            (from the KV cache's bookkeeping); ``None`` means no cache (all zeros; then ``cached``
+            only shifts positions).
+        load_balance: 2N-chunk load balancing (default) or N contiguous chunks.
+
+    The new tokens are given packed: request after request, ``sum(new)`` tokens ("thd").
+    A rank's local buffer holds its new tokens of each request in request order, in position order.
+    """
+
+    def __init__(
+        self,
+        cached: Sequence[int],
+        new: Sequence[int],
+        cp_size: int,
+        rank: int,
+        *,
+        prefix_counts: Sequence[Sequence[int]] | None = None,
+        load_balance: bool = True,
+    ) -> None:
+        if len(cached) != len(new):
+            raise ValueError(f"cached ({len(cached)}) and new ({len(new)}) must list the same requests")
+        if not 0 <= rank < cp_size:
+            raise ValueError(f"rank {rank} outside CP group of size {cp_size}")
+        if any(t < 1 for t in new) or any(p < 0 for p in cached):
+            raise ValueError(f"every request needs new >= 1 and cached >= 0; got new={list(new)}, cached={list(cached)}")
+        self.cached = [int(p) for p in cached]
+        self.new = [int(t) for t in new]
+        self.cp_size, self.rank, self.load_balance = cp_size, rank, load_balance
+        if prefix_counts is None:
+            prefix_counts = [[0] * len(new) for _ in range(cp_size)]
+        if len(prefix_counts) != cp_size or any(len(row) != len(new) for row in prefix_counts):
+            raise ValueError("prefix_counts must be [cp_size][num_requests]")
+        self.prefix_counts = [[int(x) for x in row] for row in prefix_counts]
+        self._tiles: dict[tuple[int, int], list] = {}
+        self.ranges = [
+            [shard_ranges(p, t, cp_size, j, load_balance=load_balance) for p, t in zip(self.cached, self.new)]
+            for j in range(cp_size)
+        ]
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.new)
+
+    @property
+    def is_decode(self) -> bool:
+        """Every request adds exactly one token."""
+        return all(t == 1 for t in self.new)
+
+    def q_layout(self, rank: int) -> list[SeqLayout]:
+        """Layout of ``rank``'s local new tokens (queries)."""
+        return _pack([0] * self.num_requests, self.ranges[rank])
+
+    def kv_layout(self, rank: int) -> list[SeqLayout]:
+        """Layout of ``rank``'s KV block: per request, its cached tokens then its new tokens."""
+        return _pack(self.prefix_counts[rank], self.ranges[rank])
+
+    def num_local(self, rank: int | None = None) -> int:
+        """New tokens held by ``rank`` (default: this rank)."""
+        r = self.rank if rank is None else rank
+        return sum(b - a for rs in self.ranges[r] for a, b in rs)
+
+    @cached_property
+    def max_local(self) -> int:
+        return max(self.num_local(j) for j in range(self.cp_size))
+
+    @cached_property
+    def max_kv_block(self) -> int:
+        """Tokens in the largest KV block (the pass-KV message size: max over ranks of cache + new)."""
+        return max(sum(self.prefix_counts[j]) + self.num_local(j) for j in range(self.cp_size))
+
+    def tiles(self, q_rank: int, kv_rank: int) -> list:
+        """Kernel calls (:class:`~megacp.attention.tiles.Tile`) for ``q_rank``'s queries over
+        ``kv_rank``'s KV block; computed once per plan and reused by every layer."""
+        key = (q_rank, kv_rank)
+        if key not in self._tiles:
+            from megacp.attention.tiles import plan_tiles
+
+            self._tiles[key] = plan_tiles(self.q_layout(q_rank), self.kv_layout(kv_rank))
+        return self._tiles[key]
+
+    def local_index(self, rank: int | None = None) -> Tensor:
+        """Indices into the packed new tokens of ``rank``'s local tokens (LongTensor ``[n_local]``)."""
+        r = self.rank if rank is None else rank
+        starts = [0]
+        for t in self.new[:-1]:
+            starts.append(starts[-1] + t)
+        idx = [s - p + x for s, p, rs in zip(starts, self.cached, self.ranges[r]) for a, b in rs for x in range(a, b)]
+        return torch.tensor(idx, dtype=torch.long)
+
+    def local_positions(self, rank: int | None = None) -> Tensor:
+        """Global position of each of ``rank``'s local tokens (LongTensor ``[n_local]``)."""
+        r = self.rank if rank is None else rank
+        return torch.tensor([x for rs in self.ranges[r] for a, b in rs for x in range(a, b)], dtype=torch.long)
+
+    def local_cu_seqlens(self, rank: int | None = None) -> Tensor:
+        """int32 ``[B+1]`` prefix sums of ``rank``'s local tokens per request."""
+        r = self.rank if rank is None else rank
+        counts = [sum(b - a for a, b in rs) for rs in self.ranges[r]]
+        return torch.tensor([0] + counts, dtype=torch.int32).cumsum(0, dtype=torch.int32)

@@ -1,0 +1,153 @@
+"""Choosing pass-KV or pass-Q per batch (the paper's Algorithm 1 with Algorithm 5's All2All term).
+
+Pass-KV is chosen when its KV transfer hides behind compute,
+``T >= N·C·NKV·e / (2·NH·BW)``, or when the cache miss rate is high enough,
+``T/(T+P) >= 2·NKV/NH − 4·T·BW/(N·C·e)``; otherwise pass-Q. Full prefill (P = 0) is always
+pass-KV; a single new token over a long cache is pass-Q. ``C`` (achieved attention FLOP/s of one
+rank) and ``BW`` (ring link bandwidth, bytes/s) are measured by :func:`calibrate` and cached per
+device kind and CP size; :data:`DEFAULTS` serve where no measurement exists.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger("megacp.strategy")
+
+STRATEGIES = ("auto", "pass_kv", "pass_q")
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """Measured (or default) speeds: ``flops`` = C in FLOP/s per rank, ``bandwidth`` = BW in bytes/s."""
+
+    flops: float
+    bandwidth: float
+    source: str = "default"
+
+
+DEFAULTS = {
+    "cuda": Hardware(flops=550e12, bandwidth=300e9),  # H200 cuDNN bf16 causal, NVLink one way
+    "cpu": Hardware(flops=20e9, bandwidth=2e9),
+}
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The decision and every input it was made from (loggable)."""
+
+    strategy: str
+    new_tokens: int
+    cached_tokens: int
+    num_heads: int
+    num_kv_heads: int
+    cp_size: int
+    elem_bytes: int
+    flops: float
+    bandwidth: float
+    hide_threshold: float
+    miss_rate: float
+    miss_threshold: float
+
+
+def choose_strategy(
+    new_tokens: int,
+    cached_tokens: int,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    cp_size: int,
+    elem_bytes: int,
+    hw: Hardware,
+) -> Choice:
+    """Apply Algorithm 1/5. ``new_tokens`` = T and ``cached_tokens`` = P summed over the batch."""
+    t, p, n = new_tokens, cached_tokens, cp_size
+    c, bw, e = hw.flops, hw.bandwidth, elem_bytes
+    hide = n * c * num_kv_heads * e / (2 * num_heads * bw)
+    miss = t / (t + p) if t + p else 1.0
+    miss_thr = 2 * num_kv_heads / num_heads - 4 * t * bw / (n * c * e)
+    strategy = "pass_kv" if (t >= hide or miss >= miss_thr) else "pass_q"
+    return Choice(strategy, t, p, num_heads, num_kv_heads, n, e, c, bw, hide, miss, miss_thr)
+
+
+def _cache_path() -> Path:
+    root = os.environ.get("MEGACP_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "megacp")
+    return Path(root) / "calibration.json"
+
+
+def _device_key(device: torch.device, cp_size: int) -> str:
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return f"{name}|cp{cp_size}"
+
+
+def hardware_for(device: torch.device, cp_size: int) -> Hardware:
+    """Cached calibration for this device kind and CP size, else the defaults."""
+    try:
+        cached = json.loads(_cache_path().read_text())
+        entry = cached.get(_device_key(device, cp_size))
+        if entry:
+            return Hardware(**entry)
+    except (OSError, ValueError, TypeError):
+        pass
+    return DEFAULTS["cuda" if device.type == "cuda" else "cpu"]
+
+
+def calibrate(group: dist.ProcessGroup | None, device: torch.device, *, tokens: int = 4096,
+              heads: int = 32, kv_heads: int = 8, head_dim: int = 128, save: bool = True) -> Hardware:
+    """Measure C (one dense attention block) and BW (one ring hop) on this hardware; collective
+    over ``group``. The slowest rank's numbers are kept and cached to ``~/.cache/megacp``."""
+    from megacp.attention.partial import partial_attention
+    from megacp.parallel.ring import Ring
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if device.type == "cpu":
+        tokens, heads, kv_heads, head_dim = 512, 8, 2, 64
+    q = torch.randn(tokens, heads, head_dim, device=device, dtype=dtype)
+    kv = torch.randn(2, tokens, kv_heads, head_dim, device=device, dtype=dtype)
+
+    def timed(fn, reps: int = 3) -> float:
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return (time.perf_counter() - t0) / reps
+
+    sec = timed(lambda: partial_attention(q, kv[0], kv[1]))
+    flops = 4 * tokens * tokens * heads * head_dim / sec
+    ring = Ring(group)
+    bw = math.inf
+    if ring.size > 1:
+        big = torch.empty(16 * 2**20 // kv.element_size(), dtype=dtype, device=device)
+        recv = torch.empty_like(big)
+        sec = timed(lambda: Ring.wait(ring.start(big, recv)))
+        bw = big.numel() * big.element_size() / sec
+    vals = torch.tensor([flops, bw], dtype=torch.float64, device=device)
+    if ring.size > 1:
+        dist.all_reduce(vals, op=dist.ReduceOp.MIN, group=ring.group)
+    hw = Hardware(float(vals[0]), float(vals[1]) if math.isfinite(vals[1]) else DEFAULTS[device.type].bandwidth, "measured")
+    if save and dist.get_rank() == 0:
+        path = _cache_path()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            data = {}
+        data[_device_key(device, ring.size)] = asdict(hw)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data, indent=1))
+        tmp.replace(path)
+    log.info("calibrated %s: C=%.3g FLOP/s, BW=%.3g B/s", device, hw.flops, hw.bandwidth)
+    return hw

@@ -1,0 +1,83 @@
+"""Point-to-point ring exchange and packed collectives over one process group (the CP ring).
+
+The ring of a group of N ranks: rank ``i`` (rank within the group) sends to ``i+1`` and receives from
+``i-1`` (mod N). Exchanges are asynchronous: :meth:`Ring.start` posts the send and the receive
+(``batch_isend_irecv``; NCCL runs them on its own stream, gloo on its own threads) and returns at
+once, so the caller computes on the block in hand while the next block travels; :meth:`Ring.wait`
+completes them (on CUDA it makes the current stream wait, without a host sync).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+
+# torch >= 2.12 names it all_gather_single (and deprecates the old name); older torch (2.4-2.11)
+# only has all_gather_into_tensor. Both take the output concatenated along dim 0.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+@dataclass
+class Ring:
+    """The CP ring of ``group`` (``None`` = the default group)."""
+
+    group: dist.ProcessGroup | None = None
+
+    def __post_init__(self) -> None:
+        self.group = self.group or dist.group.WORLD
+        self.size = dist.get_world_size(self.group)
+        self.rank = dist.get_rank(self.group)
+        self._next = dist.get_global_rank(self.group, (self.rank + 1) % self.size)
+        self._prev = dist.get_global_rank(self.group, (self.rank - 1) % self.size)
+
+    def start(self, send: Tensor, recv: Tensor) -> list:
+        """Post ``send`` → next rank and ``recv`` ← previous rank; returns the pending works."""
+        ops = [
+            dist.P2POp(dist.isend, send, self._next, self.group),
+            dist.P2POp(dist.irecv, recv, self._prev, self.group),
+        ]
+        return dist.batch_isend_irecv(ops)
+
+    @staticmethod
+    def wait(works: list) -> None:
+        for w in works:
+            w.wait()
+
+    def all_gather(self, t: Tensor) -> Tensor:
+        """``[N, *t.shape]``: every rank's ``t`` in group-rank order (one collective)."""
+        out = torch.empty((self.size * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
+        _all_gather_single(out, t.contiguous(), group=self.group)
+        return out.view(self.size, *t.shape)
+
+    def all_to_all(self, t: Tensor) -> Tensor:
+        """``t`` is ``[N, ...]``; slice ``j`` goes to rank ``j``; returns the slices received, ``[N, ...]``."""
+        out = torch.empty_like(t)
+        dist.all_to_all_single(out, t.contiguous(), group=self.group)
+        return out
+
+
+def pack_states(out: Tensor, lse: Tensor) -> Tensor:
+    """Pack attention states into one byte tensor so that one collective carries both.
+
+    Args:
+        out: ``[..., H, D]`` (any dtype); lse: ``[..., H]`` fp32.
+    Returns:
+        uint8 ``[..., H*D*itemsize + H*4]``.
+    """
+    lead = out.shape[:-2]
+    ob = out.contiguous().view(torch.uint8).reshape(*lead, -1)
+    lb = lse.float().contiguous().view(torch.uint8).reshape(*lead, -1)
+    return torch.cat([ob, lb], dim=-1)
+
+
+def unpack_states(buf: Tensor, heads: int, head_dim: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """Inverse of :func:`pack_states`: ``(out [..., H, D] dtype, lse [..., H] fp32)``."""
+    lead = buf.shape[:-1]
+    nb = heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    out = buf[..., :nb].contiguous().view(dtype).reshape(*lead, heads, head_dim)
+    lse = buf[..., nb:].contiguous().view(torch.float32).reshape(*lead, heads)
+    return out, lse

@@ -1,0 +1,29 @@
+"""megacp: context parallelism (ring prefill, all-gather decode) for long-context LLMs."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="megacp",
+    version="0.1.0",
+    description="Context parallelism for long-context LLM inference and training: "
+    "pass-KV / pass-Q ring prefill, all-gather decode, CP-sharded KV cache.",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megacp", "megacp.*"]),
+    install_requires=[
+        "torch>=2.4",
+        "pydantic>=2",
+        "hjson",
+        "safetensors",
+        "tqdm",
+        "rich",
+    ],
+    extras_require={
+        "deepspeed": ["deepspeed>=0.14"],
+        "te": ["transformer-engine[pytorch]"],
+        "hf": ["transformers>=4.45", "safetensors", "gguf>=0.10", "accelerate", "sentencepiece"],
+        "dev": ["pytest", "pytest-timeout", "transformers>=4.45", "gguf>=0.10", "accelerate", "sentencepiece"],
+    },
+    entry_points={"console_scripts": ["megacp-generate=megacp.generate:main"]},
+)
