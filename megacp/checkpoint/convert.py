@@ -1,0 +1,177 @@
+"""Command line for checkpoint conversion (``tools/convert_checkpoint.py``).
+
+Subcommands::
+
+    hf-to-megacp   --input HF_DIR    --output DIR [--tp N] [--dtype D] [--force]
+    gguf-to-megacp --input FILE.gguf --output DIR [--tp N] [--dtype D] [--force]
+    megacp-to-hf   --input DIR       --output HF_DIR [--force]
+    reshard        --input DIR       --output DIR --tp M [--force]
+
+Each streams tensors from input to output with a progress bar and ends with one summary line on
+stdout. Bad input ends with one ``error: ...`` line on stderr and exit status 2; the output is
+written into a staging directory that is renamed into place only on success, so nothing is left
+behind on error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+
+import torch
+from tqdm import tqdm
+
+from megacp.checkpoint import CheckpointError
+from megacp.checkpoint.hf import (
+    hf_names_of,
+    hf_parameter_shapes,
+    hf_to_megacp,
+    megacp_to_hf,
+    open_hf_checkpoint,
+    save_hf_checkpoint,
+)
+from megacp.checkpoint.store import (
+    DTYPES,
+    WriteSummary,
+    check_output_dir,
+    dtype_from_name,
+    open_megacp_checkpoint,
+    parameter_shapes,
+    save_megacp_checkpoint,
+)
+from megacp.checkpoint.tp import check_tp_size
+
+Command = Callable[[argparse.Namespace], WriteSummary]
+
+
+def _progress(
+    tensors: Iterable[tuple[str, torch.Tensor]], total: int, desc: str
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """A tqdm bar over a tensor stream (shown only on a terminal)."""
+    yield from tqdm(tensors, total=total, desc=desc, unit="tensor", disable=None)
+
+
+def _hf_to_megacp(args: argparse.Namespace) -> WriteSummary:
+    check_output_dir(args.output, force=args.force)
+    with open_hf_checkpoint(args.input) as source:
+        cfg = source.config
+        check_tp_size(cfg, args.tp)
+        if args.dtype is None:  # keep the stored dtype
+            dtype = source.get(hf_names_of("embedding.weight")[0]).dtype
+        else:
+            dtype = dtype_from_name(args.dtype)
+        tensors = hf_to_megacp(cfg, source.get, source.names)
+        return save_megacp_checkpoint(
+            args.output,
+            cfg,
+            _progress(tensors, len(parameter_shapes(cfg)), "hf-to-megacp"),
+            dtype=dtype,
+            tp_size=args.tp,
+            tokenizer=source.path,
+            force=args.force,
+        )
+
+
+def _gguf_to_megacp(args: argparse.Namespace) -> WriteSummary:
+    from megacp.checkpoint.gguf import load_gguf  # imports the gguf package and transformers
+
+    check_output_dir(args.output, force=args.force)
+    cfg, tensors, tokenizer = load_gguf(args.input)
+    check_tp_size(cfg, args.tp)
+    return save_megacp_checkpoint(
+        args.output,
+        cfg,
+        _progress(tensors, len(parameter_shapes(cfg)), "gguf-to-megacp"),
+        dtype=dtype_from_name(args.dtype or "float32"),
+        tp_size=args.tp,
+        tokenizer=tokenizer,
+        force=args.force,
+    )
+
+
+def _megacp_to_hf(args: argparse.Namespace) -> WriteSummary:
+    check_output_dir(args.output, force=args.force)
+    with open_megacp_checkpoint(args.input) as source:
+        cfg = source.config
+        tensors = megacp_to_hf(cfg, source.get, source.names)
+        return save_hf_checkpoint(
+            args.output,
+            cfg,
+            _progress(tensors, len(hf_parameter_shapes(cfg)), "megacp-to-hf"),
+            dtype=source.dtype,
+            tokenizer=source.path,
+            force=args.force,
+        )
+
+
+def _reshard(args: argparse.Namespace) -> WriteSummary:
+    check_output_dir(args.output, force=args.force)
+    with open_megacp_checkpoint(args.input) as source:
+        check_tp_size(source.config, args.tp)
+        return save_megacp_checkpoint(
+            args.output,
+            source.config,
+            _progress(source.iter_tensors(), len(source.names), "reshard"),
+            dtype=source.dtype,
+            tp_size=args.tp,
+            tokenizer=source.path,
+            force=args.force,
+        )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the converter."""
+    parser = argparse.ArgumentParser(
+        prog="convert_checkpoint.py",
+        description="Convert Hugging Face / GGUF checkpoints to megacp's TP-sharded layout and back.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    def command(
+        name: str, help_text: str, run: Command, input_help: str, output_help: str
+    ) -> argparse.ArgumentParser:
+        sub = commands.add_parser(name, help=help_text, description=help_text)
+        sub.add_argument("--input", required=True, help=input_help)
+        sub.add_argument("--output", required=True, help=output_help)
+        sub.add_argument("--force", action="store_true", help="replace an existing output checkpoint")
+        sub.set_defaults(run=run)
+        return sub
+
+    dtype_help = f"stored dtype ({', '.join(DTYPES)}); default: %s"
+    sub = command("hf-to-megacp", "Hugging Face directory -> megacp checkpoint", _hf_to_megacp,
+                  "Hugging Face checkpoint directory", "megacp checkpoint directory to create")
+    sub.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default: 1)")
+    sub.add_argument("--dtype", choices=list(DTYPES), help=dtype_help % "the input's")
+    sub = command("gguf-to-megacp", "GGUF file -> megacp checkpoint (dequantised)", _gguf_to_megacp,
+                  "GGUF file", "megacp checkpoint directory to create")
+    sub.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default: 1)")
+    sub.add_argument("--dtype", choices=list(DTYPES), help=dtype_help % "float32")
+    command("megacp-to-hf", "megacp checkpoint -> Hugging Face directory", _megacp_to_hf,
+            "megacp checkpoint directory", "Hugging Face directory to create")
+    sub = command("reshard", "megacp checkpoint -> megacp checkpoint with another TP size", _reshard,
+                  "megacp checkpoint directory", "megacp checkpoint directory to create")
+    sub.add_argument("--tp", type=int, required=True, help="new tensor-parallel size")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the converter; returns the exit status (0, or 2 on bad input)."""
+    args = build_parser().parse_args(argv)
+    start = time.perf_counter()
+    try:
+        summary = args.run(args)
+    except CheckpointError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    seconds = time.perf_counter() - start
+    print(
+        f"{args.command}: wrote {summary.tensors} tensors, {summary.bytes:,} bytes "
+        f"({summary.bytes / 2**20:.1f} MiB) to {args.output} in {seconds:.1f} s"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

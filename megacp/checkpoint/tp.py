@@ -1,0 +1,117 @@
+"""Tensor-parallel (Megatron-style) splitting and merging of megacp tensors.
+
+Rules, by parameter (rank r of t holds the r-th of t equal parts):
+
+* ``query_weight`` / ``query_bias``: rows (output features), i.e. query heads ``r*NH/t ...``;
+  ``key_*`` / ``value_*``: rows by KV heads ``r*NKV/t ...`` — the KV heads those query heads use.
+* ``fc1_weight`` = [gate; up]: the gate rows and the up rows are each split, then re-stacked, so
+  rank r holds ``[gate_r; up_r]`` (a local SwiGLU stays gate-then-up).
+* ``proj.weight`` and ``fc2_weight``: columns (input features), matching the heads / MLP rows above.
+* norms, ``embedding.weight``, ``lm_head.weight``: replicated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from megacp.checkpoint import CheckpointError
+from megacp.models.config import ModelConfig
+
+_REPLICATED = ("layer_norm_weight", "embedding.weight", "final_norm.weight", "lm_head.weight")
+_QUERY = ("layernorm_qkv.query_weight", "layernorm_qkv.query_bias")
+_KEY_VALUE = (
+    "layernorm_qkv.key_weight",
+    "layernorm_qkv.key_bias",
+    "layernorm_qkv.value_weight",
+    "layernorm_qkv.value_bias",
+)
+_FC1 = "layernorm_mlp.fc1_weight"
+_COLUMNS = ("self_attention.proj.weight", "layernorm_mlp.fc2_weight")
+
+
+def check_tp_size(cfg: ModelConfig, tp_size: int) -> None:
+    """Raise :class:`CheckpointError` unless heads, KV heads and the MLP width divide by ``tp_size``."""
+    if tp_size < 1:
+        raise CheckpointError(f"tensor-parallel size must be >= 1, got {tp_size}")
+    for what, count in (
+        ("query heads", cfg.num_heads),
+        ("KV heads", cfg.num_kv_heads),
+        ("intermediate_size", cfg.intermediate_size),
+    ):
+        if count % tp_size:
+            raise CheckpointError(f"{what} ({count}) are not divisible by tensor-parallel size {tp_size}")
+
+
+def check_tp_rank(cfg: ModelConfig, tp_rank: int, tp_size: int) -> None:
+    """:func:`check_tp_size`, and raise unless ``0 <= tp_rank < tp_size``."""
+    check_tp_size(cfg, tp_size)
+    if not 0 <= tp_rank < tp_size:
+        raise CheckpointError(f"tensor-parallel rank {tp_rank} is outside [0, {tp_size})")
+
+
+def _rule(name: str) -> str:
+    if name.endswith(_REPLICATED):
+        return "replicated"
+    if name.endswith(_QUERY + _KEY_VALUE):
+        return "rows"
+    if name.endswith(_FC1):
+        return "fc1"
+    if name.endswith(_COLUMNS):
+        return "columns"
+    raise CheckpointError(f"{name!r} is not a megacp parameter name")
+
+
+def shard_tensor(
+    cfg: ModelConfig, name: str, tensor: torch.Tensor, tp_rank: int, tp_size: int
+) -> torch.Tensor:
+    """The part of the full megacp tensor ``name`` held by TP rank ``tp_rank`` of ``tp_size``.
+
+    Row and column parts are views (replicated tensors are returned as given); ``fc1`` parts are
+    new tensors.
+    """
+    check_tp_rank(cfg, tp_rank, tp_size)
+    rule = _rule(name)
+    if rule == "replicated" or tp_size == 1:
+        return tensor
+    if rule == "rows":
+        return tensor.chunk(tp_size, dim=0)[tp_rank]
+    if rule == "columns":
+        return tensor.chunk(tp_size, dim=1)[tp_rank]
+    gate, up = tensor.chunk(2, dim=0)
+    return torch.cat([gate.chunk(tp_size, dim=0)[tp_rank], up.chunk(tp_size, dim=0)[tp_rank]])
+
+
+def merge_shards(cfg: ModelConfig, name: str, shards: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Invert :func:`shard_tensor`: the full tensor from the parts of all ranks, in rank order.
+
+    Raises:
+        CheckpointError: the copies of a replicated tensor differ between ranks.
+    """
+    tp_size = len(shards)
+    check_tp_size(cfg, tp_size)
+    rule = _rule(name)
+    if rule == "replicated" or tp_size == 1:
+        if any(not torch.equal(shards[0], shard) for shard in shards[1:]):
+            raise CheckpointError(f"the tensor-parallel copies of replicated {name!r} differ")
+        return shards[0]
+    if rule == "rows":
+        return torch.cat(list(shards), dim=0)
+    if rule == "columns":
+        return torch.cat(list(shards), dim=1)
+    halves = [shard.chunk(2, dim=0) for shard in shards]
+    return torch.cat([gate for gate, _ in halves] + [up for _, up in halves], dim=0)
+
+
+def shard_shape(
+    cfg: ModelConfig, name: str, shape: Sequence[int], tp_rank: int, tp_size: int
+) -> tuple[int, ...]:
+    """The shape of :func:`shard_tensor`'s result for a full tensor of ``shape``."""
+    check_tp_rank(cfg, tp_rank, tp_size)
+    rule = _rule(name)
+    if rule == "columns":
+        return (shape[0], shape[1] // tp_size, *shape[2:])
+    if rule in ("rows", "fc1"):
+        return (shape[0] // tp_size, *shape[1:])
+    return tuple(shape)

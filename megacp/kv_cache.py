@@ -1,0 +1,159 @@
+"""The CP-sharded incremental KV cache.
+
+Each CP rank keeps, for every layer, a static preallocated buffer of ``max_requests`` slots ×
+``capacity`` tokens (gpt-fast style: fixed shapes, CUDA-graph friendly) holding only **this rank's**
+tokens of each request, in position order, plus their global positions. Placement follows
+:mod:`megacp.attention.sharding`: prefill tokens stay where the load-balanced sharding put them
+(also across chunked prefill and multi-turn continuation), a decoded token at position t lives only
+on rank ``t mod N``. The host keeps, for every request, how many tokens *each* rank holds — every
+rank can derive it from the request's history, so no communication is needed to plan a step.
+
+A step is planned with :meth:`ShardedKVCache.plan`, the model's layers write their new keys and
+values with :meth:`write` and read with :meth:`kv`, and :meth:`commit` advances the bookkeeping
+once every layer has written.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from megacp.attention.sharding import ShardPlan
+
+
+class CacheCapacityError(RuntimeError):
+    """A request would not fit in the cache (raised before anything is written)."""
+
+
+class ShardedKVCache:
+    """This CP rank's shard of the KV cache of every layer.
+
+    Args:
+        num_layers, num_kv_heads, head_dim: model shape (KV heads of this TP rank).
+        max_requests: concurrent request slots.
+        capacity: tokens per request slot **on this rank** (a request of S tokens needs about
+            S/N + 1 per rank with load balancing).
+        cp_size, cp_rank: the CP group.
+        load_balance: 2N-chunk prefill sharding (default) or contiguous chunks.
+
+    Storage: ``k``/``v`` ``[num_layers, max_requests, capacity, num_kv_heads, head_dim]`` and
+    ``positions`` ``[max_requests, capacity]`` (int64, -1 where empty) on ``device``.
+    """
+
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        max_requests: int,
+        capacity: int,
+        cp_size: int = 1,
+        cp_rank: int = 0,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        load_balance: bool = True,
+    ) -> None:
+        for name, val in (("num_layers", num_layers), ("max_requests", max_requests), ("capacity", capacity), ("cp_size", cp_size)):
+            if val < 1:
+                raise ValueError(f"ShardedKVCache {name} must be >= 1, got {val}")
+        self.num_layers, self.capacity, self.max_requests = num_layers, capacity, max_requests
+        self.cp_size, self.cp_rank, self.load_balance = cp_size, cp_rank, load_balance
+        shape = (num_layers, max_requests, capacity, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.positions = torch.full((max_requests, capacity), -1, dtype=torch.long, device=device)
+        self._free = list(range(max_requests - 1, -1, -1))
+        self._history: dict[int, list[int]] = {}
+        self._held: dict[int, list[int]] = {}  # slot -> tokens held by each CP rank
+
+    # ------------------------------------------------------------------ slots
+    def allocate(self) -> int:
+        """A free request slot (raises :class:`CacheCapacityError` when all are in use)."""
+        if not self._free:
+            raise CacheCapacityError(f"all {self.max_requests} KV cache request slots are in use; free one or raise max_requests")
+        slot = self._free.pop()
+        self._history[slot] = [0]
+        self._held[slot] = [0] * self.cp_size
+        return slot
+
+    def free(self, slot: int) -> None:
+        """Release ``slot`` for reuse (its contents are overwritten by the next request)."""
+        self._check_slot(slot)
+        del self._history[slot], self._held[slot]
+        self.positions[slot] = -1
+        self._free.append(slot)
+
+    def _check_slot(self, slot: int) -> None:
+        if slot not in self._history:
+            raise KeyError(f"KV cache slot {slot} is not allocated")
+
+    def history(self, slot: int) -> list[int]:
+        """Computed-token counts after each step of the request in ``slot`` (starts with 0)."""
+        self._check_slot(slot)
+        return list(self._history[slot])
+
+    def length(self, slot: int) -> int:
+        """Tokens of the request computed so far (all ranks together)."""
+        self._check_slot(slot)
+        return self._history[slot][-1]
+
+    def local_length(self, slot: int, rank: int | None = None) -> int:
+        """Tokens of the request held by ``rank`` (default: this rank)."""
+        self._check_slot(slot)
+        return self._held[slot][self.cp_rank if rank is None else rank]
+
+    # ------------------------------------------------------------------ steps
+    def plan(self, slots: Sequence[int], new_tokens: Sequence[int]) -> ShardPlan:
+        """Plan a step that adds ``new_tokens[i]`` tokens to the request in ``slots[i]``.
+
+        Checks capacity on every rank first: nothing is written when a request would not fit.
+        """
+        if len(set(slots)) != len(slots):
+            raise ValueError(f"a step lists a slot twice: {list(slots)}")
+        for s in slots:
+            self._check_slot(s)
+        plan = ShardPlan(
+            [self.length(s) for s in slots], new_tokens, self.cp_size, self.cp_rank,
+            prefix_counts=[[self._held[s][j] for s in slots] for j in range(self.cp_size)],
+            load_balance=self.load_balance,
+        )
+        for j in range(self.cp_size):
+            for i, s in enumerate(slots):
+                need = self._held[s][j] + sum(b - a for a, b in plan.ranges[j][i])
+                if need > self.capacity:
+                    raise CacheCapacityError(
+                        f"request in slot {s} needs {need} tokens on CP rank {j} but the KV cache holds "
+                        f"{self.capacity} per request per rank ({self.length(s) + plan.new[i]} tokens in all); "
+                        "raise the cache capacity or the CP size"
+                    )
+        return plan
+
+    def write(self, layer: int, slots: Sequence[int], plan: ShardPlan, k: Tensor, v: Tensor) -> None:
+        """Store this rank's new keys/values of a planned step for ``layer``.
+
+        Args:
+            k, v: ``[plan.num_local(), Hkv, D]`` in ``plan.q_layout(rank)`` order.
+        """
+        for s, lay in zip(slots, plan.q_layout(self.cp_rank)):
+            n = lay.num_new
+            if n:
+                start = self._held[s][self.cp_rank]
+                self.k[layer, s, start : start + n] = k[lay.offset : lay.offset + n]
+                self.v[layer, s, start : start + n] = v[lay.offset : lay.offset + n]
+
+    def kv(self, layer: int, slot: int, length: int) -> tuple[Tensor, Tensor]:
+        """Views ``[length, Hkv, D]`` of the first ``length`` tokens this rank holds of ``slot``."""
+        return self.k[layer, slot, :length], self.v[layer, slot, :length]
+
+    def commit(self, slots: Sequence[int], plan: ShardPlan) -> None:
+        """Advance the bookkeeping after every layer has written the step."""
+        local = plan.local_positions().to(self.positions.device)
+        for s, i, lay in zip(slots, range(plan.num_requests), plan.q_layout(self.cp_rank)):
+            start = self._held[s][self.cp_rank]
+            self.positions[s, start : start + lay.num_new] = local[lay.offset : lay.offset + lay.num_new]
+            for j in range(self.cp_size):
+                self._held[s][j] += sum(b - a for a, b in plan.ranges[j][i])
+            self._history[s].append(self._history[s][-1] + plan.new[i])

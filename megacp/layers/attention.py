@@ -1,0 +1,119 @@
+"""megacp's local (non-CP) core attention with Transformer Engine's ``DotProductAttention`` interface.
+
+Models built from megacp's own modules use this where a TE model has
+``transformer_engine.pytorch.DotProductAttention``; :func:`megacp.swap_attention` replaces either
+by :class:`~megacp.layers.cp_attention.CPDotProductAttention`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from megacp.attention.partial import partial_attention
+
+QKV_FORMATS = ("thd", "bshd", "sbhd")
+MASK_TYPES = ("causal", "no_mask", "padding_causal", "padding")
+
+
+def to_thd(x: Tensor, qkv_format: str) -> Tensor:
+    """``[b,s,h,d]``/``[s,b,h,d]`` → ``[b*s, h, d]`` (batch-major token order); ``thd`` unchanged."""
+    if qkv_format == "thd":
+        return x
+    if qkv_format == "bshd":
+        return x.reshape(-1, *x.shape[2:])
+    return x.transpose(0, 1).reshape(-1, *x.shape[2:])
+
+
+def from_thd(out: Tensor, like: Tensor, qkv_format: str) -> Tensor:
+    """Attention output ``[t, h, d]`` → TE's output layout: heads flattened, ``[t, h*d]``,
+    ``[b, s, h*d]`` or ``[s, b, h*d]`` following ``like``'s format."""
+    flat = out.reshape(out.shape[0], -1)
+    if qkv_format == "thd":
+        return flat
+    if qkv_format == "bshd":
+        return flat.view(like.shape[0], like.shape[1], -1)
+    return flat.view(like.shape[1], like.shape[0], -1).transpose(0, 1).contiguous()
+
+
+def check_format(qkv_format: str, attn_mask_type: str) -> None:
+    if qkv_format not in QKV_FORMATS:
+        raise ValueError(f"qkv_format={qkv_format!r} is not one of {', '.join(QKV_FORMATS)}")
+    if attn_mask_type not in MASK_TYPES:
+        raise ValueError(f"attn_mask_type={attn_mask_type!r} is not one of {', '.join(MASK_TYPES)}")
+
+
+class DotProductAttention(nn.Module):
+    """Local attention, TE-compatible constructor and forward.
+
+    Args:
+        num_attention_heads: query heads NH; kv_channels: head dim D;
+        num_gqa_groups: KV heads NKV (default NH); attn_mask_type: ``"causal"`` or ``"no_mask"``
+        (``padding*`` variants accepted: sequences are delimited by ``cu_seqlens``);
+        qkv_format: default layout of inputs; layer_number: 1-based index (TE convention);
+        softmax_scale: default ``1/sqrt(D)``.
+    """
+
+    def __init__(
+        self,
+        num_attention_heads: int,
+        kv_channels: int,
+        num_gqa_groups: int | None = None,
+        attention_dropout: float = 0.0,
+        qkv_format: str = "sbhd",
+        attn_mask_type: str = "causal",
+        layer_number: int | None = None,
+        softmax_scale: float | None = None,
+        **_: Any,
+    ) -> None:
+        super().__init__()
+        check_format(qkv_format, attn_mask_type)
+        self.num_attention_heads = num_attention_heads
+        self.kv_channels = kv_channels
+        self.num_gqa_groups = num_gqa_groups or num_attention_heads
+        self.qkv_format = qkv_format
+        self.attn_mask_type = attn_mask_type
+        self.layer_number = layer_number
+        self.softmax_scale = softmax_scale
+        self.backend: str | None = None
+
+    def forward(
+        self,
+        query_layer: Tensor,
+        key_layer: Tensor,
+        value_layer: Tensor,
+        attention_mask: Tensor | None = None,
+        qkv_format: str | None = None,
+        cu_seqlens_q: Tensor | None = None,
+        cu_seqlens_kv: Tensor | None = None,
+        max_seqlen_q: int | None = None,
+        max_seqlen_kv: int | None = None,
+        attn_mask_type: str | None = None,
+        inference_params: Any = None,
+        **_: Any,
+    ) -> Tensor:
+        """Causal (or unmasked) attention within each sequence; returns heads flattened."""
+        fmt = qkv_format or self.qkv_format
+        mask = attn_mask_type or self.attn_mask_type
+        check_format(fmt, mask)
+        if inference_params is not None:
+            raise TypeError(
+                f"{type(self).__name__} is local attention and takes no inference_params; "
+                "call megacp.swap_attention(model, state) to get CP attention with a KV cache"
+            )
+        if attention_mask is not None:
+            raise ValueError("attention_mask tensors are not supported: delimit sequences with cu_seqlens")
+        causal = "causal" in mask
+        if fmt == "thd":
+            bounds = [0, query_layer.shape[0]] if cu_seqlens_q is None else cu_seqlens_q.tolist()
+            outs = [
+                partial_attention(query_layer[a:b], key_layer[a:b], value_layer[a:b], causal=causal,
+                                  scale=self.softmax_scale, backend=self.backend)[0]
+                for a, b in zip(bounds, bounds[1:])
+            ]
+            return from_thd(torch.cat(outs), query_layer, fmt)
+        q, k, v = (x if fmt == "bshd" else x.transpose(0, 1) for x in (query_layer, key_layer, value_layer))
+        out, _ = partial_attention(q, k, v, causal=causal, scale=self.softmax_scale, backend=self.backend)
+        return from_thd(to_thd(out, "bshd"), query_layer, fmt)

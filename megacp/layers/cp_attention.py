@@ -1,0 +1,136 @@
+"""The CP attention layer: a drop-in for TE's ``DotProductAttention`` (and megacp's local one).
+
+Prefill steps run the pass-KV or pass-Q ring over the CP group; decode steps (every request adds
+one token, with a KV cache) run all-gather decode. The KV cache, the sharding plan and the
+strategies arrive through ``inference_params`` (a :class:`~megacp.layers.step.CPStep`). Without
+one, the inputs are taken to be this rank's load-balanced shard of whole sequences whose full
+lengths ``cu_seqlens_q`` gives (Transformer Engine's CP convention), prefilled without a cache.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from megacp.attention.decode import allgather_decode
+from megacp.attention.prefill import build_kv_block, cp_prefill
+from megacp.attention.sharding import ShardPlan
+from megacp.layers.attention import check_format, from_thd, to_thd
+from megacp.layers.step import CPStep
+from megacp.parallel.ring import Ring
+
+
+class CPDotProductAttention(nn.Module):
+    """CP attention with TE ``DotProductAttention``'s constructor arguments and forward.
+
+    Args:
+        num_attention_heads, kv_channels, num_gqa_groups, qkv_format, attn_mask_type,
+        layer_number, softmax_scale: as TE (``layer_number`` is 1-based and indexes the KV cache).
+        ring: the CP ring used when a step brings none.
+        strategy: default prefill strategy when a step brings none.
+    """
+
+    def __init__(
+        self,
+        num_attention_heads: int,
+        kv_channels: int,
+        num_gqa_groups: int | None = None,
+        qkv_format: str = "sbhd",
+        attn_mask_type: str = "causal",
+        layer_number: int | None = None,
+        softmax_scale: float | None = None,
+        *,
+        ring: Ring | None = None,
+        strategy: str = "auto",
+    ) -> None:
+        super().__init__()
+        check_format(qkv_format, attn_mask_type)
+        if "causal" not in attn_mask_type:
+            raise ValueError(f"CP attention needs a causal mask, got attn_mask_type={attn_mask_type!r}")
+        self.num_attention_heads = num_attention_heads
+        self.kv_channels = kv_channels
+        self.num_gqa_groups = num_gqa_groups or num_attention_heads
+        self.qkv_format = qkv_format
+        self.attn_mask_type = attn_mask_type
+        self.layer_number = layer_number
+        self.softmax_scale = softmax_scale
+        self.ring = ring
+        self.strategy = strategy
+
+    def extra_repr(self) -> str:
+        cp = self.ring.size if self.ring else 1
+        return f"heads={self.num_attention_heads}, kv_heads={self.num_gqa_groups}, head_dim={self.kv_channels}, cp={cp}, layer={self.layer_number}"
+
+    def forward(
+        self,
+        query_layer: Tensor,
+        key_layer: Tensor,
+        value_layer: Tensor,
+        attention_mask: Tensor | None = None,
+        qkv_format: str | None = None,
+        cu_seqlens_q: Tensor | None = None,
+        cu_seqlens_kv: Tensor | None = None,
+        max_seqlen_q: int | None = None,
+        max_seqlen_kv: int | None = None,
+        attn_mask_type: str | None = None,
+        inference_params: Any = None,
+        **_: Any,
+    ) -> Tensor:
+        fmt = qkv_format or self.qkv_format
+        check_format(fmt, attn_mask_type or self.attn_mask_type)
+        if attention_mask is not None:
+            raise ValueError("attention_mask tensors are not supported under CP: delimit sequences with cu_seqlens")
+        q, k, v = (to_thd(x, fmt) for x in (query_layer, key_layer, value_layer))
+        step = inference_params if inference_params is not None else self._cacheless_step(q, fmt, query_layer, cu_seqlens_q)
+        if not isinstance(step, CPStep):
+            raise TypeError(f"inference_params must be a megacp CPStep, got {type(step).__name__}")
+        out = self._decode(step, q, k, v) if step.replicated else self._prefill(step, q, k, v)
+        return from_thd(out, query_layer, fmt)
+
+    def _cacheless_step(self, q: Tensor, fmt: str, like: Tensor, cu_seqlens: Tensor | None) -> CPStep:
+        n, r = (self.ring.size, self.ring.rank) if self.ring else (1, 0)
+        if fmt == "thd":
+            if cu_seqlens is None:
+                raise ValueError("qkv_format='thd' under CP needs cu_seqlens_q with the full sequence lengths")
+            lens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+        else:
+            b, s = (like.shape[0], like.shape[1]) if fmt == "bshd" else (like.shape[1], like.shape[0])
+            lens = [s * n] * b
+        plan = ShardPlan([0] * len(lens), lens, n, r)
+        if plan.num_local() != q.shape[0]:
+            raise ValueError(
+                f"CP rank {r} got {q.shape[0]} tokens but the load-balanced shard of sequences {lens} has {plan.num_local()}"
+            )
+        return CPStep(plan, self.ring, strategy=self.strategy)
+
+    @property
+    def _layer(self) -> int:
+        if self.layer_number is None:
+            raise ValueError("a CP attention layer used with a KV cache needs layer_number (1-based)")
+        return self.layer_number - 1
+
+    def _prefill(self, step: CPStep, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        plan = step.plan
+        cached = None
+        if step.cache is not None:
+            cache, slots, layer = step.cache, step.slots, self._layer
+            cache.write(layer, slots, plan, k, v)
+            prefix = plan.prefix_counts[plan.rank]
+            cached = lambda i: cache.kv(layer, slots[i], prefix[i])  # noqa: E731
+        block = build_kv_block(plan, k, v, cached)
+        strategy = step.prefill_strategy(q.shape[1], k.shape[1], k.element_size(), q.device)
+        return cp_prefill(q, block, plan, step.ring, strategy=strategy, scale=self.softmax_scale, backend=step.backend)
+
+    def _decode(self, step: CPStep, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        plan, cache, slots, layer = step.plan, step.cache, step.slots, self._layer
+        owned = plan.local_index().to(k.device)
+        cache.write(layer, slots, plan, k[owned], v[owned])
+        lens = [plan.prefix_counts[plan.rank][i] + lay.num_new for i, lay in enumerate(plan.q_layout(plan.rank))]
+        s0 = slots[0]
+        if len(set(lens)) == 1 and slots == list(range(s0, s0 + len(slots))):
+            kv = (cache.k[layer, s0 : s0 + len(slots), : lens[0]], cache.v[layer, s0 : s0 + len(slots), : lens[0]])
+        else:
+            kv = [cache.kv(layer, s, n) for s, n in zip(slots, lens)]
+        return allgather_decode(q, kv, step.ring, scale=self.softmax_scale, backend=step.backend)

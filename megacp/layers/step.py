@@ -1,0 +1,106 @@
+"""The per-step CP context handed to a model as ``inference_params``.
+
+A :class:`CPStep` says which tokens of the batch this rank computes, at which global positions,
+and carries what every CP attention layer needs: the sharding plan, the CP ring, the KV cache and
+its slots, and the strategies. The model never looks inside; it only passes it down.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from megacp.attention.prefill import resolve_strategy
+from megacp.attention.sharding import ShardPlan
+from megacp.attention.strategy import Choice
+from megacp.kv_cache import ShardedKVCache
+from megacp.parallel.ring import Ring
+
+DECODE_STRATEGIES = ("allgather",)
+
+
+@dataclass
+class CPStep:
+    """One forward step of a batch of requests under CP.
+
+    Attributes:
+        plan: the step's sharding plan (same on every CP rank).
+        ring: the CP ring (``None`` for CP = 1).
+        cache, slots: the KV cache and each request's slot (``None`` for a cacheless prefill).
+        strategy: prefill strategy, ``"auto"``, ``"pass_kv"`` or ``"pass_q"``.
+        decode: decode strategy (``"allgather"``).
+        backend: attention kernel backend override (see :mod:`megacp.attention.partial`).
+    """
+
+    plan: ShardPlan
+    ring: Ring | None = None
+    cache: ShardedKVCache | None = None
+    slots: list[int] | None = None
+    strategy: str = "auto"
+    decode: str = "allgather"
+    backend: str | None = None
+    choice: Choice | str | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        if self.decode not in DECODE_STRATEGIES:
+            raise ValueError(f"decode strategy {self.decode!r} is not one of {', '.join(DECODE_STRATEGIES)}")
+        if (self.cache is None) != (self.slots is None):
+            raise ValueError("CPStep needs both cache and slots, or neither")
+
+    @classmethod
+    def begin(cls, cache: ShardedKVCache, slots: Sequence[int], new_tokens: Sequence[int], ring: Ring | None, **kw) -> "CPStep":
+        """Plan a cached step (checks capacity first; nothing is written on error)."""
+        return cls(cache.plan(slots, new_tokens), ring, cache, list(slots), **kw)
+
+    @property
+    def replicated(self) -> bool:
+        """Decode step: every request adds one token and every rank computes all of them."""
+        return self.cache is not None and self.plan.is_decode
+
+    def token_index(self) -> Tensor:
+        """Indices into the packed new tokens of the tokens this rank computes."""
+        if self.replicated:
+            return torch.arange(self.plan.num_requests)
+        return self.plan.local_index()
+
+    def positions(self) -> Tensor:
+        """Global positions of the tokens this rank computes (for RoPE)."""
+        if self.replicated:
+            return torch.tensor(self.plan.cached, dtype=torch.long)
+        return self.plan.local_positions()
+
+    def cu_seqlens(self) -> Tensor:
+        """int32 ``[B+1]`` boundaries of the requests among this rank's tokens."""
+        if self.replicated:
+            return torch.arange(self.plan.num_requests + 1, dtype=torch.int32)
+        return self.plan.local_cu_seqlens()
+
+    def last_token_rows(self) -> list[int | None]:
+        """For each request, the row of its last new token among this rank's tokens, or ``None``
+        when another rank holds it."""
+        if self.replicated:
+            return list(range(self.plan.num_requests))
+        rows, lay = [], self.plan.q_layout(self.plan.rank)
+        for i, (p, t) in enumerate(zip(self.plan.cached, self.plan.new)):
+            last = p + t - 1
+            row, off = None, lay[i].offset
+            for a, b in lay[i].ranges:
+                if a <= last < b:
+                    row = off + last - a
+                off += b - a
+            rows.append(row)
+        return rows
+
+    def prefill_strategy(self, num_heads: int, num_kv_heads: int, elem_bytes: int, device: torch.device) -> str:
+        """The step's prefill strategy, resolved once (the same for every layer)."""
+        if self.choice is None:
+            self.choice = resolve_strategy(self.strategy, self.plan, num_heads, num_kv_heads, elem_bytes, device)
+        return self.choice if isinstance(self.choice, str) else self.choice.strategy
+
+    def commit(self) -> None:
+        """Advance the KV cache bookkeeping once every layer has run."""
+        if self.cache is not None:
+            self.cache.commit(self.slots, self.plan)

@@ -1,0 +1,105 @@
+"""Swapping a model's attention for CP attention, keeping its module tree and checkpoint keys."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+
+from megacp.layers.attention import DotProductAttention
+from megacp.layers.cp_attention import CPDotProductAttention
+from megacp.parallel.ring import Ring
+
+
+class TECPDotProductAttention(CPDotProductAttention):
+    """CP attention replacing a Transformer Engine module: keeps TE's ``_extra_state`` checkpoint
+    entry (FP8 metadata, empty outside FP8) so that TE checkpoints still load and save."""
+
+    def __init__(self, *args: Any, extra_state: Any = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._te_extra_state = extra_state
+
+    def get_extra_state(self) -> Any:
+        return self._te_extra_state
+
+    def set_extra_state(self, state: Any) -> None:
+        self._te_extra_state = state
+
+
+def _te_attention_class() -> type | None:
+    try:
+        import transformer_engine.pytorch as te
+    except Exception:  # TE absent or unusable on this machine (no GPU)
+        return None
+    return te.DotProductAttention
+
+
+def _cp_group(state: Any) -> dist.ProcessGroup | None:
+    if state is None or isinstance(state, dist.ProcessGroup):
+        return state
+    if hasattr(state, "group"):
+        return state.group("cp")
+    raise TypeError(f"swap_attention needs a ParallelState, a process group or None, got {type(state).__name__}")
+
+
+def _first_attr(mod: nn.Module, *names: str) -> Any:
+    for name in names:
+        if getattr(mod, name, None) is not None:
+            return getattr(mod, name)
+    raise AttributeError(f"{type(mod).__name__} has none of the attributes {', '.join(names)}")
+
+
+def _convert(mod: nn.Module, ring: Ring | None, strategy: str, te_cls: type | None) -> CPDotProductAttention:
+    if te_cls is not None and isinstance(mod, te_cls):
+        head_dim = _first_attr(mod, "hidden_size_per_attention_head_k", "hidden_size_per_attention_head", "kv_channels")
+        heads = getattr(mod, "num_attention_heads", None) or _first_attr(mod, "hidden_size_per_partition") // head_dim
+        return TECPDotProductAttention(
+            num_attention_heads=heads,
+            kv_channels=head_dim,
+            num_gqa_groups=mod.num_gqa_groups,
+            qkv_format=mod.qkv_format,
+            attn_mask_type=mod.attn_mask_type,
+            layer_number=mod.layer_number,
+            softmax_scale=mod.softmax_scale,
+            ring=ring,
+            strategy=strategy,
+            extra_state=mod.get_extra_state(),
+        )
+    return CPDotProductAttention(
+        mod.num_attention_heads, mod.kv_channels, mod.num_gqa_groups, mod.qkv_format, mod.attn_mask_type,
+        mod.layer_number, mod.softmax_scale, ring=ring, strategy=strategy,
+    )
+
+
+def swap_attention(model: nn.Module, state: Any = None, *, strategy: str = "auto") -> list[str]:
+    """Replace each attention core of ``model`` by a CP attention layer, in place.
+
+    Swaps every ``transformer_engine.pytorch.DotProductAttention`` and every
+    :class:`megacp.layers.attention.DotProductAttention`; module names and parameters are unchanged.
+
+    Args:
+        model: any ``nn.Module``.
+        state: a :class:`megacp.ParallelState` (its ``"cp"`` group), a process group, or ``None``
+            (the whole world when torch.distributed is initialised, else CP = 1).
+        strategy: default prefill strategy of the new layers.
+
+    Returns:
+        The qualified names of the swapped modules. Warns when there was nothing to swap.
+    """
+    group = _cp_group(state)
+    ring = Ring(group) if dist.is_initialized() else None
+    te_cls = _te_attention_class()
+    kinds = (DotProductAttention,) + ((te_cls,) if te_cls is not None else ())
+    targets = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, kinds) and not isinstance(mod, CPDotProductAttention)]
+    for name, mod in targets:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, _convert(mod, ring, strategy, te_cls))
+    if not targets:
+        warnings.warn(
+            f"swap_attention found no DotProductAttention (TE or megacp) in {type(model).__name__}; nothing was swapped",
+            stacklevel=2,
+        )
+    return [name for name, _ in targets]

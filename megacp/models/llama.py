@@ -1,0 +1,302 @@
+"""A Llama-family decoder (Llama 2/3/3.1, Mistral, Qwen2, tied-embedding SmolLM) in pure torch.
+
+Parameter names follow Transformer Engine's ``TransformerLayer`` (``fuse_qkv_params=False``,
+RMSNorm, SwiGLU), so checkpoints are interchangeable with TE-built models
+(:mod:`megacp.models.te_model`)::
+
+    embedding.weight                                               [V, H]
+    layers.{i}.self_attention.layernorm_qkv.layer_norm_weight      [H]
+    layers.{i}.self_attention.layernorm_qkv.query_weight           [NH*D, H]   (+ query_bias, Qwen2)
+    layers.{i}.self_attention.layernorm_qkv.key_weight             [NKV*D, H]  (+ key_bias)
+    layers.{i}.self_attention.layernorm_qkv.value_weight           [NKV*D, H]  (+ value_bias)
+    layers.{i}.self_attention.proj.weight                          [H, NH*D]
+    layers.{i}.layernorm_mlp.layer_norm_weight                     [H]
+    layers.{i}.layernorm_mlp.fc1_weight                            [2F, H]  (gate rows, then up)
+    layers.{i}.layernorm_mlp.fc2_weight                            [H, F]
+    final_norm.weight                                              [H]
+    lm_head.weight                                                 [V, H]  (absent when tied)
+
+Tokens are packed ("thd"): T tokens of B sequences back to back, described by ``cu_seqlens``, each
+with its *global* position in its sequence (under context parallelism a rank holds non-contiguous
+tokens). Attention is delegated to ``self_attention.core_attention``, a TE-compatible
+:class:`~megacp.layers.attention.DotProductAttention` that the CP machinery may swap.
+
+Tensor parallelism (optional, inference only): with a ``tp_group`` of size t > 1 the Q/K/V and
+``fc1`` projections are column-parallel (a rank holds NH/t query heads, NKV/t KV heads and F/t rows
+of gate stacked over F/t rows of up), ``proj`` and ``fc2`` are row-parallel and followed by an
+``all_reduce`` over the group (not differentiable); embedding and LM head are replicated.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from megacp.layers.attention import DotProductAttention
+from megacp.models.config import ModelConfig
+from megacp.models.rope import RotaryEmbedding, apply_rotary
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of ``x`` [..., H] with ``weight`` [H], Hugging Face numerics.
+
+    The statistics are taken in fp32, the normalised activations are cast back to ``x.dtype``
+    and only then multiplied by the weight.
+    """
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def tp_world_size(tp_group: dist.ProcessGroup | None) -> int:
+    """Size of the tensor-parallel group (1 without one)."""
+    return 1 if tp_group is None else dist.get_world_size(tp_group)
+
+
+def _tp_shard(total: int, tp_size: int, what: str) -> int:
+    if total % tp_size:
+        raise ValueError(f"{what}={total} is not divisible by the tensor-parallel size {tp_size}")
+    return total // tp_size
+
+
+def _all_reduce(x: torch.Tensor, tp_group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Sum the row-parallel partial results ``x`` over the TP group (in place; identity for t=1)."""
+    if tp_world_size(tp_group) > 1:
+        dist.all_reduce(x, group=tp_group)
+    return x
+
+
+def _param(*shape: int, dtype: torch.dtype | None, device: Any) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device))
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm with a ``weight`` [H] (the final norm); see :func:`rms_norm`."""
+
+    def __init__(self, hidden_size: int, eps: float, *, dtype: torch.dtype | None = None, device: Any = None):
+        super().__init__()
+        self.eps = eps
+        self.weight = _param(hidden_size, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., H] -> [..., H]."""
+        return rms_norm(x, self.weight, self.eps)
+
+
+class LayerNormQKV(nn.Module):
+    """RMSNorm followed by the Q, K and V projections (TE ``LayerNormLinear`` names).
+
+    Holds this rank's ``nh`` query heads and ``nkv`` KV heads of width ``d``.
+    """
+
+    def __init__(
+        self, hidden_size: int, nh: int, nkv: int, d: int, eps: float, bias: bool,
+        *, dtype: torch.dtype | None = None, device: Any = None,
+    ):
+        super().__init__()
+        self.eps = eps
+        self.layer_norm_weight = _param(hidden_size, dtype=dtype, device=device)
+        self.query_weight = _param(nh * d, hidden_size, dtype=dtype, device=device)
+        self.key_weight = _param(nkv * d, hidden_size, dtype=dtype, device=device)
+        self.value_weight = _param(nkv * d, hidden_size, dtype=dtype, device=device)
+        if bias:
+            self.query_bias = _param(nh * d, dtype=dtype, device=device)
+            self.key_bias = _param(nkv * d, dtype=dtype, device=device)
+            self.value_bias = _param(nkv * d, dtype=dtype, device=device)
+        else:
+            self.query_bias = self.key_bias = self.value_bias = None
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, H] -> q [T, nh*d], k [T, nkv*d], v [T, nkv*d]."""
+        x = rms_norm(x, self.layer_norm_weight, self.eps)
+        return (
+            F.linear(x, self.query_weight, self.query_bias),
+            F.linear(x, self.key_weight, self.key_bias),
+            F.linear(x, self.value_weight, self.value_bias),
+        )
+
+
+class SelfAttention(nn.Module):
+    """``layernorm_qkv`` -> RoPE at global positions -> ``core_attention`` (thd) -> ``proj``."""
+
+    def __init__(
+        self, cfg: ModelConfig, layer_number: int, tp_group: dist.ProcessGroup | None = None,
+        *, dtype: torch.dtype | None = None, device: Any = None,
+    ):
+        super().__init__()
+        tp = tp_world_size(tp_group)
+        self.tp_group = tp_group
+        self.num_heads = _tp_shard(cfg.num_heads, tp, "num_heads")
+        self.num_kv_heads = _tp_shard(cfg.num_kv_heads, tp, "num_kv_heads")
+        self.head_dim = cfg.head_dim
+        self.layernorm_qkv = LayerNormQKV(
+            cfg.hidden_size, self.num_heads, self.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps,
+            cfg.attention_bias, dtype=dtype, device=device,
+        )
+        self.core_attention = DotProductAttention(
+            self.num_heads,
+            cfg.head_dim,
+            num_gqa_groups=self.num_kv_heads,
+            attn_mask_type="causal",
+            qkv_format="thd",
+            layer_number=layer_number,
+        )
+        self.proj = nn.Linear(
+            self.num_heads * cfg.head_dim, cfg.hidden_size, bias=False, dtype=dtype, device=device
+        )
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: torch.Tensor,
+        inference_params: Any = None,
+    ) -> torch.Tensor:
+        """x [T, H], cos/sin [T, D] fp32, cu_seqlens [B+1] int32 -> [T, H]."""
+        t = x.shape[0]
+        q, k, v = self.layernorm_qkv(x)
+        q = apply_rotary(q.view(t, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rotary(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        context = self.core_attention(
+            q, k, v,
+            qkv_format="thd",
+            cu_seqlens_q=cu_seqlens,
+            cu_seqlens_kv=cu_seqlens,
+            attn_mask_type="causal",
+            inference_params=inference_params,
+        )
+        return _all_reduce(self.proj(context), self.tp_group)
+
+
+class LayerNormMLP(nn.Module):
+    """RMSNorm followed by the SwiGLU MLP (TE ``LayerNormMLP`` names; ``fc1`` = [gate; up])."""
+
+    def __init__(
+        self, cfg: ModelConfig, tp_group: dist.ProcessGroup | None = None,
+        *, dtype: torch.dtype | None = None, device: Any = None,
+    ):
+        super().__init__()
+        ffn = _tp_shard(cfg.intermediate_size, tp_world_size(tp_group), "intermediate_size")
+        self.tp_group = tp_group
+        self.eps = cfg.rms_norm_eps
+        self.layer_norm_weight = _param(cfg.hidden_size, dtype=dtype, device=device)
+        self.fc1_weight = _param(2 * ffn, cfg.hidden_size, dtype=dtype, device=device)
+        self.fc2_weight = _param(cfg.hidden_size, ffn, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, H] -> [T, H]."""
+        gate, up = F.linear(rms_norm(x, self.layer_norm_weight, self.eps), self.fc1_weight).chunk(2, dim=-1)
+        return _all_reduce(F.linear(F.silu(gate) * up, self.fc2_weight), self.tp_group)
+
+
+class DecoderLayer(nn.Module):
+    """One pre-norm transformer layer: ``x + self_attention(x)``, then ``+ layernorm_mlp(.)``."""
+
+    def __init__(
+        self, cfg: ModelConfig, layer_number: int, tp_group: dist.ProcessGroup | None = None,
+        *, dtype: torch.dtype | None = None, device: Any = None,
+    ):
+        super().__init__()
+        self.self_attention = SelfAttention(cfg, layer_number, tp_group, dtype=dtype, device=device)
+        self.layernorm_mlp = LayerNormMLP(cfg, tp_group, dtype=dtype, device=device)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: torch.Tensor,
+        inference_params: Any = None,
+    ) -> torch.Tensor:
+        """x [T, H], cos/sin [T, D] fp32, cu_seqlens [B+1] int32 -> [T, H]."""
+        x = x + self.self_attention(x, cos, sin, cu_seqlens, inference_params)
+        return x + self.layernorm_mlp(x)
+
+
+class CausalLM(nn.Module):
+    """Llama-family causal language model over packed tokens at global positions.
+
+    Args:
+        cfg: the architecture.
+        tp_group: optional tensor-parallel group (parameter shapes are then per rank).
+        dtype / device: where the parameters are created (``device="meta"`` for a skeleton that
+            :meth:`~torch.nn.Module.load_state_dict` fills with ``assign=True``).
+        layers: the decoder layers to use instead of :class:`DecoderLayer` (the TE backend passes
+            its own); each is called as ``layer(x [T,H], cos, sin, cu_seqlens, inference_params)``.
+    """
+
+    def __init__(
+        self, cfg: ModelConfig, tp_group: dist.ProcessGroup | None = None,
+        *, dtype: torch.dtype | None = None, device: Any = None, layers: nn.ModuleList | None = None,
+    ):
+        super().__init__()
+        self.cfg = cfg
+        self.embedding = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+        self.rotary = RotaryEmbedding(cfg)
+        self.layers = layers if layers is not None else nn.ModuleList(
+            DecoderLayer(cfg, i + 1, tp_group, dtype=dtype, device=device) for i in range(cfg.num_layers)
+        )
+        self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, device=device)
+        self.lm_head = None
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, device=device)
+        self._owns_layers = layers is None
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self, std: float = 0.02) -> None:
+        """Random init: norm weights 1, biases 0, matrices N(0, std²) (a no-op on ``meta``).
+
+        Layers passed in by the caller (TE) keep their own initialisation.
+        """
+        for name, param in self.named_parameters():
+            if name.startswith("layers.") and not self._owns_layers:
+                continue
+            if name.endswith("norm_weight") or name.endswith("norm.weight"):
+                param.fill_(1.0)
+            elif param.dim() == 1:
+                param.zero_()
+            else:
+                param.normal_(0.0, std)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        *,
+        cu_seqlens: torch.Tensor | None = None,
+        inference_params: Any = None,
+        logits_index: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Logits of packed tokens.
+
+        Args:
+            input_ids: [T] int64, B sequences back to back.
+            position_ids: [T] int64, each token's global position in its sequence.
+            cu_seqlens: [B+1] int32 prefix sums of the sequence lengths (``None``: one sequence).
+            inference_params: the CP layer's cache/plan handle, passed to every ``core_attention``
+                untouched.
+            logits_index: [N] int64 rows of T to compute logits for (e.g. each sequence's last
+                token), avoiding the T×V matmul; ``None`` for all rows.
+
+        Returns:
+            [T, V] logits (``[N, V]`` with ``logits_index``) in the parameter dtype.
+        """
+        if input_ids.dim() != 1 or position_ids.shape != input_ids.shape:
+            raise ValueError(
+                f"input_ids and position_ids must both be [T]; got {list(input_ids.shape)} and "
+                f"{list(position_ids.shape)}"
+            )
+        if cu_seqlens is None:
+            cu_seqlens = torch.tensor([0, input_ids.numel()], dtype=torch.int32, device=input_ids.device)
+        elif cu_seqlens.dim() != 1 or cu_seqlens.dtype != torch.int32:
+            raise ValueError(
+                f"cu_seqlens must be a 1-D int32 tensor; got {cu_seqlens.dtype} {list(cu_seqlens.shape)}"
+            )
+        x = self.embedding(input_ids)
+        cos, sin = (c.to(x.dtype) for c in self.rotary(position_ids))
+        for layer in self.layers:
+            x = layer(x, cos, sin, cu_seqlens, inference_params)
+        if logits_index is not None:
+            x = x.index_select(0, logits_index)
+        x = self.final_norm(x)
+        head = self.embedding.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(x, head)

@@ -1,0 +1,185 @@
+"""Building a :class:`CausalLM` (torch or Transformer Engine layers) and loading its weights.
+
+:func:`load_model` accepts what users point at: a Hugging Face checkpoint directory, a megacp
+checkpoint directory, or a ``.gguf`` file. Weights are streamed into megacp names, sharded for the
+caller's tensor-parallel rank, cast to the target dtype/device one tensor at a time, and put into a
+model skeleton built on the ``meta`` device (``load_state_dict(assign=True)``), so no second copy
+of the model is ever allocated. TE layers initialise their own tensors on the device and are
+filled by copy instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+
+from megacp.checkpoint import CheckpointError
+from megacp.checkpoint.hf import hf_to_megacp, open_hf_checkpoint
+from megacp.checkpoint.store import MANIFEST, TokenizerSource, load_megacp_checkpoint
+from megacp.checkpoint.tp import check_tp_size, shard_tensor
+from megacp.models.config import ModelConfig
+from megacp.models.llama import CausalLM, tp_world_size
+from megacp.models.te_model import build_te_model, te_import_error
+
+Backend = Literal["auto", "torch", "te"]
+BACKENDS = ("auto", "torch", "te")
+# Any of these in a checkpoint directory means a tokenizer can be loaded from it.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
+
+
+def resolve_backend(cfg: ModelConfig, device: Any, backend: Backend = "auto") -> str:
+    """``"te"`` or ``"torch"``: ``auto`` picks TE when it is importable, the device is CUDA and the
+    model is expressible with ``te.TransformerLayer`` (no Q/K/V bias); otherwise torch."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is not supported; allowed: {', '.join(BACKENDS)}")
+    if backend != "auto":
+        return backend
+    usable = te_import_error() is None and torch.device(device).type == "cuda" and not cfg.attention_bias
+    return "te" if usable else "torch"
+
+
+def build_model(
+    cfg: ModelConfig,
+    *,
+    dtype: torch.dtype,
+    device: Any,
+    backend: Backend = "auto",
+    tp_group: dist.ProcessGroup | None = None,
+) -> CausalLM:
+    """A randomly initialised :class:`CausalLM` (``device="meta"``: a skeleton for loading).
+
+    Raises:
+        ValueError: unknown backend, or ``backend="te"`` for a model TE cannot express.
+        RuntimeError: ``backend="te"`` without an importable Transformer Engine.
+    """
+    if resolve_backend(cfg, device, backend) == "te":
+        return build_te_model(cfg, dtype=dtype, device=device, tp_group=tp_group)
+    return CausalLM(cfg, tp_group, dtype=dtype, device=device)
+
+
+def load_model(
+    path: str | os.PathLike[str],
+    *,
+    dtype: torch.dtype,
+    device: Any,
+    tp_group: dist.ProcessGroup | None = None,
+    backend: Backend = "auto",
+) -> tuple[CausalLM, ModelConfig, TokenizerSource]:
+    """Load a model for inference from a Hugging Face directory, a megacp checkpoint or a GGUF file.
+
+    Args:
+        path: a directory with ``config.json`` naming ``architectures`` (Hugging Face), a directory
+            with ``megacp_checkpoint.json`` (megacp, any stored TP size), or a ``.gguf`` file.
+        dtype / device: of the parameters.
+        tp_group: this rank's tensor-parallel group (weights are sharded for its rank).
+        backend: see :func:`resolve_backend`.
+
+    Returns:
+        ``(model in eval mode, config, tokenizer)``: the tokenizer is the checkpoint directory (as
+        a ``str``) when it holds tokenizer files, the Hugging Face tokenizer object that
+        :func:`~megacp.checkpoint.gguf.load_gguf` builds from a GGUF file's vocabulary, or ``None``.
+
+    Raises:
+        CheckpointError: the path is none of the above, or its contents are invalid.
+    """
+    path = Path(path)
+    build = dict(dtype=dtype, device=device, backend=backend, tp_group=tp_group)
+    if path.is_file() and path.suffix == ".gguf":
+        from megacp.checkpoint.gguf import load_gguf  # needs the optional `gguf` package
+
+        cfg, tensors, tokenizer = load_gguf(path)
+        return _load(cfg, tensors, sharded=False, **build), cfg, tokenizer
+    if (path / MANIFEST).is_file():
+        tp_rank = 0 if tp_group is None else dist.get_rank(tp_group)
+        cfg, shards = load_megacp_checkpoint(path, tp_rank, tp_world_size(tp_group))
+        return _load(cfg, shards.items(), sharded=True, **build), cfg, _tokenizer_dir(path)
+    if _is_hf_dir(path):
+        with open_hf_checkpoint(path) as checkpoint:
+            cfg = checkpoint.config
+            tensors = hf_to_megacp(cfg, checkpoint.get, checkpoint.names)
+            return _load(cfg, tensors, sharded=False, **build), cfg, _tokenizer_dir(path)
+    raise CheckpointError(
+        f"{path} is neither a Hugging Face checkpoint directory (config.json with "
+        "'architectures'), a megacp checkpoint (megacp_checkpoint.json) nor a .gguf file"
+    )
+
+
+def _is_hf_dir(path: Path) -> bool:
+    """Whether ``path`` has a ``config.json`` naming ``architectures``."""
+    config = path / "config.json"
+    if not config.is_file():
+        return False
+    try:
+        return "architectures" in json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+
+
+def _tokenizer_dir(path: Path) -> str | None:
+    """``path`` when it holds a tokenizer, else ``None``."""
+    return str(path) if any((path / name).is_file() for name in _TOKENIZER_FILES) else None
+
+
+def _load(
+    cfg: ModelConfig,
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    *,
+    sharded: bool,
+    dtype: torch.dtype,
+    device: Any,
+    backend: Backend,
+    tp_group: dist.ProcessGroup | None,
+) -> CausalLM:
+    """Build the model of ``cfg`` and fill it from ``tensors`` (megacp names), in eval mode.
+
+    Args:
+        tensors: full tensors (``sharded=False``; this rank's part is cut out of each as it
+            arrives) or this TP rank's parts already (``sharded=True``).
+
+    Raises:
+        CheckpointError: a parameter is missing (TE ``_extra_state`` aside) or a name is unexpected.
+    """
+    tp_size = tp_world_size(tp_group)
+    check_tp_size(cfg, tp_size)
+    if not sharded and tp_size > 1:
+        tp_rank = dist.get_rank(tp_group)
+        tensors = ((name, shard_tensor(cfg, name, t, tp_rank, tp_size)) for name, t in tensors)
+    if resolve_backend(cfg, device, backend) == "te":
+        # TE modules allocate on the device themselves: copy into them one tensor at a time.
+        model = build_model(cfg, dtype=dtype, device=device, backend="te", tp_group=tp_group)
+        targets = model.state_dict()
+        loaded: set[str] = set()
+        unexpected: list[str] = []
+        for name, tensor in tensors:
+            if name not in targets:
+                unexpected.append(name)
+                continue
+            if targets[name].shape != tensor.shape:  # copy_ would broadcast silently
+                raise CheckpointError(
+                    f"tensor {name!r} has shape {list(tensor.shape)}, the model expects "
+                    f"{list(targets[name].shape)}"
+                )
+            targets[name].copy_(tensor)
+            loaded.add(name)
+        missing = [name for name in targets if name not in loaded]
+    else:
+        # A meta skeleton adopts the tensors (assign=True): the weights exist once, on `device`.
+        # copy=True also detaches TP parts from the full tensor they were cut from.
+        state = {
+            name: t.to(device=device, dtype=dtype, copy=True, memory_format=torch.contiguous_format)
+            for name, t in tensors
+        }
+        model = build_model(cfg, dtype=dtype, device="meta", backend="torch", tp_group=tp_group)
+        result = model.load_state_dict(state, strict=False, assign=True)
+        missing, unexpected = result.missing_keys, result.unexpected_keys
+    missing = [name for name in missing if not name.endswith("_extra_state")]
+    if missing or unexpected:
+        problem = f"missing {missing[:3]}" if missing else f"unexpected {unexpected[:3]}"
+        raise CheckpointError(f"the checkpoint does not fit the model built from its config: {problem}")
+    return model.eval()

@@ -1,0 +1,179 @@
+"""The distributed state: this rank's process groups for every mesh axis, as one object.
+
+:func:`initialize` brings up ``torch.distributed`` (under the ``deepspeed`` launcher, ``torchrun``,
+or as a plain single process) and returns a :class:`ParallelState`, which is passed down to every
+layer that communicates. There are no module-level globals.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megacp.config import ConfigError, MegacpConfig, load_config
+from megacp.parallel.layout import GROUP_KINDS, ParallelLayout
+
+ProcessGroup = dist.ProcessGroup
+
+
+class ParallelState:
+    """This rank's view of the mesh: its process group, rank and peers for every group kind.
+
+    Build it with :meth:`build` (or :func:`initialize`), never directly.
+
+    Attributes:
+        layout: the mesh.
+        config: the megacp configuration the mesh was built from.
+        rank: this process's global rank.
+        backend: the ``torch.distributed`` backend (``"nccl"``, ``"gloo"``, ...).
+        device: ``cuda:<current device>`` under NCCL, else ``cpu``.
+    """
+
+    def __init__(
+        self,
+        layout: ParallelLayout,
+        config: MegacpConfig,
+        rank: int,
+        backend: str,
+        device: torch.device,
+        groups: Mapping[str, ProcessGroup],
+        ranks: Mapping[str, tuple[int, ...]],
+    ) -> None:
+        self.layout = layout
+        self.config = config
+        self.rank = rank
+        self.backend = backend
+        self.device = device
+        self._groups = dict(groups)
+        self._ranks = dict(ranks)
+
+    @classmethod
+    def build(cls, layout: ParallelLayout, config: MegacpConfig | None = None) -> ParallelState:
+        """Create the process groups of ``layout`` on an initialised default process group.
+
+        Collective: every rank must call it with the same layout. ``dist.new_group`` is called for
+        every group of every kind (:data:`~megacp.parallel.layout.GROUP_KINDS` order, groups by
+        smallest rank), except that a group spanning the whole world is ``dist.group.WORLD`` and a
+        rank list already created for an earlier kind is shared, not created twice.
+
+        Raises:
+            RuntimeError: ``torch.distributed`` is not initialised.
+            ConfigError: ``layout.world_size`` differs from the real world size.
+        """
+        if not dist.is_initialized():
+            raise RuntimeError("torch.distributed is not initialised; call megacp.initialize() first")
+        world_size, rank = dist.get_world_size(), dist.get_rank()
+        if layout.world_size != world_size:
+            raise ConfigError(f"layout {layout} needs {layout.world_size} ranks, but the world size is {world_size}")
+        if config is None:
+            config = MegacpConfig.from_dict({"context_parallel": {"size": layout.cp}})
+        created: dict[tuple[int, ...], ProcessGroup] = {tuple(range(world_size)): dist.group.WORLD}
+        groups: dict[str, ProcessGroup] = {}
+        ranks: dict[str, tuple[int, ...]] = {}
+        for kind in GROUP_KINDS:
+            for members in map(tuple, layout.groups(kind)):
+                if members not in created:
+                    created[members] = dist.new_group(list(members))
+                if rank in members:
+                    groups[kind], ranks[kind] = created[members], members
+        backend = str(dist.get_backend())
+        if backend == "nccl":
+            device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            device = torch.device("cpu")
+        return cls(layout, config, rank, backend, device, groups, ranks)
+
+    def _kind(self, name: str) -> str:
+        if name not in self._groups:
+            raise ValueError(f"unknown group kind {name!r}; kinds are {list(GROUP_KINDS)}")
+        return name
+
+    def group(self, name: str) -> ProcessGroup:
+        """This rank's process group of kind ``name`` (``"tp"``, ``"cp"``, ``"pp"``, ``"dp"``,
+        ``"dp_cp"``, ``"ep"``, ``"mp"``)."""
+        return self._groups[self._kind(name)]
+
+    def ranks(self, name: str) -> tuple[int, ...]:
+        """Global ranks of this rank's group of kind ``name``, ascending (for ``"cp"``: the ring)."""
+        return self._ranks[self._kind(name)]
+
+    def size(self, name: str) -> int:
+        """Number of ranks in this rank's group of kind ``name``."""
+        return len(self.ranks(name))
+
+    def rank_in(self, name: str) -> int:
+        """This rank's index inside its group of kind ``name`` (its group-local rank)."""
+        return self.ranks(name).index(self.rank)
+
+    @property
+    def world_size(self) -> int:
+        """Number of ranks in the mesh."""
+        return self.layout.world_size
+
+    @property
+    def coords(self) -> dict[str, int]:
+        """This rank's mesh coordinates (keys ``ext_dp, dp, pp, cp, tp``)."""
+        return self.layout.coords(self.rank)
+
+    def __repr__(self) -> str:
+        return f"ParallelState(rank={self.rank}, {self.layout}, backend={self.backend}, device={self.device})"
+
+
+def initialize(
+    config: str | os.PathLike[str] | Mapping[str, Any] | MegacpConfig | None = None,
+    backend: str | None = None,
+) -> ParallelState:
+    """Bring up ``torch.distributed`` if needed and build the :class:`ParallelState`.
+
+    Works under the ``deepspeed`` launcher and ``torchrun`` (``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/
+    ``MASTER_ADDR``/``MASTER_PORT`` in the environment) and as a plain process without them (a
+    world of one, on a free localhost port). An already initialised default process group is
+    reused. The backend is ``backend`` if given, else NCCL when CUDA is available, else gloo;
+    under NCCL the CUDA device is set from ``LOCAL_RANK``. For a backend other than gloo,
+    ``deepspeed.init_distributed`` does the initialisation when DeepSpeed is installed. Under gloo
+    ``torch.distributed`` does it directly: DeepSpeed's CPU path compiles a shared-memory op on
+    first use (about a minute, and it needs a C++ compiler), and ``deepspeed.initialize`` adopts
+    an existing process group later anyway.
+
+    Args:
+        config: ``None`` (all ranks form one CP group), a path of a DeepSpeed JSON/hjson file, its
+            dict, or a :class:`MegacpConfig`.
+        backend: ``torch.distributed`` backend override.
+
+    Raises:
+        ConfigError: the config is invalid or its sizes do not fit the world size.
+        ValueError: ``backend`` differs from that of an already initialised process group.
+    """
+    cfg = None if config is None else load_config(config)
+    if dist.is_initialized():
+        current = str(dist.get_backend())
+        if backend is not None and backend != current:
+            raise ValueError(f"torch.distributed is already initialised with backend {current!r}, not {backend!r}")
+    else:
+        _init_process_group(backend or ("nccl" if torch.cuda.is_available() else "gloo"))
+    world_size = dist.get_world_size()
+    if cfg is None:
+        return ParallelState.build(ParallelLayout(cp=world_size))
+    return ParallelState.build(cfg.layout(world_size), cfg)
+
+
+def _init_process_group(backend: str) -> None:
+    """Initialise the default process group from the launcher's environment, or as a world of one."""
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if launched:
+        if backend != "gloo" and importlib.util.find_spec("deepspeed") is not None:
+            import deepspeed
+
+            deepspeed.init_distributed(dist_backend=backend)
+        else:
+            dist.init_process_group(backend=backend, init_method="env://")
+        return
+    store = dist.TCPStore("127.0.0.1", 0, world_size=1, is_master=True)
+    dist.init_process_group(backend=backend, store=store, rank=0, world_size=1)

@@ -1,0 +1,92 @@
+"""Tiny random-weight Hugging Face models (fp32) for tests, saved with ``save_pretrained``.
+
+Every kind is small (hidden 64, 2-3 layers, 4 query / 2 KV heads, vocab 256) and covers one
+feature megacp must reproduce: Llama 3.1 ``llama3`` RoPE scaling, Qwen2 Q/K/V bias, Mistral with an
+explicit ``head_dim`` (NH*D != H) and no sliding window, and tied embeddings. Weights are drawn
+large enough (std 0.1, norms around 1, non-zero biases) that attention is far from uniform, so a
+wrong RoPE position or a misplaced tensor changes the logits visibly.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    PreTrainedModel,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+_COMMON: dict[str, Any] = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=96,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=4096,
+    rms_norm_eps=1e-5,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+# kind -> (model class, config class, config arguments beyond _COMMON)
+KINDS: dict[str, tuple[type[PreTrainedModel], type, dict[str, Any]]] = {
+    "llama3": (
+        LlamaForCausalLM,
+        LlamaConfig,
+        dict(
+            num_hidden_layers=3,
+            # transformers 5 style; original_max_position_embeddings is small so that all three
+            # llama3 bands (kept, interpolated, divided by factor) occur with head_dim 16.
+            rope_parameters=dict(
+                rope_type="llama3",
+                rope_theta=500000.0,
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=64,
+            ),
+        ),
+    ),
+    "qwen2": (
+        Qwen2ForCausalLM,
+        Qwen2Config,
+        dict(num_hidden_layers=2, rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
+             use_sliding_window=False),
+    ),
+    "mistral": (
+        MistralForCausalLM,
+        MistralConfig,
+        dict(num_hidden_layers=2, head_dim=24, sliding_window=None,
+             rope_parameters=dict(rope_type="default", rope_theta=10000.0)),
+    ),
+    "llama_tied": (
+        LlamaForCausalLM,
+        LlamaConfig,
+        dict(num_hidden_layers=2, tie_word_embeddings=True,
+             rope_parameters=dict(rope_type="linear", rope_theta=10000.0, factor=2.0)),
+    ),
+}
+
+
+@torch.no_grad()
+def make_hf_model(kind: str, directory: str | Path, *, seed: int = 0) -> PreTrainedModel:
+    """Build the tiny fp32 model ``kind`` (a key of :data:`KINDS`) with random weights, save it to
+    ``directory`` (safetensors) and return it in eval mode."""
+    model_cls, config_cls, extra = KINDS[kind]
+    config = config_cls(**_COMMON, **extra)
+    torch.manual_seed(seed)
+    model = model_cls(config).float().eval()
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.copy_(1.0 + 0.1 * torch.randn_like(param))
+        else:
+            param.copy_(0.1 * torch.randn_like(param))
+    model.save_pretrained(str(directory))
+    return model
