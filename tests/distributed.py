@@ -102,6 +102,7 @@ def _worker(
         LOCAL_RANK=str(rank),
         LOCAL_WORLD_SIZE=str(world_size),
     )
+    import sys as _s; _t=time.time(); print("W start", rank, _t, file=_s.stderr)
     torch.set_num_threads(1)
     with open(stack_file, "w") as stacks:
         faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
@@ -109,6 +110,7 @@ def _worker(
             dist.init_process_group(
                 backend, init_method="env://", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout)
             )
+            print("W pg", rank, time.time()-_t, file=_s.stderr)
             message = (True, pickle.dumps(fn(rank, world_size, *args)))
         except BaseException:  # noqa: BLE001 - every failure, SystemExit included, goes to the parent
             message = (False, traceback.format_exc())

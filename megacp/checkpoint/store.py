@@ -316,7 +316,8 @@ def save_megacp_checkpoint(
         output_dir: the checkpoint directory to create (replaced only with ``force``).
         cfg: the model config; decides the expected names and shapes.
         tensors: ``(name, full tensor)`` pairs, each name of :func:`parameter_shapes` exactly once,
-            in any order; consumed lazily (see the module docstring for the memory bound).
+            in any order (e.g. a model's ``state_dict().items()``; TE ``_extra_state`` entries are
+            skipped); consumed lazily (see the module docstring for the memory bound).
         dtype: the stored dtype (tensors are cast on the fly).
         tp_size: number of TP ranks to split into.
         tokenizer: a directory to copy tokenizer files from, or an object with ``save_pretrained``.
@@ -346,6 +347,8 @@ def save_megacp_checkpoint(
             for rank, file_name in enumerate(files)
         ]
         for name, tensor in tensors:
+            if name.endswith("._extra_state"):  # Transformer Engine bookkeeping, not a weight
+                continue
             if name not in shapes:
                 raise CheckpointError(f"unexpected tensor {name!r}: not a parameter of this config")
             if tuple(tensor.shape) != shapes[name]:
@@ -415,8 +418,12 @@ class MegacpCheckpoint:
 
     def _validate(self) -> None:
         check_tp_size(self.config, self.tp_size)
-        if len(self._files) != self.tp_size:
-            raise CheckpointError(f"{self.path}: {len(self._files)} files listed for tp_size {self.tp_size}")
+        expected_files = [self.path / rank_file_name(rank, self.tp_size) for rank in range(self.tp_size)]
+        if self._files != expected_files:
+            raise CheckpointError(
+                f"{self.path / MANIFEST}: files {[p.name for p in self._files]} do not match "
+                f"tp_size {self.tp_size}"
+            )
         for path in self._files:
             if not path.is_file():
                 raise CheckpointError(f"{path} is missing")
@@ -424,13 +431,26 @@ class MegacpCheckpoint:
         missing = [name for name in shapes if name not in self._entries]
         unexpected = [name for name in self._entries if name not in shapes]
         if missing or unexpected:
-            which = f"missing tensor {missing[0]!r}" if missing else f"unexpected tensor {unexpected[0]!r}"
+            which = (
+                f"missing tensor {missing[0]!r}" if missing else f"unexpected tensor {unexpected[0]!r}"
+            )
             raise CheckpointError(f"{self.path / MANIFEST}: {which}")
         for name, shape in shapes.items():
             entry = self._entries[name]
-            expected = [list(shard_shape(self.config, name, shape, r, self.tp_size)) for r in range(self.tp_size)]
-            if entry.get("shape") != list(shape) or [s.get("shape") for s in entry.get("shards", [])] != expected:
-                raise CheckpointError(f"{self.path / MANIFEST}: tensor {name!r} has shapes that do not match its config")
+            expected = [
+                list(shard_shape(self.config, name, shape, rank, self.tp_size))
+                for rank in range(self.tp_size)
+            ]
+            try:
+                stored = [shard["shape"] for shard in entry["shards"] if isinstance(shard["sha256"], str)]
+                valid = entry["shape"] == list(shape) and stored == expected
+            except (KeyError, TypeError):
+                valid = False
+            if not valid:
+                raise CheckpointError(
+                    f"{self.path / MANIFEST}: the entry of tensor {name!r} is malformed or does not "
+                    "match the model config"
+                )
 
     @staticmethod
     def _open(path: Path) -> Any:
@@ -439,7 +459,7 @@ class MegacpCheckpoint:
         except Exception as err:  # safetensors' own error type: truncated or corrupt header
             raise CheckpointError(f"cannot read {path} (truncated or corrupt?): {err}") from None
 
-    def get_shard(self, name: str, tp_rank: int, *, verify: bool = True) -> torch.Tensor:
+    def get_shard(self, name: str, tp_rank: int) -> torch.Tensor:
         """The stored part of ``name`` held by ``tp_rank``, checked against the manifest."""
         if name not in self._entries:
             raise CheckpointError(f"missing tensor {name!r} in {self.path}")
@@ -454,7 +474,7 @@ class MegacpCheckpoint:
                 f"tensor {name!r} in {path} is {tensor.dtype} {list(tensor.shape)}, the manifest says "
                 f"{self.dtype} {entry['shape']}"
             )
-        if verify and tensor_sha256(tensor) != entry["sha256"]:
+        if tensor_sha256(tensor) != entry["sha256"]:
             raise CheckpointError(f"checksum mismatch for tensor {name!r} in {path}: the file is corrupt")
         return tensor
 

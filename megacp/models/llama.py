@@ -153,7 +153,7 @@ class SelfAttention(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: torch.Tensor,
         inference_params: Any = None,
     ) -> torch.Tensor:
-        """x [T, H], cos/sin [T, D] fp32, cu_seqlens [B+1] int32 -> [T, H]."""
+        """x [T, H], cos/sin [T, D] (RoPE at each token's global position), cu_seqlens [B+1] int32 -> [T, H]."""
         t = x.shape[0]
         q, k, v = self.layernorm_qkv(x)
         q = apply_rotary(q.view(t, self.num_heads, self.head_dim), cos, sin)
@@ -206,7 +206,7 @@ class DecoderLayer(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: torch.Tensor,
         inference_params: Any = None,
     ) -> torch.Tensor:
-        """x [T, H], cos/sin [T, D] fp32, cu_seqlens [B+1] int32 -> [T, H]."""
+        """x [T, H], cos/sin [T, D] (RoPE at each token's global position), cu_seqlens [B+1] int32 -> [T, H]."""
         x = x + self.self_attention(x, cos, sin, cu_seqlens, inference_params)
         return x + self.layernorm_mlp(x)
 
