@@ -130,6 +130,7 @@ class Generator:
 
         t0 = time.perf_counter()
         done_tokens = [0] * len(prompts)
+        last_logits: list[Tensor | None] = [None] * len(prompts)
         strategies = []
         while True:  # (chunked) prefill: every request advances by up to `chunk` tokens per step
             todo = [i for i, p in enumerate(prompts) if done_tokens[i] < len(p)]
@@ -140,9 +141,10 @@ class Generator:
             ids = torch.tensor([t for i, k in zip(todo, new) for t in prompts[i][done_tokens[i]: done_tokens[i] + k]])
             logits = self._forward(step, ids)
             strategies.append(step.choice if isinstance(step.choice, str) or step.choice is None else step.choice.strategy)
-            for i, k in zip(todo, new):
+            for row, (i, k) in enumerate(zip(todo, new)):
                 done_tokens[i] += k
-        next_tok = _sample(logits, params, gen)
+                last_logits[i] = logits[row]
+        next_tok = _sample(torch.stack(last_logits), params, gen)
         sync()
         ttft = time.perf_counter() - t0
 

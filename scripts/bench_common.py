@@ -37,6 +37,9 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # megacp importable from a plain checkout (no install)
     sys.path.insert(0, str(REPO))
 
+# torch >= 2.12 names it all_gather_single (and deprecates the old name); 2.4-2.11 only have the old one
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
           "fp16": torch.float16, "float32": torch.float32, "fp32": torch.float32}
 
@@ -269,6 +272,28 @@ def measure_loop(ctx: Ctx, fn: Callable[[], Any], *, calls: int = 20, collective
     return all_max(ctx, [ms])[0] if collective else ms
 
 
+def capture_graph(ctx: Ctx, fn: Callable[[], Any], warmup: int = 3):
+    """Warm ``fn`` up on a side stream, then capture one call into a CUDA graph (every rank together:
+    NCCL collectives inside are captured, not run). Returns ``(graph, static output)``; replay with
+    ``graph.replay()``. ``thread_local`` capture: NCCL's watchdog thread may query events meanwhile."""
+    side = torch.cuda.Stream(device=ctx.device)
+    side.wait_stream(torch.cuda.current_stream(ctx.device))
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream(ctx.device).wait_stream(side)
+    barrier(ctx)
+    g = torch.cuda.CUDAGraph()
+    try:
+        cm = torch.cuda.graph(g, capture_error_mode="thread_local")
+    except TypeError:  # torch without capture_error_mode
+        cm = torch.cuda.graph(g)
+    with cm:
+        out = fn()
+    barrier(ctx)
+    return g, out
+
+
 # --------------------------------------------------------------------------- data
 
 
@@ -302,7 +327,7 @@ def gather_rows(ctx: Ctx, local: torch.Tensor, indices: Sequence[torch.Tensor], 
     pad[: local.shape[0]] = local
     out_all = torch.empty((ctx.world * n_max, *local.shape[1:]), dtype=local.dtype, device=local.device)
     if ctx.world > 1:
-        dist.all_gather_into_tensor(out_all, pad.contiguous(), group=ctx.group)
+        _all_gather_single(out_all, pad.contiguous(), group=ctx.group)
     else:
         out_all.copy_(pad)
     out_all = out_all.view(ctx.world, n_max, *local.shape[1:])
@@ -333,6 +358,17 @@ def diff_stats(a: torch.Tensor, b: torch.Tensor, *, chunk_rows: int = 4096) -> d
     if not finite:
         return {"max_abs": float("nan"), "mean_abs": float("nan")}
     return {"max_abs": mx, "mean_abs": tot / max(n, 1)}
+
+
+def tolerance(ref: torch.Tensor, noise: float | None, dtype: torch.dtype) -> float:
+    """Allowed ``max|cp - ref|``: 4× the kernels' disagreement (``noise``: flash vs cuDNN) plus a floor of
+    2 units in the last place of ``ref``'s largest magnitude (half precision; 1e-4 for fp32)."""
+    if dtype == torch.float32:
+        floor = 1e-4
+    else:
+        mag = max(float(ref.abs().max()), 1e-30)
+        floor = max(1e-3, 2 * torch.finfo(dtype).eps * 2.0 ** math.floor(math.log2(mag)))
+    return 4 * (noise or 0.0) + floor
 
 
 def truth_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, *,
@@ -436,8 +472,9 @@ class Report:
     def error(self, method: str, exc: BaseException, **where: Any) -> None:
         msg = f"{type(exc).__name__}: {exc}"
         self.data["errors"].append({"method": method, "error": msg[:2000], **where})
+        # every rank reports (an error on one rank only would otherwise be invisible)
+        print(f"  [rank {self.ctx.rank}] {method}: ERROR {msg[:500]}", flush=True)
         if self.ctx.rank == 0:
-            print(f"  {method}: ERROR {msg[:500]}", flush=True)
             traceback.print_exc(limit=6)
             sys.stdout.flush()
         self._save()

@@ -29,6 +29,7 @@ import faulthandler
 import importlib
 import multiprocessing
 import multiprocessing.connection
+import multiprocessing.forkserver
 import os
 import pickle
 import signal
@@ -43,6 +44,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+ROOT = Path(__file__).resolve().parent.parent
+"""The repository root."""
 
 _PRELOAD = ["torch", "torch.distributed", "pytest", "tests.distributed"]
 """Imported once by the forkserver; every worker is forked from that state."""
@@ -69,9 +73,22 @@ _GRACE_S = 3.0
 
 
 def _context() -> multiprocessing.context.BaseContext:
-    """The forkserver context with torch preloaded (the server starts on first use)."""
+    """The forkserver context, its server started (once per session) with :data:`_PRELOAD` loaded.
+
+    Python < 3.13 starts the server without the caller's ``sys.path``, so the repository root is
+    passed to it through ``PYTHONPATH`` for the preload to find ``tests.distributed``.
+    """
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(_PRELOAD)
+    saved = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), *([saved] if saved else [])])
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        if saved is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = saved
     return context
 
 
@@ -102,7 +119,6 @@ def _worker(
         LOCAL_RANK=str(rank),
         LOCAL_WORLD_SIZE=str(world_size),
     )
-    import sys as _s; _t=time.time(); print("W start", rank, _t, file=_s.stderr)
     torch.set_num_threads(1)
     with open(stack_file, "w") as stacks:
         faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
@@ -110,7 +126,6 @@ def _worker(
             dist.init_process_group(
                 backend, init_method="env://", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout)
             )
-            print("W pg", rank, time.time()-_t, file=_s.stderr)
             message = (True, pickle.dumps(fn(rank, world_size, *args)))
         except BaseException:  # noqa: BLE001 - every failure, SystemExit included, goes to the parent
             message = (False, traceback.format_exc())

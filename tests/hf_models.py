@@ -13,15 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import (
-    LlamaConfig,
-    LlamaForCausalLM,
-    MistralConfig,
-    MistralForCausalLM,
-    PreTrainedModel,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-)
 
 _COMMON: dict[str, Any] = dict(
     vocab_size=256,
@@ -35,11 +26,13 @@ _COMMON: dict[str, Any] = dict(
     eos_token_id=2,
 )
 
-# kind -> (model class, config class, config arguments beyond _COMMON)
-KINDS: dict[str, tuple[type[PreTrainedModel], type, dict[str, Any]]] = {
+# kind -> (transformers model class, config class, config arguments beyond _COMMON). Classes are
+# named, not imported: transformers is imported only when a model is made, so that importing this
+# module (e.g. in a test's worker processes) stays cheap.
+KINDS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "llama3": (
-        LlamaForCausalLM,
-        LlamaConfig,
+        "LlamaForCausalLM",
+        "LlamaConfig",
         dict(
             num_hidden_layers=3,
             # transformers 5 style; original_max_position_embeddings is small so that all three
@@ -55,20 +48,20 @@ KINDS: dict[str, tuple[type[PreTrainedModel], type, dict[str, Any]]] = {
         ),
     ),
     "qwen2": (
-        Qwen2ForCausalLM,
-        Qwen2Config,
+        "Qwen2ForCausalLM",
+        "Qwen2Config",
         dict(num_hidden_layers=2, rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
              use_sliding_window=False),
     ),
     "mistral": (
-        MistralForCausalLM,
-        MistralConfig,
+        "MistralForCausalLM",
+        "MistralConfig",
         dict(num_hidden_layers=2, head_dim=24, sliding_window=None,
              rope_parameters=dict(rope_type="default", rope_theta=10000.0)),
     ),
     "llama_tied": (
-        LlamaForCausalLM,
-        LlamaConfig,
+        "LlamaForCausalLM",
+        "LlamaConfig",
         dict(num_hidden_layers=2, tie_word_embeddings=True,
              rope_parameters=dict(rope_type="linear", rope_theta=10000.0, factor=2.0)),
     ),
@@ -76,13 +69,15 @@ KINDS: dict[str, tuple[type[PreTrainedModel], type, dict[str, Any]]] = {
 
 
 @torch.no_grad()
-def make_hf_model(kind: str, directory: str | Path, *, seed: int = 0) -> PreTrainedModel:
+def make_hf_model(kind: str, directory: str | Path, *, seed: int = 0) -> torch.nn.Module:
     """Build the tiny fp32 model ``kind`` (a key of :data:`KINDS`) with random weights, save it to
-    ``directory`` (safetensors) and return it in eval mode."""
-    model_cls, config_cls, extra = KINDS[kind]
-    config = config_cls(**_COMMON, **extra)
+    ``directory`` (safetensors) and return it (a transformers ``PreTrainedModel``) in eval mode."""
+    import transformers
+
+    model_name, config_name, extra = KINDS[kind]
+    config = getattr(transformers, config_name)(**_COMMON, **extra)
     torch.manual_seed(seed)
-    model = model_cls(config).float().eval()
+    model = getattr(transformers, model_name)(config).float().eval()
     for name, param in model.named_parameters():
         if name.endswith("norm.weight"):
             param.copy_(1.0 + 0.1 * torch.randn_like(param))

@@ -19,6 +19,7 @@ import argparse
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 from tqdm import tqdm
@@ -46,11 +47,14 @@ from megacp.checkpoint.tp import check_tp_size
 Command = Callable[[argparse.Namespace], WriteSummary]
 
 
+@contextmanager
 def _progress(
     tensors: Iterable[tuple[str, torch.Tensor]], total: int, desc: str
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """A tqdm bar over a tensor stream (shown only on a terminal)."""
-    yield from tqdm(tensors, total=total, desc=desc, unit="tensor", disable=None)
+) -> Iterator[Iterable[tuple[str, torch.Tensor]]]:
+    """A tqdm bar over a tensor stream (shown only on a terminal), closed even on error so that
+    an error line starts on a fresh line."""
+    with tqdm(tensors, total=total, desc=desc, unit="tensor", disable=None) as bar:
+        yield bar
 
 
 def _hf_to_megacp(args: argparse.Namespace) -> WriteSummary:
@@ -63,15 +67,10 @@ def _hf_to_megacp(args: argparse.Namespace) -> WriteSummary:
         else:
             dtype = dtype_from_name(args.dtype)
         tensors = hf_to_megacp(cfg, source.get, source.names)
-        return save_megacp_checkpoint(
-            args.output,
-            cfg,
-            _progress(tensors, len(parameter_shapes(cfg)), "hf-to-megacp"),
-            dtype=dtype,
-            tp_size=args.tp,
-            tokenizer=source.path,
-            force=args.force,
-        )
+        with _progress(tensors, len(parameter_shapes(cfg)), "hf-to-megacp") as stream:
+            return save_megacp_checkpoint(
+                args.output, cfg, stream, dtype=dtype, tp_size=args.tp, tokenizer=source.path, force=args.force
+            )
 
 
 def _gguf_to_megacp(args: argparse.Namespace) -> WriteSummary:
@@ -80,15 +79,11 @@ def _gguf_to_megacp(args: argparse.Namespace) -> WriteSummary:
     check_output_dir(args.output, force=args.force)
     cfg, tensors, tokenizer = load_gguf(args.input)
     check_tp_size(cfg, args.tp)
-    return save_megacp_checkpoint(
-        args.output,
-        cfg,
-        _progress(tensors, len(parameter_shapes(cfg)), "gguf-to-megacp"),
-        dtype=dtype_from_name(args.dtype or "float32"),
-        tp_size=args.tp,
-        tokenizer=tokenizer,
-        force=args.force,
-    )
+    dtype = dtype_from_name(args.dtype or "float32")
+    with _progress(tensors, len(parameter_shapes(cfg)), "gguf-to-megacp") as stream:
+        return save_megacp_checkpoint(
+            args.output, cfg, stream, dtype=dtype, tp_size=args.tp, tokenizer=tokenizer, force=args.force
+        )
 
 
 def _megacp_to_hf(args: argparse.Namespace) -> WriteSummary:
@@ -96,29 +91,26 @@ def _megacp_to_hf(args: argparse.Namespace) -> WriteSummary:
     with open_megacp_checkpoint(args.input) as source:
         cfg = source.config
         tensors = megacp_to_hf(cfg, source.get, source.names)
-        return save_hf_checkpoint(
-            args.output,
-            cfg,
-            _progress(tensors, len(hf_parameter_shapes(cfg)), "megacp-to-hf"),
-            dtype=source.dtype,
-            tokenizer=source.path,
-            force=args.force,
-        )
+        with _progress(tensors, len(hf_parameter_shapes(cfg)), "megacp-to-hf") as stream:
+            return save_hf_checkpoint(
+                args.output, cfg, stream, dtype=source.dtype, tokenizer=source.path, force=args.force
+            )
 
 
 def _reshard(args: argparse.Namespace) -> WriteSummary:
     check_output_dir(args.output, force=args.force)
     with open_megacp_checkpoint(args.input) as source:
         check_tp_size(source.config, args.tp)
-        return save_megacp_checkpoint(
-            args.output,
-            source.config,
-            _progress(source.iter_tensors(), len(source.names), "reshard"),
-            dtype=source.dtype,
-            tp_size=args.tp,
-            tokenizer=source.path,
-            force=args.force,
-        )
+        with _progress(source.iter_tensors(), len(source.names), "reshard") as stream:
+            return save_megacp_checkpoint(
+                args.output,
+                source.config,
+                stream,
+                dtype=source.dtype,
+                tp_size=args.tp,
+                tokenizer=source.path,
+                force=args.force,
+            )
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -186,7 +186,7 @@ def _rope_from_hf(hf_config: dict[str, Any]) -> tuple[float, dict[str, Any] | No
     """(rope_theta, rope_scaling) from either config style; ``None`` scaling for plain RoPE."""
     params = hf_config.get("rope_parameters")
     if params is not None:
-        if not isinstance(params, dict) or "rope_theta" not in params and "rope_type" not in params:
+        if not isinstance(params, dict) or ("rope_theta" not in params and "rope_type" not in params):
             raise CheckpointError(f"unsupported rope_parameters {params!r} (per-layer-type RoPE?)")
         scaling: dict[str, Any] = params
         theta = params.get("rope_theta", hf_config.get("rope_theta", 10000.0))

@@ -244,7 +244,11 @@ def staged_directory(output_dir: str | os.PathLike[str], *, force: bool = False)
 
 
 def check_output_dir(output_dir: str | os.PathLike[str], *, force: bool = False) -> None:
-    """Raise :class:`CheckpointError` unless :func:`staged_directory` may create ``output_dir``."""
+    """Raise :class:`CheckpointError` unless :func:`staged_directory` may create ``output_dir``.
+
+    With ``force`` an existing ``output_dir`` is replaced only when it is an empty directory or a
+    checkpoint (holds ``megacp_checkpoint.json`` or ``config.json``), never any other path.
+    """
     output = Path(output_dir)
     if output.exists() or output.is_symlink():
         if not force:
@@ -272,19 +276,17 @@ class SavesPretrained(Protocol):
 TokenizerSource = Union[str, os.PathLike, SavesPretrained, None]
 
 
-def write_tokenizer(source: TokenizerSource, directory: Path) -> list[str]:
-    """Put the tokenizer into ``directory``: copy :data:`COMPANION_FILES` from a source directory,
-    or call ``source.save_pretrained``. Returns the file names added (none for ``None``)."""
+def write_tokenizer(source: TokenizerSource, directory: Path) -> None:
+    """Put the tokenizer into ``directory``: copy the :data:`COMPANION_FILES` a source directory
+    has, or call ``source.save_pretrained``; nothing for ``None``."""
     if source is None:
-        return []
-    before = {path.name for path in directory.iterdir()}
+        return
     if hasattr(source, "save_pretrained"):
         source.save_pretrained(str(directory))
-    else:
-        for name in COMPANION_FILES:
-            if (Path(source) / name).is_file():
-                shutil.copy2(Path(source) / name, directory / name)
-    return sorted(path.name for path in directory.iterdir() if path.name not in before)
+        return
+    for name in COMPANION_FILES:
+        if (Path(source) / name).is_file():
+            shutil.copy2(Path(source) / name, directory / name)
 
 
 @dataclass

@@ -56,6 +56,9 @@ class DotProductAttention(nn.Module):
         softmax_scale: default ``1/sqrt(D)``.
     """
 
+    # TE >= 2.16's MultiheadAttention reads and sets `core_attention.name` (quantizer roles)
+    name: str | None = None
+
     def __init__(
         self,
         num_attention_heads: int,

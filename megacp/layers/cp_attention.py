@@ -32,6 +32,9 @@ class CPDotProductAttention(nn.Module):
         strategy: default prefill strategy when a step brings none.
     """
 
+    # TE >= 2.16's MultiheadAttention reads and sets `core_attention.name` (quantizer roles)
+    name: str | None = None
+
     def __init__(
         self,
         num_attention_heads: int,

@@ -19,6 +19,9 @@ and ``transformer.py``, v2.9 and main), and why RoPE is not handed to TE:
   token row, so freqs gathered at each token's global position with the packed tokens as one
   batch-1 sequence [T, 1, H] would rotate correctly — but attention then sees ``qkv_format="sbhd"``
   with one causal mask over all packed sequences, which breaks B > 1.
+* From TE 2.16 on, ``MultiheadAttention.forward`` always reads ``core_attention.name`` and sets
+  ``core_attention.output_quantizer_role`` / ``grad_input_quantizer_role``: whatever module
+  replaces ``core_attention`` must have a ``name`` attribute (``None`` is fine).
 * A non-``None`` ``inference_params`` is dereferenced by ``MultiheadAttention`` as TE's own
   ``InferenceParams`` (``cache_manager.cache``, ``allocate_memory``, ``get_seqlens_pre_step``)
   before core attention, so megacp's CP handle cannot be passed through ``TransformerLayer``.

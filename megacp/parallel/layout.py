@@ -27,6 +27,7 @@ Group kinds (each group's ranks ascending, groups ordered by their smallest rank
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 
 AXES: tuple[str, ...] = ("ext_dp", "dp", "pp", "cp", "tp")
@@ -102,22 +103,18 @@ class ParallelLayout:
             ValueError: a size is invalid or ``world_size`` is not the product of the sizes.
         """
         _check_size("world_size", world_size)
-        sizes: dict[str, int | None] = {"tp": tp, "cp": cp, "pp": pp, "dp": dp, "ext_dp": ext_dp}
         derived = "cp" if cp is None else "dp" if dp is None else None
-        if derived == "cp" and dp is None:
-            sizes["dp"] = 1
-        given = {name: _check_size(name, value) for name, value in sizes.items() if name != derived}
-        product = 1
-        for value in given.values():
-            product *= value
+        requested = {"tp": tp, "cp": cp, "pp": pp, "dp": 1 if dp is None and cp is None else dp, "ext_dp": ext_dp}
+        given = {name: _check_size(name, value) for name, value in requested.items() if name != derived}
+        product = math.prod(given.values())
         shown = " x ".join(f"{name}={value}" for name, value in given.items())
-        if derived is None and product != world_size:
-            raise ValueError(f"world size {world_size} != {shown} = {product}")
-        if derived is not None and world_size % product != 0:
+        if derived is None:
+            if product != world_size:
+                raise ValueError(f"world size {world_size} != {shown} = {product}")
+            return cls(**given, ep_includes_cp=ep_includes_cp)
+        if world_size % product != 0:
             raise ValueError(f"world size {world_size} is not divisible by {shown} = {product} ({derived} takes the rest)")
-        if derived is not None:
-            sizes[derived] = world_size // product
-        return cls(**sizes, ep_includes_cp=ep_includes_cp)
+        return cls(**given, **{derived: world_size // product}, ep_includes_cp=ep_includes_cp)
 
     @property
     def world_size(self) -> int:
@@ -197,5 +194,6 @@ class ParallelLayout:
 
     def __str__(self) -> str:
         sizes = " x ".join(f"{axis}{getattr(self, axis)}" for axis in AXES)
+        ranks = "1 rank" if self.world_size == 1 else f"{self.world_size} ranks"
         suffix = " (ep includes cp)" if self.ep_includes_cp else ""
-        return f"{sizes} = {self.world_size} ranks{suffix}"
+        return f"{sizes} = {ranks}{suffix}"

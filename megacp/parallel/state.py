@@ -71,7 +71,12 @@ class ParallelState:
         if layout.world_size != world_size:
             raise ConfigError(f"layout {layout} needs {layout.world_size} ranks, but the world size is {world_size}")
         if config is None:
-            config = MegacpConfig.from_dict({"context_parallel": {"size": layout.cp}})
+            config = MegacpConfig.from_dict({
+                "context_parallel": {"size": layout.cp},
+                "tensor_model_parallel": {"size": layout.tp},
+                "pipeline_model_parallel": {"size": layout.pp},
+                "expert_model_parallel": {"include_cp": layout.ep_includes_cp},
+            })
         created: dict[tuple[int, ...], ProcessGroup] = {tuple(range(world_size)): dist.group.WORLD}
         groups: dict[str, ProcessGroup] = {}
         ranks: dict[str, tuple[int, ...]] = {}
@@ -134,11 +139,11 @@ def initialize(
     ``MASTER_ADDR``/``MASTER_PORT`` in the environment) and as a plain process without them (a
     world of one, on a free localhost port). An already initialised default process group is
     reused. The backend is ``backend`` if given, else NCCL when CUDA is available, else gloo;
-    under NCCL the CUDA device is set from ``LOCAL_RANK``. For a backend other than gloo,
-    ``deepspeed.init_distributed`` does the initialisation when DeepSpeed is installed. Under gloo
-    ``torch.distributed`` does it directly: DeepSpeed's CPU path compiles a shared-memory op on
-    first use (about a minute, and it needs a C++ compiler), and ``deepspeed.initialize`` adopts
-    an existing process group later anyway.
+    under NCCL the CUDA device is set from ``LOCAL_RANK``. Under a launcher with a backend other
+    than gloo, ``deepspeed.init_distributed`` does the initialisation when DeepSpeed is installed.
+    Under gloo ``torch.distributed`` does it directly: DeepSpeed's CPU path compiles a
+    shared-memory op on first use (about a minute, and it needs a C++ compiler), and
+    ``deepspeed.initialize`` adopts an existing process group later anyway.
 
     Args:
         config: ``None`` (all ranks form one CP group), a path of a DeepSpeed JSON/hjson file, its
