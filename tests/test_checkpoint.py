@@ -15,6 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import gguf
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -115,13 +117,15 @@ def test_config_styles_and_round_trip(hf_dirs: dict) -> None:
         ({"architectures": ["GPT2LMHeadModel"]}, "unsupported architecture GPT2LMHeadModel"),
         ({"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": 512,
           "max_position_embeddings": 4096}, "sliding_window=512 is smaller than max_position_embeddings=4096"),
+        ({"architectures": ["MistralForCausalLM"], "model_type": "mistral", "max_position_embeddings": 8192},
+         "sliding_window=4096 is smaller than max_position_embeddings=8192"),  # transformers' default window
         ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, "unsupported rope_type 'yarn'"),
         ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "rope_theta": 1e4}}, "needs low_freq_factor"),
         ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
         ({"hidden_size": None}, "no 'hidden_size'"),
         ({"attention_bias": True}, "o_proj bias"),
     ],
-    ids=["arch", "sliding-window", "rope-type", "rope-params", "act", "missing-key", "llama-bias"],
+    ids=["arch", "sliding-window", "mistral-default-window", "rope-type", "rope-params", "act", "missing-key", "llama-bias"],
 )
 def test_config_errors(hf_dirs: dict, change: dict, message: str) -> None:
     hf_config = json.loads((hf_dirs["llama3"][0] / "config.json").read_text())
@@ -230,10 +234,10 @@ def test_tp_shards_compute_the_same_layer(hf_dirs: dict) -> None:
     torch.testing.assert_close(sum(_mlp(x, p) for p in parts), mlp, rtol=1e-12, atol=1e-12)
     for name, tensor in full.items():
         assert torch.equal(merge_shards(cfg, name, [p[name] for p in parts]), tensor)
-    with pytest.raises(CheckpointError, match=r"KV heads \(2\) are not divisible by tensor-parallel size 4"):
+    with pytest.raises(CheckpointError, match="num_kv_heads=2 is not divisible by tensor-parallel size 4"):
         shard_tensor(cfg, "embedding.weight", full["embedding.weight"], 0, 4)
     gqa = ModelConfig(hidden_size=48, num_heads=6, num_kv_heads=3, intermediate_size=12)
-    with pytest.raises(CheckpointError, match=r"query heads \(6\) are not divisible by tensor-parallel size 4"):
+    with pytest.raises(CheckpointError, match="num_heads=6 is not divisible by tensor-parallel size 4"):
         shard_tensor(gqa, "embedding.weight", torch.zeros(1), 0, 4)
 
 
@@ -250,7 +254,7 @@ def test_cli_errors_in_subprocess(hf_dirs: dict, tmp_path: Path) -> None:
     cases = [
         (["hf-to-megacp", "--input", str(gpt2), "--output", str(out)], "unsupported architecture GPT2LMHeadModel"),
         (["hf-to-megacp", "--input", str(source), "--output", str(out), "--tp", "4"],
-         "KV heads (2) are not divisible by tensor-parallel size 4"),
+         "num_kv_heads=2 is not divisible by tensor-parallel size 4"),
         (["megacp-to-hf", "--input", str(tmp_path / "nope"), "--output", str(out)], "is not a megacp checkpoint"),
     ]
     before = _listing(tmp_path)
@@ -311,6 +315,21 @@ def test_cli_errors(hf_dirs: dict, tmp_path: Path, capsys: pytest.CaptureFixture
     (truncated / "model.safetensors").write_bytes(data[: len(data) - 100])
     _expect_error(capsys, ["hf-to-megacp", "--input", str(truncated), "--output", out], "cannot read", tmp_path)
 
+    writer = gguf.GGUFWriter(str(tmp_path / "gpt2.gguf"), "gpt2")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    _expect_error(capsys, ["gguf-to-megacp", "--input", str(tmp_path / "gpt2.gguf"), "--output", out],
+                  "unsupported GGUF architecture 'gpt2'", tmp_path)
+    (tmp_path / "cut.gguf").write_bytes((tmp_path / "gpt2.gguf").read_bytes()[:-16])
+    _expect_error(capsys, ["gguf-to-megacp", "--input", str(tmp_path / "cut.gguf"), "--output", out],
+                  "truncated or corrupt", tmp_path)
+    _expect_error(capsys, ["gguf-to-megacp", "--input", str(tmp_path / "none.gguf"), "--output", out],
+                  "does not exist", tmp_path)
+
     assert main(["hf-to-megacp", "--input", str(source), "--output", out, "--tp", "2"]) == 0
     capsys.readouterr()
     stamp = (tmp_path / "out" / MANIFEST).read_bytes()
@@ -336,24 +355,6 @@ def test_cli_errors(hf_dirs: dict, tmp_path: Path, capsys: pytest.CaptureFixture
     rank1.write_bytes(bytes(data[:-8]))
     _expect_error(capsys, ["reshard", "--input", out, "--output", str(tmp_path / "re"), "--tp", "1"],
                   "truncated or corrupt", tmp_path)
-
-    import gguf
-    import numpy as np
-
-    writer = gguf.GGUFWriter(str(tmp_path / "gpt2.gguf"), "gpt2")
-    writer.add_block_count(1)
-    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    _expect_error(capsys, ["gguf-to-megacp", "--input", str(tmp_path / "gpt2.gguf"), "--output", out],
-                  "unsupported GGUF architecture 'gpt2'", tmp_path)
-    (tmp_path / "cut.gguf").write_bytes((tmp_path / "gpt2.gguf").read_bytes()[:-16])
-    _expect_error(capsys, ["gguf-to-megacp", "--input", str(tmp_path / "cut.gguf"), "--output", out],
-                  "truncated or corrupt", tmp_path)
-    _expect_error(capsys, ["gguf-to-megacp", "--input", str(tmp_path / "none.gguf"), "--output", out],
-                  "does not exist", tmp_path)
 
     # --force replaces a checkpoint (here the damaged one) in one rename.
     assert main(["hf-to-megacp", "--input", str(source), "--output", out, "--force"]) == 0

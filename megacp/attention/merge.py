@@ -45,14 +45,31 @@ def merge_states(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> 
     return out, lse
 
 
+def _fused_merge_applies(acc_out: Tensor, out: Tensor) -> bool:
+    if not (acc_out.is_cuda and acc_out.dim() == 3 and acc_out.stride(-1) == 1 and out.stride(-1) == 1):
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def merge_into(acc_out: Tensor, acc_lse: Tensor, out: Tensor, lse: Tensor) -> None:
     """Online merge: fold one partial ``(out, lse)`` into the running state in place.
 
+    On CUDA a fused Triton kernel does it in one pass (:mod:`megacp.attention.merge_triton`).
+
     Args:
-        acc_out: fp32 ``[..., H, D]`` running output (updated in place; may be a view/slice).
+        acc_out: ``[..., H, D]`` running output (any float dtype; updated in place; may be a slice).
         acc_lse: fp32 ``[..., H]`` running LSE (updated in place).
         out, lse: the partial to add, same leading shape.
     """
+    if _fused_merge_applies(acc_out, out):
+        from megacp.attention.merge_triton import fused_merge_into
+
+        fused_merge_into(acc_out, acc_lse, out, lse)
+        return
     new_out, new_lse = merge_states(acc_out, acc_lse, out, lse)
     acc_out.copy_(new_out)
     acc_lse.copy_(new_lse)

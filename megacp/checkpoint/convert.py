@@ -69,7 +69,13 @@ def _hf_to_megacp(args: argparse.Namespace) -> WriteSummary:
         tensors = hf_to_megacp(cfg, source.get, source.names)
         with _progress(tensors, len(parameter_shapes(cfg)), "hf-to-megacp") as stream:
             return save_megacp_checkpoint(
-                args.output, cfg, stream, dtype=dtype, tp_size=args.tp, tokenizer=source.path, force=args.force
+                args.output,
+                cfg,
+                stream,
+                dtype=dtype,
+                tp_size=args.tp,
+                tokenizer=source.path,
+                force=args.force,
             )
 
 

@@ -28,7 +28,7 @@ from megacp.checkpoint.hf import hf_to_megacp
 from megacp.models.config import ModelConfig
 
 _ARCHITECTURES = ("llama", "qwen2")
-# GGUF name (inside ``blk.{i}.`` for layer tensors) -> Hugging Face name (inside ``model.layers.{i}.``).
+# GGUF name inside ``blk.{i}.`` -> Hugging Face name inside ``model.layers.{i}.``.
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
     "attn_q.weight": "self_attn.q_proj.weight",
@@ -72,15 +72,17 @@ def load_gguf(
     try:
         reader = GGUFReader(path)
     except Exception as err:  # the gguf package raises assorted errors for corrupt files
-        raise CheckpointError(f"cannot read GGUF file {path} (truncated or corrupt?): {err}") from None
+        raise CheckpointError(
+            f"cannot read GGUF file {path} (truncated or corrupt?): {err}"
+        ) from None
     cfg = config_from_gguf(reader)
     tensors = {tensor.name: tensor for tensor in reader.tensors}
     for name, tensor in tensors.items():
         if tensor.data.nbytes != tensor.n_bytes:
             raise CheckpointError(f"GGUF file {path} is truncated (tensor {name!r} is incomplete)")
-    hf_names = {_hf_name(name): name for name in tensors}
-    get = _dequantizing_getter(cfg, reader.get_field("general.architecture").contents(), tensors, hf_names)
-    return cfg, hf_to_megacp(cfg, get, hf_names), _tokenizer(path)
+    gguf_names = {_hf_name(name): name for name in tensors}
+    tensor_stream = hf_to_megacp(cfg, _dequantizing_getter(cfg, tensors, gguf_names), gguf_names)
+    return cfg, tensor_stream, _tokenizer(path)
 
 
 def config_from_gguf(reader: GGUFReader) -> ModelConfig:
@@ -101,14 +103,20 @@ def config_from_gguf(reader: GGUFReader) -> ModelConfig:
     head_dim = int(_field(reader, f"{arch}.attention.key_length", hidden // num_heads))
     rotary_dim = int(_field(reader, f"{arch}.rope.dimension_count", head_dim))
     if rotary_dim != head_dim:
-        raise CheckpointError(f"partial rotary embeddings ({rotary_dim} of {head_dim}) are not supported")
+        raise CheckpointError(
+            f"partial rotary embeddings ({rotary_dim} of {head_dim} dims) are not supported"
+        )
     scaling_type = _field(reader, f"{arch}.rope.scaling.type", "none")
     if scaling_type not in ("none", "linear"):
-        raise CheckpointError(f"unsupported GGUF rope scaling type {scaling_type!r}; supported: none, linear")
+        raise CheckpointError(
+            f"unsupported GGUF rope scaling type {scaling_type!r}; supported: none, linear"
+        )
     rope_scaling = None
     if scaling_type == "linear":
-        rope_scaling = {"rope_type": "linear", "factor": float(_field(reader, f"{arch}.rope.scaling.factor"))}
-    vocab_size = len(_field(reader, "tokenizer.ggml.tokens", [])) or int(_field(reader, f"{arch}.vocab_size"))
+        factor = float(_field(reader, f"{arch}.rope.scaling.factor"))
+        rope_scaling = {"rope_type": "linear", "factor": factor}
+    tokens = reader.get_field("tokenizer.ggml.tokens")
+    vocab_size = len(tokens.data) if tokens is not None else int(_field(reader, f"{arch}.vocab_size"))
     try:
         return ModelConfig(
             architecture=arch,
@@ -154,16 +162,19 @@ def _hf_name(gguf_name: str) -> str:
 
 
 def _dequantizing_getter(
-    cfg: ModelConfig, arch: str, tensors: dict[str, Any], gguf_names: dict[str, str]
+    cfg: ModelConfig, tensors: dict[str, Any], gguf_names: dict[str, str]
 ) -> Callable[[str], torch.Tensor]:
-    """``get(hf_name)``: dequantise the GGUF tensor to float32 in Hugging Face row order."""
+    """``get(hf_name)``: dequantise the GGUF tensor to float32 in Hugging Face row order.
+
+    ``tensors`` maps GGUF names to the reader's tensors, ``gguf_names`` Hugging Face to GGUF names.
+    """
 
     def get(hf_name: str) -> torch.Tensor:
         tensor = tensors[gguf_names[hf_name]]
         values = np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
         weight = torch.from_numpy(values).reshape(tuple(int(n) for n in reversed(tensor.shape)))
         heads = cfg.num_heads if hf_name.endswith("q_proj.weight") else cfg.num_kv_heads
-        if arch == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+        if cfg.architecture == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
             if weight.shape[0] == heads * cfg.head_dim:  # else hf_to_megacp reports the shape
                 return _unpermute_rotary_rows(weight, heads)
         return weight

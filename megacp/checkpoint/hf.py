@@ -1,10 +1,9 @@
-"""Hugging Face checkpoints: config translation, name mapping and a streaming reader.
+"""Hugging Face checkpoints: config translation, name mapping, streaming reader and writer.
 
 Supported models are ``LlamaForCausalLM`` (Llama 2/3/3.1, SmolLM), ``MistralForCausalLM`` (without
 a sliding window shorter than the context) and ``Qwen2ForCausalLM`` (Q/K/V bias). Both config
 styles occur in the wild and are read: transformers 4 (``rope_theta`` + ``rope_scaling``) and
-transformers 5 (``rope_parameters`` holding ``rope_theta``). :func:`config_to_hf` writes both, so
-its output loads in either version.
+transformers 5 (``rope_parameters`` holding ``rope_theta``); :func:`config_to_hf` writes both.
 
 The tensor mappings stream: :func:`hf_to_megacp` and :func:`megacp_to_hf` fetch the tensors they need
 through a ``get(name)`` callback and yield one converted tensor at a time, so a converter never
@@ -115,7 +114,11 @@ def config_from_hf(hf_config: dict[str, Any]) -> ModelConfig:
 
 
 def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
-    """The Hugging Face ``config.json`` dict of ``cfg`` (loads with transformers 4.45+ and 5)."""
+    """The Hugging Face ``config.json`` dict of ``cfg`` for transformers 5 ``AutoConfig``.
+
+    RoPE is written in both styles (``rope_parameters``, and ``rope_theta`` + ``rope_scaling``) so
+    that transformers 4 reads it too.
+    """
     rope_parameters = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     if cfg.rope_scaling is not None:
         rope_parameters = {**cfg.rope_scaling, "rope_theta": cfg.rope_theta}
@@ -172,7 +175,8 @@ def _required(hf_config: dict[str, Any], key: str) -> Any:
 
 
 def _check_sliding_window(arch: str, hf_config: dict[str, Any], max_positions: int) -> None:
-    window = hf_config.get("sliding_window")
+    # transformers' MistralConfig defaults to a 4096-token window when config.json omits the key.
+    window = hf_config.get("sliding_window", 4096 if arch == "mistral" else None)
     uses_window = arch == "mistral" or (arch == "qwen2" and hf_config.get("use_sliding_window"))
     if uses_window and window is not None and window < max_positions:
         raise CheckpointError(
@@ -282,24 +286,27 @@ def _check_names(
     expected = [source for name in shapes for source in hf_names_of(name)] if hf else list(shapes)
     missing = [name for name in expected if name not in present]
     if missing:
-        raise CheckpointError(
-            f"missing tensor {missing[0]!r}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
-        )
-    expected_set = set(expected)
-    unexpected = sorted(name for name in present - expected_set if not _ignorable(cfg, name, hf=hf))
+        raise CheckpointError(_first_of("missing", missing))
+    unexpected = sorted(name for name in present - set(expected) if not _ignorable(cfg, name, hf=hf))
     if unexpected:
-        raise CheckpointError(
-            f"unexpected tensor {unexpected[0]!r}"
-            + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else "")
-            + f": not part of a {cfg.architecture} model with {cfg.num_layers} layers"
-            + (", tied embeddings" if cfg.tie_word_embeddings else "")
-            + (", Q/K/V bias" if cfg.attention_bias else "")
+        features = (", tied embeddings" if cfg.tie_word_embeddings else "") + (
+            ", Q/K/V bias" if cfg.attention_bias else ""
         )
+        raise CheckpointError(
+            f"{_first_of('unexpected', unexpected)}: not part of a {cfg.architecture} model with "
+            f"{cfg.num_layers} layers{features}"
+        )
+
+
+def _first_of(kind: str, names: list[str]) -> str:
+    more = f" (and {len(names) - 1} more)" if len(names) > 1 else ""
+    return f"{kind} tensor {names[0]!r}{more}"
 
 
 def _ignorable(cfg: ModelConfig, name: str, *, hf: bool) -> bool:
     if hf:
-        return name.endswith("rotary_emb.inv_freq") or (cfg.tie_word_embeddings and name == "lm_head.weight")
+        tied_head = cfg.tie_word_embeddings and name == "lm_head.weight"
+        return tied_head or name.endswith("rotary_emb.inv_freq")
     return name.endswith("._extra_state")
 
 
@@ -410,7 +417,9 @@ class HFCheckpoint:
         except CheckpointError:
             raise
         except Exception as err:  # a key listed in the index but absent from the file, bad data
-            raise CheckpointError(f"cannot read tensor {name!r} from {self.path / file_name}: {err}") from None
+            raise CheckpointError(
+                f"cannot read tensor {name!r} from {self.path / file_name}: {err}"
+            ) from None
 
     def close(self) -> None:
         """Release the open files."""

@@ -27,7 +27,8 @@ safetensors header first and then each tensor at its precomputed offset as it ar
 order. Saving therefore holds one source tensor at a time plus its dtype-cast copy and one
 contiguous shard: a small constant (about 3x) times the largest tensor, never the model. Loading
 one rank's shards returns that rank's state dict (the caller asked for it); a reshard on load or a
-:meth:`MegacpCheckpoint.get` of a full tensor holds one full tensor plus its shards at a time.
+:meth:`MegacpCheckpoint.get` of a full tensor holds one full tensor plus its parts at a time
+(replicated tensors: one copy plus the one being verified).
 """
 
 from __future__ import annotations
@@ -48,7 +49,14 @@ import torch
 from safetensors import safe_open
 
 from megacp.checkpoint import CheckpointError
-from megacp.checkpoint.tp import check_tp_rank, check_tp_size, merge_shards, shard_shape, shard_tensor
+from megacp.checkpoint.tp import (
+    check_tp_rank,
+    check_tp_size,
+    is_replicated,
+    merge_shards,
+    shard_shape,
+    shard_tensor,
+)
 from megacp.models.config import ModelConfig
 
 MANIFEST = "megacp_checkpoint.json"
@@ -361,7 +369,8 @@ def save_megacp_checkpoint(
             tensor = tensor.to(dtype)
             for rank, writer in enumerate(writers):
                 shard = shard_tensor(cfg, name, tensor, rank, tp_size)
-                entries[name]["shards"][rank] = {"shape": list(shard.shape), "sha256": writer.write(name, shard)}
+                sha256 = writer.write(name, shard)
+                entries[name]["shards"][rank] = {"shape": list(shard.shape), "sha256": sha256}
         for writer in writers:
             writer.finish()
         manifest = {
@@ -481,8 +490,18 @@ class MegacpCheckpoint:
         return tensor
 
     def get(self, name: str) -> torch.Tensor:
-        """The full tensor ``name`` (merged from every rank's part; each part verified)."""
-        return merge_shards(self.config, name, [self.get_shard(name, r) for r in range(self.tp_size)])
+        """The full tensor ``name`` (merged from every rank's part; each part verified).
+
+        A replicated tensor is returned from rank 0's file; the other ranks' copies are read one at
+        a time only to verify their checksums, which must all be equal.
+        """
+        if not is_replicated(name):
+            return merge_shards(self.config, name, [self.get_shard(name, r) for r in range(self.tp_size)])
+        if len({shard["sha256"] for shard in self._entries[name]["shards"]}) != 1:
+            raise CheckpointError(f"{self.path / MANIFEST}: the TP copies of replicated {name!r} differ")
+        for rank in range(1, self.tp_size):
+            self.get_shard(name, rank)
+        return self.get_shard(name, 0)
 
     def iter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Every full tensor in canonical order, one at a time."""

@@ -20,12 +20,9 @@ from megacp.checkpoint import CheckpointError
 from megacp.models.config import ModelConfig
 
 _REPLICATED = ("layer_norm_weight", "embedding.weight", "final_norm.weight", "lm_head.weight")
-_QUERY = ("layernorm_qkv.query_weight", "layernorm_qkv.query_bias")
-_KEY_VALUE = (
-    "layernorm_qkv.key_weight",
-    "layernorm_qkv.key_bias",
-    "layernorm_qkv.value_weight",
-    "layernorm_qkv.value_bias",
+# Split by output features: query rows by query heads, key/value rows by KV heads.
+_ROWS = tuple(
+    f"layernorm_qkv.{proj}_{kind}" for proj in ("query", "key", "value") for kind in ("weight", "bias")
 )
 _FC1 = "layernorm_mlp.fc1_weight"
 _COLUMNS = ("self_attention.proj.weight", "layernorm_mlp.fc2_weight")
@@ -35,13 +32,13 @@ def check_tp_size(cfg: ModelConfig, tp_size: int) -> None:
     """Raise :class:`CheckpointError` unless heads, KV heads and the MLP width divide by ``tp_size``."""
     if tp_size < 1:
         raise CheckpointError(f"tensor-parallel size must be >= 1, got {tp_size}")
-    for what, count in (
-        ("query heads", cfg.num_heads),
-        ("KV heads", cfg.num_kv_heads),
+    for key, count in (
+        ("num_heads", cfg.num_heads),
+        ("num_kv_heads", cfg.num_kv_heads),
         ("intermediate_size", cfg.intermediate_size),
     ):
         if count % tp_size:
-            raise CheckpointError(f"{what} ({count}) are not divisible by tensor-parallel size {tp_size}")
+            raise CheckpointError(f"{key}={count} is not divisible by tensor-parallel size {tp_size}")
 
 
 def check_tp_rank(cfg: ModelConfig, tp_rank: int, tp_size: int) -> None:
@@ -54,13 +51,18 @@ def check_tp_rank(cfg: ModelConfig, tp_rank: int, tp_size: int) -> None:
 def _rule(name: str) -> str:
     if name.endswith(_REPLICATED):
         return "replicated"
-    if name.endswith(_QUERY + _KEY_VALUE):
+    if name.endswith(_ROWS):
         return "rows"
     if name.endswith(_FC1):
         return "fc1"
     if name.endswith(_COLUMNS):
         return "columns"
     raise CheckpointError(f"{name!r} is not a megacp parameter name")
+
+
+def is_replicated(name: str) -> bool:
+    """Whether every TP rank holds the whole of megacp tensor ``name``."""
+    return _rule(name) == "replicated"
 
 
 def shard_tensor(
