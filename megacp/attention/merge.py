@@ -45,38 +45,30 @@ def merge_states(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> 
     return out, lse
 
 
-def _fused_merge_applies(acc_out: Tensor, out: Tensor) -> bool:
-    if not (acc_out.is_cuda and acc_out.dim() == 3 and acc_out.stride(-1) == 1 and out.stride(-1) == 1):
-        return False
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def merge_into(acc_out: Tensor, acc_lse: Tensor, out: Tensor, lse: Tensor) -> None:
     """Online merge: fold one partial ``(out, lse)`` into the running state in place.
 
-    On CUDA a fused Triton kernel does it in one pass (:mod:`megacp.attention.merge_triton`).
+    The weights are computed on the small ``[..., H]`` LSE tensors; the large output tensor is
+    touched by two in-place kernels only (scale, then fused multiply-add), without fp32 copies —
+    this runs once per ring step on every query row, so its memory traffic matters.
 
     Args:
         acc_out: ``[..., H, D]`` running output (any float dtype; updated in place; may be a slice).
         acc_lse: fp32 ``[..., H]`` running LSE (updated in place).
         out, lse: the partial to add, same leading shape.
     """
-    if _fused_merge_applies(acc_out, out):
-        from megacp.attention.merge_triton import fused_merge_into
-
-        fused_merge_into(acc_out, acc_lse, out, lse)
-        return
-    new_out, new_lse = merge_states(acc_out, acc_lse, out, lse)
-    acc_out.copy_(new_out)
-    acc_lse.copy_(new_lse)
+    m = _finite_or_zero(torch.maximum(acc_lse, lse))
+    wa = torch.exp(acc_lse - m)
+    wb = torch.exp(lse - m)
+    total = wa + wb
+    inv = torch.where(total > 0, 1.0 / total, torch.zeros_like(total))
+    acc_lse.copy_(m + torch.log(total))
+    acc_out.mul_((wa * inv).unsqueeze(-1))  # fp32 weights: the math runs in fp32, results round to acc's dtype
+    acc_out.addcmul_(out, (wb * inv).unsqueeze(-1))
 
 
 def merge_stack(outs: Tensor, lses: Tensor) -> tuple[Tensor, Tensor]:
-    """Merge N partials stacked on dim 0.
+    """Merge N partials stacked on dim 0 (few kernels: this sits on the decode critical path).
 
     Args:
         outs: ``[N, ..., H, D]`` partial outputs.
@@ -85,10 +77,7 @@ def merge_stack(outs: Tensor, lses: Tensor) -> tuple[Tensor, Tensor]:
     Returns:
         ``(out, lse)`` with the leading N removed; ``out`` in ``outs.dtype``.
     """
-    m = _finite_or_zero(lses.max(dim=0).values)
-    w = torch.exp(lses - m.unsqueeze(0))
-    total = w.sum(dim=0)
-    lse = m + torch.log(total)
-    inv = torch.where(total > 0, 1.0 / total, torch.zeros_like(total))
-    out = (outs.float() * (w * inv.unsqueeze(0)).unsqueeze(-1)).sum(dim=0)
+    lse = torch.logsumexp(lses, dim=0)  # -inf where every partial is empty
+    w = torch.exp(lses - lse).nan_to_num_(nan=0.0)  # (-inf) - (-inf) = nan -> weight 0
+    out = (outs * w.unsqueeze(-1)).sum(dim=0)
     return out.to(outs.dtype), lse

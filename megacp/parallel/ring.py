@@ -66,18 +66,21 @@ def pack_states(out: Tensor, lse: Tensor) -> Tensor:
     Args:
         out: ``[..., H, D]`` (any dtype); lse: ``[..., H]`` fp32.
     Returns:
-        uint8 ``[..., H*D*itemsize + H*4]``.
+        uint8 ``[..., H*D*itemsize + H*4]`` (two copies, no concatenation temporaries).
     """
-    lead = out.shape[:-2]
-    ob = out.contiguous().view(torch.uint8).reshape(*lead, -1)
-    lb = lse.float().contiguous().view(torch.uint8).reshape(*lead, -1)
-    return torch.cat([ob, lb], dim=-1)
+    lead, h, d = out.shape[:-2], out.shape[-2], out.shape[-1]
+    nb = h * d * out.element_size()
+    buf = torch.empty((*lead, nb + h * 4), dtype=torch.uint8, device=out.device)
+    buf[..., :nb].view(out.dtype).view(*lead, h, d).copy_(out)
+    buf[..., nb:].view(torch.float32).copy_(lse)
+    return buf
 
 
 def unpack_states(buf: Tensor, heads: int, head_dim: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """Inverse of :func:`pack_states`: ``(out [..., H, D] dtype, lse [..., H] fp32)``."""
+    """Inverse of :func:`pack_states`, as views into ``buf`` (no copies):
+    ``(out [..., H, D] dtype, lse [..., H] fp32)``."""
     lead = buf.shape[:-1]
     nb = heads * head_dim * torch.empty((), dtype=dtype).element_size()
-    out = buf[..., :nb].contiguous().view(dtype).reshape(*lead, heads, head_dim)
-    lse = buf[..., nb:].contiguous().view(torch.float32).reshape(*lead, heads)
+    out = buf[..., :nb].view(dtype).view(*lead, heads, head_dim)
+    lse = buf[..., nb:].view(torch.float32)
     return out, lse
