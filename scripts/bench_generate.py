@@ -1,0 +1,83 @@
+"""Time to first token of a Llama-3-8B-shaped model (random bf16 weights): CP=2 against CP=1,
+measured in one run on the same GPUs.
+
+    torchrun --nproc_per_node 2 scripts/bench_generate.py --seqlens 32768,65536,131072
+
+Both ranks run the CP=2 prefill (pass-KV ring, sharded KV cache) of the same prompt and the first
+token; then rank 0 alone runs the same model at CP=1. Prints TTFT of each, the ratio CP2/CP1
+(ideal 0.5) and writes ``--json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import torch.distributed as dist
+
+import megacp
+from megacp.generate import Generator, SamplingParams
+from megacp.models import ModelConfig, build_model
+from megacp.parallel.ring import Ring
+
+LLAMA3_8B = dict(architecture="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                 num_heads=32, num_kv_heads=8, rms_norm_eps=1e-5, rope_theta=500000.0,
+                 max_position_embeddings=1 << 20)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seqlens", default="32768,131072")
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--strategy", default="auto")
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    state = megacp.initialize()
+    dev, rank = state.device, state.rank
+    cfg = ModelConfig(num_layers=args.layers, **LLAMA3_8B)
+    torch.manual_seed(0)
+    model = build_model(cfg, dtype=torch.bfloat16, device=dev, backend="torch")
+    megacp.swap_attention(model, state, strategy=args.strategy)
+    shape = dict(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                 device=dev, dtype=torch.bfloat16, strategy=args.strategy)
+    cp2 = Generator(model, ring=Ring(state.group("cp")), **shape)
+    cp1 = Generator(model, ring=None, **shape)
+    one = SamplingParams(max_new_tokens=1)
+    g = torch.Generator().manual_seed(1)
+    rows = []
+    warm = torch.randint(0, cfg.vocab_size, (4096,), generator=g).tolist()
+    cp2.generate([warm], one)
+    if rank == 0:
+        cp1.generate([warm], one)
+    dist.barrier()
+    for s in (int(x) for x in args.seqlens.split(",")):
+        prompt = torch.randint(0, cfg.vocab_size, (s,), generator=g).tolist()
+        dist.barrier()
+        r2 = cp2.generate([prompt], one)
+        dist.barrier()
+        row = {"seqlen": s, "cp2_ttft_s": r2.report["ttft_s"], "strategy": r2.report["prefill_strategy"],
+               "peak_mem_gb": round(torch.cuda.max_memory_allocated(dev) / 2**30, 1)}
+        if rank == 0:
+            torch.cuda.empty_cache()
+            r1 = cp1.generate([prompt], one)
+            row["cp1_ttft_s"] = r1.report["ttft_s"]
+            row["ratio"] = round(row["cp2_ttft_s"] / row["cp1_ttft_s"], 3)
+            row["same_first_token"] = r1.tokens == r2.tokens
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+        dist.barrier()
+        torch.cuda.empty_cache()
+    if rank == 0:
+        print(f"TTFT, Llama-3-8B shape ({args.layers} layers), bf16, {torch.cuda.get_device_name(dev)}")
+        print(f"{'seqlen':>8} {'CP1 s':>8} {'CP2 s':>8} {'CP2/CP1':>8}  strategy")
+        for r in rows:
+            print(f"{r['seqlen']:>8} {r['cp1_ttft_s']:>8.3f} {r['cp2_ttft_s']:>8.3f} {r['ratio']:>8.3f}  {r['strategy']}")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
