@@ -205,6 +205,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--strategy", choices=("auto", "pass_kv", "pass_q"), default=None,
                    help="prefill strategy (default: the config's context_parallel.prefill, else auto)")
     p.add_argument("--prefill-chunk", type=int, default=0, help="chunked prefill: tokens per chunk (0 = whole prompt)")
+    p.add_argument("--calibrate", action="store_true",
+                   help="measure attention FLOP/s and ring bandwidth for the auto strategy (cached in ~/.cache/megacp)")
     p.add_argument("--output", help="write {'tokens': ..., 'report': ...} JSON here (rank 0)")
     p.add_argument("--quiet", action="store_true", help="no streaming text")
     from megacp.config import add_launcher_args
@@ -263,6 +265,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     prompts, nested = _load_prompts(args, tokenizer)
 
     ring = Ring(state.group("cp")) if state.size("cp") > 1 else None
+    if args.calibrate:
+        from megacp.attention.strategy import calibrate
+
+        hw = calibrate(state.group("cp"), device)
+        if rank0:
+            print(f"megacp: calibrated C={hw.flops:.3g} FLOP/s per rank, BW={hw.bandwidth:.3g} B/s", flush=True)
     gen = Generator(model, num_layers=mcfg.num_layers, num_kv_heads=mcfg.num_kv_heads // state.size("tp"),
                     head_dim=mcfg.head_dim, ring=ring, device=device, dtype=dtype, strategy=strategy,
                     prefill_chunk=args.prefill_chunk,

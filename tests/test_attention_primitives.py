@@ -118,3 +118,26 @@ def test_strategy_rule_on_the_papers_numbers() -> None:
     assert high_miss.strategy == "pass_kv"
     # transfers hidden: T >= N*C*NKV*e / (2*NH*BW)
     assert full.hide_threshold == pytest.approx(16 * 400e12 * 8 * 2 / (2 * 128 * 50e9))
+
+
+def _calibrate(rank: int, n: int, cache_dir: str) -> tuple:
+    import os
+
+    os.environ["MEGACP_CACHE_DIR"] = cache_dir
+    from megacp.attention.strategy import calibrate, hardware_for
+
+    hw = calibrate(None, torch.device("cpu"))
+    import torch.distributed as dist
+
+    dist.barrier()  # rank 0 has written the cache
+    return hw, hardware_for(torch.device("cpu"), n)
+
+
+def test_calibration_measures_and_caches(tmp_path) -> None:
+    from tests.distributed import run_distributed
+
+    results = run_distributed(_calibrate, 2, str(tmp_path))
+    (hw0, cached0), (hw1, _) = results
+    assert hw0 == hw1 and hw0.source == "measured"  # the slowest rank's numbers, agreed by all
+    assert 1e6 < hw0.flops < 1e14 and 1e5 < hw0.bandwidth < 1e13
+    assert cached0 == hw0 and (tmp_path / "calibration.json").is_file()
