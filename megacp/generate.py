@@ -111,8 +111,15 @@ class Generator:
         return full
 
     @torch.inference_mode()
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, on_token: Any = None) -> GenerationResult:
-        """Generate for a batch of prompts of any lengths; returns generated ids per prompt."""
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, on_token: Any = None,
+                 progress: bool = False) -> GenerationResult:
+        """Generate for a batch of prompts of any lengths; returns generated ids per prompt.
+
+        ``on_token(i, token)`` is called for every generated token; ``progress`` shows a prefill
+        progress bar (tokens prefilled; one update per chunk with ``prefill_chunk``).
+        """
+        from tqdm import tqdm
+
         from megacp.kv_cache import ShardedKVCache
         from megacp.layers.step import CPStep
 
@@ -132,6 +139,7 @@ class Generator:
         done_tokens = [0] * len(prompts)
         last_logits: list[Tensor | None] = [None] * len(prompts)
         strategies = []
+        bar = tqdm(total=sum(len(p) for p in prompts), unit="tok", desc=f"prefill CP={n}", disable=not progress, leave=False)
         while True:  # (chunked) prefill: every request advances by up to `chunk` tokens per step
             todo = [i for i, p in enumerate(prompts) if done_tokens[i] < len(p)]
             if not todo:
@@ -144,6 +152,8 @@ class Generator:
             for row, (i, k) in enumerate(zip(todo, new)):
                 done_tokens[i] += k
                 last_logits[i] = logits[row]
+            bar.update(sum(new))
+        bar.close()
         next_tok = _sample(torch.stack(last_logits), params, gen)
         sync()
         ttft = time.perf_counter() - t0
@@ -289,7 +299,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         prev = tokenizer.decode(streamed[:-1], skip_special_tokens=True)
         print(text[len(prev):], end="", flush=True)
 
-    result = gen.generate(prompts, params, on_token if stream else None)
+    result = gen.generate(prompts, params, on_token if stream else None, progress=rank0 and not args.quiet)
     mem = torch.tensor([_peak_memory_mb(device)], device=device)
     mems = [torch.zeros_like(mem) for _ in range(dist.get_world_size())]
     dist.all_gather(mems, mem)

@@ -2,6 +2,7 @@
 measured in one run on the same GPUs.
 
     torchrun --nproc_per_node 2 scripts/bench_generate.py --seqlens 32768,65536,131072
+    deepspeed --num_gpus 2 scripts/bench_generate.py --deepspeed_config configs/cp2.json --seqlens 65536
 
 Both ranks run the CP=2 prefill (pass-KV ring, sharded KV cache) of the same prompt and the first
 token; then rank 0 alone runs the same model at CP=1. Prints TTFT of each, the ratio CP2/CP1
@@ -17,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 import megacp
+from megacp.config import add_launcher_args
 from megacp.generate import Generator, SamplingParams
 from megacp.models import ModelConfig, build_model
 from megacp.parallel.ring import Ring
@@ -32,8 +34,9 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--strategy", default="auto")
     p.add_argument("--json", default=None)
+    add_launcher_args(p)
     args = p.parse_args()
-    state = megacp.initialize()
+    state = megacp.initialize(args.deepspeed_config)
     dev, rank = state.device, state.rank
     cfg = ModelConfig(num_layers=args.layers, **LLAMA3_8B)
     torch.manual_seed(0)
