@@ -48,23 +48,24 @@ def merge_states(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> 
 def merge_into(acc_out: Tensor, acc_lse: Tensor, out: Tensor, lse: Tensor) -> None:
     """Online merge: fold one partial ``(out, lse)`` into the running state in place.
 
-    The weights are computed on the small ``[..., H]`` LSE tensors; the large output tensor is
-    touched by two in-place kernels only (scale, then fused multiply-add), without fp32 copies —
-    this runs once per ring step on every query row, so its memory traffic matters.
+    With normalised weights the merge is a linear interpolation,
+    ``acc_out ← acc_out + w·(out − acc_out)``, ``w = exp(lse − LSE_new)``: the weights are computed
+    on the small ``[..., H]`` LSE tensors and the large output is rewritten by a single ``lerp_``
+    kernel (this runs once per ring step on every query row, so its memory traffic matters).
+    ``w`` is cast to the output dtype, which for bf16 adds an error of the size of bf16 rounding.
 
     Args:
         acc_out: ``[..., H, D]`` running output (any float dtype; updated in place; may be a slice).
         acc_lse: fp32 ``[..., H]`` running LSE (updated in place).
-        out, lse: the partial to add, same leading shape.
+        out, lse: the partial to add, same leading shape, ``out`` in ``acc_out``'s dtype.
     """
     m = _finite_or_zero(torch.maximum(acc_lse, lse))
     wa = torch.exp(acc_lse - m)
     wb = torch.exp(lse - m)
     total = wa + wb
-    inv = torch.where(total > 0, 1.0 / total, torch.zeros_like(total))
+    w = torch.where(total > 0, wb / total, torch.zeros_like(total))
     acc_lse.copy_(m + torch.log(total))
-    acc_out.mul_((wa * inv).unsqueeze(-1))  # fp32 weights: the math runs in fp32, results round to acc's dtype
-    acc_out.addcmul_(out, (wb * inv).unsqueeze(-1))
+    acc_out.lerp_(out, w.unsqueeze(-1).to(acc_out.dtype))
 
 
 def merge_stack(outs: Tensor, lses: Tensor) -> tuple[Tensor, Tensor]:

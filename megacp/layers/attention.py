@@ -30,12 +30,13 @@ def to_thd(x: Tensor, qkv_format: str) -> Tensor:
 def from_thd(out: Tensor, like: Tensor, qkv_format: str) -> Tensor:
     """Attention output ``[t, h, d]`` → TE's output layout: heads flattened, ``[t, h*d]``,
     ``[b, s, h*d]`` or ``[s, b, h*d]`` following ``like``'s format."""
-    flat = out.reshape(out.shape[0], -1)
+    flat = out.flatten(1)  # also for a rank that holds no token of the step ([0, h, d])
+    width = flat.shape[1]
     if qkv_format == "thd":
         return flat
     if qkv_format == "bshd":
-        return flat.view(like.shape[0], like.shape[1], -1)
-    return flat.view(like.shape[1], like.shape[0], -1).transpose(0, 1).contiguous()
+        return flat.view(like.shape[0], like.shape[1], width)
+    return flat.view(like.shape[1], like.shape[0], width).transpose(0, 1).contiguous()
 
 
 def check_format(qkv_format: str, attn_mask_type: str) -> None:
