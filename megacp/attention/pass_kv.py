@@ -7,9 +7,9 @@ the asynchronous send of the block in hand to rank r+1 and the receive of the ne
 the causal structure leaves visible), and folds it into the running (out, LSE) state. Two buffers
 alternate (double buffering), so the transfer of hop s+1 overlaps the compute of hop s.
 
-The loop is written as a sequence of (block source, tiles) steps over a ring object so that the
-backward pass (dK/dV travelling the ring in the opposite direction, as in Transformer Engine's p2p CP)
-can reuse the same step list and ring.
+The loop is a sequence of (block source, tiles) steps over :meth:`Ring.rotate`, so that the backward
+pass (dK/dV travelling the ring in the opposite direction, as in Transformer Engine's p2p CP) can
+reuse the same plan tiles per step and the same rotation helper.
 """
 
 from __future__ import annotations
@@ -19,11 +19,6 @@ from torch import Tensor
 from megacp.attention.sharding import ShardPlan
 from megacp.attention.tiles import run_tiles
 from megacp.parallel.ring import Ring
-
-
-def pass_kv_sources(plan: ShardPlan) -> list[int]:
-    """Rank whose KV block is in hand at each of the N steps (own block first)."""
-    return [(plan.rank - step) % plan.cp_size for step in range(plan.cp_size)]
 
 
 def ring_pass_kv(
@@ -46,14 +41,11 @@ def ring_pass_kv(
     Returns:
         ``(out [n_local, Hq, D] q.dtype, lse [n_local, Hq] fp32)``.
     """
-    cur = kv_block
-    nxt = kv_block.new_empty(kv_block.shape) if plan.cp_size > 1 else None
+    r = plan.rank
+    if ring is None:
+        return run_tiles(q, kv_block[0], kv_block[1], plan.tiles(r, r), None, scale=scale, backend=backend)
     state = None
-    sources = pass_kv_sources(plan)
-    for step, src in enumerate(sources):
-        works = ring.start(cur, nxt) if step + 1 < len(sources) else None
-        state = run_tiles(q, cur[0], cur[1], plan.tiles(plan.rank, src), state, scale=scale, backend=backend)
-        if works is not None:
-            Ring.wait(works)
-            cur, nxt = nxt, cur
+    for step, block in ring.rotate(kv_block):  # block of rank r - step in hand
+        tiles = plan.tiles(r, (r - step) % plan.cp_size)
+        state = run_tiles(q, block[0], block[1], tiles, state, scale=scale, backend=backend)
     return state

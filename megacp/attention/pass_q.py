@@ -42,21 +42,15 @@ def ring_pass_q(
     if n == 1:
         return run_tiles(q, kv_block[0], kv_block[1], plan.tiles(r, r), None, scale=scale, backend=backend)
     hq, d = q.shape[1], q.shape[2]
-    cur = q.new_zeros((plan.max_local, hq, d))
-    cur[: q.shape[0]] = q
-    nxt = torch.empty_like(cur)
+    padded = q.new_zeros((plan.max_local, hq, d))
+    padded[: q.shape[0]] = q
     partials: list[Tensor | None] = [None] * n  # packed (out, lse) of each origin's queries
-    for step in range(n):
+    for step, q_block in ring.rotate(padded):  # queries of rank r - step in hand
         origin = (r - step) % n
-        works = ring.start(cur, nxt) if step + 1 < n else None
         rows = plan.num_local(origin)
-        tiles = plan.tiles(origin, r)
-        out, lse = run_tiles(cur[:rows], kv_block[0], kv_block[1], tiles, None, scale=scale, backend=backend)
-        packed = pack_states(out, lse)
-        partials[origin] = torch.nn.functional.pad(packed, (0, 0, 0, plan.max_local - rows))
-        if works is not None:
-            Ring.wait(works)
-            cur, nxt = nxt, cur
+        out, lse = run_tiles(q_block[:rows], kv_block[0], kv_block[1], plan.tiles(origin, r), None,
+                             scale=scale, backend=backend)
+        partials[origin] = torch.nn.functional.pad(pack_states(out, lse), (0, 0, 0, plan.max_local - rows))
     received = ring.all_to_all(torch.stack(partials))  # [N origins-of-KV, max_local, bytes]
     outs, lses = unpack_states(received[:, : q.shape[0]], hq, d, q.dtype)
     return merge_stack(outs, lses)

@@ -16,7 +16,6 @@ import json
 import os
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 import torch
@@ -24,6 +23,7 @@ from safetensors import safe_open
 
 from megacp.checkpoint import CheckpointError
 from megacp.checkpoint.store import (
+    ClosingContext,
     SafetensorsWriter,
     TokenizerSource,
     WriteSummary,
@@ -321,7 +321,7 @@ def _checked(name: str, tensor: torch.Tensor, shape: tuple[int, ...]) -> torch.T
 # ------------------------------------------------------------------------------------- reading
 
 
-class HFCheckpoint:
+class HFCheckpoint(ClosingContext):
     """Streaming read access to a Hugging Face checkpoint directory.
 
     Weights are read from ``model.safetensors`` (or shards listed in
@@ -426,16 +426,6 @@ class HFCheckpoint:
         self._safetensors.clear()
         self._bin = None
 
-    def __enter__(self) -> HFCheckpoint:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        self.close()
 
 
 def open_hf_checkpoint(hf_dir: str | os.PathLike[str]) -> HFCheckpoint:

@@ -42,8 +42,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
-from typing import Any, BinaryIO, Protocol, Union
+from typing import Any, BinaryIO, Protocol, TypeVar, Union
 
 import torch
 from safetensors import safe_open
@@ -58,6 +57,22 @@ from megacp.checkpoint.tp import (
     shard_tensor,
 )
 from megacp.models.config import ModelConfig
+
+
+_Closing = TypeVar("_Closing", bound="ClosingContext")
+
+
+class ClosingContext:
+    """``with reader:`` calls ``reader.close()`` on exit (readers and writers owning open files)."""
+
+    def close(self) -> None:
+        """Release what the object holds (overridden)."""
+
+    def __enter__(self: _Closing) -> _Closing:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 MANIFEST = "megacp_checkpoint.json"
 FORMAT_VERSION = 1
@@ -137,7 +152,7 @@ def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
 # -------------------------------------------------------------------------------------- writing
 
 
-class SafetensorsWriter:
+class SafetensorsWriter(ClosingContext):
     """Writes one safetensors file whose tensors arrive one at a time, in any order.
 
     The header is computed from ``plan`` and written on construction; :meth:`write` puts each
@@ -203,16 +218,6 @@ class SafetensorsWriter:
         """Close the file (it is incomplete unless every planned tensor was written)."""
         self._file.close()
 
-    def __enter__(self) -> SafetensorsWriter:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        self.close()
 
 
 def _numel(shape: Sequence[int]) -> int:
@@ -391,7 +396,7 @@ def save_megacp_checkpoint(
 # -------------------------------------------------------------------------------------- reading
 
 
-class MegacpCheckpoint:
+class MegacpCheckpoint(ClosingContext):
     """Verified read access to a megacp checkpoint directory (see the module docstring).
 
     Attributes:
@@ -522,16 +527,6 @@ class MegacpCheckpoint:
         """Release the open files."""
         self._handles = []
 
-    def __enter__(self) -> MegacpCheckpoint:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        self.close()
 
 
 def open_megacp_checkpoint(checkpoint_dir: str | os.PathLike[str]) -> MegacpCheckpoint:

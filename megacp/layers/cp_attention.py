@@ -12,17 +12,17 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from megacp.attention.decode import allgather_decode
 from megacp.attention.prefill import build_kv_block, cp_prefill
 from megacp.attention.sharding import ShardPlan
-from megacp.layers.attention import check_format, from_thd, to_thd
+from megacp.layers.attention import DotProductAttention, check_format, from_thd, to_thd
 from megacp.layers.step import CPStep
 from megacp.parallel.ring import Ring
 
 
-class CPDotProductAttention(nn.Module):
+class CPDotProductAttention(DotProductAttention):
     """CP attention with TE ``DotProductAttention``'s constructor arguments and forward.
 
     Args:
@@ -31,9 +31,6 @@ class CPDotProductAttention(nn.Module):
         ring: the CP ring used when a step brings none.
         strategy: default prefill strategy when a step brings none.
     """
-
-    # TE >= 2.16's MultiheadAttention reads and sets `core_attention.name` (quantizer roles)
-    name: str | None = None
 
     def __init__(
         self,
@@ -48,17 +45,10 @@ class CPDotProductAttention(nn.Module):
         ring: Ring | None = None,
         strategy: str = "auto",
     ) -> None:
-        super().__init__()
-        check_format(qkv_format, attn_mask_type)
+        super().__init__(num_attention_heads, kv_channels, num_gqa_groups, qkv_format=qkv_format,
+                         attn_mask_type=attn_mask_type, layer_number=layer_number, softmax_scale=softmax_scale)
         if "causal" not in attn_mask_type:
             raise ValueError(f"CP attention needs a causal mask, got attn_mask_type={attn_mask_type!r}")
-        self.num_attention_heads = num_attention_heads
-        self.kv_channels = kv_channels
-        self.num_gqa_groups = num_gqa_groups or num_attention_heads
-        self.qkv_format = qkv_format
-        self.attn_mask_type = attn_mask_type
-        self.layer_number = layer_number
-        self.softmax_scale = softmax_scale
         self.ring = ring
         self.strategy = strategy
 
@@ -124,7 +114,7 @@ class CPDotProductAttention(nn.Module):
             cached = lambda i: cache.kv(layer, slots[i], prefix[i])  # noqa: E731
         block = build_kv_block(plan, k, v, cached)
         strategy = step.prefill_strategy(q.shape[1], k.shape[1], k.element_size(), q.device)
-        return cp_prefill(q, block, plan, step.ring, strategy=strategy, scale=self.softmax_scale, backend=step.backend)
+        return cp_prefill(q, block, plan, step.ring, strategy=strategy, scale=self.softmax_scale, backend=step.backend or self.backend)
 
     def _decode(self, step: CPStep, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         plan, cache, slots, layer = step.plan, step.cache, step.slots, self._layer
@@ -136,4 +126,4 @@ class CPDotProductAttention(nn.Module):
             kv = (cache.k[layer, s0 : s0 + len(slots), : lens[0]], cache.v[layer, s0 : s0 + len(slots), : lens[0]])
         else:
             kv = [cache.kv(layer, s, n) for s, n in zip(slots, lens)]
-        return allgather_decode(q, kv, step.ring, scale=self.softmax_scale, backend=step.backend)
+        return allgather_decode(q, kv, step.ring, scale=self.softmax_scale, backend=step.backend or self.backend)

@@ -9,6 +9,7 @@ completes them (on CUDA it makes the current stream wait, without a host sync).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +47,22 @@ class Ring:
     def wait(works: list) -> None:
         for w in works:
             w.wait()
+
+    def rotate(self, block: Tensor) -> Iterator[tuple[int, Tensor]]:
+        """Pass ``block`` around the ring: yields ``(step, block in hand)`` for ``size`` steps,
+        starting with this rank's own block; at step ``s`` the block of rank ``r - s`` is in hand.
+
+        The transfer of the next block is posted *before* each yield and completed after it, so
+        whatever the caller computes on the block in hand overlaps the transfer (two buffers
+        alternate; a buffer is received into only after its own send has completed).
+        """
+        cur, nxt = block, (torch.empty_like(block) if self.size > 1 else None)
+        for step in range(self.size):
+            works = self.start(cur, nxt) if step + 1 < self.size else None
+            yield step, cur
+            if works is not None:
+                self.wait(works)
+                cur, nxt = nxt, cur
 
     def all_gather(self, t: Tensor) -> Tensor:
         """``[N, *t.shape]``: every rank's ``t`` in group-rank order (one collective)."""
