@@ -139,7 +139,7 @@ class Generator:
         done_tokens = [0] * len(prompts)
         last_logits: list[Tensor | None] = [None] * len(prompts)
         strategies = []
-        bar = tqdm(total=sum(len(p) for p in prompts), unit="tok", desc=f"prefill CP={n}", disable=not progress, leave=False)
+        bar = tqdm(total=sum(len(p) for p in prompts), unit="tok", desc=f"prefill CP={n}", disable=not progress)
         while True:  # (chunked) prefill: every request advances by up to `chunk` tokens per step
             todo = [i for i, p in enumerate(prompts) if done_tokens[i] < len(p)]
             if not todo:

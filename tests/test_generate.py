@@ -58,20 +58,23 @@ def hf_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str, 
     return out
 
 
-def _megacp_generate(rank: int, n: int, jobs: list[tuple[str, str, int]], prompts: list[list[int]], new: int) -> list[list[list[int]]]:
-    """Each job = (model path, strategy, prefill chunk); returns the generated tokens of each job."""
+def _megacp_generate(rank: int, n: int, jobs: list[tuple[str, str, int]], prompts: list[list[int]], new: int,
+                     config: dict | None = None) -> list[list[list[int]]]:
+    """Each job = (model path, strategy, prefill chunk); returns the generated tokens of each job.
+    ``config`` is a DeepSpeed-style dict with megacp's sections (default: CP = world size)."""
     import megacp
     from megacp.generate import Generator, SamplingParams
     from megacp.models.loading import load_model
     from megacp.parallel.ring import Ring
 
-    state = megacp.initialize()
-    ring = Ring(state.group("cp")) if n > 1 else None
+    state = megacp.initialize(config)
+    ring = Ring(state.group("cp")) if state.size("cp") > 1 else None
+    tp = state.size("tp")
     results = []
     for path, strategy, chunk in jobs:
-        model, cfg, _ = load_model(path, dtype=torch.float32, device="cpu")
+        model, cfg, _ = load_model(path, dtype=torch.float32, device="cpu", tp_group=state.group("tp") if tp > 1 else None)
         megacp.swap_attention(model, state, strategy=strategy)
-        gen = Generator(model, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+        gen = Generator(model, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads // tp, head_dim=cfg.head_dim,
                         ring=ring, device=torch.device("cpu"), dtype=torch.float32, strategy=strategy, prefill_chunk=chunk)
         results.append(gen.generate(prompts, SamplingParams(max_new_tokens=new)).tokens)
     return results
@@ -86,6 +89,14 @@ def test_greedy_tokens_equal_transformers(n: int, hf_models) -> None:
         for (path, strategy, chunk), tokens in zip(jobs, rank_result):
             kind = next(k for k in KINDS if hf_models[k][0] == path)
             assert tokens == hf_models[kind][1], (n, kind, strategy, chunk)
+
+
+def test_cp2_x_tp2_generation_equals_transformers(hf_models) -> None:
+    """4 processes: CP=2 rings over TP=2-sharded layers (Qwen2: Q/K/V biases sharded too)."""
+    path, expected = hf_models["qwen2"]
+    config = {"context_parallel": {"size": 2}, "tensor_model_parallel": {"size": 2}}
+    for rank_result in run_distributed(_megacp_generate, 4, [(path, "auto", 0)], _prompts(), NEW_TOKENS, config, timeout=600):
+        assert rank_result[0] == expected
 
 
 def test_cli_contract_under_torchrun(hf_models, tmp_path: Path) -> None:
