@@ -19,12 +19,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Sequence
+from typing import Callable, Sequence, TypeVar
 
 import torch
 from torch import Tensor
 
 Range = tuple[int, int]
+_T = TypeVar("_T")
 
 
 def shard_ranges(start: int, num_new: int, cp_size: int, rank: int, *, load_balance: bool = True) -> list[Range]:
@@ -148,7 +149,7 @@ class ShardPlan:
         if len(prefix_counts) != cp_size or any(len(row) != len(new) for row in prefix_counts):
             raise ValueError("prefix_counts must be [cp_size][num_requests]")
         self.prefix_counts = [[int(x) for x in row] for row in prefix_counts]
-        self._tiles: dict[tuple[int, int], list] = {}
+        self._cache: dict[tuple, object] = {}
         self.ranges = [
             [shard_ranges(p, t, cp_size, j, load_balance=load_balance) for p, t in zip(self.cached, self.new)]
             for j in range(cp_size)
@@ -164,12 +165,18 @@ class ShardPlan:
         return all(t == 1 for t in self.new)
 
     def q_layout(self, rank: int) -> list[SeqLayout]:
-        """Layout of ``rank``'s local new tokens (queries)."""
-        return _pack([0] * self.num_requests, self.ranges[rank])
+        """Layout of ``rank``'s local new tokens (queries); computed once per plan."""
+        return self._memo(("q", rank), lambda: _pack([0] * self.num_requests, self.ranges[rank]))
 
     def kv_layout(self, rank: int) -> list[SeqLayout]:
         """Layout of ``rank``'s KV block: per request, its cached tokens then its new tokens."""
-        return _pack(self.prefix_counts[rank], self.ranges[rank])
+        return self._memo(("kv", rank), lambda: _pack(self.prefix_counts[rank], self.ranges[rank]))
+
+    def _memo(self, key: tuple, make: Callable[[], _T]) -> _T:
+        """The plan is immutable and every layer asks the same questions: answer each once."""
+        if key not in self._cache:
+            self._cache[key] = make()
+        return self._cache[key]
 
     def num_local(self, rank: int | None = None) -> int:
         """New tokens held by ``rank`` (default: this rank)."""
@@ -188,16 +195,16 @@ class ShardPlan:
     def tiles(self, q_rank: int, kv_rank: int) -> list:
         """Kernel calls (:class:`~megacp.attention.tiles.Tile`) for ``q_rank``'s queries over
         ``kv_rank``'s KV block; computed once per plan and reused by every layer."""
-        key = (q_rank, kv_rank)
-        if key not in self._tiles:
-            from megacp.attention.tiles import plan_tiles
+        from megacp.attention.tiles import plan_tiles
 
-            self._tiles[key] = plan_tiles(self.q_layout(q_rank), self.kv_layout(kv_rank))
-        return self._tiles[key]
+        return self._memo(("tiles", q_rank, kv_rank), lambda: plan_tiles(self.q_layout(q_rank), self.kv_layout(kv_rank)))
 
     def local_index(self, rank: int | None = None) -> Tensor:
         """Indices into the packed new tokens of ``rank``'s local tokens (LongTensor ``[n_local]``)."""
         r = self.rank if rank is None else rank
+        return self._memo(("index", r), lambda: self._local_index(r))
+
+    def _local_index(self, r: int) -> Tensor:
         starts = [0]
         for t in self.new[:-1]:
             starts.append(starts[-1] + t)
