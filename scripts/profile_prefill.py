@@ -77,7 +77,7 @@ def main() -> None:
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, (lines, top))
     if state.rank == 0:
-        for ls, t in out:
+        for ls, _ in out:
             print("\n".join(ls))
         print(out[0][1])
     dist.destroy_process_group()

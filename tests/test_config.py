@@ -57,7 +57,7 @@ def test_full_section_and_deepspeed_keys_kept() -> None:
 
 def test_frozen() -> None:
     cfg = load_config({"context_parallel": {"size": 2}})
-    with pytest.raises(Exception):
+    with pytest.raises(ValueError, match="frozen"):  # pydantic's ValidationError is a ValueError
         cfg.context_parallel.size = 4  # type: ignore[misc]
 
 
