@@ -137,6 +137,12 @@ class ShardedKVCache:
         Args:
             k, v: ``[plan.num_local(), Hkv, D]`` in ``plan.q_layout(rank)`` order.
         """
+        want = (plan.num_local(), *self.k.shape[3:])
+        if tuple(k.shape) != want or tuple(v.shape) != want or k.dtype != self.k.dtype or v.dtype != self.k.dtype:
+            raise ValueError(
+                f"KV cache write expects k and v of shape {want} and dtype {self.k.dtype}; got "
+                f"{tuple(k.shape)} {k.dtype} and {tuple(v.shape)} {v.dtype}"
+            )
         for s, lay in zip(slots, plan.q_layout(self.cp_rank)):
             n = lay.num_new
             if n:

@@ -95,3 +95,27 @@ def test_cached_prefill_and_decode_match_full_history(n: int, strategy: str) -> 
         assert res["err"] < 1e-5, res
         assert res["placement"], res
         assert "needs" in res["capacity"] and "capacity" in res["capacity"] and res["len0"] == 13 + 9 + 6 + 5
+
+
+def test_bad_inputs_get_one_clear_error() -> None:
+    from megacp.attention import cp_attention
+    from megacp.kv_cache import CacheCapacityError, ShardedKVCache
+    from megacp.layers.cp_attention import CPDotProductAttention
+    from megacp.layers.step import CPStep
+
+    with pytest.raises(ValueError, match="same T"):
+        cp_attention(torch.randn(5, 4, 8), torch.randn(4, 2, 8), torch.randn(4, 2, 8))
+    with pytest.raises(ValueError, match="cu_seqlens must rise"):
+        cp_attention(torch.randn(5, 4, 8), torch.randn(5, 2, 8), torch.randn(5, 2, 8), cu_seqlens=[0, 3, 2, 5])
+    cache = ShardedKVCache(num_layers=1, num_kv_heads=2, head_dim=8, max_requests=1, capacity=8)
+    slot = cache.allocate()
+    with pytest.raises(CacheCapacityError, match="slots are in use"):
+        cache.allocate()
+    step = CPStep.begin(cache, [slot], [3], None)
+    layer = CPDotProductAttention(4, 8, 2, qkv_format="thd", layer_number=1)
+    with pytest.raises(ValueError, match="KV cache write expects"):
+        layer(torch.randn(3, 4, 8), torch.randn(3, 4, 8), torch.randn(3, 4, 8), inference_params=step)
+    with pytest.raises(ValueError, match="attn_mask_type"):
+        CPDotProductAttention(4, 8, 2, attn_mask_type="sliding")
+    with pytest.raises(TypeError, match="CPStep"):
+        layer(torch.randn(3, 4, 8), torch.randn(3, 2, 8), torch.randn(3, 2, 8), inference_params=object())

@@ -128,6 +128,11 @@ def cp_attention(
     """
     import torch.distributed as dist
 
+    if q.dim() != 3 or k.shape != v.shape or k.dim() != 3 or k.shape[0] != q.shape[0]:
+        raise ValueError(
+            f"cp_attention expects q [T,Hq,D] and k, v [T,Hkv,D] with the same T; got {tuple(q.shape)}, "
+            f"{tuple(k.shape)}, {tuple(v.shape)}"
+        )
     total = q.shape[0]
     bounds = [0, total] if cu_seqlens is None else [int(x) for x in cu_seqlens]
     if bounds[0] != 0 or bounds[-1] != total or any(b <= a for a, b in zip(bounds, bounds[1:])):

@@ -117,6 +117,10 @@ class CPDotProductAttention(DotProductAttention):
 
     def _decode(self, step: CPStep, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         plan, cache, slots, layer = step.plan, step.cache, step.slots, self._layer
+        if q.shape[0] != plan.num_requests:
+            raise ValueError(
+                f"a decode step of {plan.num_requests} requests needs one query token each on every CP rank; got {q.shape[0]}"
+            )
         owned = plan.local_index().to(k.device)
         cache.write(layer, slots, plan, k[owned], v[owned])
         lens = [plan.prefix_counts[plan.rank][i] + lay.num_new for i, lay in enumerate(plan.q_layout(plan.rank))]
