@@ -15,9 +15,9 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from megacp.attention.merge import merge_stack
+from megacp.attention.merge import merge_stack, pack_states, unpack_states
 from megacp.attention.partial import partial_attention
-from megacp.parallel.ring import Ring, pack_states, unpack_states
+from megacp.parallel.ring import Ring
 
 
 def local_decode_states(

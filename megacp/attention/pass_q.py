@@ -13,10 +13,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from megacp.attention.merge import merge_stack
+from megacp.attention.merge import merge_stack, pack_states, unpack_states
 from megacp.attention.sharding import ShardPlan
 from megacp.attention.tiles import run_tiles
-from megacp.parallel.ring import Ring, pack_states, unpack_states
+from megacp.parallel.ring import Ring
 
 
 def ring_pass_q(

@@ -1,4 +1,4 @@
-"""Point-to-point ring exchange and packed collectives over one process group (the CP ring).
+"""Point-to-point ring exchange and collectives over one process group (the CP ring).
 
 The ring of a group of N ranks: rank ``i`` (rank within the group) sends to ``i+1`` and receives from
 ``i-1`` (mod N). Exchanges are asynchronous: :meth:`Ring.start` posts the send and the receive
@@ -75,29 +75,3 @@ class Ring:
         out = torch.empty_like(t)
         dist.all_to_all_single(out, t.contiguous(), group=self.group)
         return out
-
-
-def pack_states(out: Tensor, lse: Tensor) -> Tensor:
-    """Pack attention states into one byte tensor so that one collective carries both.
-
-    Args:
-        out: ``[..., H, D]`` (any dtype); lse: ``[..., H]`` fp32.
-    Returns:
-        uint8 ``[..., H*D*itemsize + H*4]`` (two copies, no concatenation temporaries).
-    """
-    lead, h, d = out.shape[:-2], out.shape[-2], out.shape[-1]
-    nb = h * d * out.element_size()
-    buf = torch.empty((*lead, nb + h * 4), dtype=torch.uint8, device=out.device)
-    buf[..., :nb].view(out.dtype).view(*lead, h, d).copy_(out)
-    buf[..., nb:].view(torch.float32).copy_(lse)
-    return buf
-
-
-def unpack_states(buf: Tensor, heads: int, head_dim: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """Inverse of :func:`pack_states`, as views into ``buf`` (no copies):
-    ``(out [..., H, D] dtype, lse [..., H] fp32)``."""
-    lead = buf.shape[:-1]
-    nb = heads * head_dim * torch.empty((), dtype=dtype).element_size()
-    out = buf[..., :nb].view(dtype).view(*lead, heads, head_dim)
-    lse = buf[..., nb:].view(torch.float32)
-    return out, lse
