@@ -91,6 +91,18 @@ def test_greedy_tokens_equal_transformers(n: int, hf_models) -> None:
             assert tokens == hf_models[kind][1], (n, kind, strategy, chunk)
 
 
+def test_prompts_shorter_than_the_cp_size(hf_models, tmp_path: Path) -> None:
+    """Prompts of 1, 2 and 7 tokens at CP=3: ranks that hold nothing of a request still work."""
+    from transformers import AutoModelForCausalLM
+
+    path, _ = hf_models["llama3"]
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (1, 2, 7)]
+    expected = hf_greedy(AutoModelForCausalLM.from_pretrained(path).float().eval(), prompts, NEW_TOKENS)
+    for rank_result in run_distributed(_megacp_generate, 3, [(path, "auto", 0)], prompts, NEW_TOKENS):
+        assert rank_result[0] == expected
+
+
 def test_cp2_x_tp2_generation_equals_transformers(hf_models) -> None:
     """4 processes: CP=2 rings over TP=2-sharded layers (Qwen2: Q/K/V biases sharded too)."""
     path, expected = hf_models["qwen2"]
