@@ -1,7 +1,9 @@
 """The CP attention layer: a drop-in for TE's ``DotProductAttention`` (and megacp's local one).
 
 Prefill steps run the pass-KV or pass-Q ring over the CP group; decode steps (every request adds
-one token, with a KV cache) run all-gather decode. The KV cache, the sharding plan and the
+one token, with a KV cache) run all-gather decode. With autograd on and inputs that need
+gradients (training, no cache), the differentiable pass-KV ring of :mod:`megacp.attention.backward`
+runs instead. The KV cache, the sharding plan and the
 strategies arrive through ``inference_params`` (a :class:`~megacp.layers.step.CPStep`). Without
 one, the inputs are taken to be this rank's load-balanced shard of whole sequences whose full
 lengths ``cu_seqlens_q`` gives (Transformer Engine's CP convention), prefilled without a cache.
@@ -11,8 +13,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import Tensor
 
+from megacp.attention.backward import ring_attention
 from megacp.attention.decode import allgather_decode
 from megacp.attention.prefill import build_kv_block, cp_prefill
 from megacp.attention.sharding import ShardPlan
@@ -105,6 +109,9 @@ class CPDotProductAttention(DotProductAttention):
 
     def _prefill(self, step: CPStep, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         plan = step.plan
+        if step.cache is None and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+            # training: the differentiable pass-KV ring (K/V gradients travel back around the ring)
+            return ring_attention(q, k, v, plan, step.ring, scale=self.softmax_scale, backend=step.backend or self.backend)
         cached = None
         if step.cache is not None:
             cache, slots, layer = step.cache, step.slots, self._layer

@@ -16,7 +16,6 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-
 # torch >= 2.12 names it all_gather_single (and deprecates the old name); older torch (2.4-2.11)
 # only has all_gather_into_tensor. Both take the output concatenated along dim 0.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -35,11 +34,15 @@ class Ring:
         self._next = dist.get_global_rank(self.group, (self.rank + 1) % self.size)
         self._prev = dist.get_global_rank(self.group, (self.rank - 1) % self.size)
 
-    def start(self, send: Tensor, recv: Tensor) -> list:
-        """Post ``send`` → next rank and ``recv`` ← previous rank; returns the pending works."""
+    def start(self, send: Tensor, recv: Tensor, tag: int = 0) -> list:
+        """Post ``send`` → next rank and ``recv`` ← previous rank; returns the pending works.
+
+        Two exchanges in flight at once (the backward's KV blocks and their gradients) need
+        distinct ``tag``s: gloo does not promise to match same-tag messages in posting order.
+        """
         ops = [
-            dist.P2POp(dist.isend, send, self._next, self.group),
-            dist.P2POp(dist.irecv, recv, self._prev, self.group),
+            dist.P2POp(dist.isend, send, self._next, self.group, tag),
+            dist.P2POp(dist.irecv, recv, self._prev, self.group, tag),
         ]
         return dist.batch_isend_irecv(ops)
 
@@ -53,16 +56,21 @@ class Ring:
         starting with this rank's own block; at step ``s`` the block of rank ``r - s`` is in hand.
 
         The transfer of the next block is posted *before* each yield and completed after it, so
-        whatever the caller computes on the block in hand overlaps the transfer (two buffers
-        alternate; a buffer is received into only after its own send has completed).
+        whatever the caller computes on the block in hand overlaps the transfer. Received blocks
+        alternate between two scratch buffers (a buffer is received into only after its own send
+        has completed); ``block`` itself is only read, so the caller may keep using it.
         """
-        cur, nxt = block, (torch.empty_like(block) if self.size > 1 else None)
+        scratch = [torch.empty_like(block) for _ in range(min(self.size - 1, 2))]
+        cur = block
         for step in range(self.size):
-            works = self.start(cur, nxt) if step + 1 < self.size else None
+            works = None
+            if step + 1 < self.size:
+                nxt = scratch[step % 2]
+                works = self.start(cur, nxt)
             yield step, cur
             if works is not None:
                 self.wait(works)
-                cur, nxt = nxt, cur
+                cur = nxt
 
     def all_gather(self, t: Tensor) -> Tensor:
         """``[N, *t.shape]``: every rank's ``t`` in group-rank order (one collective)."""
