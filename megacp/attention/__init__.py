@@ -1,6 +1,7 @@
 """CP attention: partial attention + merge, sharding, pass-KV / pass-Q ring prefill, all-gather
-decode and the strategy choice. Nothing here knows about models."""
+decode, the strategy choice and the training backward. Nothing here knows about models."""
 
+from megacp.attention.backward import ring_attention
 from megacp.attention.decode import allgather_decode
 from megacp.attention.merge import merge_into, merge_stack, merge_states
 from megacp.attention.partial import partial_attention
@@ -26,6 +27,7 @@ __all__ = [
     "merge_states",
     "partial_attention",
     "resolve_strategy",
+    "ring_attention",
     "ring_pass_kv",
     "ring_pass_q",
     "shard_ranges",
