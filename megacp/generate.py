@@ -148,7 +148,10 @@ class Generator:
             step = CPStep.begin(cache, [slots[i] for i in todo], new, self.ring, **step_kw)
             ids = torch.tensor([t for i, k in zip(todo, new) for t in prompts[i][done_tokens[i]: done_tokens[i] + k]])
             logits = self._forward(step, ids)
-            strategies.append(step.choice if isinstance(step.choice, str) or step.choice is None else step.choice.strategy)
+            if step.replicated:  # every request added one token: all-gather decode, not a ring
+                strategies.append("allgather_decode")
+            else:
+                strategies.append(step.choice if isinstance(step.choice, str) else step.choice.strategy)
             for row, (i, k) in enumerate(zip(todo, new)):
                 done_tokens[i] += k
                 last_logits[i] = logits[row]
