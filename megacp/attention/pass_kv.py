@@ -4,12 +4,13 @@ Each rank starts with its KV block (per request: the cached tokens it holds, the
 new tokens), padded to the plan's largest block so every hop has one size. For N-1 hops it posts
 the asynchronous send of the block in hand to rank r+1 and the receive of the next block from r-1,
 *then* computes the partial attention of its local queries over the block in hand (only the tiles
-the causal structure leaves visible), and folds it into the running (out, LSE) state. Two buffers
-alternate (double buffering), so the transfer of hop s+1 overlaps the compute of hop s.
+the causal structure leaves visible), and folds it into the running (out, LSE) state. Received
+blocks alternate between two scratch buffers (double buffering, :meth:`Ring.rotate`), so the
+transfer of hop s+1 overlaps the compute of hop s.
 
-The loop is a sequence of (block source, tiles) steps over :meth:`Ring.rotate`, so that the backward
-pass (dK/dV travelling the ring in the opposite direction, as in Transformer Engine's p2p CP) can
-reuse the same plan tiles per step and the same rotation helper.
+The loop is a sequence of (block source, tiles) steps over :meth:`Ring.rotate`; the training
+backward (:mod:`megacp.attention.backward`) replays the same rotation and tiles while the K/V
+gradient accumulators follow the blocks around the ring, as in Transformer Engine's p2p CP.
 """
 
 from __future__ import annotations
