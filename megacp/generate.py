@@ -53,6 +53,14 @@ class SamplingParams:
     seed: int = 0
     stop_tokens: Sequence[int] = ()
 
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
 
 @dataclass
 class GenerationResult:
@@ -288,8 +296,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                     head_dim=mcfg.head_dim, ring=ring, device=device, dtype=dtype, strategy=strategy,
                     prefill_chunk=args.prefill_chunk,
                     load_balance=cfg_cp.load_balance if cfg_cp else True)
-    params = SamplingParams(args.max_new_tokens, args.temperature, args.top_p, args.seed,
-                            () if args.no_stop else mcfg.eos_token_ids)
+    try:
+        params = SamplingParams(args.max_new_tokens, args.temperature, args.top_p, args.seed,
+                                () if args.no_stop else mcfg.eos_token_ids)
+    except ValueError as err:
+        raise SystemExit(f"megacp.generate: {err}") from None
     stream = rank0 and not args.quiet and tokenizer is not None and len(prompts) == 1
     if rank0 and not args.quiet:
         print(f"megacp: CP={state.size('cp')} TP={state.size('tp')} on {device} ({state.backend}), "
