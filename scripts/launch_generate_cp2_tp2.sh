@@ -4,4 +4,8 @@
 # (NUM_GPUS must be a multiple of 4 for this config; the rest becomes data parallel).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-NUM_GPUS="${NUM_GPUS:-4}" CONFIG="${CONFIG:-${ROOT}/configs/cp2_tp2.json}" exec "${ROOT}/scripts/launch_generate_gpu.sh" "$@"
+export PYTHONPATH="${ROOT}${PYTHONPATH:+:${PYTHONPATH}}"
+# NVLink multicast (NVLS) stays off, as in scripts/run_main_job.sh.
+export NCCL_NVLS_ENABLE="${NCCL_NVLS_ENABLE:-0}" TORCH_SYMM_MEM_DISABLE_MULTICAST="${TORCH_SYMM_MEM_DISABLE_MULTICAST:-1}"
+exec deepspeed --num_gpus "${NUM_GPUS:-4}" --module megacp.generate \
+    --deepspeed_config "${CONFIG:-${ROOT}/configs/cp2_tp2.json}" "$@"
