@@ -10,8 +10,7 @@ Public entry points (imported lazily so that ``import megacp`` stays cheap):
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from megacp._lazy import lazy_getattr
 
 __version__ = "0.1.0"
 
@@ -29,7 +28,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS) + ["__version__"]
 
 
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'megacp' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _EXPORTS)

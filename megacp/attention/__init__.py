@@ -7,8 +7,18 @@ from megacp.attention.merge import merge_into, merge_stack, merge_states
 from megacp.attention.partial import partial_attention
 from megacp.attention.pass_kv import ring_pass_kv
 from megacp.attention.pass_q import ring_pass_q
-from megacp.attention.prefill import build_kv_block, cp_attention, cp_prefill, resolve_strategy
-from megacp.attention.sharding import ShardPlan, local_counts, local_positions, shard_ranges
+from megacp.attention.prefill import (
+    build_kv_block,
+    cp_attention,
+    cp_prefill,
+    resolve_strategy,
+)
+from megacp.attention.sharding import (
+    ShardPlan,
+    local_counts,
+    local_positions,
+    shard_ranges,
+)
 from megacp.attention.strategy import Hardware, calibrate, choose_strategy
 
 __all__ = [

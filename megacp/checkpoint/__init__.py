@@ -15,8 +15,7 @@ shape that does not match the config, ...) raises :class:`CheckpointError` with 
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from megacp._lazy import lazy_getattr
 
 
 class CheckpointError(ValueError):
@@ -44,7 +43,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS) + ["CheckpointError"]
 
 
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'megacp.checkpoint' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _EXPORTS)

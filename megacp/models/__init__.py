@@ -12,8 +12,7 @@ Imported lazily, so that ``megacp.models.config`` stays importable without the m
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from megacp._lazy import lazy_getattr
 
 _EXPORTS = {
     "ModelConfig": "megacp.models.config",
@@ -27,7 +26,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'megacp.models' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _EXPORTS)

@@ -10,8 +10,7 @@ Names are imported lazily: :mod:`megacp.config` imports the layout module, and i
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from megacp._lazy import lazy_getattr
 
 _EXPORTS = {
     "AXES": "megacp.parallel.layout",
@@ -25,7 +24,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'megacp.parallel' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _EXPORTS)
