@@ -40,6 +40,9 @@ def parse_args(argv=None):
     p.add_argument("--lengths", default="128K,1M", help="KV tokens per request (K/M suffixes)")
     p.add_argument("--single-backends", default=None, help="default cudnn,flash (reference on cpu)")
     p.add_argument("--cp-backends", default=None, help="local attention of the CP ranks; default cudnn,flash (reference on cpu)")
+    p.add_argument("--merges", default="auto,torch",
+                   help="merge after the all-gather: auto (the fused Triton kernel where it applies), torch; "
+                        "rows megacp_<backend>_<eager|graph> for the first, ..._<merge> for the others")
     p.add_argument("--no-graph", action="store_true", help="skip the CUDA-graph variants")
     p.add_argument("--check", action="store_true", help="compare the CP output (eager and graph) with the single-GPU output")
     p.add_argument("--warmup", type=int, default=3)
@@ -82,6 +85,9 @@ def main(argv=None) -> int:
     batches, lengths = bc.parse_sizes(args.batches), bc.parse_sizes(args.lengths)
     single_backends = bc.parse_names(args.single_backends or ("cudnn,flash" if ctx.cuda else "reference"))
     cp_backends = bc.parse_names(args.cp_backends or ("cudnn,flash" if ctx.cuda else "reference"))
+    merges = bc.parse_names(args.merges)
+    if not merges or any(m not in ("auto", "torch", "fused") for m in merges):
+        raise SystemExit(f"--merges {args.merges!r}: choose from auto, torch, fused")
     timing = dict(warmup=args.warmup, min_iters=args.min_iters, max_iters=args.max_iters, target_s=args.target_s)
     meta = bc.env_info(ctx)
     meta.update(kind="decode", heads=h, kv_heads=hkv, head_dim=d, batches=batches, lengths=lengths, cp_size=n,
@@ -159,36 +165,39 @@ def main(argv=None) -> int:
                       f"{'ok' if ok else 'MISMATCH'}", flush=True)
 
             # megacp all-gather decode
-            for be in cp_backends:
-                def fn(be=be):
-                    return allgather_decode(q, (k_loc, v_loc), ring, backend=be)
+            for be, mi in [(be, mi) for be in cp_backends for mi in range(len(merges))]:
+                fused = {"auto": None, "torch": False, "fused": True}[merges[mi]]
+                tag = be if mi == 0 else f"{be}_{merges[mi]}"
+
+                def fn(be=be, fused=fused):
+                    return allgather_decode(q, (k_loc, v_loc), ring, backend=be, fused_merge=fused)
 
                 try:
                     tm = bc.measure(ctx, fn, **timing)
-                    add(b, length, f"megacp_{be}_eager", tm, bc.measure_loop(ctx, fn, calls=args.loop_calls))
+                    add(b, length, f"megacp_{tag}_eager", tm, bc.measure_loop(ctx, fn, calls=args.loop_calls))
                     eager_out = fn() if args.check else None
                     if args.check:
-                        compare(f"megacp_{be}_eager", eager_out)
+                        compare(f"megacp_{tag}_eager", eager_out)
                 except Exception as e:  # noqa: BLE001
-                    rep.error(f"megacp_{be}_eager", e, batch=b, kv_len=length)
+                    rep.error(f"megacp_{tag}_eager", e, batch=b, kv_len=length)
                     continue
                 if graphs:
                     try:
                         g, static_out = bc.capture_graph(ctx, fn)
                         tm = bc.measure(ctx, g.replay, **timing)
-                        add(b, length, f"megacp_{be}_graph", tm, bc.measure_loop(ctx, g.replay, calls=args.loop_calls))
+                        add(b, length, f"megacp_{tag}_graph", tm, bc.measure_loop(ctx, g.replay, calls=args.loop_calls))
                         if args.check:
                             g.replay()
                             bc.sync(ctx)
-                            compare(f"megacp_{be}_graph", static_out)
+                            compare(f"megacp_{tag}_graph", static_out)
                             same = torch.equal(static_out, eager_out)
                             ctx.log(f"  graph replay == eager output: {same}")
                             if ctx.rank == 0:
                                 checks[-1]["equal_to_eager"] = same
-                                rep.check(dict(checks[-1], method=f"megacp_{be}_graph_vs_eager", ok=same))
+                                rep.check(dict(checks[-1], method=f"megacp_{tag}_graph_vs_eager", ok=same))
                         del g, static_out
                     except Exception as e:  # noqa: BLE001
-                        rep.error(f"megacp_{be}_graph", e, batch=b, kv_len=length)
+                        rep.error(f"megacp_{tag}_graph", e, batch=b, kv_len=length)
                 del eager_out
                 bc.free(ctx)
 

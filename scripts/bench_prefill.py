@@ -38,6 +38,7 @@ import os
 import sys
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -57,6 +58,10 @@ def parse_args(argv=None):
     p.add_argument("--single-backends", default=None, help="default cudnn,flash (reference on cpu)")
     p.add_argument("--megacp-backend", default=None, help="partial-attention backend of megacp (default: auto)")
     p.add_argument("--strategies", default="pass_kv,pass_q")
+    p.add_argument("--transports", default="auto,nccl",
+                   help="ring transports of megacp (auto, nccl, copy_engine; nccl_hp = NCCL on a group created "
+                        "with a high-priority stream); rows are megacp_<strategy> for the first, "
+                        "megacp_<strategy>[<transport>] for the others")
     p.add_argument("--torch-backends", default="cudnn,flash")
     p.add_argument("--torch-rotate", default="allgather,alltoall")
     p.add_argument("--te-comm", default="p2p,all_gather,a2a")
@@ -279,6 +284,22 @@ def main(argv=None) -> int:
     if ds_cp is not None and ds_cp.reason is None:
         rep.note("deepspeed", f"{ds_cp.version} (forward takes batch_dim_idx: {ds_cp.takes_batch_dim})")
 
+    transports = bc.parse_names(args.transports)
+    rings: dict[str, Ring | None] = {}
+    if "megacp" in families:
+        for tr in transports:
+            if n == 1:
+                rings[tr] = None
+            elif tr == "nccl_hp":
+                if ctx.backend != "nccl":
+                    raise SystemExit("--transports nccl_hp needs NCCL (--device cuda)")
+                opts = dist.ProcessGroupNCCL.Options()
+                opts.is_high_priority_stream = True
+                rings[tr] = Ring(dist.new_group(list(range(n)), pg_options=opts), transport="nccl")
+            else:
+                rings[tr] = Ring(ctx.group, transport=tr)
+            ctx.log(f"megacp ring transport {tr}: {rings[tr].transport if rings[tr] else '-'}")
+
     rows: list[dict] = []
     checks: list[dict] = []
     megacp_fail = False
@@ -350,21 +371,24 @@ def main(argv=None) -> int:
 
         # (b) megacp
         if "megacp" in families:
-            ring = Ring(ctx.group) if n > 1 else None
             try:
                 tm = bc.measure(ctx, lambda: build_kv_block(plan, kl, vl), **timing)
                 add(s, "megacp_build_kv_block", tm, n, "not included in cp_prefill times", flops=False)
                 kv_block = build_kv_block(plan, kl, vl)
                 for strat in bc.parse_names(args.strategies):
-                    def fn(strat=strat):
-                        return cp_prefill(ql, kv_block, plan, ring, strategy=strat, backend=args.megacp_backend)
+                    for ti, tr in enumerate(transports):
+                        name = f"megacp_{strat}" if ti == 0 else f"megacp_{strat}[{tr}]"
+                        try:
+                            ring = rings[tr]
 
-                    try:
-                        add(s, f"megacp_{strat}", bc.measure(ctx, fn, **timing), n)
-                        if args.check:
-                            compare(f"megacp_{strat}", bc.gather_rows(ctx, fn(), idx, s))
-                    except Exception as e:  # noqa: BLE001
-                        rep.error(f"megacp_{strat}", e, seqlen=s)
+                            def fn(strat=strat, ring=ring):
+                                return cp_prefill(ql, kv_block, plan, ring, strategy=strat, backend=args.megacp_backend)
+
+                            add(s, name, bc.measure(ctx, fn, **timing), n, f"transport {ring.transport if ring else '-'}")
+                            if args.check:
+                                compare(name, bc.gather_rows(ctx, fn(), idx, s))
+                        except Exception as e:  # noqa: BLE001
+                            rep.error(name, e, seqlen=s)
                 del kv_block
             except Exception as e:  # noqa: BLE001
                 rep.error("megacp", e, seqlen=s)

@@ -53,12 +53,15 @@ def allgather_decode(
     *,
     scale: float | None = None,
     backend: str | None = None,
+    fused_merge: bool | None = None,
 ) -> Tensor:
     """Exact decode attention over KV sharded across the CP ring.
 
     Args:
         q: ``[B, Hq, D]`` (identical on every CP rank); kv: see :func:`local_decode_states`.
         ring: the CP ring (``None`` or size 1: local attention only).
+        fused_merge: merge with the one-kernel Triton merge (``None`` = where it applies; see
+            :func:`~megacp.attention.merge.merge_stack`).
 
     Returns:
         ``[B, Hq, D]`` in ``q.dtype``, identical on every rank.
@@ -68,4 +71,4 @@ def allgather_decode(
         return out.to(q.dtype)
     gathered = ring.all_gather(pack_states(out.to(q.dtype), lse))  # [N, B, bytes]
     outs, lses = unpack_states(gathered, q.shape[1], q.shape[2], q.dtype)
-    return merge_stack(outs, lses)[0]
+    return merge_stack(outs, lses, fused=fused_merge)[0]

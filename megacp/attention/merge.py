@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from megacp.attention import merge_kernel
+
 NEG_INF = float("-inf")
 
 
@@ -50,8 +52,8 @@ def merge_into(acc_out: Tensor, acc_lse: Tensor, out: Tensor, lse: Tensor) -> No
 
     With normalised weights the merge is a linear interpolation,
     ``acc_out ← acc_out + w·(out − acc_out)``, ``w = exp(lse − LSE_new)``: the weights are computed
-    on the small ``[..., H]`` LSE tensors and the large output is rewritten by a single ``lerp_``
-    kernel (this runs once per ring step on every query row, so its memory traffic matters).
+    on the small ``[..., H]`` LSE tensors (four small kernels) and the large output is rewritten by a
+    single ``lerp_`` kernel (this runs once per ring step on every query row, so its memory traffic matters).
     ``w`` is cast to the output dtype, which for bf16 adds an error of the size of bf16 rounding.
 
     Args:
@@ -59,25 +61,26 @@ def merge_into(acc_out: Tensor, acc_lse: Tensor, out: Tensor, lse: Tensor) -> No
         acc_lse: fp32 ``[..., H]`` running LSE (updated in place).
         out, lse: the partial to add, same leading shape, ``out`` in ``acc_out``'s dtype.
     """
-    m = _finite_or_zero(torch.maximum(acc_lse, lse))
-    wa = torch.exp(acc_lse - m)
-    wb = torch.exp(lse - m)
-    total = wa + wb
-    w = torch.where(total > 0, wb / total, torch.zeros_like(total))
-    acc_lse.copy_(m + torch.log(total))
+    new = torch.logaddexp(acc_lse, lse)  # -inf only where both are -inf
+    w = (lse - new).exp_().nan_to_num_(nan=0.0)  # (-inf) - (-inf) = nan -> weight 0
+    acc_lse.copy_(new)
     acc_out.lerp_(out, w.unsqueeze(-1).to(acc_out.dtype))
 
 
-def merge_stack(outs: Tensor, lses: Tensor) -> tuple[Tensor, Tensor]:
+def merge_stack(outs: Tensor, lses: Tensor, *, fused: bool | None = None) -> tuple[Tensor, Tensor]:
     """Merge N partials stacked on dim 0 (few kernels: this sits on the decode critical path).
 
     Args:
         outs: ``[N, ..., H, D]`` partial outputs.
         lses: ``[N, ..., H]`` fp32 LSEs.
+        fused: use the one-kernel Triton merge (:mod:`megacp.attention.merge_kernel`); ``None`` =
+            when it applies (CUDA tensors ``[N, L, H, D]``, Triton installed).
 
     Returns:
         ``(out, lse)`` with the leading N removed; ``out`` in ``outs.dtype``.
     """
+    if fused or (fused is None and merge_kernel.available(outs)):
+        return merge_kernel.merge_stack_fused(outs, lses)
     lse = torch.logsumexp(lses, dim=0)  # -inf where every partial is empty
     w = torch.exp(lses - lse).nan_to_num_(nan=0.0)  # (-inf) - (-inf) = nan -> weight 0
     out = (outs * w.unsqueeze(-1)).sum(dim=0)

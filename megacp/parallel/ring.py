@@ -5,6 +5,15 @@ The ring of a group of N ranks: rank ``i`` (rank within the group) sends to ``i+
 (``batch_isend_irecv``; NCCL runs them on its own stream, gloo on its own threads) and returns at
 once, so the caller computes on the block in hand while the next block travels; :meth:`Ring.wait`
 completes them (on CUDA it makes the current stream wait, without a host sync).
+
+:meth:`Ring.rotate` has two transports (``transport=`` or env ``MEGACP_RING_TRANSPORT``):
+
+* ``"nccl"`` — each block is relayed rank to rank with P2P send/recv (NCCL on GPU, gloo on CPU);
+* ``"copy_engine"`` — every rank puts its block into a :class:`~megacp.parallel.peer.PeerWindow`
+  once and *pulls* the block of rank ``r - s`` directly at step ``s`` with a device-to-device copy
+  that runs on a copy engine, so no SM is taken from the attention kernels;
+* ``"auto"`` (default) — ``copy_engine`` for CUDA tensors on a group that supports it
+  (:func:`~megacp.parallel.peer.copy_engine_supported`), else ``nccl``.
 """
 
 from __future__ import annotations
@@ -16,6 +25,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from megacp.parallel.peer import TRANSPORTS, copy_engine_supported, default_transport, peer_window
+
 # torch >= 2.12 names it all_gather_single (and deprecates the old name); older torch (2.4-2.11)
 # only has all_gather_into_tensor. Both take the output concatenated along dim 0.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -23,12 +34,22 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 
 @dataclass
 class Ring:
-    """The CP ring of ``group`` (``None`` = the default group)."""
+    """The CP ring of ``group`` (``None`` = the default group); ``transport`` of :meth:`rotate`
+    (``None`` = ``MEGACP_RING_TRANSPORT``, default ``"auto"``)."""
 
     group: dist.ProcessGroup | None = None
+    transport: str | None = None
 
     def __post_init__(self) -> None:
         self.group = self.group or dist.group.WORLD
+        self.transport = self.transport or default_transport()
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"ring transport {self.transport!r} is not one of {', '.join(TRANSPORTS)}")
+        if self.transport == "auto":
+            self.transport = "copy_engine" if copy_engine_supported(self.group) else "nccl"
+        elif self.transport == "copy_engine" and not copy_engine_supported(self.group):
+            raise ValueError("ring transport 'copy_engine' needs an NCCL group of CUDA ranks on one host "
+                             f"with symmetric memory (backend {dist.get_backend(self.group)!r})")
         self.size = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
         self._next = dist.get_global_rank(self.group, (self.rank + 1) % self.size)
@@ -60,6 +81,9 @@ class Ring:
         alternate between two scratch buffers (a buffer is received into only after its own send
         has completed); ``block`` itself is only read, so the caller may keep using it.
         """
+        if self.transport == "copy_engine" and block.is_cuda and self.size > 1:
+            yield from self._rotate_pull(block)
+            return
         scratch = [torch.empty_like(block) for _ in range(min(self.size - 1, 2))]
         cur = block
         for step in range(self.size):
@@ -71,6 +95,44 @@ class Ring:
             if works is not None:
                 self.wait(works)
                 cur = nxt
+
+    def _rotate_pull(self, block: Tensor) -> Iterator[tuple[int, Tensor]]:
+        """:meth:`rotate` over a peer window: step ``s`` pulls rank ``r - s``'s block straight from
+        that rank's window on the window's copy stream (copy engine), posted two steps ahead into
+        alternating scratch buffers; the compute stream waits for each pull by an event."""
+        main = torch.cuda.current_stream(block.device)
+        win = peer_window(self.group, block.nbytes, block.device)
+        main.wait_stream(win.stream)  # the previous rotation's last barrier: peers are done with my window
+        win.view(self.rank, block.shape, block.dtype).copy_(block)
+        win.stream.wait_stream(main)
+        with torch.cuda.stream(win.stream):
+            win.barrier()  # every rank's block is in its window
+        scratch = [torch.empty_like(block) for _ in range(min(self.size - 1, 2))]
+        freed: list[torch.cuda.Event | None] = [None, None]  # scratch i may be overwritten after it
+
+        def pull(step: int) -> tuple[Tensor, torch.cuda.Event]:
+            dst, done = scratch[step % 2], torch.cuda.Event()
+            with torch.cuda.stream(win.stream):
+                if freed[step % 2] is not None:
+                    win.stream.wait_event(freed[step % 2])
+                dst.copy_(win.view((self.rank - step) % self.size, block.shape, block.dtype))
+                done.record(win.stream)
+            return dst, done
+
+        pending = pull(1)
+        cur = block
+        for step in range(self.size):
+            yield step, cur
+            if step + 1 < self.size:
+                if cur is not block:  # the compute on this scratch buffer is queued: it may be refilled after
+                    freed[step % 2] = torch.cuda.Event()
+                    freed[step % 2].record(main)
+                cur, done = pending
+                main.wait_event(done)
+                if step + 2 < self.size:
+                    pending = pull(step + 2)
+        with torch.cuda.stream(win.stream):
+            win.barrier()  # nobody rewrites its window before every peer has pulled from it
 
     def all_gather(self, t: Tensor) -> Tensor:
         """``[N, *t.shape]``: every rank's ``t`` in group-rank order (one collective)."""

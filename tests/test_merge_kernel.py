@@ -1,0 +1,58 @@
+"""The fused Triton merge (``merge_stack(..., fused=True)``) against full attention, run by Triton's
+CPU interpreter (``TRITON_INTERPRET=1``, set before Triton is imported: hence a subprocess). On GPU
+machines the decode benchmark and ``gpu_verify.py`` run the compiled kernel against single-GPU
+attention."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+SCRIPT = textwrap.dedent(
+    """
+    import torch
+    from megacp.attention import merge_kernel
+    from megacp.attention.merge import merge_stack, pack_states, unpack_states
+    from megacp.attention.partial import partial_attention
+    from tests.reference import naive_attention, rel_err
+
+    torch.manual_seed(0)
+    for n, rows, hq, hkv, d, lk in [(2, 1, 8, 2, 64, 40), (3, 19, 4, 4, 32, 50), (4, 3, 4, 1, 16, 3)]:
+        q, k, v = torch.randn(rows, hq, d), torch.randn(lk, hkv, d), torch.randn(lk, hkv, d)
+        cuts = torch.linspace(0, lk, n + 1).long().tolist()  # n disjoint key ranges, some empty when lk < n
+        states = [partial_attention(q, k[a:b], v[a:b]) for a, b in zip(cuts, cuts[1:])]
+        packed = torch.stack([pack_states(o, l) for o, l in states])  # [N, rows, bytes], like an all-gather
+        outs, lses = unpack_states(packed, hq, d, q.dtype)
+        assert merge_kernel.available(outs)
+        out, lse = merge_stack(outs, lses, fused=True)
+        pos = torch.zeros(rows, dtype=torch.long)
+        ref = naive_attention(q, k, v, q_positions=pos, k_positions=torch.zeros(lk, dtype=torch.long))
+        ref_lse = torch.logsumexp(torch.einsum("qhd,khd->qhk", q, k.repeat_interleave(hq // hkv, 1)) / d ** 0.5, -1)
+        assert rel_err(out, ref) < 1e-5, (n, rel_err(out, ref))
+        assert rel_err(lse, ref_lse) < 1e-5, (n, rel_err(lse, ref_lse))
+    # every partial empty: zeros and -inf, never NaN; bf16 outputs keep their dtype
+    outs = torch.randn(3, 2, 4, 32).to(torch.bfloat16)
+    lses = torch.full((3, 2, 4), float("-inf"))
+    lses[1, 1] = 0.5
+    out, lse = merge_stack(outs, lses, fused=True)
+    assert out.dtype == torch.bfloat16 and not out.float().isnan().any()
+    assert (out[0] == 0).all() and torch.isneginf(lse[0]).all()
+    assert torch.equal(out[1], outs[1, 1]) and (lse[1] == 0.5).all()
+    print("fused merge ok")
+    """
+)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed (the fused merge needs it)")
+def test_fused_merge_matches_full_attention() -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    res = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and "fused merge ok" in res.stdout, res.stdout + res.stderr
