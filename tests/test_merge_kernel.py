@@ -1,4 +1,4 @@
-"""The fused Triton merge (``merge_stack(..., fused=True)``) against full attention, run by Triton's
+"""The fused Triton merges (``merge_stack`` / ``merge_into`` with ``fused=True``) against full attention, run by Triton's
 CPU interpreter (``TRITON_INTERPRET=1``, set before Triton is imported: hence a subprocess). On GPU
 machines the decode benchmark and ``gpu_verify.py`` run the compiled kernel against single-GPU
 attention."""
@@ -20,7 +20,7 @@ SCRIPT = textwrap.dedent(
     """
     import torch
     from megacp.attention import merge_kernel
-    from megacp.attention.merge import merge_stack, pack_states, unpack_states
+    from megacp.attention.merge import merge_into, merge_stack, pack_states, unpack_states
     from megacp.attention.partial import partial_attention
     from tests.reference import naive_attention, rel_err
 
@@ -31,13 +31,20 @@ SCRIPT = textwrap.dedent(
         states = [partial_attention(q, k[a:b], v[a:b]) for a, b in zip(cuts, cuts[1:])]
         packed = torch.stack([pack_states(o, l) for o, l in states])  # [N, rows, bytes], like an all-gather
         outs, lses = unpack_states(packed, hq, d, q.dtype)
-        assert merge_kernel.available(outs)
+        assert merge_kernel.available(outs, 4)
         out, lse = merge_stack(outs, lses, fused=True)
         pos = torch.zeros(rows, dtype=torch.long)
         ref = naive_attention(q, k, v, q_positions=pos, k_positions=torch.zeros(lk, dtype=torch.long))
         ref_lse = torch.logsumexp(torch.einsum("qhd,khd->qhk", q, k.repeat_interleave(hq // hkv, 1)) / d ** 0.5, -1)
         assert rel_err(out, ref) < 1e-5, (n, rel_err(out, ref))
         assert rel_err(lse, ref_lse) < 1e-5, (n, rel_err(lse, ref_lse))
+        # the online merge, in place, on head-major views (the layout cuDNN's outputs have)
+        acc_out = torch.zeros(hq, rows, d).transpose(0, 1)
+        acc_lse = torch.full((hq, rows), float("-inf")).transpose(0, 1)
+        assert merge_kernel.available(acc_out, 3)
+        for o, l in states:
+            merge_into(acc_out, acc_lse, o, l, fused=True)
+        assert rel_err(acc_out, ref) < 1e-5 and rel_err(acc_lse, ref_lse) < 1e-5, (n, rel_err(acc_out, ref))
     # every partial empty: zeros and -inf, never NaN; bf16 outputs keep their dtype
     outs = torch.randn(3, 2, 4, 32).to(torch.bfloat16)
     lses = torch.full((3, 2, 4), float("-inf"))
@@ -46,6 +53,9 @@ SCRIPT = textwrap.dedent(
     assert out.dtype == torch.bfloat16 and not out.float().isnan().any()
     assert (out[0] == 0).all() and torch.isneginf(lse[0]).all()
     assert torch.equal(out[1], outs[1, 1]) and (lse[1] == 0.5).all()
+    acc_out, acc_lse = torch.zeros(2, 4, 32), torch.full((2, 4), float("-inf"))
+    merge_into(acc_out, acc_lse, outs[0].float(), lses[0], fused=True)  # empty into empty
+    assert (acc_out == 0).all() and torch.isneginf(acc_lse).all()
     print("fused merge ok")
     """
 )

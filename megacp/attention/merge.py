@@ -47,7 +47,7 @@ def merge_states(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> 
     return out, lse
 
 
-def merge_into(acc_out: Tensor, acc_lse: Tensor, out: Tensor, lse: Tensor) -> None:
+def merge_into(acc_out: Tensor, acc_lse: Tensor, out: Tensor, lse: Tensor, *, fused: bool | None = None) -> None:
     """Online merge: fold one partial ``(out, lse)`` into the running state in place.
 
     With normalised weights the merge is a linear interpolation,
@@ -60,7 +60,12 @@ def merge_into(acc_out: Tensor, acc_lse: Tensor, out: Tensor, lse: Tensor) -> No
         acc_out: ``[..., H, D]`` running output (any float dtype; updated in place; may be a slice).
         acc_lse: fp32 ``[..., H]`` running LSE (updated in place).
         out, lse: the partial to add, same leading shape, ``out`` in ``acc_out``'s dtype.
+        fused: use the one-kernel Triton merge (:mod:`megacp.attention.merge_kernel`, weights in
+            fp32); ``None`` = when it applies (CUDA tensors ``[L, H, D]``, Triton installed).
     """
+    if fused or (fused is None and merge_kernel.available(acc_out, 3)):
+        merge_kernel.merge_into_fused(acc_out, acc_lse, out, lse)
+        return
     new = torch.logaddexp(acc_lse, lse)  # -inf only where both are -inf
     w = (lse - new).exp_().nan_to_num_(nan=0.0)  # (-inf) - (-inf) = nan -> weight 0
     acc_lse.copy_(new)
@@ -79,7 +84,7 @@ def merge_stack(outs: Tensor, lses: Tensor, *, fused: bool | None = None) -> tup
     Returns:
         ``(out, lse)`` with the leading N removed; ``out`` in ``outs.dtype``.
     """
-    if fused or (fused is None and merge_kernel.available(outs)):
+    if fused or (fused is None and merge_kernel.available(outs, 4)):
         return merge_kernel.merge_stack_fused(outs, lses)
     lse = torch.logsumexp(lses, dim=0)  # -inf where every partial is empty
     w = torch.exp(lses - lse).nan_to_num_(nan=0.0)  # (-inf) - (-inf) = nan -> weight 0

@@ -1,13 +1,17 @@
-"""One fused GPU kernel (Triton) for :func:`megacp.attention.merge.merge_stack`.
+"""Fused GPU kernels (Triton) for the merges of :mod:`megacp.attention.merge`.
 
-The merge of N stacked partial states sits on the decode critical path right after the all-gather;
-written in torch it is about ten small kernels (logsumexp, weights, weighted sum, cast), each a
-few microseconds of launch inside a CUDA graph — a sizeable share of a ~90 µs decode step. This
-kernel reads the N partials once (straight from the strided views :func:`unpack_states` returns,
-so the packed all-gather buffer is never copied) and writes the merged output and LSE.
+* :func:`merge_stack_fused` — N stacked partial states → one. It sits on the decode critical path
+  right after the all-gather; written in torch it is about ten small kernels (logsumexp, weights,
+  weighted sum, cast), each a few microseconds of launch inside a CUDA graph — a sizeable share of
+  a ~90 µs decode step. The kernel reads the N partials once, straight from the strided views
+  :func:`~megacp.attention.merge.unpack_states` returns (the packed buffer is never copied).
+* :func:`merge_into_fused` — the online merge of the pass-KV ring, in place: one pass that reads
+  the running and the new state and writes the running state (torch needs a weight tensor and
+  ``lerp_`` over mixed layouts, ~2.5× slower on H200 at 8K rows × 32 heads).
 
-Available when Triton imports; :func:`available` says whether it applies to given tensors. Under
-``TRITON_INTERPRET=1`` it also runs on CPU tensors (how the tests check it without a GPU).
+Both take any strides with a unit last stride (cuDNN's outputs are head-major views). Available
+when Triton imports; :func:`available` says whether they apply. Under ``TRITON_INTERPRET=1`` they
+also run on CPU tensors (how the tests check them without a GPU).
 """
 
 from __future__ import annotations
@@ -27,17 +31,18 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _BLOCK_M = 16  # (row, head) states per program
 
 
-def available(outs: Tensor) -> bool:
-    """Whether the kernel applies: Triton present, ``outs`` ``[N, L, H, D]`` with D a power of two,
-    on CUDA (or any device under ``TRITON_INTERPRET=1``)."""
-    d = outs.shape[-1]
+def available(out: Tensor, dims: int) -> bool:
+    """Whether the kernels apply to ``out`` (``[N, L, H, D]`` for the stack merge, ``dims=4``;
+    ``[L, H, D]`` for the online merge, ``dims=3``): Triton present, D a power of two >= 16, unit
+    last stride, on CUDA (or any device under ``TRITON_INTERPRET=1``)."""
+    d = out.shape[-1]
     return (
         triton is not None
-        and (outs.is_cuda or _INTERPRET)
-        and outs.dim() == 4
+        and (out.is_cuda or _INTERPRET)
+        and out.dim() == dims
         and d >= 16
         and d & (d - 1) == 0
-        and outs.stride(-1) == 1
+        and out.stride(-1) == 1
     )
 
 
@@ -72,6 +77,53 @@ if triton is not None:
         m = m.to(tl.int64)
         tl.store(r_ptr + m[:, None] * D + d[None, :], (acc * inv[:, None]).to(r_ptr.dtype.element_ty), mask=live[:, None])
         tl.store(rl_ptr + m, tl.where(seen, top + tl.log(tl.where(seen, total, 1.0)), float("-inf")), mask=live)
+
+
+    @triton.jit
+    def _merge_into_kernel(
+        a_ptr, al_ptr, o_ptr, ol_ptr, M, H,
+        sa_l, sa_h, sal_l, sal_h, so_l, so_h, sol_l, sol_h,
+        D: tl.constexpr, BLOCK_M: tl.constexpr,
+    ):
+        m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        live = m < M
+        row = (m // H).to(tl.int64)
+        head = (m % H).to(tl.int64)
+        d = tl.arange(0, D)
+        la = tl.load(al_ptr + row * sal_l + head * sal_h, mask=live, other=float("-inf"))
+        lb = tl.load(ol_ptr + row * sol_l + head * sol_h, mask=live, other=float("-inf"))
+        top = tl.maximum(la, lb)
+        top = tl.where(top == float("-inf"), 0.0, top)
+        wa = tl.exp(la - top)
+        wb = tl.exp(lb - top)
+        total = wa + wb
+        seen = total > 0
+        inv = tl.where(seen, 1.0 / tl.where(seen, total, 1.0), 0.0)
+        a_off = (row * sa_l + head * sa_h)[:, None] + d[None, :]
+        a = tl.load(a_ptr + a_off, mask=live[:, None], other=0.0).to(tl.float32)
+        o = tl.load(o_ptr + (row * so_l + head * so_h)[:, None] + d[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+        res = a * (wa * inv)[:, None] + o * (wb * inv)[:, None]
+        tl.store(a_ptr + a_off, res.to(a_ptr.dtype.element_ty), mask=live[:, None])
+        tl.store(al_ptr + row * sal_l + head * sal_h,
+                 tl.where(seen, top + tl.log(tl.where(seen, total, 1.0)), float("-inf")), mask=live)
+
+
+def merge_into_fused(acc_out: Tensor, acc_lse: Tensor, out: Tensor, lse: Tensor) -> None:
+    """:func:`~megacp.attention.merge.merge_into` in one kernel (in place).
+
+    Args:
+        acc_out: ``[L, H, D]`` running output (updated); acc_lse: ``[L, H]`` fp32 (updated).
+        out: ``[L, H, D]`` the partial to add; lse: ``[L, H]`` fp32.
+    """
+    rows, h, d = acc_out.shape
+    total = rows * h
+    if total:
+        _merge_into_kernel[(triton.cdiv(total, _BLOCK_M),)](
+            acc_out, acc_lse, out, lse, total, h,
+            acc_out.stride(0), acc_out.stride(1), acc_lse.stride(0), acc_lse.stride(1),
+            out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
+            D=d, BLOCK_M=_BLOCK_M,
+        )
 
 
 def merge_stack_fused(outs: Tensor, lses: Tensor) -> tuple[Tensor, Tensor]:

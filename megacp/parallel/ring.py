@@ -79,7 +79,9 @@ class Ring:
         The transfer of the next block is posted *before* each yield and completed after it, so
         whatever the caller computes on the block in hand overlaps the transfer. Received blocks
         alternate between two scratch buffers (a buffer is received into only after its own send
-        has completed); ``block`` itself is only read, so the caller may keep using it.
+        has completed); ``block`` itself is only read, so the caller may keep using it (but must not
+        change it before the rotation ends). Iterate it to the end: the last step also releases the
+        transport's buffers.
         """
         if self.transport == "copy_engine" and block.is_cuda and self.size > 1:
             yield from self._rotate_pull(block)
@@ -97,40 +99,41 @@ class Ring:
                 cur = nxt
 
     def _rotate_pull(self, block: Tensor) -> Iterator[tuple[int, Tensor]]:
-        """:meth:`rotate` over a peer window: step ``s`` pulls rank ``r - s``'s block straight from
-        that rank's window on the window's copy stream (copy engine), posted two steps ahead into
-        alternating scratch buffers; the compute stream waits for each pull by an event."""
+        """:meth:`rotate` over a peer window. Step 0 (the own block) is handed out first, so its
+        compute is queued before any transfer work; then, on the window's stream (ordered after the
+        caller's work that produced ``block``, not after step 0): this rank's block goes into its
+        window, a barrier, and the pull of rank ``r - s``'s block for step ``s``, posted two steps
+        ahead into alternating scratch buffers. The compute stream waits for each pull by an event."""
         main = torch.cuda.current_stream(block.device)
+        ready = torch.cuda.Event()
+        ready.record(main)
+        yield 0, block
         win = peer_window(self.group, block.nbytes, block.device)
-        main.wait_stream(win.stream)  # the previous rotation's last barrier: peers are done with my window
-        win.view(self.rank, block.shape, block.dtype).copy_(block)
-        win.stream.wait_stream(main)
-        with torch.cuda.stream(win.stream):
-            win.barrier()  # every rank's block is in its window
         scratch = [torch.empty_like(block) for _ in range(min(self.size - 1, 2))]
         freed: list[torch.cuda.Event | None] = [None, None]  # scratch i may be overwritten after it
+        with torch.cuda.stream(win.stream):  # after the previous rotation's last barrier (stream order)
+            win.stream.wait_event(ready)
+            win.view(self.rank, block.shape, block.dtype).copy_(block)
+            win.barrier()  # every rank's block is in its window
 
         def pull(step: int) -> tuple[Tensor, torch.cuda.Event]:
-            dst, done = scratch[step % 2], torch.cuda.Event()
+            slot, done = (step - 1) % 2, torch.cuda.Event()
             with torch.cuda.stream(win.stream):
-                if freed[step % 2] is not None:
-                    win.stream.wait_event(freed[step % 2])
-                dst.copy_(win.view((self.rank - step) % self.size, block.shape, block.dtype))
+                if freed[slot] is not None:
+                    win.stream.wait_event(freed[slot])
+                scratch[slot].copy_(win.view((self.rank - step) % self.size, block.shape, block.dtype))
                 done.record(win.stream)
-            return dst, done
+            return scratch[slot], done
 
         pending = pull(1)
-        cur = block
-        for step in range(self.size):
-            yield step, cur
+        for step in range(1, self.size):
+            cur, done = pending
+            main.wait_event(done)
             if step + 1 < self.size:
-                if cur is not block:  # the compute on this scratch buffer is queued: it may be refilled after
-                    freed[step % 2] = torch.cuda.Event()
-                    freed[step % 2].record(main)
-                cur, done = pending
-                main.wait_event(done)
-                if step + 2 < self.size:
-                    pending = pull(step + 2)
+                pending = pull(step + 1)
+            yield step, cur
+            freed[(step - 1) % 2] = torch.cuda.Event()  # the compute on this buffer is queued
+            freed[(step - 1) % 2].record(main)
         with torch.cuda.stream(win.stream):
             win.barrier()  # nobody rewrites its window before every peer has pulled from it
 
