@@ -80,15 +80,21 @@ class PeerWindow:
         self._handle.barrier(channel=0)
 
 
-_windows: dict[str, PeerWindow] = {}
+_windows: dict[str, list[PeerWindow]] = {}
 
 
 def peer_window(group: dist.ProcessGroup, nbytes: int, device: torch.device) -> PeerWindow:
-    """The group's window, (re)allocated collectively when ``nbytes`` outgrows it. Every rank of the
-    group must call it with the same ``nbytes`` (blocks of a ring have one size on every rank)."""
-    win = _windows.get(group.group_name)
-    if win is None or win.nbytes < nbytes:
-        if win is not None:  # freed only after its last barrier: no peer still reads it
-            torch.cuda.current_stream(device).wait_stream(win.stream)
-        win = _windows[group.group_name] = PeerWindow(group, nbytes, device)
-    return win
+    """The group's window of at least ``nbytes``; a larger one is allocated collectively when the
+    current one is too small. Every rank of the group must call it with the same ``nbytes``
+    (blocks of a ring have one size on every rank).
+
+    Outgrown windows are kept, never freed: torch (2.11) caches a rendezvous by buffer address, so a
+    new buffer placed at a freed one's address on some ranks only would skip the exchange there and
+    hang the others. Windows grow geometrically, so the kept ones add at most the size of the last.
+    """
+    wins = _windows.setdefault(group.group_name, [])
+    if not wins or wins[-1].nbytes < nbytes:
+        if wins:
+            nbytes = max(nbytes, 2 * wins[-1].nbytes)
+        wins.append(PeerWindow(group, nbytes, device))
+    return wins[-1]
