@@ -67,9 +67,9 @@ KV_COPY_PASSES = 5
 """Per layer of a generation step, the local K and V are copied 5 times over: ``build_kv_block``
 zero-fills (1 pass) and copies (2 passes) them, the KV cache write reads and writes them (2)."""
 
-DECODE_MERGE_KERNELS = 4
-"""Small kernels after the decode all-gather: unpack views are free; ``merge_stack`` is
-logsumexp, exp, multiply-sum and a cast."""
+DECODE_MERGE_KERNELS = 1
+"""Small kernels after the decode all-gather: unpack views are free; ``merge_stack`` is one fused
+Triton kernel on GPUs (four torch kernels — logsumexp, exp, multiply-sum, cast — without Triton)."""
 
 
 # --------------------------------------------------------------------------- shapes

@@ -222,3 +222,32 @@ def test_deepspeed_engine_reduces_over_cp() -> None:
     for out in results:
         assert (out["dp"], out["seq_dp"], out["sp"], out["mp"]) == (1, 2, 2, 1)
         assert out["weight"] == pytest.approx(expected, rel=1e-6)
+
+
+def _ring_transports(rank: int, world_size: int) -> dict:
+    """Transport selection on a gloo group: auto resolves to NCCL-style P2P, the copy engine is
+    refused with one clear error, an unknown name too; rotation on the chosen transport is exact."""
+    import torch
+
+    from megacp.parallel.ring import Ring
+
+    out: dict = {"auto": Ring(None).transport, "nccl": Ring(None, transport="nccl").transport}
+    for bad in ("copy_engine", "shm"):
+        try:
+            Ring(None, transport=bad)
+        except ValueError as err:
+            out[bad] = str(err)
+    ring = Ring(None)
+    block = torch.full((3,), float(rank))
+    out["seen"] = [int(b[0]) for _, b in ring.rotate(block)]
+    out["block_kept"] = torch.equal(block, torch.full((3,), float(rank)))
+    return out
+
+
+def test_ring_transport_selection_on_gloo() -> None:
+    results = run_distributed(_ring_transports, 3)
+    for rank, out in enumerate(results):
+        assert out["auto"] == "nccl" and out["nccl"] == "nccl"
+        assert "copy_engine" in out["copy_engine"] and "NCCL group of CUDA ranks" in out["copy_engine"]
+        assert "not one of auto, nccl, copy_engine" in out["shm"]
+        assert out["seen"] == [(rank - s) % 3 for s in range(3)] and out["block_kept"]

@@ -80,21 +80,29 @@ class PeerWindow:
         self._handle.barrier(channel=0)
 
 
-_windows: dict[str, list[PeerWindow]] = {}
+_windows: dict[str, PeerWindow] = {}
 
 
-def peer_window(group: dist.ProcessGroup, nbytes: int, device: torch.device) -> PeerWindow:
-    """The group's window of at least ``nbytes``; a larger one is allocated collectively when the
-    current one is too small. Every rank of the group must call it with the same ``nbytes``
-    (blocks of a ring have one size on every rank).
+def window_bytes(nbytes: int) -> int:
+    """Size of a group's window: ``MEGACP_PEER_WINDOW_MB`` (default 1024 MiB) or ``nbytes`` if larger."""
+    mb = int(os.environ.get("MEGACP_PEER_WINDOW_MB", "1024"))
+    return max(nbytes, mb << 20)
 
-    Outgrown windows are kept, never freed: torch (2.11) caches a rendezvous by buffer address, so a
-    new buffer placed at a freed one's address on some ranks only would skip the exchange there and
-    hang the others. Windows grow geometrically, so the kept ones add at most the size of the last.
+
+def peer_window(group: dist.ProcessGroup, nbytes: int, device: torch.device) -> PeerWindow | None:
+    """The group's window, allocated collectively on first use (:func:`window_bytes`); ``None``
+    when ``nbytes`` does not fit it (the caller then uses NCCL). Every rank of the group must call
+    it with the same ``nbytes`` (blocks of a ring have one size on every rank).
+
+    A window is allocated once per group and never replaced: on the H200 machine with torch 2.11 a
+    third symmetric-memory rendezvous on one group hung (the first two worked), so megacp does not
+    depend on more than one.
     """
-    wins = _windows.setdefault(group.group_name, [])
-    if not wins or wins[-1].nbytes < nbytes:
-        if wins:
-            nbytes = max(nbytes, 2 * wins[-1].nbytes)
-        wins.append(PeerWindow(group, nbytes, device))
-    return wins[-1]
+    win = _windows.get(group.group_name)
+    if win is None:
+        win = _windows[group.group_name] = PeerWindow(group, window_bytes(nbytes), device)
+    if nbytes > win.nbytes:
+        log.info("a %d-byte block exceeds the %d-byte peer window: this rotation uses NCCL "
+                 "(raise MEGACP_PEER_WINDOW_MB)", nbytes, win.nbytes)
+        return None
+    return win

@@ -11,7 +11,8 @@ completes them (on CUDA it makes the current stream wait, without a host sync).
 * ``"nccl"`` — each block is relayed rank to rank with P2P send/recv (NCCL on GPU, gloo on CPU);
 * ``"copy_engine"`` — every rank puts its block into a :class:`~megacp.parallel.peer.PeerWindow`
   once and *pulls* the block of rank ``r - s`` directly at step ``s`` with a device-to-device copy
-  that runs on a copy engine, so no SM is taken from the attention kernels;
+  that runs on a copy engine, so no SM is taken from the attention kernels (a block larger than
+  the window, ``MEGACP_PEER_WINDOW_MB``, rotates over NCCL instead);
 * ``"auto"`` (default) — ``copy_engine`` for CUDA tensors on a group that supports it
   (:func:`~megacp.parallel.peer.copy_engine_supported`), else ``nccl``.
 """
@@ -25,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from megacp.parallel.peer import TRANSPORTS, copy_engine_supported, default_transport, peer_window
+from megacp.parallel.peer import TRANSPORTS, PeerWindow, copy_engine_supported, default_transport, peer_window
 
 # torch >= 2.12 names it all_gather_single (and deprecates the old name); older torch (2.4-2.11)
 # only has all_gather_into_tensor. Both take the output concatenated along dim 0.
@@ -84,8 +85,10 @@ class Ring:
         transport's buffers.
         """
         if self.transport == "copy_engine" and block.is_cuda and self.size > 1:
-            yield from self._rotate_pull(block)
-            return
+            win = peer_window(self.group, block.nbytes, block.device)
+            if win is not None:
+                yield from self._rotate_pull(block, win)
+                return
         scratch = [torch.empty_like(block) for _ in range(min(self.size - 1, 2))]
         cur = block
         for step in range(self.size):
@@ -98,7 +101,7 @@ class Ring:
                 self.wait(works)
                 cur = nxt
 
-    def _rotate_pull(self, block: Tensor) -> Iterator[tuple[int, Tensor]]:
+    def _rotate_pull(self, block: Tensor, win: PeerWindow) -> Iterator[tuple[int, Tensor]]:
         """:meth:`rotate` over a peer window. Step 0 (the own block) is handed out first, so its
         compute is queued before any transfer work; then, on the window's stream (ordered after the
         caller's work that produced ``block``, not after step 0): this rank's block goes into its
@@ -108,7 +111,6 @@ class Ring:
         ready = torch.cuda.Event()
         ready.record(main)
         yield 0, block
-        win = peer_window(self.group, block.nbytes, block.device)
         scratch = [torch.empty_like(block) for _ in range(min(self.size - 1, 2))]
         freed: list[torch.cuda.Event | None] = [None, None]  # scratch i may be overwritten after it
         with torch.cuda.stream(win.stream):  # after the previous rotation's last barrier (stream order)
