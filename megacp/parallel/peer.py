@@ -26,6 +26,7 @@ log = logging.getLogger("megacp.peer")
 
 TRANSPORTS = ("auto", "nccl", "copy_engine")
 _ALIGN = 2 << 20  # window sizes are rounded up to 2 MiB
+_BARRIER_TIMEOUT_MS = 600_000  # as NCCL's default collective timeout
 
 
 def default_transport() -> str:
@@ -68,6 +69,11 @@ class PeerWindow:
         self.nbytes = -(-nbytes // _ALIGN) * _ALIGN
         self._buf = symm_mem.empty(self.nbytes, dtype=torch.uint8, device=device)
         self._handle = symm_mem.rendezvous(self._buf, group)
+        # torch 2.11 zeroes a new buffer's signal pads with a memset that nothing orders before the
+        # peers' first signals: a peer's barrier signal can land first and be erased, and that
+        # barrier never returns. Every rank finishes its allocation before any rank signals.
+        torch.cuda.synchronize(device)
+        dist.barrier(group=group, device_ids=[device.index])
         self.stream = torch.cuda.Stream(device=device)
         log.debug("peer window of %d bytes per rank on %s", self.nbytes, device)
 
@@ -76,8 +82,10 @@ class PeerWindow:
         return self._handle.get_buffer(rank, list(shape), dtype)
 
     def barrier(self) -> None:
-        """Device-side barrier of the group on the current stream."""
-        self._handle.barrier(channel=0)
+        """Device-side barrier of the group on the current stream. A peer that never arrives
+        stops the job with torch's "failed to receive signal" error after ``_BARRIER_TIMEOUT_MS``
+        instead of a silent hang."""
+        self._handle.barrier(channel=0, timeout_ms=_BARRIER_TIMEOUT_MS)
 
 
 _windows: dict[str, PeerWindow] = {}
@@ -94,9 +102,10 @@ def peer_window(group: dist.ProcessGroup, nbytes: int, device: torch.device) -> 
     when ``nbytes`` does not fit it (the caller then uses NCCL). Every rank of the group must call
     it with the same ``nbytes`` (blocks of a ring have one size on every rank).
 
-    A window is allocated once per group and never replaced: on the H200 machine with torch 2.11 a
-    third symmetric-memory rendezvous on one group hung (the first two worked), so megacp does not
-    depend on more than one.
+    A window is allocated once per group and never replaced: on the H200 machine with torch 2.11
+    the benchmark's third growing window on one group hung (most likely the signal-pad zeroing race
+    that :class:`PeerWindow` now guards against, see its constructor), so megacp depends on one
+    rendezvous per group only.
     """
     win = _windows.get(group.group_name)
     if win is None:
