@@ -11,15 +11,20 @@ For each length, every rank times (CUDA events, back-to-back calls, median of re
 * ``pass_kv[T]``   — ``cp_prefill`` with ring transport T (the real thing);
 * each kernel alone (step-0 and step-1 tiles, the merge).
 
-Efficiencies are T1 / (2 · t) against single-GPU cuDNN over the whole sequence (rank 0).
+Efficiencies are T1 / (2 · t) against single-GPU cuDNN over the whole sequence (rank 0). Where
+NVML is available (``torch.cuda.clock_rate`` / ``power_draw``), each line also gives the mean SM
+clock (MHz) and board power (W) sampled during the timed calls, to tell a power-capped slowdown
+from exposed transfer time.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
+import threading
 
 import torch
 
@@ -32,22 +37,63 @@ from megacp.attention.tiles import run_tiles  # noqa: E402
 from megacp.parallel.ring import Ring  # noqa: E402
 
 
-def timed(fn, reps: int = 7, calls: int = 5, collective: bool = True) -> float:
+class Sampler:
+    """Mean SM clock (MHz) and power (W) of this GPU while the ``with`` block runs (NVML, every 5 ms);
+    ``None`` where NVML is unavailable."""
+
+    def __init__(self) -> None:
+        self.clock: float | None = None
+        self.power: float | None = None
+        self._samples: list[tuple[float, float]] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.005):
+            self._samples.append((torch.cuda.clock_rate(), torch.cuda.power_draw() / 1000))
+
+    def __enter__(self) -> "Sampler":
+        try:
+            torch.cuda.clock_rate(), torch.cuda.power_draw()
+        except Exception:  # noqa: BLE001 - no pynvml / NVML: no samples
+            return self
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            if self._samples:
+                self.clock = statistics.mean(c for c, _ in self._samples)
+                self.power = statistics.mean(p for _, p in self._samples)
+
+
+SAMPLES: dict[str, Sampler] = {}
+
+
+def timed(fn, reps: int = 7, calls: int = 5, collective: bool = True, key: str | None = None) -> float:
     """Median over ``reps`` of the mean ms of ``calls`` back-to-back calls (after a barrier of every
-    rank when ``collective``; a rank-local measurement must pass ``collective=False``)."""
+    rank when ``collective``; a rank-local measurement must pass ``collective=False``). With
+    ``key``, the clock and power during the calls are kept in ``SAMPLES[key]``."""
     fn()
     out = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        if collective:
-            torch.distributed.barrier()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(calls):
-            fn()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b) / calls)
+    sampler = Sampler()
+    with sampler if key is not None else contextlib.nullcontext():
+        for _ in range(reps):
+            torch.cuda.synchronize()
+            if collective:
+                torch.distributed.barrier()
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            for _ in range(calls):
+                fn()
+            b.record()
+            b.synchronize()
+            out.append(a.elapsed_time(b) / calls)
+    if key is not None:
+        SAMPLES[key] = sampler
     return statistics.median(out)
 
 
@@ -83,10 +129,12 @@ def main() -> None:
             st = run_tiles(ql, block[0], block[1], tiles0, None)
             run_tiles(ql, block[0], block[1], tiles1, st)
 
-        res["tiles"] = timed(kernels)
-        res["tiles+merge"] = timed(with_merge)
+        SAMPLES.clear()
+        res["tiles"] = timed(kernels, key="tiles")
+        res["tiles+merge"] = timed(with_merge, key="tiles+merge")
         for name, ring in rings.items():
-            res[f"pass_kv[{name}]"] = timed(lambda ring=ring: cp_prefill(ql, block, plan, ring, strategy="pass_kv"))
+            res[f"pass_kv[{name}]"] = timed(lambda ring=ring: cp_prefill(ql, block, plan, ring, strategy="pass_kv"),
+                                            key=f"pass_kv[{name}]")
         for i, tiles in enumerate((tiles0, tiles1)):
             for t in tiles:
                 res[f"step{i} {'causal' if t.causal else 'dense'} {t.q1 - t.q0}x{t.k1 - t.k0}"] = timed(
@@ -102,7 +150,9 @@ def main() -> None:
                 print(f"\n=== S={bc.size_label(s)} rank {r}  (single cuDNN T1 = {t1:.3f} ms)", flush=True)
                 for key, ms in res.items():
                     eff = t1 / (n * ms) if t1 and not key.startswith(("step", "merge", "  ")) else None
-                    print(f"  {key:36s} {ms:9.4f} ms" + (f"   eff {eff:.3f}" if eff else ""), flush=True)
+                    smp = SAMPLES.get(key)
+                    clk = f"   {smp.clock:6.0f} MHz {smp.power:5.0f} W" if smp is not None and smp.clock else ""
+                    print(f"  {key:36s} {ms:9.4f} ms" + (f"   eff {eff:.3f}" if eff else "") + clk, flush=True)
             torch.distributed.barrier()
         del q, k, v, ql, kl, vl, block
         bc.free(ctx)
