@@ -5,11 +5,13 @@
 #   bash scripts/run_gpu_benchmarks.sh [PART ...]
 #
 # PART: verify | prefill | decode | all (= verify prefill decode, the default)
+#       breakdown — per-rank prefill time split, clock and power (scripts/prefill_breakdown.py; GPU only)
 #       quick   — small sizes everywhere (a wiring test, ~1-2 min with TE's build, less without)
 #       nocheck — the benchmarks without their --check comparisons
 # Environment: NPROC (GPUs, default 2), OUT (default ./out/gpu), VERIFY_ARGS / PREFILL_ARGS /
-#   DECODE_ARGS (extra arguments appended to that script), T_VERIFY / T_PREFILL / T_DECODE (time
-#   limits in s, default 300 / 420 / 240), DEVICE=cpu (gloo smoke test of this script, small sizes).
+#   DECODE_ARGS (extra arguments appended to that script), T_VERIFY / T_PREFILL / T_DECODE /
+#   T_BREAKDOWN (time limits in s, default 300 / 420 / 240 / 150), BREAKDOWN_SEQLENS (16K,64K),
+#   DEVICE=cpu (gloo smoke test of this script, small sizes).
 # Carried, optional: .whl/*.whl (DeepSpeed and its pure-Python dependencies, installed into
 #   /tmp/site), .tecarry/te (Transformer Engine, see shared/te/README.md; its first use on a fresh
 #   machine builds an extension for ~2 min and leaves the wheel in $OUT: put it in .tecarry/te/built/).
@@ -30,10 +32,10 @@ parts=() ; quick=0 ; check=1
 for a in "$@"; do
   case "$a" in
     all) parts+=(verify prefill decode) ;;
-    verify|prefill|decode) parts+=("$a") ;;
+    verify|prefill|decode|breakdown) parts+=("$a") ;;
     quick) quick=1 ;;
     nocheck) check=0 ;;
-    *) echo "unknown part '$a' (verify|prefill|decode|all|quick|nocheck)" >&2; exit 2 ;;
+    *) echo "unknown part '$a' (verify|prefill|decode|breakdown|all|quick|nocheck)" >&2; exit 2 ;;
   esac
 done
 [ ${#parts[@]} -eq 0 ] && parts=(verify prefill decode)
@@ -97,6 +99,9 @@ for p in "${parts[@]}"; do
     verify)  run_part verify "${T_VERIFY:-300}" scripts/gpu_verify.py ${devargs[@]+"${devargs[@]}"} ${sizes_verify[@]+"${sizes_verify[@]}"} --json "$OUT/verify.json" ${VERIFY_ARGS:-} ;;
     # shellcheck disable=SC2086
     prefill) run_part prefill "${T_PREFILL:-420}" scripts/bench_prefill.py ${devargs[@]+"${devargs[@]}"} ${sizes_prefill[@]+"${sizes_prefill[@]}"} ${checkarg[@]+"${checkarg[@]}"} --json "$OUT/prefill.json" ${PREFILL_ARGS:-} ;;
+    # shellcheck disable=SC2086
+    breakdown) [ "$DEVICE" = cpu ] && { echo "breakdown: GPU only, skipped"; continue; }
+             run_part breakdown "${T_BREAKDOWN:-150}" scripts/prefill_breakdown.py --seqlens "${BREAKDOWN_SEQLENS:-16K,64K}" ;;
     # shellcheck disable=SC2086
     decode)  run_part decode "${T_DECODE:-240}" scripts/bench_decode.py ${devargs[@]+"${devargs[@]}"} ${sizes_decode[@]+"${sizes_decode[@]}"} ${checkarg[@]+"${checkarg[@]}"} --json "$OUT/decode.json" ${DECODE_ARGS:-} ;;
   esac
