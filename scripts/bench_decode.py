@@ -20,6 +20,7 @@ of back-to-back calls (no sync between them). ``vs_single`` = T_cp / T1 (ideal 1
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 
@@ -31,6 +32,9 @@ import bench_common as bc  # noqa: E402  (puts the repo root on sys.path)
 
 from megacp.attention import allgather_decode, partial_attention  # noqa: E402
 from megacp.parallel.ring import Ring  # noqa: E402
+
+
+MERGES = {"auto": None, "torch": False, "fused": True}  # --merges name -> allgather_decode(fused_merge=)
 
 
 def parse_args(argv=None):
@@ -86,8 +90,8 @@ def main(argv=None) -> int:
     single_backends = bc.parse_names(args.single_backends or ("cudnn,flash" if ctx.cuda else "reference"))
     cp_backends = bc.parse_names(args.cp_backends or ("cudnn,flash" if ctx.cuda else "reference"))
     merges = bc.parse_names(args.merges)
-    if not merges or any(m not in ("auto", "torch", "fused") for m in merges):
-        raise SystemExit(f"--merges {args.merges!r}: choose from auto, torch, fused")
+    if not merges or any(m not in MERGES for m in merges):
+        raise SystemExit(f"--merges {args.merges!r}: choose from {', '.join(MERGES)}")
     timing = dict(warmup=args.warmup, min_iters=args.min_iters, max_iters=args.max_iters, target_s=args.target_s)
     meta = bc.env_info(ctx)
     meta.update(kind="decode", heads=h, kv_heads=hkv, head_dim=d, batches=batches, lengths=lengths, cp_size=n,
@@ -165,9 +169,9 @@ def main(argv=None) -> int:
                       f"{'ok' if ok else 'MISMATCH'}", flush=True)
 
             # megacp all-gather decode
-            for be, mi in [(be, mi) for be in cp_backends for mi in range(len(merges))]:
-                fused = {"auto": None, "torch": False, "fused": True}[merges[mi]]
-                tag = be if mi == 0 else f"{be}_{merges[mi]}"
+            for be, (mi, merge) in itertools.product(cp_backends, enumerate(merges)):
+                fused = MERGES[merge]
+                tag = be if mi == 0 else f"{be}_{merge}"
 
                 def fn(be=be, fused=fused):
                     return allgather_decode(q, (k_loc, v_loc), ring, backend=be, fused_merge=fused)
