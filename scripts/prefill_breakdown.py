@@ -3,12 +3,14 @@
 
     torchrun --nproc_per_node 2 scripts/prefill_breakdown.py --seqlens 16K,64K
 
-For each length, every rank times (CUDA events, back-to-back calls, median of repeats):
+For each length, every rank times (CUDA events, back-to-back calls, median of repeats; the first
+three kinds round-robin, so drift of clock or temperature during the run hits them alike):
 
 * ``tiles``        — its kernel calls alone (step 0 on its own block, step 1 on its own block
   standing in for the received one), no merge, no communication: the zero-communication bound;
 * ``tiles+merge``  — the same through ``run_tiles`` with the running-state merge;
-* ``pass_kv[T]``   — ``cp_prefill`` with ring transport T (the real thing);
+* ``pass_kv[T]``   — ``cp_prefill`` with ring transport T (the real thing); with
+  ``--normal-priority`` also the copy-engine ring with its window stream at normal priority;
 * each kernel alone (step-0 and step-1 tiles, the merge).
 
 Efficiencies are T1 / (2 · t) against single-GPU cuDNN over the whole sequence (rank 0). Where
@@ -20,11 +22,11 @@ from exposed transfer time.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import statistics
 import sys
 import threading
+from collections.abc import Callable
 
 import torch
 
@@ -34,19 +36,26 @@ import bench_common as bc  # noqa: E402
 from megacp.attention import ShardPlan, build_kv_block, cp_prefill, partial_attention  # noqa: E402
 from megacp.attention.merge import merge_into  # noqa: E402
 from megacp.attention.tiles import run_tiles  # noqa: E402
+from megacp.parallel.peer import peer_window  # noqa: E402
 from megacp.parallel.ring import Ring  # noqa: E402
 
 
 class Sampler:
-    """Mean SM clock (MHz) and power (W) of this GPU while the ``with`` block runs (NVML, every 5 ms);
-    ``None`` where NVML is unavailable."""
+    """Mean SM clock (MHz) and power (W) of this GPU over every ``with`` block it was entered for
+    (NVML, every 5 ms); ``clock``/``power`` stay ``None`` where NVML is unavailable."""
 
     def __init__(self) -> None:
-        self.clock: float | None = None
-        self.power: float | None = None
         self._samples: list[tuple[float, float]] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+
+    @property
+    def clock(self) -> float | None:
+        return statistics.mean(c for c, _ in self._samples) if self._samples else None
+
+    @property
+    def power(self) -> float | None:
+        return statistics.mean(p for _, p in self._samples) if self._samples else None
 
     def _run(self) -> None:
         while not self._stop.wait(0.005):
@@ -57,6 +66,7 @@ class Sampler:
             torch.cuda.clock_rate(), torch.cuda.power_draw()
         except Exception:  # noqa: BLE001 - no pynvml / NVML: no samples
             return self
+        self._stop.clear()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
         return self
@@ -65,42 +75,54 @@ class Sampler:
         if self._thread is not None:
             self._stop.set()
             self._thread.join()
-            if self._samples:
-                self.clock = statistics.mean(c for c, _ in self._samples)
-                self.power = statistics.mean(p for _, p in self._samples)
+            self._thread = None
 
 
-SAMPLES: dict[str, Sampler] = {}
+def _window(fn: Callable[[], object], calls: int) -> float:
+    """Mean ms of ``calls`` back-to-back calls of ``fn`` (CUDA events on the current stream)."""
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(calls):
+        fn()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) / calls
 
 
-def timed(fn, reps: int = 7, calls: int = 5, collective: bool = True, key: str | None = None) -> float:
-    """Median over ``reps`` of the mean ms of ``calls`` back-to-back calls (after a barrier of every
-    rank when ``collective``; a rank-local measurement must pass ``collective=False``). With
-    ``key``, the clock and power during the calls are kept in ``SAMPLES[key]``."""
+def timed(fn: Callable[[], object], reps: int = 7, calls: int = 5) -> float:
+    """Rank-local: median over ``reps`` of the mean ms of ``calls`` back-to-back calls (no collective)."""
     fn()
     out = []
-    sampler = Sampler()
-    with sampler if key is not None else contextlib.nullcontext():
-        for _ in range(reps):
-            torch.cuda.synchronize()
-            if collective:
-                torch.distributed.barrier()
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            for _ in range(calls):
-                fn()
-            b.record()
-            b.synchronize()
-            out.append(a.elapsed_time(b) / calls)
-    if key is not None:
-        SAMPLES[key] = sampler
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        out.append(_window(fn, calls))
     return statistics.median(out)
+
+
+def timed_interleaved(fns: dict[str, Callable[[], object]], reps: int = 7, calls: int = 5
+                      ) -> tuple[dict[str, float], dict[str, Sampler]]:
+    """Every rank: the variants of ``fns`` measured round-robin (rep 1 of each, rep 2 of each, ...)
+    after a barrier each, so clock or temperature drift during the run hits all of them alike.
+    Returns the median ms of each and its clock/power samples."""
+    samplers = {k: Sampler() for k in fns}
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for fn in fns.values():
+        fn()
+    for _ in range(reps):
+        for k, fn in fns.items():
+            torch.cuda.synchronize()
+            torch.distributed.barrier()
+            with samplers[k]:
+                times[k].append(_window(fn, calls))
+    return {k: statistics.median(v) for k, v in times.items()}, samplers
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seqlens", default="16K,64K")
     p.add_argument("--transports", default="nccl,copy_engine")
+    p.add_argument("--normal-priority", action="store_true",
+                   help="also time the copy-engine ring with its window stream at normal priority")
     args = p.parse_args()
     ctx = bc.init_dist("cuda", None)
     n, r = ctx.world, ctx.rank
@@ -110,15 +132,15 @@ def main() -> None:
         q = bc.shared_randn((s, h, d), ctx, 1)
         k = bc.shared_randn((s, hkv, d), ctx, 2)
         v = bc.shared_randn((s, hkv, d), ctx, 3)
-        t1 = None
-        if r == 0:
-            t1 = timed(lambda: partial_attention(q, k, v, causal=True, backend="cudnn"), reps=5, calls=3, collective=False) if s <= 65536 else None
+        t1, t1_smp = None, Sampler()
+        if r == 0 and s <= 65536:
+            with t1_smp:
+                t1 = timed(lambda: partial_attention(q, k, v, causal=True, backend="cudnn"), reps=5, calls=3)
         plan = ShardPlan([0], [s], n, r)
         idx = plan.local_index().to(ctx.device)
         ql, kl, vl = q[idx], k[idx], v[idx]
         block = build_kv_block(plan, kl, vl)
         tiles0, tiles1 = plan.tiles(r, r), plan.tiles(r, (r - 1) % n)
-        res: dict[str, float] = {}
 
         def kernels():
             for tiles in (tiles0, tiles1):
@@ -129,12 +151,22 @@ def main() -> None:
             st = run_tiles(ql, block[0], block[1], tiles0, None)
             run_tiles(ql, block[0], block[1], tiles1, st)
 
-        SAMPLES.clear()
-        res["tiles"] = timed(kernels, key="tiles")
-        res["tiles+merge"] = timed(with_merge, key="tiles+merge")
+        variants: dict[str, Callable[[], object]] = {"tiles": kernels, "tiles+merge": with_merge}
         for name, ring in rings.items():
-            res[f"pass_kv[{name}]"] = timed(lambda ring=ring: cp_prefill(ql, block, plan, ring, strategy="pass_kv"),
-                                            key=f"pass_kv[{name}]")
+            variants[f"pass_kv[{name}]"] = lambda ring=ring: cp_prefill(ql, block, plan, ring, strategy="pass_kv")
+        if "copy_engine" in rings and args.normal_priority:
+            win = peer_window(ctx.group, block.nbytes, block.device)
+            high, normal = win.stream, torch.cuda.Stream(priority=0)
+
+            def normal_prio():
+                win.stream = normal
+                try:
+                    cp_prefill(ql, block, plan, rings["copy_engine"], strategy="pass_kv")
+                finally:
+                    win.stream = high
+
+            variants["pass_kv[copy_engine,prio 0]"] = normal_prio
+        res, samples = timed_interleaved(variants)
         for i, tiles in enumerate((tiles0, tiles1)):
             for t in tiles:
                 res[f"step{i} {'causal' if t.causal else 'dense'} {t.q1 - t.q0}x{t.k1 - t.k0}"] = timed(
@@ -147,10 +179,11 @@ def main() -> None:
         t1 = bc.all_max(ctx, [t1 or 0.0])[0]
         for rk in range(n):
             if rk == r:
-                print(f"\n=== S={bc.size_label(s)} rank {r}  (single cuDNN T1 = {t1:.3f} ms)", flush=True)
+                t1_clk = f", {t1_smp.clock:.0f} MHz {t1_smp.power:.0f} W" if t1_smp.clock else ""
+                print(f"\n=== S={bc.size_label(s)} rank {r}  (single cuDNN T1 = {t1:.3f} ms on rank 0{t1_clk})", flush=True)
                 for key, ms in res.items():
                     eff = t1 / (n * ms) if t1 and not key.startswith(("step", "merge", "  ")) else None
-                    smp = SAMPLES.get(key)
+                    smp = samples.get(key)
                     clk = f"   {smp.clock:6.0f} MHz {smp.power:5.0f} W" if smp is not None and smp.clock else ""
                     print(f"  {key:36s} {ms:9.4f} ms" + (f"   eff {eff:.3f}" if eff else "") + clk, flush=True)
             torch.distributed.barrier()

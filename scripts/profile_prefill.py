@@ -1,85 +1,118 @@
-"""Profile one megacp pass-KV prefill on 2 GPUs (torch.profiler): where the time goes.
+#!/usr/bin/env python3
+"""Profile megacp prefill on 2 GPUs (torch.profiler): the GPU timeline of one call, per rank.
 
-    torchrun --nproc_per_node 2 scripts/profile_prefill.py --seqlen 16384 --out prof
+    torchrun --nproc_per_node 2 scripts/profile_prefill.py --seqlen 64K [--transport copy_engine] [--out prof]
 
-Prints, per rank, the wall time of the call, the summed GPU time of the attention kernels, the
-merge kernels and the NCCL kernels, and how much of the NCCL time overlapped attention kernels.
+Times five back-to-back calls with CUDA events, then profiles three more back to back and prints,
+per rank, every GPU activity (kernel, memcpy, memset) of the middle call in start order: offset from
+the call's first activity (µs), duration (µs), CUDA stream and a short name. This shows whether a
+transfer (NCCL kernel or copy-engine memcpy) and the barrier kernels run beside the attention
+kernels or wait for them. ``--out`` also keeps the chrome trace of each rank.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import sys
+import tempfile
 
 import torch
 import torch.distributed as dist
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
-import megacp
-from megacp.attention import ShardPlan, build_kv_block, cp_prefill
-from megacp.parallel.ring import Ring
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_common as bc  # noqa: E402
+
+import megacp  # noqa: E402
+from megacp.attention import ShardPlan, build_kv_block, cp_prefill  # noqa: E402
+from megacp.parallel.ring import Ring  # noqa: E402
+
+GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def short(name: str) -> str:
+    """A readable label for a kernel or memcpy name."""
+    low = name.lower()
+    for key, label in (("nccl", "nccl"), ("fmha", "attention"), ("cudnn", "attention"), ("flash", "attention"),
+                       ("barrier", "symm-mem barrier"), ("merge", "merge"), ("memcpy", "")):
+        if key in low:
+            return f"{label} {name[:60]}".strip() if label else name[:70]
+    return name[:70]
+
+
+def call_timeline(trace: dict, call: str) -> list[tuple[float, float, int, str]]:
+    """(start µs, duration µs, stream, name) of the GPU activities launched inside the CPU range
+    ``call`` (a ``record_function``), matched to their launches by correlation id; start is the
+    offset from the first of them."""
+    events = trace["traceEvents"]
+    spans = [e for e in events if e.get("cat") == "user_annotation" and e.get("name") == call]
+    if not spans:
+        raise RuntimeError(f"no annotation {call!r} in the trace")
+    t0, t1 = spans[0]["ts"], spans[0]["ts"] + spans[0]["dur"]
+    launched = {e["args"]["correlation"] for e in events
+                if e.get("cat") in ("cuda_runtime", "cuda_driver") and t0 <= e["ts"] <= t1
+                and "correlation" in e.get("args", {})}
+    acts = sorted((e for e in events if e.get("cat") in GPU_CATEGORIES
+                   and e.get("args", {}).get("correlation") in launched), key=lambda e: e["ts"])
+    start = acts[0]["ts"] if acts else t0
+    return [(e["ts"] - start, e["dur"], e.get("args", {}).get("stream", -1), e["name"]) for e in acts]
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--seqlen", type=int, default=16384)
-    p.add_argument("--strategy", default="pass_kv")
-    p.add_argument("--out", default=None, help="write a chrome trace per rank with this prefix")
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seqlen", default="16K")
+    p.add_argument("--strategy", default="pass_kv", choices=("pass_kv", "pass_q"))
+    p.add_argument("--transport", default=None, help="ring transport (auto | nccl | copy_engine)")
+    p.add_argument("--out", default=None, help="also write each rank's chrome trace to <out>_rank<r>.json")
     args = p.parse_args()
     state = megacp.initialize()
     dev, r = state.device, state.rank_in("cp")
-    ring = Ring(state.group("cp"))
-    plan = ShardPlan([0], [args.seqlen], ring.size, r)
+    ring = Ring(state.group("cp"), transport=args.transport)
+    seqlen = bc.parse_sizes(args.seqlen)[0]
+    plan = ShardPlan([0], [seqlen], ring.size, r)
     g = torch.Generator(device=dev).manual_seed(0)
     n = plan.num_local()
     q = torch.randn(n, 32, 128, device=dev, dtype=torch.bfloat16, generator=g)
     k = torch.randn(n, 8, 128, device=dev, dtype=torch.bfloat16, generator=g)
     block = build_kv_block(plan, k, torch.randn_like(k))
-    for _ in range(5):
+
+    def call() -> None:
         cp_prefill(q, block, plan, ring, strategy=args.strategy)
+
+    for _ in range(3):
+        call()
     torch.cuda.synchronize()
     dist.barrier()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(5):
-        cp_prefill(q, block, plan, ring, strategy=args.strategy)
+        call()
     end.record()
     torch.cuda.synchronize()
     wall_us = start.elapsed_time(end) * 1000 / 5
     dist.barrier()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(5):
-            cp_prefill(q, block, plan, ring, strategy=args.strategy)
+        for i in range(3):
+            with record_function(f"call{i}"):
+                call()
         torch.cuda.synchronize()
-    if args.out:
-        prof.export_chrome_trace(f"{args.out}_rank{state.rank}.json")
-    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-
-    def kind(name: str) -> str:
-        if "nccl" in name.lower():
-            return "nccl"
-        if "fmha" in name.lower() or "cudnn" in name.lower() or "flash" in name.lower() or "sm90" in name.lower():
-            return "attention"
-        return "other (merge, copies)"
-
-    spans: dict[str, list[tuple[float, float]]] = {}
-    for e in events:
-        spans.setdefault(kind(e.name), []).append((e.time_range.start, e.time_range.end))
-    total = {k: sum(b - a for a, b in v) / 5 for k, v in spans.items()}
-    att = sorted(spans.get("attention", []))
-    overlap = 0.0
-    for a, b in spans.get("nccl", []):
-        for c, d in att:
-            overlap += max(0.0, min(b, d) - max(a, c))
-    lines = [f"rank {state.rank} S={args.seqlen} {args.strategy}: wall {wall_us:.0f} us per call; GPU time (us) " +
-             ", ".join(f"{k} {v:.0f}" for k, v in sorted(total.items())) +
-             f"; NCCL overlapped with attention {overlap / 5:.0f} us"]
-    top = prof.key_averages().table(sort_by="cuda_time_total", row_limit=12)
+    path = f"{args.out}_rank{state.rank}.json" if args.out else tempfile.mktemp(suffix=".json")
+    prof.export_chrome_trace(path)
+    with open(path) as f:
+        rows = call_timeline(json.load(f), "call1")
+    if not args.out:
+        os.unlink(path)
+    lines = [f"rank {state.rank} S={bc.size_label(seqlen)} {args.strategy} transport={ring.transport}: "
+             f"{wall_us:.0f} us per call back to back; GPU activities of one call:",
+             f"  {'start us':>10} {'dur us':>9} {'stream':>6}  name"]
+    lines += [f"  {t:10.1f} {d:9.1f} {s:>6}  {short(nm)}" for t, d, s, nm in rows]
     out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, (lines, top))
+    dist.all_gather_object(out, lines)
     if state.rank == 0:
-        for ls, _ in out:
-            print("\n".join(ls))
-        print(out[0][1])
+        for ls in out:
+            print("\n".join(ls), flush=True)
     dist.destroy_process_group()
 
 

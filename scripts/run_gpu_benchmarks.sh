@@ -6,11 +6,13 @@
 #
 # PART: verify | prefill | decode | all (= verify prefill decode, the default)
 #       breakdown — per-rank prefill time split, clock and power (scripts/prefill_breakdown.py; GPU only)
+#       profile — GPU timeline of one pass-KV call per transport (scripts/profile_prefill.py; GPU only)
 #       quick   — small sizes everywhere (a wiring test, ~1-2 min with TE's build, less without)
 #       nocheck — the benchmarks without their --check comparisons
 # Environment: NPROC (GPUs, default 2), OUT (default ./out/gpu), VERIFY_ARGS / PREFILL_ARGS /
-#   DECODE_ARGS (extra arguments appended to that script), T_VERIFY / T_PREFILL / T_DECODE /
-#   T_BREAKDOWN (time limits in s, default 300 / 420 / 240 / 150), BREAKDOWN_SEQLENS (16K,64K),
+#   DECODE_ARGS / BREAKDOWN_ARGS (extra arguments appended to that script), T_VERIFY / T_PREFILL /
+#   T_DECODE / T_BREAKDOWN / T_PROFILE (time limits in s, default 300 / 420 / 240 / 150 / 60 per
+#   transport), BREAKDOWN_SEQLENS (16K,64K), PROFILE_SEQLEN (64K), PROFILE_TRANSPORTS ("nccl copy_engine"),
 #   DEVICE=cpu (gloo smoke test of this script, small sizes).
 # Carried, optional: .whl/*.whl (DeepSpeed and its pure-Python dependencies, installed into
 #   /tmp/site), .tecarry/te (Transformer Engine, see shared/te/README.md; its first use on a fresh
@@ -32,10 +34,10 @@ parts=() ; quick=0 ; check=1
 for a in "$@"; do
   case "$a" in
     all) parts+=(verify prefill decode) ;;
-    verify|prefill|decode|breakdown) parts+=("$a") ;;
+    verify|prefill|decode|breakdown|profile) parts+=("$a") ;;
     quick) quick=1 ;;
     nocheck) check=0 ;;
-    *) echo "unknown part '$a' (verify|prefill|decode|breakdown|all|quick|nocheck)" >&2; exit 2 ;;
+    *) echo "unknown part '$a' (verify|prefill|decode|breakdown|profile|all|quick|nocheck)" >&2; exit 2 ;;
   esac
 done
 [ ${#parts[@]} -eq 0 ] && parts=(verify prefill decode)
@@ -101,7 +103,12 @@ for p in "${parts[@]}"; do
     prefill) run_part prefill "${T_PREFILL:-420}" scripts/bench_prefill.py ${devargs[@]+"${devargs[@]}"} ${sizes_prefill[@]+"${sizes_prefill[@]}"} ${checkarg[@]+"${checkarg[@]}"} --json "$OUT/prefill.json" ${PREFILL_ARGS:-} ;;
     # shellcheck disable=SC2086
     breakdown) [ "$DEVICE" = cpu ] && { echo "breakdown: GPU only, skipped"; continue; }
-             run_part breakdown "${T_BREAKDOWN:-150}" scripts/prefill_breakdown.py --seqlens "${BREAKDOWN_SEQLENS:-16K,64K}" ;;
+             # shellcheck disable=SC2086
+             run_part breakdown "${T_BREAKDOWN:-150}" scripts/prefill_breakdown.py --seqlens "${BREAKDOWN_SEQLENS:-16K,64K}" ${BREAKDOWN_ARGS:-} ;;
+    profile) [ "$DEVICE" = cpu ] && { echo "profile: GPU only, skipped"; continue; }
+             for tr in ${PROFILE_TRANSPORTS:-nccl copy_engine}; do
+               run_part "profile_$tr" "${T_PROFILE:-60}" scripts/profile_prefill.py --seqlen "${PROFILE_SEQLEN:-64K}" --transport "$tr"
+             done ;;
     # shellcheck disable=SC2086
     decode)  run_part decode "${T_DECODE:-240}" scripts/bench_decode.py ${devargs[@]+"${devargs[@]}"} ${sizes_decode[@]+"${sizes_decode[@]}"} ${checkarg[@]+"${checkarg[@]}"} --json "$OUT/decode.json" ${DECODE_ARGS:-} ;;
   esac

@@ -54,7 +54,7 @@ class PeerWindow:
     """``nbytes`` of symmetric memory on every rank of ``group`` (collective to create).
 
     Attributes:
-        stream: the side stream on which pulls and barriers run.
+        stream: the side stream (high priority) on which pulls and barriers run.
         nbytes: the size of each rank's buffer.
     """
 
@@ -74,7 +74,10 @@ class PeerWindow:
         # barrier never returns. Every rank finishes its allocation before any rank signals.
         torch.cuda.synchronize(device)
         dist.barrier(group=group, device_ids=[device.index])
-        self.stream = torch.cuda.Stream(device=device)
+        # High priority: the barrier is a small kernel, and on a normal-priority stream the block
+        # scheduler dispatches it only after every CTA of the attention kernel queued before it,
+        # which would hold the pull (and the next step's compute) until that kernel ends.
+        self.stream = torch.cuda.Stream(device=device, priority=-1)
         log.debug("peer window of %d bytes per rank on %s", self.nbytes, device)
 
     def view(self, rank: int, shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
