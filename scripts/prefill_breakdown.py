@@ -9,8 +9,7 @@ three kinds round-robin, so drift of clock or temperature during the run hits th
 * ``tiles``        — its kernel calls alone (step 0 on its own block, step 1 on its own block
   standing in for the received one), no merge, no communication: the zero-communication bound;
 * ``tiles+merge``  — the same through ``run_tiles`` with the running-state merge;
-* ``pass_kv[T]``   — ``cp_prefill`` with ring transport T (the real thing); with
-  ``--normal-priority`` also the copy-engine ring with its window stream at normal priority;
+* ``pass_kv[T]``   — ``cp_prefill`` with ring transport T (the real thing);
 * each kernel alone (step-0 and step-1 tiles, the merge).
 
 Efficiencies are T1 / (2 · t) against single-GPU cuDNN over the whole sequence (rank 0). Where
@@ -36,7 +35,6 @@ import bench_common as bc  # noqa: E402
 from megacp.attention import ShardPlan, build_kv_block, cp_prefill, partial_attention  # noqa: E402
 from megacp.attention.merge import merge_into  # noqa: E402
 from megacp.attention.tiles import run_tiles  # noqa: E402
-from megacp.parallel.peer import peer_window  # noqa: E402
 from megacp.parallel.ring import Ring  # noqa: E402
 
 
@@ -121,8 +119,6 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seqlens", default="16K,64K")
     p.add_argument("--transports", default="nccl,copy_engine")
-    p.add_argument("--normal-priority", action="store_true",
-                   help="also time the copy-engine ring with its window stream at normal priority")
     args = p.parse_args()
     ctx = bc.init_dist("cuda", None)
     n, r = ctx.world, ctx.rank
@@ -154,18 +150,6 @@ def main() -> None:
         variants: dict[str, Callable[[], object]] = {"tiles": kernels, "tiles+merge": with_merge}
         for name, ring in rings.items():
             variants[f"pass_kv[{name}]"] = lambda ring=ring: cp_prefill(ql, block, plan, ring, strategy="pass_kv")
-        if "copy_engine" in rings and args.normal_priority:
-            win = peer_window(ctx.group, block.nbytes, block.device)
-            high, normal = win.stream, torch.cuda.Stream(priority=0)
-
-            def normal_prio():
-                win.stream = normal
-                try:
-                    cp_prefill(ql, block, plan, rings["copy_engine"], strategy="pass_kv")
-                finally:
-                    win.stream = high
-
-            variants["pass_kv[copy_engine,prio 0]"] = normal_prio
         res, samples = timed_interleaved(variants)
         for i, tiles in enumerate((tiles0, tiles1)):
             for t in tiles:

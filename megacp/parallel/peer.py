@@ -1,19 +1,36 @@
-"""Peer windows: symmetric memory that every GPU of a group can read over NVLink.
+"""Peer windows: symmetric memory that every GPU of a group can write over NVLink.
 
 A :class:`PeerWindow` is one buffer per rank, allocated collectively with
-``torch.distributed._symmetric_memory`` and mapped into every peer's address space. A rank *pulls*
-a peer's block with a plain device-to-device copy (``cudaMemcpyAsync``), which the driver runs on a
-**copy engine**: no SM is used and no NCCL kernel competes with the attention kernels for SMs
-(cuDNN's attention kernel occupies every SM, so an NCCL send/recv launched beside it waits for
-SMs and the transfer ends up exposed). Synchronisation is a device-side barrier over the group's
-signal pads, ordered on a stream like any kernel: no host synchronisation.
+``torch.distributed._symmetric_memory`` and mapped into every peer's address space. It holds two
+*slots* (double buffering) for blocks that peers *push* into it, and a small *signal* area.
 
-This transport needs CUDA tensors, an NCCL group whose ranks share one host (NVLink / PCIe P2P)
-and a torch with symmetric memory; :func:`copy_engine_supported` says whether a group qualifies.
+Everything a rotation does between GPUs avoids the SMs. Measured on H200 (``scripts/profile_prefill.py``
+and a side-stream probe, see docs/PERFORMANCE.md): cuDNN's attention kernel keeps every SM until it
+ends, and any kernel on another stream — an NCCL send/recv, a barrier, even a same-device
+``cudaMemcpy``, whatever the stream priority — starts only at its tail, so a transfer that needs an
+SM is exposed. Two things do run beside it:
+
+* a copy **into another GPU's memory** (``cudaMemcpyAsync`` to a peer-mapped address), which the
+  driver runs on a copy engine (128 MiB in ~0.4 ms over NVLink);
+* **stream memory operations** (``cuStreamWriteValue32`` / ``cuStreamWaitValue32``), executed by
+  the GPU's front end: a flag written into a peer's signal area, a stream that waits until a flag
+  in the own signal area reaches a value.
+
+So a rank pushes its block straight from its own memory into the peer's slot, then writes the
+peer's *ready* flag; the peer's compute stream waits on that flag (no host sync, no kernel) and
+reads the block in place; after its compute on the slot, the peer writes a *free* flag into every
+rank's signal area, on which the next writer of that slot waits. Flags count uses (monotonic, never
+reset), so no flag is ever cleared.
+
+This transport needs CUDA tensors, an NCCL group whose ranks share one host (NVLink / PCIe P2P), a
+torch with symmetric memory and the CUDA driver's stream memory operations;
+:func:`copy_engine_supported` says whether a group qualifies.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import importlib.util
 import logging
 import os
@@ -25,8 +42,9 @@ import torch.distributed as dist
 log = logging.getLogger("megacp.peer")
 
 TRANSPORTS = ("auto", "nccl", "copy_engine")
-_ALIGN = 2 << 20  # window sizes are rounded up to 2 MiB
-_BARRIER_TIMEOUT_MS = 600_000  # as NCCL's default collective timeout
+_ALIGN = 2 << 20  # slot sizes are rounded up to 2 MiB
+_SIGNAL_BYTES = 4096  # flags: ready[slot] at words 0-1, free[rank][slot] at words 16 + 2*rank + slot
+_MAX_RANKS = (_SIGNAL_BYTES // 4 - 16) // 2
 
 
 def default_transport() -> str:
@@ -37,28 +55,65 @@ def default_transport() -> str:
     return name
 
 
+@functools.cache
+def _stream_mem_ops() -> tuple | None:
+    """``(cuStreamWaitValue32, cuStreamWriteValue32)`` of the CUDA driver, or ``None``."""
+    try:
+        cu = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    fns = []
+    for name in ("cuStreamWaitValue32", "cuStreamWriteValue32"):
+        fn = getattr(cu, name + "_v2", None) or getattr(cu, name, None)
+        if fn is None:
+            return None
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+        fn.restype = ctypes.c_int
+        fns.append(fn)
+    return tuple(fns)
+
+
+def _check(rc: int, what: str) -> None:
+    if rc != 0:
+        raise RuntimeError(f"{what} failed with CUresult {rc}")
+
+
+def wait_value(stream: torch.cuda.Stream, addr: int, value: int) -> None:
+    """Work queued on ``stream`` after this waits until the uint32 at device address ``addr``
+    reaches ``value`` (cyclic ``>=``); executed by the GPU front end, no SM, no host sync."""
+    _check(_stream_mem_ops()[0](stream.cuda_stream, addr, value & 0xFFFFFFFF, 0), "cuStreamWaitValue32")
+
+
+def write_value(stream: torch.cuda.Stream, addr: int, value: int) -> None:
+    """Write the uint32 ``value`` to device address ``addr`` (this GPU's or a peer-mapped one) when
+    the work queued on ``stream`` before it is done, after a memory fence; no SM."""
+    _check(_stream_mem_ops()[1](stream.cuda_stream, addr, value & 0xFFFFFFFF, 0), "cuStreamWriteValue32")
+
+
 def copy_engine_supported(group: dist.ProcessGroup) -> bool:
     """Whether ``group`` can use peer windows: NCCL backend, CUDA available, every rank of the group
-    on this host (by the launcher's ``LOCAL_WORLD_SIZE``), and symmetric memory in this torch.
-    Decided from local facts only (no collective), identically on every rank of a uniform job."""
+    on this host (by the launcher's ``LOCAL_WORLD_SIZE``), symmetric memory in this torch and the
+    driver's stream memory operations. Decided from local facts only (no collective), identically
+    on every rank of a uniform job."""
     if not torch.cuda.is_available() or dist.get_backend(group) != "nccl":
         return False
-    if importlib.util.find_spec("torch.distributed._symmetric_memory") is None:
+    if importlib.util.find_spec("torch.distributed._symmetric_memory") is None or _stream_mem_ops() is None:
         return False
     local = int(os.environ.get("LOCAL_WORLD_SIZE", torch.cuda.device_count()))
     ranks = dist.get_process_group_ranks(group)
-    return local > 0 and len({r // local for r in ranks}) == 1
+    return local > 0 and len({r // local for r in ranks}) == 1 and len(ranks) <= _MAX_RANKS
 
 
 class PeerWindow:
-    """``nbytes`` of symmetric memory on every rank of ``group`` (collective to create).
+    """Two slots of ``slot_bytes`` and a signal area on every rank of ``group`` (collective to create).
 
     Attributes:
-        stream: the side stream (high priority) on which pulls and barriers run.
-        nbytes: the size of each rank's buffer.
+        stream: the side stream on which this rank's pushes run.
+        slot_bytes: the capacity of each slot.
+        uses: how many rotations' steps have used each slot so far (the same on every rank).
     """
 
-    def __init__(self, group: dist.ProcessGroup, nbytes: int, device: torch.device) -> None:
+    def __init__(self, group: dist.ProcessGroup, slot_bytes: int, device: torch.device) -> None:
         import torch.distributed._symmetric_memory as symm_mem
 
         enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
@@ -66,55 +121,59 @@ class PeerWindow:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", FutureWarning)
                 enable(group.group_name)
-        self.nbytes = -(-nbytes // _ALIGN) * _ALIGN
-        self._buf = symm_mem.empty(self.nbytes, dtype=torch.uint8, device=device)
-        self._handle = symm_mem.rendezvous(self._buf, group)
-        # torch 2.11 zeroes a new buffer's signal pads with a memset that nothing orders before the
-        # peers' first signals: a peer's barrier signal can land first and be erased, and that
-        # barrier never returns. Every rank finishes its allocation before any rank signals.
+        self.slot_bytes = -(-slot_bytes // _ALIGN) * _ALIGN
+        total = _SIGNAL_BYTES + 2 * self.slot_bytes
+        buf = symm_mem.empty(total, dtype=torch.uint8, device=device)
+        self._handle = symm_mem.rendezvous(buf, group)
+        self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
+        self._bufs = [self._handle.get_buffer(p, [total], torch.uint8) for p in range(self.size)]
+        buf[:_SIGNAL_BYTES].zero_()
+        # Every rank's flags are zero before any rank writes a peer's flag (and torch 2.11 zeroes
+        # its own signal pads unordered: nothing may run on the window before all ranks are here).
         torch.cuda.synchronize(device)
         dist.barrier(group=group, device_ids=[device.index])
-        # High priority: the barrier is a small kernel, and on a normal-priority stream the block
-        # scheduler dispatches it only after every CTA of the attention kernel queued before it,
-        # which would hold the pull (and the next step's compute) until that kernel ends.
-        self.stream = torch.cuda.Stream(device=device, priority=-1)
-        log.debug("peer window of %d bytes per rank on %s", self.nbytes, device)
+        self.stream = torch.cuda.Stream(device=device)
+        self.uses = [0, 0]
+        log.debug("peer window: 2 slots of %d bytes per rank on %s", self.slot_bytes, device)
 
-    def view(self, rank: int, shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """Rank ``rank``'s buffer (group rank) viewed as a contiguous ``shape`` tensor of ``dtype``."""
-        return self._handle.get_buffer(rank, list(shape), dtype)
+    def slot(self, rank: int, k: int, nbytes: int) -> torch.Tensor:
+        """The first ``nbytes`` of slot ``k`` of group rank ``rank``'s window (uint8, contiguous)."""
+        off = _SIGNAL_BYTES + k * self.slot_bytes
+        return self._bufs[rank][off:off + nbytes]
 
-    def barrier(self) -> None:
-        """Device-side barrier of the group on the current stream. A peer that never arrives
-        stops the job with torch's "failed to receive signal" error after ``_BARRIER_TIMEOUT_MS``
-        instead of a silent hang."""
-        self._handle.barrier(channel=0, timeout_ms=_BARRIER_TIMEOUT_MS)
+    def ready_flag(self, rank: int, k: int) -> int:
+        """Device address of rank ``rank``'s flag counting the blocks pushed into its slot ``k``."""
+        return self._bufs[rank].data_ptr() + 4 * k
+
+    def free_flag(self, rank: int, user: int, k: int) -> int:
+        """Device address, in rank ``rank``'s window, of the flag counting how often rank ``user``
+        has finished with its slot ``k``."""
+        return self._bufs[rank].data_ptr() + 4 * (16 + 2 * user + k)
 
 
 _windows: dict[str, PeerWindow] = {}
 
 
-def window_bytes(nbytes: int) -> int:
-    """Size of a group's window: ``MEGACP_PEER_WINDOW_MB`` (default 1024 MiB) or ``nbytes`` if larger."""
+def slot_bytes(nbytes: int) -> int:
+    """Size of a slot: ``MEGACP_PEER_WINDOW_MB`` (default 1024 MiB) or ``nbytes`` if larger."""
     mb = int(os.environ.get("MEGACP_PEER_WINDOW_MB", "1024"))
     return max(nbytes, mb << 20)
 
 
 def peer_window(group: dist.ProcessGroup, nbytes: int, device: torch.device) -> PeerWindow | None:
-    """The group's window, allocated collectively on first use (:func:`window_bytes`); ``None``
-    when ``nbytes`` does not fit it (the caller then uses NCCL). Every rank of the group must call
-    it with the same ``nbytes`` (blocks of a ring have one size on every rank).
+    """The group's window, allocated collectively on first use with two slots of
+    :func:`slot_bytes`; ``None`` when ``nbytes`` does not fit a slot (the caller then uses NCCL).
+    Every rank of the group must call it with the same ``nbytes`` (blocks of a ring have one size
+    on every rank).
 
-    A window is allocated once per group and never replaced: on the H200 machine with torch 2.11
-    the benchmark's third growing window on one group hung (most likely the signal-pad zeroing race
-    that :class:`PeerWindow` now guards against, see its constructor), so megacp depends on one
-    rendezvous per group only.
+    A window is allocated once per group and never replaced: torch caches rendezvous by address,
+    and on the H200 machine with torch 2.11 a third rendezvous on one group hung.
     """
     win = _windows.get(group.group_name)
     if win is None:
-        win = _windows[group.group_name] = PeerWindow(group, window_bytes(nbytes), device)
-    if nbytes > win.nbytes:
-        log.info("a %d-byte block exceeds the %d-byte peer window: this rotation uses NCCL "
-                 "(raise MEGACP_PEER_WINDOW_MB)", nbytes, win.nbytes)
+        win = _windows[group.group_name] = PeerWindow(group, slot_bytes(nbytes), device)
+    if nbytes > win.slot_bytes:
+        log.info("a %d-byte block exceeds the %d-byte peer window slot: this rotation uses NCCL "
+                 "(raise MEGACP_PEER_WINDOW_MB)", nbytes, win.slot_bytes)
         return None
     return win

@@ -9,10 +9,11 @@ completes them (on CUDA it makes the current stream wait, without a host sync).
 :meth:`Ring.rotate` has two transports (``transport=`` or env ``MEGACP_RING_TRANSPORT``):
 
 * ``"nccl"`` — each block is relayed rank to rank with P2P send/recv (NCCL on GPU, gloo on CPU);
-* ``"copy_engine"`` — every rank puts its block into a :class:`~megacp.parallel.peer.PeerWindow`
-  once and *pulls* the block of rank ``r - s`` directly at step ``s`` with a device-to-device copy
-  that runs on a copy engine, so no SM is taken from the attention kernels (a block larger than
-  the window, ``MEGACP_PEER_WINDOW_MB``, rotates over NCCL instead);
+* ``"copy_engine"`` — every rank *pushes* its block straight into the
+  :class:`~megacp.parallel.peer.PeerWindow` of rank ``r + s`` for step ``s``, with copies that run on
+  a copy engine and flags that the GPU front end writes and waits on, so nothing competes with the
+  attention kernels for SMs (a block larger than a window slot, ``MEGACP_PEER_WINDOW_MB``, rotates
+  over NCCL instead);
 * ``"auto"`` (default) — ``copy_engine`` for CUDA tensors on a group that supports it
   (:func:`~megacp.parallel.peer.copy_engine_supported`), else ``nccl``.
 """
@@ -26,7 +27,15 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from megacp.parallel.peer import TRANSPORTS, PeerWindow, copy_engine_supported, default_transport, peer_window
+from megacp.parallel.peer import (
+    TRANSPORTS,
+    PeerWindow,
+    copy_engine_supported,
+    default_transport,
+    peer_window,
+    wait_value,
+    write_value,
+)
 
 # torch >= 2.12 names it all_gather_single (and deprecates the old name); older torch (2.4-2.11)
 # only has all_gather_into_tensor. Both take the output concatenated along dim 0.
@@ -79,15 +88,16 @@ class Ring:
 
         The transfer of the next block is posted *before* each yield and completed after it, so
         whatever the caller computes on the block in hand overlaps the transfer. Received blocks
-        alternate between two scratch buffers (a buffer is received into only after its own send
-        has completed); ``block`` itself is only read, so the caller may keep using it (but must not
-        change it before the rotation ends). Iterate it to the end: the last step also releases the
-        transport's buffers.
+        alternate between two buffers (scratch tensors, or the slots of a peer window): a block in
+        hand is valid until the caller resumes the iterator, and the caller's work on it must be
+        queued on the stream that was current when the rotation began. ``block`` itself is only
+        read, so the caller may keep using it (but must not change it before the rotation ends).
+        Iterate it to the end: the last step also releases the transport's buffers.
         """
         if self.transport == "copy_engine" and block.is_cuda and self.size > 1:
             win = peer_window(self.group, block.nbytes, block.device)
             if win is not None:
-                yield from self._rotate_pull(block, win)
+                yield from self._rotate_push(block, win)
                 return
         scratch = [torch.empty_like(block) for _ in range(min(self.size - 1, 2))]
         cur = block
@@ -101,43 +111,49 @@ class Ring:
                 self.wait(works)
                 cur = nxt
 
-    def _rotate_pull(self, block: Tensor, win: PeerWindow) -> Iterator[tuple[int, Tensor]]:
-        """:meth:`rotate` over a peer window. Step 0 (the own block) is handed out first, so its
-        compute is queued before any transfer work; then, on the window's stream (ordered after the
-        caller's work that produced ``block``, not after step 0): this rank's block goes into its
-        window, a barrier, and the pull of rank ``r - s``'s block for step ``s``, posted two steps
-        ahead into alternating scratch buffers. The compute stream waits for each pull by an event."""
+    def _rotate_push(self, block: Tensor, win: PeerWindow) -> Iterator[tuple[int, Tensor]]:
+        """:meth:`rotate` over peer windows (see :mod:`megacp.parallel.peer`). Rank ``r`` pushes
+        its block into slot ``(s-1) % 2`` of rank ``r+s``, for ``s = 1..N-1``, with copy-engine copies
+        on the window's stream, at most two steps ahead (a push first waits until the target has
+        released that slot's previous use). Step 0 (the own block) is handed out first, so its
+        compute is queued before any transfer; step ``s`` waits on the compute stream for slot
+        ``(s-1) % 2`` to be filled and hands out the slot itself (valid until the caller resumes the
+        iterator); the release is written after the caller's work on it. Nothing here needs an SM
+        or a host sync."""
+        n, r = self.size, self.rank
         main = torch.cuda.current_stream(block.device)
-        ready = torch.cuda.Event()
-        ready.record(main)
+        src = block.reshape(-1).view(torch.uint8)
+        slot_use: dict[int, tuple[int, int]] = {}  # step -> (slot, how many earlier uses that slot had)
+        for s in range(1, n):
+            k = (s - 1) % 2
+            slot_use[s] = (k, win.uses[k])
+            win.uses[k] += 1
+        produced = torch.cuda.Event()
+        produced.record(main)
         yield 0, block
-        scratch = [torch.empty_like(block) for _ in range(min(self.size - 1, 2))]
-        freed: list[torch.cuda.Event | None] = [None, None]  # scratch i may be overwritten after it
-        with torch.cuda.stream(win.stream):  # after the previous rotation's last barrier (stream order)
-            win.stream.wait_event(ready)
-            win.view(self.rank, block.shape, block.dtype).copy_(block)
-            win.barrier()  # every rank's block is in its window
+        win.stream.wait_event(produced)
 
-        def pull(step: int) -> tuple[Tensor, torch.cuda.Event]:
-            slot, done = (step - 1) % 2, torch.cuda.Event()
+        def push(s: int) -> None:
+            t, (k, u) = (r + s) % n, slot_use[s]
             with torch.cuda.stream(win.stream):
-                if freed[slot] is not None:
-                    win.stream.wait_event(freed[slot])
-                scratch[slot].copy_(win.view((self.rank - step) % self.size, block.shape, block.dtype))
-                done.record(win.stream)
-            return scratch[slot], done
+                wait_value(win.stream, win.free_flag(r, t, k), u)  # t is done with the slot's last use
+                win.slot(t, k, src.numel()).copy_(src)
+                write_value(win.stream, win.ready_flag(t, k), u + 1)
 
-        pending = pull(1)
-        for step in range(1, self.size):
-            cur, done = pending
-            main.wait_event(done)
-            if step + 1 < self.size:
-                pending = pull(step + 1)
-            yield step, cur
-            freed[(step - 1) % 2] = torch.cuda.Event()  # the compute on this buffer is queued
-            freed[(step - 1) % 2].record(main)
-        with torch.cuda.stream(win.stream):
-            win.barrier()  # nobody rewrites its window before every peer has pulled from it
+        for s in range(1, min(n, 3)):
+            push(s)
+        for s in range(1, n):
+            k, u = slot_use[s]
+            wait_value(main, win.ready_flag(r, k), u + 1)
+            yield s, win.slot(r, k, src.numel()).view(block.dtype).view(block.shape)
+            for p in range(n):
+                if p != r:
+                    write_value(main, win.free_flag(p, r, k), u + 1)
+            if s + 2 < n:
+                push(s + 2)
+        pushed = torch.cuda.Event()
+        pushed.record(win.stream)
+        main.wait_event(pushed)  # ``block`` is read until here
 
     def all_gather(self, t: Tensor) -> Tensor:
         """``[N, *t.shape]``: every rank's ``t`` in group-rank order (one collective)."""
