@@ -129,7 +129,7 @@ def main() -> None:
         k = bc.shared_randn((s, hkv, d), ctx, 2)
         v = bc.shared_randn((s, hkv, d), ctx, 3)
         t1, t1_smp = None, Sampler()
-        if r == 0 and s <= 65536:
+        if r == 0 and s <= 131072:
             with t1_smp:
                 t1 = timed(lambda: partial_attention(q, k, v, causal=True, backend="cudnn"), reps=5, calls=3)
         plan = ShardPlan([0], [s], n, r)
