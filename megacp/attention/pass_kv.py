@@ -5,8 +5,10 @@ new tokens), padded to the plan's largest block so every hop has one size. For N
 the asynchronous send of the block in hand to rank r+1 and the receive of the next block from r-1,
 *then* computes the partial attention of its local queries over the block in hand (only the tiles
 the causal structure leaves visible), and folds it into the running (out, LSE) state. Received
-blocks alternate between two scratch buffers (double buffering, :meth:`Ring.rotate`), so the
-transfer of hop s+1 overlaps the compute of hop s.
+blocks alternate between two buffers (double buffering, :meth:`Ring.rotate`: scratch tensors over
+NCCL, window slots over the copy engine), so the transfer of hop s+1 overlaps the compute of hop s.
+On CUDA the received blocks' compute runs on a second stream, beside step 0's (see
+:func:`ring_pass_kv`).
 
 The loop is a sequence of (block source, tiles) steps over :meth:`Ring.rotate`; the training
 backward (:mod:`megacp.attention.backward`) replays the same rotation and tiles while the K/V
@@ -15,11 +17,23 @@ gradient accumulators follow the blocks around the ring, as in Transformer Engin
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import functools
+
+import torch
 from torch import Tensor
 
+from megacp.attention.merge import merge_into
 from megacp.attention.sharding import ShardPlan
 from megacp.attention.tiles import run_tiles
 from megacp.parallel.ring import Ring
+
+
+@functools.cache
+def _later_steps_stream(device: torch.device) -> torch.cuda.Stream:
+    """The second compute stream of ``device`` (steps >= 1 of the ring)."""
+    return torch.cuda.Stream(device=device)
 
 
 def ring_pass_kv(
@@ -33,6 +47,12 @@ def ring_pass_kv(
 ) -> tuple[Tensor, Tensor]:
     """Exact attention of this rank's queries over every rank's KV block.
 
+    Step 0 (the own block) runs on the current stream; on CUDA, steps ``>= 1`` run on a second
+    compute stream into their own running state, over the span of query rows they touch, and are
+    merged into step 0's state at the end. The received blocks do not depend on step 0, so their
+    kernels fill the SMs that step 0's attention kernel leaves idle at its tail (with one stream,
+    the next kernel starts only after the last CTA of the previous one ends).
+
     Args:
         q: ``[n_local, Hq, D]`` local queries in ``plan.q_layout(rank)`` order.
         kv_block: ``[2, plan.max_kv_block, Hkv, D]`` this rank's keys (``[0]``) and values (``[1]``)
@@ -42,11 +62,28 @@ def ring_pass_kv(
     Returns:
         ``(out [n_local, Hq, D] q.dtype, lse [n_local, Hq] fp32)``.
     """
-    r = plan.rank
+    r, n = plan.rank, plan.cp_size
     if ring is None:
         return run_tiles(q, kv_block[0], kv_block[1], plan.tiles(r, r), None, scale=scale, backend=backend)
-    state = None
-    for step, block in ring.rotate(kv_block):  # block of rank r - step in hand
-        tiles = plan.tiles(r, (r - step) % plan.cp_size)
-        state = run_tiles(q, block[0], block[1], tiles, state, scale=scale, backend=backend)
+    later = [t for s in range(1, n) for t in plan.tiles(r, (r - s) % n)]
+    lo, hi = min((t.q0 for t in later), default=0), max((t.q1 for t in later), default=0)
+    main = torch.cuda.current_stream(q.device) if q.is_cuda else None
+    aux = _later_steps_stream(q.device) if q.is_cuda else None
+    if aux is not None:
+        aux.wait_stream(main)  # before step 0 is queued: aux needs q, not step 0's results
+    state = rest = None
+    for step, block in ring.rotate(kv_block, stream=aux):  # block of rank r - step in hand
+        tiles = plan.tiles(r, (r - step) % n)
+        if step == 0:
+            state = run_tiles(q, block[0], block[1], tiles, None, scale=scale, backend=backend)
+            continue
+        with torch.cuda.stream(aux) if aux is not None else contextlib.nullcontext():
+            tiles = [dataclasses.replace(t, q0=t.q0 - lo, q1=t.q1 - lo) for t in tiles]
+            rest = run_tiles(q[lo:hi], block[0], block[1], tiles, rest, scale=scale, backend=backend)
+    if rest is not None and hi > lo:
+        if aux is not None:
+            main.wait_stream(aux)
+            for t in rest:  # made on aux, read on main
+                t.record_stream(main)
+        merge_into(state[0][lo:hi], state[1][lo:hi], *rest)
     return state

@@ -20,6 +20,7 @@ completes them (on CUDA it makes the current stream wait, without a host sync).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -82,7 +83,7 @@ class Ring:
         for w in works:
             w.wait()
 
-    def rotate(self, block: Tensor) -> Iterator[tuple[int, Tensor]]:
+    def rotate(self, block: Tensor, stream: torch.cuda.Stream | None = None) -> Iterator[tuple[int, Tensor]]:
         """Pass ``block`` around the ring: yields ``(step, block in hand)`` for ``size`` steps,
         starting with this rank's own block; at step ``s`` the block of rank ``r - s`` is in hand.
 
@@ -93,13 +94,21 @@ class Ring:
         queued on the stream that was current when the rotation began. ``block`` itself is only
         read, so the caller may keep using it (but must not change it before the rotation ends).
         Iterate it to the end: the last step also releases the transport's buffers.
+
+        ``stream`` (CUDA): the stream on which the caller consumes the blocks of steps ``>= 1``
+        (default: the current one), e.g. a second compute stream, so that their compute can fill the
+        SMs that step 0's kernel leaves idle at its tail. The caller must have made it wait for the
+        inputs it needs.
         """
         if self.transport == "copy_engine" and block.is_cuda and self.size > 1:
             win = peer_window(self.group, block.nbytes, block.device)
             if win is not None:
-                yield from self._rotate_push(block, win)
+                yield from self._rotate_push(block, win, stream)
                 return
         scratch = [torch.empty_like(block) for _ in range(min(self.size - 1, 2))]
+        if stream is not None:
+            for buf in scratch:  # read on ``stream``, freed on the current one
+                buf.record_stream(stream)
         cur = block
         for step in range(self.size):
             works = None
@@ -108,20 +117,23 @@ class Ring:
                 works = self.start(cur, nxt)
             yield step, cur
             if works is not None:
-                self.wait(works)
+                with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                    self.wait(works)
                 cur = nxt
 
-    def _rotate_push(self, block: Tensor, win: PeerWindow) -> Iterator[tuple[int, Tensor]]:
+    def _rotate_push(self, block: Tensor, win: PeerWindow,
+                     consumer: torch.cuda.Stream | None) -> Iterator[tuple[int, Tensor]]:
         """:meth:`rotate` over peer windows (see :mod:`megacp.parallel.peer`). Rank ``r`` pushes
         its block into slot ``(s-1) % 2`` of rank ``r+s``, for ``s = 1..N-1``, with copy-engine copies
         on the window's stream, at most two steps ahead (a push first waits until the target has
         released that slot's previous use). Step 0 (the own block) is handed out first, so its
-        compute is queued before any transfer; step ``s`` waits on the compute stream for slot
+        compute is queued before any transfer; step ``s`` makes the consumer stream wait for slot
         ``(s-1) % 2`` to be filled and hands out the slot itself (valid until the caller resumes the
-        iterator); the release is written after the caller's work on it. Nothing here needs an SM
-        or a host sync."""
+        iterator); the release is written on the consumer stream after the caller's work on it.
+        Nothing here needs an SM or a host sync."""
         n, r = self.size, self.rank
         main = torch.cuda.current_stream(block.device)
+        consumer = consumer or main
         src = block.reshape(-1).view(torch.uint8)
         slot_use: dict[int, tuple[int, int]] = {}  # step -> (slot, how many earlier uses that slot had)
         for s in range(1, n):
@@ -144,11 +156,11 @@ class Ring:
             push(s)
         for s in range(1, n):
             k, u = slot_use[s]
-            wait_value(main, win.ready_flag(r, k), u + 1)
+            wait_value(consumer, win.ready_flag(r, k), u + 1)
             yield s, win.slot(r, k, src.numel()).view(block.dtype).view(block.shape)
             for p in range(n):
                 if p != r:
-                    write_value(main, win.free_flag(p, r, k), u + 1)
+                    write_value(consumer, win.free_flag(p, r, k), u + 1)
             if s + 2 < n:
                 push(s + 2)
         pushed = torch.cuda.Event()
