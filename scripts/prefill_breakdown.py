@@ -9,7 +9,9 @@ three kinds round-robin, so drift of clock or temperature during the run hits th
 * ``tiles``        — its kernel calls alone (step 0 on its own block, step 1 on its own block
   standing in for the received one), no merge, no communication: the zero-communication bound;
 * ``tiles+merge``  — the same through ``run_tiles`` with the running-state merge;
-* ``pass_kv[T]``   — ``cp_prefill`` with ring transport T (the real thing);
+* ``pass_kv[T]``   — ``cp_prefill`` with ring transport T (the real thing); for the copy engine
+  also with the received blocks forced onto one stream / a second stream
+  (``megacp.attention.pass_kv.SECOND_STREAM_MAX_ROWS``);
 * each kernel alone (step-0 and step-1 tiles, the merge).
 
 Efficiencies are T1 / (2 · t) against single-GPU cuDNN over the whole sequence (rank 0). Where
@@ -32,7 +34,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_common as bc  # noqa: E402
 
-from megacp.attention import ShardPlan, build_kv_block, cp_prefill, partial_attention  # noqa: E402
+from megacp.attention import ShardPlan, build_kv_block, cp_prefill, partial_attention, pass_kv  # noqa: E402
 from megacp.attention.merge import merge_into  # noqa: E402
 from megacp.attention.tiles import run_tiles  # noqa: E402
 from megacp.parallel.ring import Ring  # noqa: E402
@@ -150,6 +152,15 @@ def main() -> None:
         variants: dict[str, Callable[[], object]] = {"tiles": kernels, "tiles+merge": with_merge}
         for name, ring in rings.items():
             variants[f"pass_kv[{name}]"] = lambda ring=ring: cp_prefill(ql, block, plan, ring, strategy="pass_kv")
+        if "copy_engine" in rings:  # both settings of the second compute stream, whatever the default
+            for label, rows in (("1 stream", 0), ("2 streams", 1 << 62)):
+                def forced(rows=rows):
+                    default, pass_kv.SECOND_STREAM_MAX_ROWS = pass_kv.SECOND_STREAM_MAX_ROWS, rows
+                    try:
+                        cp_prefill(ql, block, plan, rings["copy_engine"], strategy="pass_kv")
+                    finally:
+                        pass_kv.SECOND_STREAM_MAX_ROWS = default
+                variants[f"pass_kv[copy_engine,{label}]"] = forced
         res, samples = timed_interleaved(variants)
         for i, tiles in enumerate((tiles0, tiles1)):
             for t in tiles:

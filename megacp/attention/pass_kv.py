@@ -30,6 +30,14 @@ from megacp.attention.tiles import run_tiles
 from megacp.parallel.ring import Ring
 
 
+SECOND_STREAM_MAX_ROWS = 16384
+"""Pass-KV computes the received blocks on a second stream when a rank holds at most this many
+query rows. Measured on 2×H200 (``scripts/prefill_breakdown.py``): at 16K tokens (8K rows per rank,
+~16 waves of attention CTAs, not power-limited) filling step 0's tail saves ~3%; from 64K on the
+GPUs run at their power cap, the filled tail only lowers the clock, and at 128K-256K the concurrent
+kernels were 1-4% slower."""
+
+
 @functools.cache
 def _later_steps_stream(device: torch.device) -> torch.cuda.Stream:
     """The second compute stream of ``device`` (steps >= 1 of the ring)."""
@@ -47,11 +55,12 @@ def ring_pass_kv(
 ) -> tuple[Tensor, Tensor]:
     """Exact attention of this rank's queries over every rank's KV block.
 
-    Step 0 (the own block) runs on the current stream; on CUDA, steps ``>= 1`` run on a second
-    compute stream into their own running state, over the span of query rows they touch, and are
-    merged into step 0's state at the end. The received blocks do not depend on step 0, so their
-    kernels fill the SMs that step 0's attention kernel leaves idle at its tail (with one stream,
-    the next kernel starts only after the last CTA of the previous one ends).
+    Step 0 (the own block) starts the running state; steps ``>= 1`` run into a second state over
+    the span of query rows they touch, merged into step 0's at the end. On CUDA with at most
+    :data:`SECOND_STREAM_MAX_ROWS` local rows they run on a second compute stream: the received
+    blocks do not depend on step 0, so their kernels fill the SMs that step 0's attention kernel
+    leaves idle at its tail (with one stream, the next kernel starts only after the last CTA of the
+    previous one ends).
 
     Args:
         q: ``[n_local, Hq, D]`` local queries in ``plan.q_layout(rank)`` order.
@@ -68,7 +77,7 @@ def ring_pass_kv(
     later = [t for s in range(1, n) for t in plan.tiles(r, (r - s) % n)]
     lo, hi = min((t.q0 for t in later), default=0), max((t.q1 for t in later), default=0)
     main = torch.cuda.current_stream(q.device) if q.is_cuda else None
-    aux = _later_steps_stream(q.device) if q.is_cuda else None
+    aux = _later_steps_stream(q.device) if q.is_cuda and q.shape[0] <= SECOND_STREAM_MAX_ROWS else None
     if aux is not None:
         aux.wait_stream(main)  # before step 0 is queued: aux needs q, not step 0's results
     state = rest = None
