@@ -35,6 +35,7 @@ import importlib.util
 import logging
 import os
 import warnings
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -149,6 +150,57 @@ class PeerWindow:
         """Device address, in rank ``rank``'s window, of the flag counting how often rank ``user``
         has finished with its slot ``k``."""
         return self._bufs[rank].data_ptr() + 4 * (16 + 2 * user + k)
+
+
+@dataclass(frozen=True)
+class PushOp:
+    """One operation of a rotation over peer windows, in the order the host queues it.
+
+    ``kind`` (the stream it runs on):
+
+    * ``"wait_free"`` (window stream) — until rank ``peer`` has released its ``slot`` ``value`` times;
+    * ``"push"`` (window stream) — copy this rank's block into ``slot`` of rank ``peer``;
+    * ``"ready"`` (window stream) — set rank ``peer``'s ready flag of ``slot`` to ``value``;
+    * ``"wait_ready"`` (consumer stream) — until this rank's ready flag of ``slot`` reaches ``value``;
+    * ``"hand_out"`` — step ``step``'s block (this rank's ``slot``) goes to the caller, whose work on
+      it is queued on the consumer stream;
+    * ``"release"`` (consumer stream) — write ``value`` into every peer's free flag of (this rank, ``slot``).
+    """
+
+    kind: str
+    step: int
+    slot: int
+    peer: int
+    value: int
+
+
+def push_schedule(n: int, r: int, uses: list[int]) -> tuple[list[PushOp], list[int]]:
+    """Rank ``r``'s operations for steps ``1..N-1`` of one rotation over peer windows, and the slots'
+    use counts after it (``uses[k]``: how many steps of earlier rotations used slot ``k``; the same on
+    every rank). Step ``s`` uses slot ``(s-1) % 2``; rank ``r`` pushes into rank ``r+s`` for step ``s``,
+    at most two steps ahead of its own consumption, so a push only ever waits for releases that are
+    queued before it on every rank (no deadlock even where streams share one hardware queue:
+    ``tests/test_push_protocol.py`` simulates every N up to 8)."""
+    uses = list(uses)
+    slot_use: dict[int, tuple[int, int]] = {}  # step -> (slot, how many earlier uses that slot had)
+    for s in range(1, n):
+        k = (s - 1) % 2
+        slot_use[s] = (k, uses[k])
+        uses[k] += 1
+    ops: list[PushOp] = []
+
+    def push(s: int) -> None:
+        t, (k, u) = (r + s) % n, slot_use[s]
+        ops.extend([PushOp("wait_free", s, k, t, u), PushOp("push", s, k, t, 0), PushOp("ready", s, k, t, u + 1)])
+
+    for s in range(1, min(n, 3)):
+        push(s)
+    for s in range(1, n):
+        k, u = slot_use[s]
+        ops.extend([PushOp("wait_ready", s, k, r, u + 1), PushOp("hand_out", s, k, r, 0), PushOp("release", s, k, r, u + 1)])
+        if s + 2 < n:
+            push(s + 2)
+    return ops, uses
 
 
 _windows: dict[str, PeerWindow] = {}

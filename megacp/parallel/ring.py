@@ -34,6 +34,7 @@ from megacp.parallel.peer import (
     copy_engine_supported,
     default_transport,
     peer_window,
+    push_schedule,
     wait_value,
     write_value,
 )
@@ -130,39 +131,33 @@ class Ring:
         compute is queued before any transfer; step ``s`` makes the consumer stream wait for slot
         ``(s-1) % 2`` to be filled and hands out the slot itself (valid until the caller resumes the
         iterator); the release is written on the consumer stream after the caller's work on it.
-        Nothing here needs an SM or a host sync."""
+        Nothing here needs an SM or a host sync. The order of operations is
+        :func:`~megacp.parallel.peer.push_schedule`'s."""
         n, r = self.size, self.rank
         main = torch.cuda.current_stream(block.device)
         consumer = consumer or main
         src = block.reshape(-1).view(torch.uint8)
-        slot_use: dict[int, tuple[int, int]] = {}  # step -> (slot, how many earlier uses that slot had)
-        for s in range(1, n):
-            k = (s - 1) % 2
-            slot_use[s] = (k, win.uses[k])
-            win.uses[k] += 1
+        ops, win.uses = push_schedule(n, r, win.uses)
         produced = torch.cuda.Event()
         produced.record(main)
         yield 0, block
         win.stream.wait_event(produced)
-
-        def push(s: int) -> None:
-            t, (k, u) = (r + s) % n, slot_use[s]
-            with torch.cuda.stream(win.stream):
-                wait_value(win.stream, win.free_flag(r, t, k), u)  # t is done with the slot's last use
-                win.slot(t, k, src.numel()).copy_(src)
-                write_value(win.stream, win.ready_flag(t, k), u + 1)
-
-        for s in range(1, min(n, 3)):
-            push(s)
-        for s in range(1, n):
-            k, u = slot_use[s]
-            wait_value(consumer, win.ready_flag(r, k), u + 1)
-            yield s, win.slot(r, k, src.numel()).view(block.dtype).view(block.shape)
-            for p in range(n):
-                if p != r:
-                    write_value(consumer, win.free_flag(p, r, k), u + 1)
-            if s + 2 < n:
-                push(s + 2)
+        for op in ops:
+            if op.kind == "wait_free":
+                wait_value(win.stream, win.free_flag(r, op.peer, op.slot), op.value)
+            elif op.kind == "push":
+                with torch.cuda.stream(win.stream):
+                    win.slot(op.peer, op.slot, src.numel()).copy_(src)
+            elif op.kind == "ready":
+                write_value(win.stream, win.ready_flag(op.peer, op.slot), op.value)
+            elif op.kind == "wait_ready":
+                wait_value(consumer, win.ready_flag(r, op.slot), op.value)
+            elif op.kind == "hand_out":
+                yield op.step, win.slot(r, op.slot, src.numel()).view(block.dtype).view(block.shape)
+            else:  # release
+                for p in range(n):
+                    if p != r:
+                        write_value(consumer, win.free_flag(p, r, op.slot), op.value)
         pushed = torch.cuda.Event()
         pushed.record(win.stream)
         main.wait_event(pushed)  # ``block`` is read until here
