@@ -20,7 +20,8 @@ So a rank pushes its block straight from its own memory into the peer's slot, th
 peer's *ready* flag; the peer's compute stream waits on that flag (no host sync, no kernel) and
 reads the block in place; after its compute on the slot, the peer writes a *free* flag into every
 rank's signal area, on which the next writer of that slot waits. Flags count uses (monotonic, never
-reset), so no flag is ever cleared.
+reset), so no flag is ever cleared. A flag wait has no timeout: if a peer dies mid-rotation, the
+waiting stream stays blocked and the job stops at its next NCCL collective (NCCL's watchdog).
 
 This transport needs CUDA tensors, an NCCL group whose ranks share one host (NVLink / PCIe P2P), a
 torch with symmetric memory and the CUDA driver's stream memory operations;
@@ -36,6 +37,7 @@ import logging
 import os
 import warnings
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -167,7 +169,7 @@ class PushOp:
     * ``"release"`` (consumer stream) — write ``value`` into every peer's free flag of (this rank, ``slot``).
     """
 
-    kind: str
+    kind: Literal["wait_free", "push", "ready", "wait_ready", "hand_out", "release"]
     step: int
     slot: int
     peer: int
