@@ -238,8 +238,9 @@ class Machine:
         intra: GPU↔GPU inside a node with both directions busy (a ring step).
         inter: one GPU's share of the inter-node network (bytes/s per GPU).
         linear_flops: lumped achieved FLOP/s of a model's linear layers and elementwise work.
-        call_overhead_s: fixed cost of one CP ring prefill call (N > 1): host planning and launch,
-            rank skew (the benchmarks time the slowest rank), NCCL start-up.
+        call_overhead_s: fixed cost of one CP ring prefill call over NCCL (a ring that spans
+            nodes): host planning and launch, rank skew, NCCL start-up. Rings inside a node use the
+            copy-engine transport, which measured no such residual.
         host_step_s: host time to issue one ring step (~5 kernel launches and a
             ``batch_isend_irecv``); a step never takes less.
         decode_floor_s: fixed cost of one decode attention call (launch, sync, kernel tail).
@@ -284,9 +285,8 @@ class Machine:
 H200_ATTN = AttnShape(num_heads=32, num_kv_heads=8, head_dim=128, elem_bytes=2)
 """The shape of every attention benchmark (Llama-3-8B attention, bf16)."""
 
-H200_CAUSAL_S = {16384: 3.4912160634994507e-3, 65536: 57.69761657714844e-3,
-                 131072: 250.20953369140625e-3, 262144: 1090.2388916015625e-3}
-"""One causal cuDNN call on one H200 (docs/results/prefill_h200x2_run3.json, ``single_cudnn``)."""
+H200_CAUSAL_S = {16384: 3.5279359817504883e-3, 65536: 58.01448059082031e-3, 131072: 251.96176147460938e-3, 262144: 1102.9921875e-3}
+"""One causal cuDNN call on one H200 (docs/results/prefill_h200x2_s3_run3.json, ``single_cudnn``)."""
 
 H200_BOUND_EFFICIENCY = {16384: 0.93, 65536: 1.00, 131072: 1.09, 262144: 1.12}
 """Zero-communication bound at CP2 (issue 3): one causal call over S/2 tokens plus one dense
@@ -313,7 +313,8 @@ H200 = Machine(
     inter=IB_400G,
     gpus_per_node=8,
     linear_flops=478e12,  # fitted to the CP=1 TTFT of the Llama-3-8B shape at 32K and 128K
-    call_overhead_s=0.44e-3,  # fitted: the residual of CP2 pass-KV at 16K (PERFORMANCE.md: ~0.5 ms per call)
+    call_overhead_s=0.22e-3,  # fitted: residual of CP2 pass-KV over NCCL at 16K (prefill_h200x2_s3_run3.json;
+    # the copy-engine ring of the same run: -0.07 ms, i.e. none)
     host_step_s=40e-6,  # assumed: ~5 launches and one batch_isend_irecv per ring step
     decode_floor_s=55e-6,  # fitted to single-GPU and CP2 decode (launch, barrier sync, kernel tail)
     small_kernel_s=3e-6,  # assumed: one tiny kernel inside a CUDA graph
@@ -463,7 +464,7 @@ def prefill_time(
         compute, memory = compute + kt, memory + mt
         exposed += max(0.0, comm - gpu)
         overhead += max(0.0, host - max(gpu, comm))
-    if cp > 1:
+    if cp * tp > m.gpus_per_node:  # the ring leaves the node: NCCL transport
         overhead += m.call_overhead_s
     if strategy == "pass_q" and cp > 1:
         # the zero-padded query buffer (zero-fill, copy), the stack of the N padded partials,
@@ -590,10 +591,10 @@ def _label(tokens: int) -> str:
 
 
 def validate(m: Machine, results_dir: str | Path) -> list[Check]:
-    """The model against the recorded 2-GPU runs in ``results_dir`` (``prefill_h200x2_run3.json``,
+    """The model against the recorded 2-GPU runs in ``results_dir`` (``prefill_h200x2_s3_run3.json``,
     ``decode_h200x2.json``, ``ttft_h200x2.json``)."""
     root = Path(results_dir)
-    pre = json.loads((root / "prefill_h200x2_run3.json").read_text())
+    pre = json.loads((root / "prefill_h200x2_s3_run3.json").read_text())
     dec = json.loads((root / "decode_h200x2.json").read_text())
     gen = json.loads((root / "ttft_h200x2.json").read_text())
     meta = pre["meta"]

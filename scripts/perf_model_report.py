@@ -159,7 +159,7 @@ def plot(path: Path, results: Path) -> None:
     except ImportError:
         print(f"matplotlib is not installed: {path} not written (pip install matplotlib)")
         return
-    pre = json.loads((results / "prefill_h200x2_run3.json").read_text())
+    pre = json.loads((results / "prefill_h200x2_s3_run3.json").read_text())
     measured = {r["seqlen"]: r["efficiency"] for r in pre["results"] if r["method"] == "megacp_pass_kv"}
     gen = json.loads((results / "ttft_h200x2.json").read_text())
     cps = CP_SIZES[1:]

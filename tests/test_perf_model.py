@@ -26,7 +26,7 @@ def test_reproduces_the_recorded_two_gpu_numbers_within_15_percent() -> None:
 
 
 def test_embedded_constants_are_the_recorded_measurements() -> None:
-    pre = json.loads((RESULTS / "prefill_h200x2_run3.json").read_text())
+    pre = json.loads((RESULTS / "prefill_h200x2_s3_run3.json").read_text())
     single = {r["seqlen"]: r["ms"] * 1e-3 for r in pre["results"] if r["method"] == "single_cudnn"}
     assert single == pytest.approx(pm.H200_CAUSAL_S, rel=1e-9)
     gen = json.loads((RESULTS / "ttft_h200x2.json").read_text())
