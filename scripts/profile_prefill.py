@@ -6,8 +6,8 @@
 Times five back-to-back calls with CUDA events, then profiles three more back to back and prints,
 per rank, every GPU activity (kernel, memcpy, memset) of the middle call in start order: offset from
 the call's first activity (µs), duration (µs), CUDA stream and a short name. This shows whether a
-transfer (NCCL kernel or copy-engine memcpy) and the barrier kernels run beside the attention
-kernels or wait for them. ``--out`` also keeps the chrome trace of each rank.
+transfer (NCCL kernel or copy-engine memcpy) runs beside the attention kernels or waits for them.
+``--out`` also keeps the chrome trace of each rank.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def short(name: str) -> str:
     """A readable label for a kernel or memcpy name."""
     low = name.lower()
     for key, label in (("nccl", "nccl"), ("fmha", "attention"), ("cudnn", "attention"), ("flash", "attention"),
-                       ("barrier", "symm-mem barrier"), ("merge", "merge"), ("memcpy", "")):
+                       ("merge", "merge"), ("memcpy", "")):
         if key in low:
             return f"{label} {name[:60]}".strip() if label else name[:70]
     return name[:70]

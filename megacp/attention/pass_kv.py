@@ -76,9 +76,9 @@ def ring_pass_kv(
         return run_tiles(q, kv_block[0], kv_block[1], plan.tiles(r, r), None, scale=scale, backend=backend)
     later = [t for s in range(1, n) for t in plan.tiles(r, (r - s) % n)]
     lo, hi = min((t.q0 for t in later), default=0), max((t.q1 for t in later), default=0)
-    main = torch.cuda.current_stream(q.device) if q.is_cuda else None
     aux = _later_steps_stream(q.device) if q.is_cuda and q.shape[0] <= SECOND_STREAM_MAX_ROWS else None
     if aux is not None:
+        main = torch.cuda.current_stream(q.device)
         aux.wait_stream(main)  # before step 0 is queued: aux needs q, not step 0's results
     state = rest = None
     for step, block in ring.rotate(kv_block, stream=aux):  # block of rank r - step in hand

@@ -128,8 +128,7 @@ class PeerWindow:
         total = _SIGNAL_BYTES + 2 * self.slot_bytes
         buf = symm_mem.empty(total, dtype=torch.uint8, device=device)
         self._handle = symm_mem.rendezvous(buf, group)
-        self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
-        self._bufs = [self._handle.get_buffer(p, [total], torch.uint8) for p in range(self.size)]
+        self._bufs = [self._handle.get_buffer(p, [total], torch.uint8) for p in range(dist.get_world_size(group))]
         buf[:_SIGNAL_BYTES].zero_()
         # Every rank's flags are zero before any rank writes a peer's flag (and torch 2.11 zeroes
         # its own signal pads unordered: nothing may run on the window before all ranks are here).
