@@ -3,11 +3,14 @@
 
     torchrun --nproc_per_node 2 scripts/profile_prefill.py --seqlen 64K [--transport copy_engine] [--out prof]
 
-Times five back-to-back calls with CUDA events, then profiles three more back to back and prints,
-per rank, every GPU activity (kernel, memcpy, memset) of the middle call in start order: offset from
-the call's first activity (µs), duration (µs), CUDA stream and a short name. This shows whether a
-transfer (NCCL kernel or copy-engine memcpy) runs beside the attention kernels or waits for them.
-``--out`` also keeps the chrome trace of each rank.
+Times five back-to-back calls with CUDA events, then profiles three isolated calls (a device sync
+and a barrier before each, as ``bench_prefill.py`` times them) and prints, per rank, every GPU
+activity (kernel, memcpy, memset) of the middle call in start order: offset from the call's first
+activity (µs), duration (µs), CUDA stream and a short name. This shows whether a transfer (NCCL
+kernel or copy-engine memcpy) runs beside the attention kernels or waits for them. The header says
+how long the host took to issue the call and how late after the call began on the host its first
+GPU activity started (host-side latency that an isolated call pays in full). ``--out`` also keeps
+the chrome trace of each rank.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_common as bc  # noqa: E402
 
 import megacp  # noqa: E402
-from megacp.attention import ShardPlan, build_kv_block, cp_prefill  # noqa: E402
+from megacp.attention import ShardPlan, build_kv_block, cp_prefill, partial_attention  # noqa: E402
 from megacp.parallel.ring import Ring  # noqa: E402
 
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
@@ -42,10 +45,11 @@ def short(name: str) -> str:
     return name[:70]
 
 
-def call_timeline(trace: dict, call: str) -> list[tuple[float, float, int, str]]:
-    """(start µs, duration µs, stream, name) of the GPU activities launched inside the CPU range
-    ``call`` (a ``record_function``), matched to their launches by correlation id; start is the
-    offset from the first of them."""
+def call_timeline(trace: dict, call: str) -> tuple[float, float, list[tuple[float, float, int, str]]]:
+    """The CPU range ``call`` (a ``record_function``): its duration (µs), the offset of its first GPU
+    activity from its start (µs), and (start µs, duration µs, stream, name) of the GPU activities
+    launched inside it, matched to their launches by correlation id; start is the offset from the
+    first of them."""
     events = trace["traceEvents"]
     spans = [e for e in events if e.get("cat") == "user_annotation" and e.get("name") == call]
     if not spans:
@@ -57,13 +61,15 @@ def call_timeline(trace: dict, call: str) -> list[tuple[float, float, int, str]]
     acts = sorted((e for e in events if e.get("cat") in GPU_CATEGORIES
                    and e.get("args", {}).get("correlation") in launched), key=lambda e: e["ts"])
     start = acts[0]["ts"] if acts else t0
-    return [(e["ts"] - start, e["dur"], e.get("args", {}).get("stream", -1), e["name"]) for e in acts]
+    rows = [(e["ts"] - start, e["dur"], e.get("args", {}).get("stream", -1), e["name"]) for e in acts]
+    return t1 - t0, start - t0, rows
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seqlen", default="16K")
-    p.add_argument("--strategy", default="pass_kv", choices=("pass_kv", "pass_q"))
+    p.add_argument("--strategy", default="pass_kv", choices=("pass_kv", "pass_q", "single"),
+                   help="single: every rank runs single-GPU cuDNN attention over the whole sequence")
     p.add_argument("--transport", default=None, help="ring transport (auto | nccl | copy_engine)")
     p.add_argument("--out", default=None, help="also write each rank's chrome trace to <out>_rank<r>.json")
     args = p.parse_args()
@@ -73,13 +79,17 @@ def main() -> None:
     seqlen = bc.parse_sizes(args.seqlen)[0]
     plan = ShardPlan([0], [seqlen], ring.size, r)
     g = torch.Generator(device=dev).manual_seed(0)
-    n = plan.num_local()
+    n = seqlen if args.strategy == "single" else plan.num_local()
     q = torch.randn(n, 32, 128, device=dev, dtype=torch.bfloat16, generator=g)
     k = torch.randn(n, 8, 128, device=dev, dtype=torch.bfloat16, generator=g)
-    block = build_kv_block(plan, k, torch.randn_like(k))
+    v = torch.randn_like(k)
+    block = build_kv_block(plan, k, v) if args.strategy != "single" else None
 
     def call() -> None:
-        cp_prefill(q, block, plan, ring, strategy=args.strategy)
+        if block is None:
+            partial_attention(q, k, v, causal=True, backend="cudnn")
+        else:
+            cp_prefill(q, block, plan, ring, strategy=args.strategy)
 
     for _ in range(3):
         call()
@@ -95,17 +105,21 @@ def main() -> None:
     dist.barrier()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for i in range(3):
+            torch.cuda.synchronize()
+            dist.barrier()
             with record_function(f"call{i}"):
                 call()
         torch.cuda.synchronize()
     path = f"{args.out}_rank{state.rank}.json" if args.out else tempfile.mktemp(suffix=".json")
     prof.export_chrome_trace(path)
     with open(path) as f:
-        rows = call_timeline(json.load(f), "call1")
+        host_us, first_us, rows = call_timeline(json.load(f), "call1")
     if not args.out:
         os.unlink(path)
     lines = [f"rank {state.rank} S={bc.size_label(seqlen)} {args.strategy} transport={ring.transport}: "
-             f"{wall_us:.0f} us per call back to back; GPU activities of one call:",
+             f"{wall_us:.0f} us per call back to back; one isolated call (profiled): host issued it in "
+             f"{host_us:.0f} us, its first GPU activity began {first_us:.0f} us after the call began; "
+             f"GPU activities:",
              f"  {'start us':>10} {'dur us':>9} {'stream':>6}  name"]
     lines += [f"  {t:10.1f} {d:9.1f} {s:>6}  {short(nm)}" for t, d, s, nm in rows]
     out = [None] * dist.get_world_size()

@@ -1,6 +1,8 @@
 """The ring's GPU transports on 2 real GPUs (NCCL, symmetric memory): every rotation hands out the
 right block, over many rotations of changing sizes (the window's flags count uses across
-rotations), and both prefill strategies stay exact on each transport.
+rotations), also when the transfers are ordered by a ``ready`` event behind which the caller queued
+work and the blocks are consumed on a second stream, and both prefill strategies stay exact on each
+transport.
 
 The test launches this file under ``torchrun`` (2 processes); it skips where fewer than 2 CUDA GPUs
 exist (the CI machine). On the GPU machine: ``python -m pytest tests/test_gpu_ring.py`` or directly
@@ -34,12 +36,21 @@ def _worker() -> None:
     dev = torch.device("cuda", local)
     for transport in ("copy_engine", "nccl"):
         ring = Ring(None, transport=transport)
+        aux = torch.cuda.Stream(device=dev)
         for i, numel in enumerate([15, 1 << 19, 1 << 25, 15, 1 << 25, 1 << 19]):
             block = torch.full((numel,), float(r * 100 + i), dtype=torch.bfloat16, device=dev)
-            for step, held in ring.rotate(block):
-                torch.cuda._sleep(1_000_000)  # a long kernel on the compute stream before the check
-                want = float(((r - step) % n) * 100 + i)
-                bad = int((held != want).sum())
+            ready = consumer = None
+            if i % 2:  # as pass-KV does: a long kernel queued first, transfers ordered by an event
+                ready = torch.cuda.Event()
+                ready.record()
+                torch.cuda._sleep(2_000_000)
+                consumer = aux
+                aux.wait_event(ready)
+            for step, held in ring.rotate(block, stream=consumer, ready=ready):
+                with torch.cuda.stream(consumer if step and consumer is not None else torch.cuda.current_stream()):
+                    torch.cuda._sleep(1_000_000)  # a long kernel on the compute stream before the check
+                    want = float(((r - step) % n) * 100 + i)
+                    bad = int((held != want).sum())
                 if bad:
                     raise AssertionError(f"{transport} rotation {i} step {step}: {bad} wrong values")
             if not bool((block == float(r * 100 + i)).all()):

@@ -7,8 +7,8 @@ the asynchronous send of the block in hand to rank r+1 and the receive of the ne
 the causal structure leaves visible), and folds it into the running (out, LSE) state. Received
 blocks alternate between two buffers (double buffering, :meth:`Ring.rotate`: scratch tensors over
 NCCL, window slots over the copy engine), so the transfer of hop s+1 overlaps the compute of hop s.
-On CUDA the received blocks' compute runs on a second stream, beside step 0's (see
-:func:`ring_pass_kv`).
+On CUDA, step 0's compute is queued before the rotation starts and, for short shards, the received
+blocks' compute runs on a second stream beside it (see :func:`ring_pass_kv`).
 
 The loop is a sequence of (block source, tiles) steps over :meth:`Ring.rotate`; the training
 backward (:mod:`megacp.attention.backward`) replays the same rotation and tiles while the K/V
@@ -56,11 +56,15 @@ def ring_pass_kv(
     """Exact attention of this rank's queries over every rank's KV block.
 
     Step 0 (the own block) starts the running state; steps ``>= 1`` run into a second state over
-    the span of query rows they touch, merged into step 0's at the end. On CUDA with at most
-    :data:`SECOND_STREAM_MAX_ROWS` local rows they run on a second compute stream: the received
-    blocks do not depend on step 0, so their kernels fill the SMs that step 0's attention kernel
-    leaves idle at its tail (with one stream, the next kernel starts only after the last CTA of the
-    previous one ends).
+    the span of query rows they touch, merged into step 0's at the end.
+
+    On CUDA, step 0's kernels are queued before anything else, and the transfers wait on an event
+    recorded before them rather than on the stream (``Ring.rotate(ready=)``): the host-side launch
+    of one cuDNN call takes ~0.1 ms, which an isolated call pays before its first kernel starts
+    (H200, ``scripts/profile_prefill.py``). With at most :data:`SECOND_STREAM_MAX_ROWS` local rows
+    steps ``>= 1`` run on a second compute stream: the received blocks do not depend on step 0, so
+    their kernels fill the SMs that step 0's attention kernel leaves idle at its tail (with one
+    stream, the next kernel starts only after the last CTA of the previous one ends).
 
     Args:
         q: ``[n_local, Hq, D]`` local queries in ``plan.q_layout(rank)`` order.
@@ -72,20 +76,27 @@ def ring_pass_kv(
         ``(out [n_local, Hq, D] q.dtype, lse [n_local, Hq] fp32)``.
     """
     r, n = plan.rank, plan.cp_size
+    own = plan.tiles(r, r)
     if ring is None:
-        return run_tiles(q, kv_block[0], kv_block[1], plan.tiles(r, r), None, scale=scale, backend=backend)
+        return run_tiles(q, kv_block[0], kv_block[1], own, None, scale=scale, backend=backend)
+    state = ready = None
+    if q.is_cuda:  # step 0 first: an isolated call waits for its first kernel's (slow) host-side launch
+        ready = torch.cuda.Event()
+        ready.record()  # the inputs are complete: the transfers and the second stream wait on this
+        state = run_tiles(q, kv_block[0], kv_block[1], own, None, scale=scale, backend=backend)
     later = [t for s in range(1, n) for t in plan.tiles(r, (r - s) % n)]
     lo, hi = min((t.q0 for t in later), default=0), max((t.q1 for t in later), default=0)
     aux = _later_steps_stream(q.device) if q.is_cuda and q.shape[0] <= SECOND_STREAM_MAX_ROWS else None
     if aux is not None:
         main = torch.cuda.current_stream(q.device)
-        aux.wait_stream(main)  # before step 0 is queued: aux needs q, not step 0's results
-    state = rest = None
-    for step, block in ring.rotate(kv_block, stream=aux):  # block of rank r - step in hand
-        tiles = plan.tiles(r, (r - step) % n)
+        aux.wait_event(ready)  # aux needs q, not step 0's results
+    rest = None
+    for step, block in ring.rotate(kv_block, stream=aux, ready=ready):  # block of rank r - step in hand
         if step == 0:
-            state = run_tiles(q, block[0], block[1], tiles, None, scale=scale, backend=backend)
+            if state is None:  # gloo: the transfers were posted first, step 0 overlaps them
+                state = run_tiles(q, block[0], block[1], own, None, scale=scale, backend=backend)
             continue
+        tiles = plan.tiles(r, (r - step) % n)
         with torch.cuda.stream(aux) if aux is not None else contextlib.nullcontext():
             tiles = [dataclasses.replace(t, q0=t.q0 - lo, q1=t.q1 - lo) for t in tiles]
             rest = run_tiles(q[lo:hi], block[0], block[1], tiles, rest, scale=scale, backend=backend)

@@ -21,6 +21,7 @@ completes them (on CUDA it makes the current stream wait, without a host sync).
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -42,6 +43,12 @@ from megacp.parallel.peer import (
 # torch >= 2.12 names it all_gather_single (and deprecates the old name); older torch (2.4-2.11)
 # only has all_gather_into_tensor. Both take the output concatenated along dim 0.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+@functools.cache
+def _post_stream(device: torch.device) -> torch.cuda.Stream:
+    """The side stream from which :meth:`Ring.rotate` posts NCCL exchanges that wait on a ``ready`` event."""
+    return torch.cuda.Stream(device=device)
 
 
 @dataclass
@@ -84,7 +91,8 @@ class Ring:
         for w in works:
             w.wait()
 
-    def rotate(self, block: Tensor, stream: torch.cuda.Stream | None = None) -> Iterator[tuple[int, Tensor]]:
+    def rotate(self, block: Tensor, stream: torch.cuda.Stream | None = None,
+               ready: torch.cuda.Event | None = None) -> Iterator[tuple[int, Tensor]]:
         """Pass ``block`` around the ring: yields ``(step, block in hand)`` for ``size`` steps,
         starting with this rank's own block; at step ``s`` the block of rank ``r - s`` is in hand.
 
@@ -100,30 +108,52 @@ class Ring:
         (default: the current one), e.g. a second compute stream, so that their compute can fill the
         SMs that step 0's kernel leaves idle at its tail. The caller must have made it wait for the
         inputs it needs.
+
+        ``ready`` (CUDA): an event recorded once ``block`` was complete. The transfers then wait on
+        it instead of on the current stream, so the caller may queue work before starting the
+        rotation (pass-KV queues step 0's compute first) without the transfers waiting behind it.
         """
         if self.transport == "copy_engine" and block.is_cuda and self.size > 1:
             win = peer_window(self.group, block.nbytes, block.device)
             if win is not None:
-                yield from self._rotate_push(block, win, stream)
+                yield from self._rotate_push(block, win, stream, ready)
                 return
-        scratch = [torch.empty_like(block) for _ in range(min(self.size - 1, 2))]
-        if stream is not None:
-            for buf in scratch:  # read on ``stream``, freed on the current one
-                buf.record_stream(stream)
+        yield from self._rotate_relay(block, stream, ready)
+
+    def _rotate_relay(self, block: Tensor, consumer: torch.cuda.Stream | None,
+                      ready: torch.cuda.Event | None) -> Iterator[tuple[int, Tensor]]:
+        """:meth:`rotate` by P2P send/recv, rank to rank. NCCL's stream waits on the stream that is
+        current when an exchange is posted: the caller's, or with ``ready`` a side stream that waits
+        on that event only."""
+        streams = block.is_cuda
+        caller = torch.cuda.current_stream(block.device) if streams else None
+        consumer = consumer or caller
+        poster = caller
+        if ready is not None:
+            poster = _post_stream(block.device)
+            poster.wait_event(ready)
+        with torch.cuda.stream(poster) if streams else contextlib.nullcontext():
+            scratch = [torch.empty_like(block) for _ in range(min(self.size - 1, 2))]
+        for buf in scratch if streams else ():  # read on the consumer streams, freed on the poster
+            for s in {consumer, caller} - {poster}:
+                buf.record_stream(s)
         cur = block
         for step in range(self.size):
             works = None
             if step + 1 < self.size:
                 nxt = scratch[step % 2]
-                works = self.start(cur, nxt)
+                with torch.cuda.stream(poster) if streams else contextlib.nullcontext():
+                    if streams and step >= 2 and consumer != poster:
+                        poster.wait_stream(consumer)  # nxt held step - 1's block, read on the consumer
+                    works = self.start(cur, nxt)
             yield step, cur
             if works is not None:
-                with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                with torch.cuda.stream(consumer) if streams else contextlib.nullcontext():
                     self.wait(works)
                 cur = nxt
 
-    def _rotate_push(self, block: Tensor, win: PeerWindow,
-                     consumer: torch.cuda.Stream | None) -> Iterator[tuple[int, Tensor]]:
+    def _rotate_push(self, block: Tensor, win: PeerWindow, consumer: torch.cuda.Stream | None,
+                     ready: torch.cuda.Event | None) -> Iterator[tuple[int, Tensor]]:
         """:meth:`rotate` over peer windows (see :mod:`megacp.parallel.peer`). Rank ``r`` pushes
         its block into slot ``(s-1) % 2`` of rank ``r+s``, for ``s = 1..N-1``, with copy-engine copies
         on the window's stream, at most two steps ahead (a push first waits until the target has
@@ -138,10 +168,11 @@ class Ring:
         consumer = consumer or main
         src = block.reshape(-1).view(torch.uint8)
         ops, win.uses = push_schedule(n, r, win.uses)
-        produced = torch.cuda.Event()
-        produced.record(main)
+        if ready is None:
+            ready = torch.cuda.Event()
+            ready.record(main)
         yield 0, block
-        win.stream.wait_event(produced)
+        win.stream.wait_event(ready)
         for op in ops:
             if op.kind == "wait_free":
                 wait_value(win.stream, win.free_flag(r, op.peer, op.slot), op.value)
