@@ -63,9 +63,11 @@ def _merge_stack_bytes(n: int, e: int) -> int:
     return n * (e + 8) + 8 + e
 
 
-KV_COPY_PASSES = 5
-"""Per layer of a generation step, the local K and V are copied 5 times over: ``build_kv_block``
-zero-fills (1 pass) and copies (2 passes) them, the KV cache write reads and writes them (2)."""
+KV_COPY_PASSES = 2
+"""Per layer of a full prefill, the KV cache write reads and writes the local K and V once (2 passes);
+``build_kv_block`` hands them to the ring as they are (a prompt split evenly over the ranks has no
+padding). Before the fourth session it also zero-filled and copied them (5 passes in all; the
+recorded TTFT runs of docs/results/ttft_*.json were made then)."""
 
 DECODE_MERGE_KERNELS = 1
 """Small kernels after the decode all-gather: unpack views are free; ``merge_stack`` is one fused

@@ -10,8 +10,9 @@ Methods (``--methods``, comma list of families):
 
 * ``single``  — ``megacp.attention.partial_attention(q, k, v, causal=True, backend=B)`` for B in
   ``--single-backends`` (cuDNN, flash) on the whole sequence, on rank 0 alone; the best is T1.
-* ``megacp``  — ``ShardPlan([0], [S], N, rank)`` (2N-chunk load balancing), ``build_kv_block``
-  (timed separately), then ``cp_prefill(..., strategy="pass_kv" | "pass_q")`` (timed alone).
+* ``megacp``  — ``ShardPlan([0], [S], N, rank)`` (2N-chunk load balancing), then, timed together,
+  ``build_kv_block`` (the local K and V themselves: nothing is copied) and
+  ``cp_prefill(..., strategy="pass_kv" | "pass_q")``.
 * ``torch``   — ``torch.distributed.tensor.experimental.context_parallel`` (DeviceMesh of the ranks,
   head-tail load balancing) around ``F.scaled_dot_product_attention(is_causal=True)`` under
   ``sdpa_kernel`` (cuDNN / flash) and ``set_rotate_method`` (allgather / alltoall). GQA is passed
@@ -304,8 +305,8 @@ def main(argv=None) -> int:
     checks: list[dict] = []
     megacp_fail = False
 
-    def add(s, method, tm: bc.Timing, per_gpu_div: int, note: str = "", flops: bool = True):
-        tf = bc.attn_flops(s, h, d) / per_gpu_div / (tm.ms * 1e-3) / 1e12 if flops else None
+    def add(s, method, tm: bc.Timing, per_gpu_div: int, note: str = ""):
+        tf = bc.attn_flops(s, h, d) / per_gpu_div / (tm.ms * 1e-3) / 1e12
         row = {"seqlen": s, "method": method, "ms": tm.ms, "min_ms": tm.min_ms, "max_ms": tm.max_ms, "iters": tm.iters,
                "tflops_per_gpu": tf, "note": note, "times_ms": [round(t, 4) for t in tm.times_ms]}
         rows.append(row)
@@ -372,9 +373,6 @@ def main(argv=None) -> int:
         # (b) megacp
         if "megacp" in families:
             try:
-                tm = bc.measure(ctx, lambda: build_kv_block(plan, kl, vl), **timing)
-                add(s, "megacp_build_kv_block", tm, n, "not included in cp_prefill times", flops=False)
-                kv_block = build_kv_block(plan, kl, vl)
                 for strat in bc.parse_names(args.strategies):
                     for ti, tr in enumerate(transports):
                         name = f"megacp_{strat}" if ti == 0 else f"megacp_{strat}[{tr}]"
@@ -382,6 +380,7 @@ def main(argv=None) -> int:
                             ring = rings[tr]
 
                             def fn(strat=strat, ring=ring):
+                                kv_block = build_kv_block(plan, kl, vl)  # (kl, vl) themselves: no copy
                                 return cp_prefill(ql, kv_block, plan, ring, strategy=strat, backend=args.megacp_backend)
 
                             add(s, name, bc.measure(ctx, fn, **timing), n, f"transport {ring.transport if ring else '-'}")
@@ -389,7 +388,6 @@ def main(argv=None) -> int:
                                 compare(name, bc.gather_rows(ctx, fn(), idx, s))
                         except Exception as e:  # noqa: BLE001
                             rep.error(name, e, seqlen=s)
-                del kv_block
             except Exception as e:  # noqa: BLE001
                 rep.error("megacp", e, seqlen=s)
             bc.free(ctx)
@@ -479,7 +477,7 @@ def main(argv=None) -> int:
                     continue
                 x["seqlen_label"] = bc.size_label(s)
                 x["efficiency"] = None
-                if t1 and not x["method"].startswith("single_") and x["method"] != "megacp_build_kv_block":
+                if t1 and not x["method"].startswith("single_"):
                     x["efficiency"] = t1 / (n * x["ms"])
                 if t1:
                     x["t1_ms"] = t1

@@ -143,7 +143,7 @@ def main() -> None:
         def kernels():
             for tiles in (tiles0, tiles1):
                 for t in tiles:
-                    partial_attention(ql[t.q0:t.q1], block[0, t.k0:t.k1], block[1, t.k0:t.k1], causal=t.causal)
+                    partial_attention(ql[t.q0:t.q1], block[0][t.k0:t.k1], block[1][t.k0:t.k1], causal=t.causal)
 
         def with_merge():
             st = run_tiles(ql, block[0], block[1], tiles0, None)
@@ -165,7 +165,7 @@ def main() -> None:
         for i, tiles in enumerate((tiles0, tiles1)):
             for t in tiles:
                 res[f"step{i} {'causal' if t.causal else 'dense'} {t.q1 - t.q0}x{t.k1 - t.k0}"] = timed(
-                    lambda t=t: partial_attention(ql[t.q0:t.q1], block[0, t.k0:t.k1], block[1, t.k0:t.k1], causal=t.causal))
+                    lambda t=t: partial_attention(ql[t.q0:t.q1], block[0][t.k0:t.k1], block[1][t.k0:t.k1], causal=t.causal))
         st = run_tiles(ql, block[0], block[1], tiles0, None)
         o, l_ = run_tiles(ql, block[0], block[1], tiles1, None)
         rows = sum(t.q1 - t.q0 for t in tiles1)

@@ -9,6 +9,7 @@ import torch
 
 from megacp.attention import (
     ShardPlan,
+    build_kv_block,
     choose_strategy,
     local_counts,
     local_positions,
@@ -94,6 +95,20 @@ def test_shard_plan_indices_and_layouts() -> None:
     assert plan.local_index().tolist() == [0, 1, 5] and plan.local_positions().tolist() == [0, 1, 10]
     assert plan.local_index(1).tolist() == [2, 3, 4]
     assert plan.max_kv_block == 9 and plan.max_local == 3
+
+
+def test_kv_block_is_the_local_kv_when_blocks_are_unpadded() -> None:
+    k, v = torch.randn(8, 2, 4), torch.randn(8, 2, 4)
+    even = ShardPlan([0], [16], 2, 1)  # 8 tokens per rank, no cache: K and V travel as they are
+    assert even.kv_blocks_unpadded
+    bk, bv = build_kv_block(even, k, v)
+    assert bk.data_ptr() == k.data_ptr() and bv.data_ptr() == v.data_ptr()
+    ragged = ShardPlan([0], [15], 2, 0)  # rank 0 holds 7, rank 1 8: padded to one message size
+    assert not ragged.kv_blocks_unpadded
+    block = build_kv_block(ragged, k[:7], v[:7])
+    assert block.shape == (2, 8, 2, 4) and torch.equal(block[0, :7], k[:7]) and not block[:, 7].any()
+    with pytest.raises(ValueError, match="this rank's 7 new tokens"):
+        build_kv_block(ragged, k, v)
 
 
 def test_tiles_are_the_papers_three_kinds() -> None:

@@ -241,6 +241,13 @@ def _ring_transports(rank: int, world_size: int) -> dict:
     block = torch.full((3,), float(rank))
     out["seen"] = [int(b[0]) for _, b in ring.rotate(block)]
     out["block_kept"] = torch.equal(block, torch.full((3,), float(rank)))
+    # a block of two parts (pass-KV's keys and values, not stacked): handed out stacked from step 1 on
+    k, v = torch.full((4, 2), float(rank)), torch.full((4, 2), 10.0 + rank)
+    out["pairs"] = [(step, tuple(b[0].shape), float(b[0][0, 0]), float(b[1][-1, -1])) for step, b in ring.rotate((k, v))]
+    try:
+        next(ring.rotate((k, v[:3])))
+    except ValueError as err:
+        out["bad_pair"] = str(err)
     return out
 
 
@@ -251,3 +258,5 @@ def test_ring_transport_selection_on_gloo() -> None:
         assert "copy_engine" in out["copy_engine"] and "NCCL group of CUDA ranks" in out["copy_engine"]
         assert "not one of auto, nccl, copy_engine" in out["shm"]
         assert out["seen"] == [(rank - s) % 3 for s in range(3)] and out["block_kept"]
+        assert out["pairs"] == [(s, (4, 2), float((rank - s) % 3), 10.0 + (rank - s) % 3) for s in range(3)]
+        assert "one shape, dtype and device" in out["bad_pair"]

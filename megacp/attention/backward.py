@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from megacp.attention.pass_kv import ring_pass_kv
+from megacp.attention.pass_kv import KVBlock, ring_pass_kv
 from megacp.attention.prefill import build_kv_block
 from megacp.attention.sharding import ShardPlan
 from megacp.parallel.ring import Ring
@@ -72,14 +72,14 @@ def partial_attention_backward(
     return dq, dk.permute(1, 0, 2), dv.permute(1, 0, 2)
 
 
-def _tile_grads(q: Tensor, block: Tensor, out: Tensor, lse: Tensor, dout: Tensor, tiles: list,
+def _tile_grads(q: Tensor, block: KVBlock, out: Tensor, lse: Tensor, dout: Tensor, tiles: list,
                 dq: Tensor, scale: float | None) -> Tensor:
     """Add the tiles' query gradients into ``dq``; return the fp32 gradient of ``block`` ``[2,M,Hkv,D]``."""
-    dkv = torch.zeros(block.shape, dtype=torch.float32, device=block.device)
+    dkv = torch.zeros((2, *block[0].shape), dtype=torch.float32, device=q.device)
     for t in tiles:
         rows = slice(t.q0, t.q1)
         gq, gk, gv = partial_attention_backward(
-            q[rows], block[0, t.k0:t.k1], block[1, t.k0:t.k1], out[rows], lse[rows], dout[rows],
+            q[rows], block[0][t.k0:t.k1], block[1][t.k0:t.k1], out[rows], lse[rows], dout[rows],
             causal=t.causal, scale=scale,
         )
         dq[rows] += gq
@@ -97,13 +97,14 @@ class _RingAttention(torch.autograd.Function):
         block = build_kv_block(plan, k, v)
         out, lse = ring_pass_kv(q, block, plan, ring, scale=scale, backend=backend)
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, block, out, lse)
+        ctx.save_for_backward(q, block[0], block[1], out, lse)
         ctx.plan, ctx.ring, ctx.scale = plan, ring, scale
         return out
 
     @staticmethod
     def backward(ctx: Any, dout: Tensor) -> tuple:
-        q, block, out, lse = ctx.saved_tensors
+        q, bk, bv, out, lse = ctx.saved_tensors
+        block = (bk, bv)
         plan, ring, scale = ctx.plan, ctx.ring, ctx.scale
         r, n = plan.rank, plan.cp_size
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)

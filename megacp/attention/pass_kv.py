@@ -30,6 +30,11 @@ from megacp.attention.tiles import run_tiles
 from megacp.parallel.ring import Ring
 
 
+KVBlock = Tensor | tuple[Tensor, Tensor]
+"""A rank's KV block: ``[2, L, Hkv, D]`` (keys ``[0]``, values ``[1]``), or the pair ``(k, v)`` of
+``[L, Hkv, D]`` contiguous tensors when they already are the block (no copy; see
+:func:`~megacp.attention.prefill.build_kv_block`)."""
+
 SECOND_STREAM_MAX_ROWS = 16384
 """Pass-KV computes the received blocks on a second stream when a rank holds at most this many
 query rows. Measured on 2×H200 (``scripts/prefill_breakdown.py``): at 16K tokens (8K rows per rank,
@@ -46,7 +51,7 @@ def _later_steps_stream(device: torch.device) -> torch.cuda.Stream:
 
 def ring_pass_kv(
     q: Tensor,
-    kv_block: Tensor,
+    kv_block: KVBlock,
     plan: ShardPlan,
     ring: Ring | None,
     *,
@@ -68,8 +73,8 @@ def ring_pass_kv(
 
     Args:
         q: ``[n_local, Hq, D]`` local queries in ``plan.q_layout(rank)`` order.
-        kv_block: ``[2, plan.max_kv_block, Hkv, D]`` this rank's keys (``[0]``) and values (``[1]``)
-            in ``plan.kv_layout(rank)`` order, padded at the end.
+        kv_block: this rank's keys (``[0]``) and values (``[1]``), ``plan.max_kv_block`` rows in
+            ``plan.kv_layout(rank)`` order (padded at the end), stacked or as a pair (:data:`KVBlock`).
         plan: the step's sharding plan; ring: the CP ring (``None`` when N = 1).
 
     Returns:

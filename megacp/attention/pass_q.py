@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from megacp.attention.merge import merge_stack, pack_states, unpack_states
+from megacp.attention.pass_kv import KVBlock
 from megacp.attention.sharding import ShardPlan
 from megacp.attention.tiles import run_tiles
 from megacp.parallel.ring import Ring
@@ -21,7 +22,7 @@ from megacp.parallel.ring import Ring
 
 def ring_pass_q(
     q: Tensor,
-    kv_block: Tensor,
+    kv_block: KVBlock,
     plan: ShardPlan,
     ring: Ring | None,
     *,
@@ -32,8 +33,8 @@ def ring_pass_q(
 
     Args:
         q: ``[n_local, Hq, D]`` local queries in ``plan.q_layout(rank)`` order.
-        kv_block: ``[2, L, Hkv, D]`` this rank's keys/values in ``plan.kv_layout(rank)`` order
-            (``L >= `` its block length; it never travels, so it needs no padding).
+        kv_block: this rank's keys/values in ``plan.kv_layout(rank)`` order, stacked ``[2, L, Hkv, D]``
+            or a pair (``L >= `` its block length; it never travels, so it needs no padding).
 
     Returns:
         ``(out [n_local, Hq, D] q.dtype, lse [n_local, Hq] fp32)``.

@@ -13,7 +13,7 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor
 
-from megacp.attention.pass_kv import ring_pass_kv
+from megacp.attention.pass_kv import KVBlock, ring_pass_kv
 from megacp.attention.pass_q import ring_pass_q
 from megacp.attention.sharding import ShardPlan
 from megacp.attention.strategy import STRATEGIES, Choice, choose_strategy, hardware_for
@@ -27,16 +27,26 @@ def build_kv_block(
     k: Tensor,
     v: Tensor,
     cached: Callable[[int], tuple[Tensor, Tensor]] | None = None,
-) -> Tensor:
-    """This rank's KV block ``[2, plan.max_kv_block, Hkv, D]`` in ``plan.kv_layout(rank)`` order.
+) -> KVBlock:
+    """This rank's KV block (``plan.max_kv_block`` rows in ``plan.kv_layout(rank)`` order).
+
+    When the blocks are just the ranks' new tokens (:attr:`ShardPlan.kv_blocks_unpadded`: no cached
+    tokens, every rank as many tokens, as with one sequence split evenly) the pair ``(k, v)`` is the
+    block and nothing is copied (unless they are not contiguous). Otherwise a new
+    ``[2, plan.max_kv_block, Hkv, D]`` tensor (zero padding at the end). The form depends on the plan
+    only, so every rank of the ring passes blocks of the same form.
 
     Args:
         k, v: ``[n_local, Hkv, D]`` this rank's new keys/values (``plan.q_layout`` order).
         cached: ``cached(i) -> (k_i, v_i)`` each ``[prefix_i, Hkv, D]``, this rank's cached tokens of
             request ``i`` (required when the plan has cached tokens on this rank).
     """
-    block = k.new_zeros((2, plan.max_kv_block, *k.shape[1:]))
+    if k.shape[0] != plan.num_local() or v.shape != k.shape:
+        raise ValueError(f"k and v must hold this rank's {plan.num_local()} new tokens; got {tuple(k.shape)}, {tuple(v.shape)}")
+    if plan.kv_blocks_unpadded:
+        return k.contiguous(), v.contiguous()
     kv_lay, q_lay = plan.kv_layout(plan.rank), plan.q_layout(plan.rank)
+    block = k.new_zeros((2, plan.max_kv_block, *k.shape[1:]))
     if not any(lay.prefix for lay in kv_lay):
         block[0, : k.shape[0]] = k
         block[1, : v.shape[0]] = v
@@ -71,7 +81,7 @@ def resolve_strategy(strategy: str, plan: ShardPlan, num_heads: int, num_kv_head
 
 def cp_prefill(
     q: Tensor,
-    kv_block: Tensor,
+    kv_block: KVBlock,
     plan: ShardPlan,
     ring: Ring | None,
     *,

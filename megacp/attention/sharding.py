@@ -192,6 +192,13 @@ class ShardPlan:
         """Tokens in the largest KV block (the pass-KV message size: max over ranks of cache + new)."""
         return max(sum(self.prefix_counts[j]) + self.num_local(j) for j in range(self.cp_size))
 
+    @cached_property
+    def kv_blocks_unpadded(self) -> bool:
+        """Every rank's KV block is just its new tokens, all blocks of one length (no cached tokens,
+        no padding): the local keys and values can travel as they are."""
+        return not any(any(p) for p in self.prefix_counts) and all(
+            self.num_local(j) == self.max_kv_block for j in range(self.cp_size))
+
     def tiles(self, q_rank: int, kv_rank: int) -> list:
         """Kernel calls (:class:`~megacp.attention.tiles.Tile`) for ``q_rank``'s queries over
         ``kv_rank``'s KV block; computed once per plan and reused by every layer."""

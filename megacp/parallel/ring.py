@@ -45,6 +45,29 @@ from megacp.parallel.peer import (
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+Block = Tensor | tuple[Tensor, ...]
+"""What :meth:`Ring.rotate` passes around: one tensor, or a tuple of contiguous tensors of one shape
+and dtype that travel together (pass-KV's keys and values, without stacking them first). Received
+tuples come stacked, ``[P, *part.shape]``, so ``block[i]`` is part ``i`` either way."""
+
+
+def _parts(block: Block) -> list[Tensor]:
+    """The tensors of ``block``, checked: a tuple's parts share shape, dtype and device and are contiguous."""
+    if not isinstance(block, tuple):
+        return [block]
+    first = block[0]
+    for t in block:
+        if t.shape != first.shape or t.dtype != first.dtype or t.device != first.device or not t.is_contiguous():
+            raise ValueError("the parts of a ring block must be contiguous tensors of one shape, dtype and device; "
+                             f"got {[(tuple(x.shape), x.dtype, x.is_contiguous()) for x in block]}")
+    return list(block)
+
+
+def _received_shape(block: Block) -> tuple[int, ...]:
+    """Shape in which a received ``block`` is handed out."""
+    return (len(block), *block[0].shape) if isinstance(block, tuple) else tuple(block.shape)
+
+
 @functools.cache
 def _post_stream(device: torch.device) -> torch.cuda.Stream:
     """The side stream from which :meth:`Ring.rotate` posts NCCL exchanges that wait on a ``ready`` event."""
@@ -74,16 +97,19 @@ class Ring:
         self._next = dist.get_global_rank(self.group, (self.rank + 1) % self.size)
         self._prev = dist.get_global_rank(self.group, (self.rank - 1) % self.size)
 
-    def start(self, send: Tensor, recv: Tensor, tag: int = 0) -> list:
-        """Post ``send`` → next rank and ``recv`` ← previous rank; returns the pending works.
+    def start(self, send: Tensor | list[Tensor], recv: Tensor | list[Tensor], tag: int = 0) -> list:
+        """Post ``send`` → next rank and ``recv`` ← previous rank (tensors, or lists of tensors
+        matched pairwise: message ``i`` has tag ``tag + 16·i``); returns the pending works.
 
         Two exchanges in flight at once (the backward's KV blocks and their gradients) need
-        distinct ``tag``s: gloo does not promise to match same-tag messages in posting order.
+        distinct ``tag``s below 16: gloo does not promise to match same-tag messages in posting order.
         """
-        ops = [
-            dist.P2POp(dist.isend, send, self._next, self.group, tag),
-            dist.P2POp(dist.irecv, recv, self._prev, self.group, tag),
-        ]
+        sends = send if isinstance(send, list) else [send]
+        recvs = recv if isinstance(recv, list) else [recv]
+        ops = []
+        for i, (a, b) in enumerate(zip(sends, recvs, strict=True)):
+            ops += [dist.P2POp(dist.isend, a, self._next, self.group, tag + 16 * i),
+                    dist.P2POp(dist.irecv, b, self._prev, self.group, tag + 16 * i)]
         return dist.batch_isend_irecv(ops)
 
     @staticmethod
@@ -91,10 +117,11 @@ class Ring:
         for w in works:
             w.wait()
 
-    def rotate(self, block: Tensor, stream: torch.cuda.Stream | None = None,
-               ready: torch.cuda.Event | None = None) -> Iterator[tuple[int, Tensor]]:
+    def rotate(self, block: Block, stream: torch.cuda.Stream | None = None,
+               ready: torch.cuda.Event | None = None) -> Iterator[tuple[int, Block]]:
         """Pass ``block`` around the ring: yields ``(step, block in hand)`` for ``size`` steps,
-        starting with this rank's own block; at step ``s`` the block of rank ``r - s`` is in hand.
+        starting with this rank's own block; at step ``s`` the block of rank ``r - s`` is in hand
+        (a tuple :data:`Block` comes stacked from step 1 on). Every rank passes blocks of one shape.
 
         The transfer of the next block is posted *before* each yield and completed after it, so
         whatever the caller computes on the block in hand overlaps the transfer. Received blocks
@@ -113,27 +140,31 @@ class Ring:
         it instead of on the current stream, so the caller may queue work before starting the
         rotation (pass-KV queues step 0's compute first) without the transfers waiting behind it.
         """
-        if self.transport == "copy_engine" and block.is_cuda and self.size > 1:
-            win = peer_window(self.group, block.nbytes, block.device)
+        parts = _parts(block)
+        if self.transport == "copy_engine" and parts[0].is_cuda and self.size > 1:
+            win = peer_window(self.group, sum(t.nbytes for t in parts), parts[0].device)
             if win is not None:
                 yield from self._rotate_push(block, win, stream, ready)
                 return
         yield from self._rotate_relay(block, stream, ready)
 
-    def _rotate_relay(self, block: Tensor, consumer: torch.cuda.Stream | None,
-                      ready: torch.cuda.Event | None) -> Iterator[tuple[int, Tensor]]:
+    def _rotate_relay(self, block: Block, consumer: torch.cuda.Stream | None,
+                      ready: torch.cuda.Event | None) -> Iterator[tuple[int, Block]]:
         """:meth:`rotate` by P2P send/recv, rank to rank. NCCL's stream waits on the stream that is
         current when an exchange is posted: the caller's, or with ``ready`` a side stream that waits
         on that event only."""
-        streams = block.is_cuda
-        caller = torch.cuda.current_stream(block.device) if streams else None
+        parts = _parts(block)
+        dev, streams = parts[0].device, parts[0].is_cuda
+        caller = torch.cuda.current_stream(dev) if streams else None
         consumer = consumer or caller
         poster = caller
         if ready is not None:
-            poster = _post_stream(block.device)
+            poster = _post_stream(dev)
             poster.wait_event(ready)
         with torch.cuda.stream(poster) if streams else contextlib.nullcontext():
-            scratch = [torch.empty_like(block) for _ in range(min(self.size - 1, 2))]
+            shape = _received_shape(block)
+            scratch = [parts[0].new_empty(shape) for _ in range(min(self.size - 1, 2))]
+        split = isinstance(block, tuple)
         for buf in scratch if streams else ():  # read on the consumer streams, freed on the poster
             for s in {consumer, caller} - {poster}:
                 buf.record_stream(s)
@@ -145,15 +176,15 @@ class Ring:
                 with torch.cuda.stream(poster) if streams else contextlib.nullcontext():
                     if streams and step >= 2 and consumer != poster:
                         poster.wait_stream(consumer)  # nxt held step - 1's block, read on the consumer
-                    works = self.start(cur, nxt)
+                    works = self.start(list(cur) if split else cur, list(nxt) if split else nxt)
             yield step, cur
             if works is not None:
                 with torch.cuda.stream(consumer) if streams else contextlib.nullcontext():
                     self.wait(works)
                 cur = nxt
 
-    def _rotate_push(self, block: Tensor, win: PeerWindow, consumer: torch.cuda.Stream | None,
-                     ready: torch.cuda.Event | None) -> Iterator[tuple[int, Tensor]]:
+    def _rotate_push(self, block: Block, win: PeerWindow, consumer: torch.cuda.Stream | None,
+                     ready: torch.cuda.Event | None) -> Iterator[tuple[int, Block]]:
         """:meth:`rotate` over peer windows (see :mod:`megacp.parallel.peer`). Rank ``r`` pushes
         its block into slot ``(s-1) % 2`` of rank ``r+s``, for ``s = 1..N-1``, with copy-engine copies
         on the window's stream, at most two steps ahead (a push first waits until the target has
@@ -164,9 +195,11 @@ class Ring:
         Nothing here needs an SM or a host sync. The order of operations is
         :func:`~megacp.parallel.peer.push_schedule`'s."""
         n, r = self.size, self.rank
-        main = torch.cuda.current_stream(block.device)
+        parts = _parts(block)
+        main = torch.cuda.current_stream(parts[0].device)
         consumer = consumer or main
-        src = block.reshape(-1).view(torch.uint8)
+        srcs = [t.reshape(-1).view(torch.uint8) for t in parts]
+        nbytes, dtype, shape = sum(x.numel() for x in srcs), parts[0].dtype, _received_shape(block)
         ops, win.uses = push_schedule(n, r, win.uses)
         if ready is None:
             ready = torch.cuda.Event()
@@ -178,13 +211,16 @@ class Ring:
                 wait_value(win.stream, win.free_flag(r, op.peer, op.slot), op.value)
             elif op.kind == "push":
                 with torch.cuda.stream(win.stream):
-                    win.slot(op.peer, op.slot, src.numel()).copy_(src)
+                    dst, at = win.slot(op.peer, op.slot, nbytes), 0
+                    for src in srcs:
+                        dst[at:at + src.numel()].copy_(src)
+                        at += src.numel()
             elif op.kind == "ready":
                 write_value(win.stream, win.ready_flag(op.peer, op.slot), op.value)
             elif op.kind == "wait_ready":
                 wait_value(consumer, win.ready_flag(r, op.slot), op.value)
             elif op.kind == "hand_out":
-                yield op.step, win.slot(r, op.slot, src.numel()).view(block.dtype).view(block.shape)
+                yield op.step, win.slot(r, op.slot, nbytes).view(dtype).view(shape)
             else:  # release
                 for p in range(n):
                     if p != r:
