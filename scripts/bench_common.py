@@ -227,6 +227,7 @@ class Timing:
     max_ms: float
     iters: int
     times_ms: list[float] = field(default_factory=list)
+    loop_ms: float | None = None  # per call of back-to-back calls (``measure(loop_calls=)``)
 
     def as_dict(self) -> dict:
         d = asdict(self)
@@ -235,9 +236,11 @@ class Timing:
 
 
 def measure(ctx: Ctx, fn: Callable[[], Any], *, collective: bool = True, warmup: int = 2,
-            min_iters: int = 3, max_iters: int = 20, target_s: float = 2.0) -> Timing:
+            min_iters: int = 3, max_iters: int = 20, target_s: float = 2.0, loop_calls: int = 0) -> Timing:
     """Time ``fn`` (see the module docstring). ``collective=False``: only the calling rank runs it
-    (no barrier, no reduction); the other ranks must not call this."""
+    (no barrier, no reduction); the other ranks must not call this. ``loop_calls > 0`` also times
+    that many back-to-back calls (:func:`measure_loop`, at most ``target_s`` worth of them): how
+    the call runs when the host queues it ahead, as layers of a model do."""
     clock = Clock(ctx)
     pre = (lambda: barrier(ctx)) if collective else (lambda: sync(ctx))
     est = 0.0
@@ -257,7 +260,10 @@ def measure(ctx: Ctx, fn: Callable[[], Any], *, collective: bool = True, warmup:
         times.append(clock.stop())
     if collective:
         times = all_max(ctx, times)
-    return Timing(statistics.median(times), min(times), max(times), iters, times)
+    loop = None
+    if loop_calls > 0:
+        loop = measure_loop(ctx, fn, calls=min(loop_calls, max(2, iters)), collective=collective)
+    return Timing(statistics.median(times), min(times), max(times), iters, times, loop)
 
 
 def measure_loop(ctx: Ctx, fn: Callable[[], Any], *, calls: int = 20, collective: bool = True) -> float:

@@ -26,6 +26,9 @@ Methods (``--methods``, comma list of families):
   that is torch SDPA on cuDNN with GQA.
 
 Efficiency of a CP method = T1 / (N · T_cp); TFLOP/s per GPU = causal FLOPs (2·S²·H·D) / N / T.
+Every call is timed alone (barrier before it), so it pays the host-side launch of its first kernel;
+``--loop K`` also times K calls back to back (``loop ms``, ``loop eff`` against the single GPU's
+loop time), where the host queues ahead as it does between the layers of a model.
 ``--check`` also gathers every method's output and compares it with the single-GPU cuDNN output,
 next to the flash-vs-cuDNN difference (the bf16 noise floor). Peers that cannot run print
 ``skipped: <reason>``.
@@ -71,6 +74,9 @@ def parse_args(argv=None):
     p.add_argument("--min-iters", type=int, default=3)
     p.add_argument("--max-iters", type=int, default=20)
     p.add_argument("--target-s", type=float, default=1.5, help="timed seconds per measurement (bounds the calls)")
+    p.add_argument("--loop", type=int, default=0,
+                   help="also time this many calls back to back (no barrier between them; at most as many as the "
+                        "timed isolated calls): the loop_ms column and its efficiency against single-GPU loop time")
     return p.parse_args(argv)
 
 
@@ -252,7 +258,8 @@ def main(argv=None) -> int:
     if bad:
         raise SystemExit(f"unknown --methods {bad}; choose from {FAMILIES}")
     single_backends = bc.parse_names(args.single_backends or ("cudnn,flash" if ctx.cuda else "reference"))
-    timing = dict(warmup=args.warmup, min_iters=args.min_iters, max_iters=args.max_iters, target_s=args.target_s)
+    timing = dict(warmup=args.warmup, min_iters=args.min_iters, max_iters=args.max_iters, target_s=args.target_s,
+                  loop_calls=args.loop)
     meta = bc.env_info(ctx)
     meta.update(kind="prefill", heads=h, kv_heads=hkv, head_dim=d, batch=1, causal=True, seqlens=seqlens,
                 cp_size=n, families=families, timing=timing, check=args.check)
@@ -308,7 +315,7 @@ def main(argv=None) -> int:
     def add(s, method, tm: bc.Timing, per_gpu_div: int, note: str = ""):
         tf = bc.attn_flops(s, h, d) / per_gpu_div / (tm.ms * 1e-3) / 1e12
         row = {"seqlen": s, "method": method, "ms": tm.ms, "min_ms": tm.min_ms, "max_ms": tm.max_ms, "iters": tm.iters,
-               "tflops_per_gpu": tf, "note": note, "times_ms": [round(t, 4) for t in tm.times_ms]}
+               "tflops_per_gpu": tf, "note": note, "times_ms": [round(t, 4) for t in tm.times_ms], "loop_ms": tm.loop_ms}
         rows.append(row)
         rep.result(row)
         ctx.log(f"  {method:28s} {tm.ms:10.3f} ms  {bc.fmt(tf, '7.1f'):>7s} TFLOP/s/GPU  ({tm.iters} iters) {note}")
@@ -470,21 +477,25 @@ def main(argv=None) -> int:
     # ---- summary
     if ctx.rank == 0:
         for s in seqlens:
-            singles = [x["ms"] for x in rows if x["seqlen"] == s and x["method"].startswith("single_")]
-            t1 = min(singles) if singles else None
+            singles = [x for x in rows if x["seqlen"] == s and x["method"].startswith("single_")]
+            t1 = min((x["ms"] for x in singles), default=None)
+            t1_loop = min((x["loop_ms"] for x in singles if x.get("loop_ms")), default=None)
             for x in rows:
                 if x["seqlen"] != s:
                     continue
                 x["seqlen_label"] = bc.size_label(s)
-                x["efficiency"] = None
+                x["efficiency"] = x["loop_efficiency"] = None
                 if t1 and not x["method"].startswith("single_"):
                     x["efficiency"] = t1 / (n * x["ms"])
+                    if t1_loop and x.get("loop_ms"):
+                        x["loop_efficiency"] = t1_loop / (n * x["loop_ms"])
                 if t1:
                     x["t1_ms"] = t1
         rep._save()
+    loop_cols = [("loop_ms", "loop ms", ".3f"), ("loop_efficiency", "loop eff", ".3f")] if args.loop else []
     bc.print_table(ctx, rows, [("seqlen_label", "seqlen", ""), ("method", "method", ""), ("ms", "ms", ".3f"),
                                ("tflops_per_gpu", "TFLOP/s/GPU", ".1f"), ("efficiency", f"eff T1/({n}T)", ".3f"),
-                               ("iters", "iters", ""), ("note", "note", "")],
+                               *loop_cols, ("iters", "iters", ""), ("note", "note", "")],
                    title=f"Causal prefill, H={h}/{hkv} D={d} {str(ctx.dtype).replace('torch.', '')}, CP={n}")
     if args.check:
         bc.print_table(ctx, checks, [("seqlen", "seqlen", ""), ("method", "method", ""), ("max_abs", "max|err|", ".3e"),
