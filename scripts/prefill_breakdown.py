@@ -9,6 +9,10 @@ three kinds round-robin, so drift of clock or temperature during the run hits th
 * ``tiles``        — its kernel calls alone (step 0 on its own block, step 1 on its own block
   standing in for the received one), no merge, no communication: the zero-communication bound;
 * ``tiles+merge``  — the same through ``run_tiles`` with the running-state merge;
+* ``tiles+copy[peer]`` / ``tiles+copy[local]`` — ``tiles`` with a copy of the local K and V on a
+  side stream beside the kernels (no dependency), into the next rank's peer window (copy engine,
+  NVLink: what the push transport moves) or into this GPU's own memory: what the transfer alone
+  costs the kernels at the power cap;
 * ``pass_kv[T]``   — ``cp_prefill`` with ring transport T (the real thing); for the copy engine
   also with the received blocks forced onto one stream / a second stream
   (``megacp.attention.pass_kv.SECOND_STREAM_MAX_ROWS``);
@@ -37,6 +41,7 @@ import bench_common as bc  # noqa: E402
 from megacp.attention import ShardPlan, build_kv_block, cp_prefill, partial_attention, pass_kv  # noqa: E402
 from megacp.attention.merge import merge_into  # noqa: E402
 from megacp.attention.tiles import run_tiles  # noqa: E402
+from megacp.parallel.peer import peer_window  # noqa: E402
 from megacp.parallel.ring import Ring  # noqa: E402
 
 
@@ -150,6 +155,22 @@ def main() -> None:
             run_tiles(ql, block[0], block[1], tiles1, st)
 
         variants: dict[str, Callable[[], object]] = {"tiles": kernels, "tiles+merge": with_merge}
+        if "copy_engine" in rings:
+            src = torch.cat([kl.reshape(-1), vl.reshape(-1)]).view(torch.uint8)
+            win = peer_window(ctx.group, src.numel(), ctx.device)
+            # slot 1 of the next rank: a 2-rank ring only ever uses slot 0
+            dsts = {"peer": win.slot((r + 1) % n, 1, src.numel()), "local": torch.empty_like(src)}
+            side = torch.cuda.Stream(device=ctx.device)
+
+            def with_copy(dst):
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    dst.copy_(src)
+                kernels()
+                torch.cuda.current_stream().wait_stream(side)
+
+            for where, dst in dsts.items():
+                variants[f"tiles+copy[{where}]"] = lambda dst=dst: with_copy(dst)
         for name, ring in rings.items():
             variants[f"pass_kv[{name}]"] = lambda ring=ring: cp_prefill(ql, block, plan, ring, strategy="pass_kv")
         if "copy_engine" in rings:  # both settings of the second compute stream, whatever the default

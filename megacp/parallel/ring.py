@@ -144,16 +144,15 @@ class Ring:
         if self.transport == "copy_engine" and parts[0].is_cuda and self.size > 1:
             win = peer_window(self.group, sum(t.nbytes for t in parts), parts[0].device)
             if win is not None:
-                yield from self._rotate_push(block, win, stream, ready)
+                yield from self._rotate_push(block, parts, win, stream, ready)
                 return
-        yield from self._rotate_relay(block, stream, ready)
+        yield from self._rotate_relay(block, parts, stream, ready)
 
-    def _rotate_relay(self, block: Block, consumer: torch.cuda.Stream | None,
+    def _rotate_relay(self, block: Block, parts: list[Tensor], consumer: torch.cuda.Stream | None,
                       ready: torch.cuda.Event | None) -> Iterator[tuple[int, Block]]:
-        """:meth:`rotate` by P2P send/recv, rank to rank. NCCL's stream waits on the stream that is
-        current when an exchange is posted: the caller's, or with ``ready`` a side stream that waits
-        on that event only."""
-        parts = _parts(block)
+        """:meth:`rotate` by P2P send/recv, rank to rank (``parts``: the tensors of ``block``). NCCL's
+        stream waits on the stream that is current when an exchange is posted: the caller's, or with
+        ``ready`` a side stream that waits on that event only."""
         dev, streams = parts[0].device, parts[0].is_cuda
         caller = torch.cuda.current_stream(dev) if streams else None
         consumer = consumer or caller
@@ -183,8 +182,9 @@ class Ring:
                     self.wait(works)
                 cur = nxt
 
-    def _rotate_push(self, block: Block, win: PeerWindow, consumer: torch.cuda.Stream | None,
-                     ready: torch.cuda.Event | None) -> Iterator[tuple[int, Block]]:
+    def _rotate_push(self, block: Block, parts: list[Tensor], win: PeerWindow,
+                     consumer: torch.cuda.Stream | None, ready: torch.cuda.Event | None
+                     ) -> Iterator[tuple[int, Block]]:
         """:meth:`rotate` over peer windows (see :mod:`megacp.parallel.peer`). Rank ``r`` pushes
         its block into slot ``(s-1) % 2`` of rank ``r+s``, for ``s = 1..N-1``, with copy-engine copies
         on the window's stream, at most two steps ahead (a push first waits until the target has
@@ -195,7 +195,6 @@ class Ring:
         Nothing here needs an SM or a host sync. The order of operations is
         :func:`~megacp.parallel.peer.push_schedule`'s."""
         n, r = self.size, self.rank
-        parts = _parts(block)
         main = torch.cuda.current_stream(parts[0].device)
         consumer = consumer or main
         srcs = [t.reshape(-1).view(torch.uint8) for t in parts]
