@@ -116,6 +116,11 @@ def test_tiles_are_the_papers_three_kinds() -> None:
     assert plan_tiles(plan.q_layout(0), plan.kv_layout(0)) == [Tile(0, 8, 0, 8, True)]  # causal, local
     assert plan_tiles(plan.q_layout(1), plan.kv_layout(0)) == [Tile(0, 8, 0, 4, False)]  # lower rank: 1st chunk
     assert plan_tiles(plan.q_layout(0), plan.kv_layout(1)) == [Tile(4, 8, 0, 8, False)]  # higher: 2nd local chunk
+    # what each rank's push carries: a later rank reads only the first chunk of an earlier rank's block
+    assert (plan.kv_rows_read(1, 0), plan.kv_rows_read(0, 1), plan.kv_rows_read(0, 0)) == (4, 8, 8)
+    four = ShardPlan([0], [32], 4, 0)  # chunks of 4, rank j holds chunks j and 7-j
+    assert [[four.kv_rows_read(t, b) for b in range(4)] for t in range(4)] == [
+        [8, 8, 8, 8], [4, 8, 8, 8], [4, 4, 8, 8], [4, 4, 4, 8]]
 
 
 def test_strategy_rule_on_the_papers_numbers() -> None:

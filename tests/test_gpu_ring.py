@@ -1,8 +1,8 @@
 """The ring's GPU transports on 2 real GPUs (NCCL, symmetric memory): every rotation hands out the
 right block, over many rotations of changing sizes (the window's flags count uses across
 rotations), also when the transfers are ordered by a ``ready`` event behind which the caller queued
-work and the blocks are consumed on a second stream, and for a block of two tensors; both prefill
-strategies stay exact on each transport.
+work and the blocks are consumed on a second stream, and for a block of two tensors (whole, or
+only the leading rows a peer reads); both prefill strategies stay exact on each transport.
 
 The test launches this file under ``torchrun`` (2 processes); it skips where fewer than 2 CUDA GPUs
 exist (the CI machine). On the GPU machine: ``python -m pytest tests/test_gpu_ring.py`` or directly
@@ -56,11 +56,12 @@ def _worker() -> None:
             if not bool((block == float(r * 100 + i)).all()):
                 raise AssertionError(f"{transport}: rotation {i} changed the caller's block")
         pair = tuple(torch.full((1 << 20, 8), float(r * 100 + j), dtype=torch.bfloat16, device=dev) for j in (7, 8))
-        for step, held in ring.rotate(pair):  # keys and values travelling as two tensors
-            torch.cuda._sleep(1_000_000)
-            for j, part in zip((7, 8), held):
-                if not bool((part == float(((r - step) % n) * 100 + j)).all()):
-                    raise AssertionError(f"{transport} pair rotation step {step}: part {j} wrong")
+        for rows in (None, [1 << 19] * n):  # every row; the first half only (pass-KV's later ranks)
+            for step, held in ring.rotate(pair, rows=rows):  # keys and values travelling as two tensors
+                torch.cuda._sleep(1_000_000)
+                for j, part in zip((7, 8), held):
+                    if not bool((part[: rows[r] if rows else None] == float(((r - step) % n) * 100 + j)).all()):
+                        raise AssertionError(f"{transport} pair rotation step {step} rows {rows}: part {j} wrong")
         g = torch.Generator(device=dev).manual_seed(0)
         s, h, hkv, d = 24_576, 8, 2, 128
         q = torch.randn(s, h, d, device=dev, dtype=torch.bfloat16, generator=g)

@@ -95,9 +95,10 @@ def ring_pass_kv(
     if aux is not None:
         main = torch.cuda.current_stream(q.device)
         aux.wait_event(ready)  # aux needs q, not step 0's results
+    need = [plan.kv_rows_read(j, r) for j in range(n)]  # pushed to rank j (copy engine), no more
     rest = None
-    for step, block in ring.rotate(kv_block, stream=aux, ready=ready):  # block of rank r - step in hand
-        if step == 0:
+    for step, block in ring.rotate((kv_block[0], kv_block[1]), stream=aux, ready=ready, rows=need):
+        if step == 0:  # block of rank r - step in hand
             if state is None:  # gloo: the transfers were posted first, step 0 overlaps them
                 state = run_tiles(q, block[0], block[1], own, None, scale=scale, backend=backend)
             continue

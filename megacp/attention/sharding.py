@@ -199,6 +199,11 @@ class ShardPlan:
         return not any(any(p) for p in self.prefix_counts) and all(
             self.num_local(j) == self.max_kv_block for j in range(self.cp_size))
 
+    def kv_rows_read(self, q_rank: int, kv_rank: int) -> int:
+        """Leading rows of ``kv_rank``'s KV block that ``q_rank``'s queries read (0: none). With the
+        load-balanced layout a later rank reads only the first chunk of an earlier rank's block."""
+        return self._memo(("rows", q_rank, kv_rank), lambda: max((t.k1 for t in self.tiles(q_rank, kv_rank)), default=0))
+
     def tiles(self, q_rank: int, kv_rank: int) -> list:
         """Kernel calls (:class:`~megacp.attention.tiles.Tile`) for ``q_rank``'s queries over
         ``kv_rank``'s KV block; computed once per plan and reused by every layer."""

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -54,8 +54,12 @@ tuples come stacked, ``[P, *part.shape]``, so ``block[i]`` is part ``i`` either 
 def _parts(block: Block) -> list[Tensor]:
     """The tensors of ``block``, checked: a tuple's parts share shape, dtype and device and are contiguous."""
     if not isinstance(block, tuple):
+        if block.dim() == 0:
+            raise ValueError("a ring block needs at least one dimension")
         return [block]
     first = block[0]
+    if first.dim() == 0:
+        raise ValueError("a ring block needs at least one dimension")
     for t in block:
         if t.shape != first.shape or t.dtype != first.dtype or t.device != first.device or not t.is_contiguous():
             raise ValueError("the parts of a ring block must be contiguous tensors of one shape, dtype and device; "
@@ -118,7 +122,8 @@ class Ring:
             w.wait()
 
     def rotate(self, block: Block, stream: torch.cuda.Stream | None = None,
-               ready: torch.cuda.Event | None = None) -> Iterator[tuple[int, Block]]:
+               ready: torch.cuda.Event | None = None, rows: Sequence[int] | None = None
+               ) -> Iterator[tuple[int, Block]]:
         """Pass ``block`` around the ring: yields ``(step, block in hand)`` for ``size`` steps,
         starting with this rank's own block; at step ``s`` the block of rank ``r - s`` is in hand
         (a tuple :data:`Block` comes stacked from step 1 on). Every rank passes blocks of one shape.
@@ -139,12 +144,17 @@ class Ring:
         ``ready`` (CUDA): an event recorded once ``block`` was complete. The transfers then wait on
         it instead of on the current stream, so the caller may queue work before starting the
         rotation (pass-KV queues step 0's compute first) without the transfers waiting behind it.
+
+        ``rows`` (copy-engine transport): ``rows[t]`` is how many leading rows (dim 0) of each part
+        of this rank's block group rank ``t`` reads; the push to ``t`` carries only those, and the
+        rest of the block ``t`` is handed is undefined. The relay always carries whole blocks (each
+        is forwarded on). Default: every row.
         """
         parts = _parts(block)
         if self.transport == "copy_engine" and parts[0].is_cuda and self.size > 1:
             win = peer_window(self.group, sum(t.nbytes for t in parts), parts[0].device)
             if win is not None:
-                yield from self._rotate_push(block, parts, win, stream, ready)
+                yield from self._rotate_push(block, parts, win, stream, ready, rows)
                 return
         yield from self._rotate_relay(block, parts, stream, ready)
 
@@ -183,8 +193,8 @@ class Ring:
                 cur = nxt
 
     def _rotate_push(self, block: Block, parts: list[Tensor], win: PeerWindow,
-                     consumer: torch.cuda.Stream | None, ready: torch.cuda.Event | None
-                     ) -> Iterator[tuple[int, Block]]:
+                     consumer: torch.cuda.Stream | None, ready: torch.cuda.Event | None,
+                     rows: Sequence[int] | None) -> Iterator[tuple[int, Block]]:
         """:meth:`rotate` over peer windows (see :mod:`megacp.parallel.peer`). Rank ``r`` pushes
         its block into slot ``(s-1) % 2`` of rank ``r+s``, for ``s = 1..N-1``, with copy-engine copies
         on the window's stream, at most two steps ahead (a push first waits until the target has
@@ -197,8 +207,9 @@ class Ring:
         n, r = self.size, self.rank
         main = torch.cuda.current_stream(parts[0].device)
         consumer = consumer or main
-        srcs = [t.reshape(-1).view(torch.uint8) for t in parts]
-        nbytes, dtype, shape = sum(x.numel() for x in srcs), parts[0].dtype, _received_shape(block)
+        part_bytes = parts[0].nbytes
+        row_bytes = part_bytes // max(parts[0].shape[0], 1)
+        nbytes, dtype, shape = part_bytes * len(parts), parts[0].dtype, _received_shape(block)
         ops, win.uses = push_schedule(n, r, win.uses)
         if ready is None:
             ready = torch.cuda.Event()
@@ -209,11 +220,12 @@ class Ring:
             if op.kind == "wait_free":
                 wait_value(win.stream, win.free_flag(r, op.peer, op.slot), op.value)
             elif op.kind == "push":
-                with torch.cuda.stream(win.stream):
-                    dst, at = win.slot(op.peer, op.slot, nbytes), 0
-                    for src in srcs:
-                        dst[at:at + src.numel()].copy_(src)
-                        at += src.numel()
+                size = part_bytes if rows is None else min(rows[op.peer] * row_bytes, part_bytes)
+                if size:
+                    with torch.cuda.stream(win.stream):
+                        dst = win.slot(op.peer, op.slot, nbytes)
+                        for i, t in enumerate(parts):
+                            dst[i * part_bytes:i * part_bytes + size].copy_(t.reshape(-1).view(torch.uint8)[:size])
             elif op.kind == "ready":
                 write_value(win.stream, win.ready_flag(op.peer, op.slot), op.value)
             elif op.kind == "wait_ready":
