@@ -69,7 +69,9 @@ def ring_pass_kv(
     (H200, ``scripts/profile_prefill.py``). With at most :data:`SECOND_STREAM_MAX_ROWS` local rows
     steps ``>= 1`` run on a second compute stream: the received blocks do not depend on step 0, so
     their kernels fill the SMs that step 0's attention kernel leaves idle at its tail (with one
-    stream, the next kernel starts only after the last CTA of the previous one ends).
+    stream, the next kernel starts only after the last CTA of the previous one ends). Over the copy
+    engine, the push to rank ``j`` carries only the rows ``j`` reads (:meth:`ShardPlan.kv_rows_read`:
+    a later rank reads only the first chunk of an earlier rank's block).
 
     Args:
         q: ``[n_local, Hq, D]`` local queries in ``plan.q_layout(rank)`` order.
@@ -97,8 +99,9 @@ def ring_pass_kv(
         aux.wait_event(ready)  # aux needs q, not step 0's results
     need = [plan.kv_rows_read(j, r) for j in range(n)]  # pushed to rank j (copy engine), no more
     rest = None
+    # at step s the block of rank r - s is in hand
     for step, block in ring.rotate((kv_block[0], kv_block[1]), stream=aux, ready=ready, rows=need):
-        if step == 0:  # block of rank r - step in hand
+        if step == 0:
             if state is None:  # gloo: the transfers were posted first, step 0 overlaps them
                 state = run_tiles(q, block[0], block[1], own, None, scale=scale, backend=backend)
             continue

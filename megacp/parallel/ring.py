@@ -9,13 +9,16 @@ completes them (on CUDA it makes the current stream wait, without a host sync).
 :meth:`Ring.rotate` has two transports (``transport=`` or env ``MEGACP_RING_TRANSPORT``):
 
 * ``"nccl"`` — each block is relayed rank to rank with P2P send/recv (NCCL on GPU, gloo on CPU);
-* ``"copy_engine"`` — every rank *pushes* its block straight into the
-  :class:`~megacp.parallel.peer.PeerWindow` of rank ``r + s`` for step ``s``, with copies that run on
-  a copy engine and flags that the GPU front end writes and waits on, so nothing competes with the
-  attention kernels for SMs (a block larger than a window slot, ``MEGACP_PEER_WINDOW_MB``, rotates
-  over NCCL instead);
+* ``"copy_engine"`` — every rank *pushes* its block (or only the rows the target reads) straight
+  into the :class:`~megacp.parallel.peer.PeerWindow` of rank ``r + s`` for step ``s``, with copies
+  that run on a copy engine and flags that the GPU front end writes and waits on, so nothing
+  competes with the attention kernels for SMs (a block larger than a window slot,
+  ``MEGACP_PEER_WINDOW_MB``, rotates over NCCL instead);
 * ``"auto"`` (default) — ``copy_engine`` for CUDA tensors on a group that supports it
   (:func:`~megacp.parallel.peer.copy_engine_supported`), else ``nccl``.
+
+A block may be several tensors of one shape that travel together (:data:`Block`: pass-KV's keys
+and values, never stacked into one buffer first).
 """
 
 from __future__ import annotations
