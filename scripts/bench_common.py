@@ -16,6 +16,7 @@ next barrier.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -442,6 +443,11 @@ def env_info(ctx: Ctx) -> dict:
                                      text=True, timeout=5).stdout.strip() or None
     except Exception:  # noqa: BLE001
         info["git"] = None
+    # the code that ran, even where the checkout's git metadata is stale (a copied working tree)
+    digest = hashlib.sha256()
+    for path in sorted((REPO / "megacp").rglob("*.py")):
+        digest.update(path.relative_to(REPO).as_posix().encode() + b"\0" + path.read_bytes())
+    info["megacp_sha256"] = digest.hexdigest()[:16]
     return info
 
 
