@@ -134,7 +134,7 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, plan: ShardPlan, ring: Ring 
         order (``plan`` without cached tokens). Returns ``out`` ``[n_local, Hq, D]``; its backward
         returns exact gradients for q, k and v.
     """
-    if any(plan.prefix_counts[j][i] for j in range(plan.cp_size) for i in range(plan.num_requests)):
+    if plan.has_cached_kv:
         raise ValueError("ring_attention (training) takes plans without cached tokens")
     if q.shape[0] != plan.num_local() or k.shape[0] != q.shape[0] or v.shape != k.shape:
         raise ValueError(f"q, k, v must hold this rank's {plan.num_local()} tokens; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")

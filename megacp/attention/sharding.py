@@ -193,11 +193,15 @@ class ShardPlan:
         return max(sum(self.prefix_counts[j]) + self.num_local(j) for j in range(self.cp_size))
 
     @cached_property
+    def has_cached_kv(self) -> bool:
+        """Some rank holds cached tokens of some request (``prefix_counts`` not all zero)."""
+        return any(any(row) for row in self.prefix_counts)
+
+    @cached_property
     def kv_blocks_unpadded(self) -> bool:
         """Every rank's KV block is just its new tokens, all blocks of one length (no cached tokens,
         no padding): the local keys and values can travel as they are."""
-        return not any(any(p) for p in self.prefix_counts) and all(
-            self.num_local(j) == self.max_kv_block for j in range(self.cp_size))
+        return not self.has_cached_kv and all(self.num_local(j) == self.max_kv_block for j in range(self.cp_size))
 
     def kv_rows_read(self, q_rank: int, kv_rank: int) -> int:
         """Leading rows of ``kv_rank``'s KV block that ``q_rank``'s queries read (0: none). With the
