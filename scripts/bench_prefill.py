@@ -10,6 +10,9 @@ Methods (``--methods``, comma list of families):
 
 * ``single``  — ``megacp.attention.partial_attention(q, k, v, causal=True, backend=B)`` for B in
   ``--single-backends`` (cuDNN, flash) on the whole sequence, on rank 0 alone; the best is T1.
+  Then every other rank times the first backend alone too (row ``single_<B>@rank<j>``, a
+  diagnostic, never T1): two GPUs of one machine differ by a few percent on identical work, and
+  the CP time is the slower rank's.
 * ``megacp``  — ``ShardPlan([0], [S], N, rank)`` (2N-chunk load balancing), then, timed together,
   ``build_kv_block`` (the local K and V themselves: nothing is copied) and
   ``cp_prefill(..., strategy="pass_kv" | "pass_q")``.
@@ -368,6 +371,17 @@ def main(argv=None) -> int:
                         rep.error(f"single_{be}", e, seqlen=s)
                 bc.free(ctx)
             bc.barrier(ctx)
+            for j in range(1, n):  # the same call on every other GPU, one at a time
+                tm = None
+                if ctx.rank == j:
+                    tm = bc.measure(ctx, lambda: partial_attention(q, k, v, causal=True, backend=single_backends[0]),
+                                    collective=False, **timing)
+                    bc.free(ctx)
+                tm = bc.bcast_obj(ctx, tm, src=j)
+                if ctx.rank == 0:
+                    add(s, f"single_{single_backends[0]}@rank{j}", tm, 1,
+                        f"rank {j} alone (diagnostic, not T1)")["diagnostic"] = True
+                bc.barrier(ctx)
 
         # shards: 2N-chunk load-balanced (megacp, TE), contiguous (Ulysses)
         plan = ShardPlan([0], [s], n, r)
@@ -477,7 +491,8 @@ def main(argv=None) -> int:
     # ---- summary
     if ctx.rank == 0:
         for s in seqlens:
-            singles = [x for x in rows if x["seqlen"] == s and x["method"].startswith("single_")]
+            singles = [x for x in rows if x["seqlen"] == s and x["method"].startswith("single_")
+                       and not x.get("diagnostic")]
             t1 = min((x["ms"] for x in singles), default=None)
             t1_loop = min((x["loop_ms"] for x in singles if x.get("loop_ms")), default=None)
             for x in rows:

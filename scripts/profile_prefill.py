@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Profile megacp prefill on 2 GPUs (torch.profiler): the GPU timeline of one call, per rank.
 
-    torchrun --nproc_per_node 2 scripts/profile_prefill.py --seqlen 64K [--transport copy_engine] [--out prof]
+    torchrun --nproc_per_node 2 scripts/profile_prefill.py --seqlen 64K [--transport copy_engine] [--loop 4] [--out prof]
 
 Times five back-to-back calls with CUDA events, then profiles three isolated calls (a device sync
 and a barrier before each, as ``bench_prefill.py`` times them) and prints, per rank, every GPU
@@ -10,7 +10,10 @@ activity (µs), duration (µs), CUDA stream and a short name. This shows whether
 kernel or copy-engine memcpy) runs beside the attention kernels or waits for them. The header says
 how long the host took to issue the call and how late after the call began on the host its first
 GPU activity started (host-side latency that an isolated call pays in full). ``--out`` also keeps
-the chrome trace of each rank.
+the chrome trace of each rank. ``--loop K`` profiles K back-to-back calls instead (one sync and
+barrier before the first) and prints the GPU activities of calls 1..K-1 on one time axis, the offset
+from call 1's first activity, so a call waiting for the previous one (or for the other rank) shows
+as a gap.
 """
 
 from __future__ import annotations
@@ -45,11 +48,12 @@ def short(name: str) -> str:
     return name[:70]
 
 
-def call_timeline(trace: dict, call: str) -> tuple[float, float, list[tuple[float, float, int, str]]]:
+def call_timeline(trace: dict, call: str, origin: float | None = None
+                  ) -> tuple[float, float, float, list[tuple[float, float, int, str]]]:
     """The CPU range ``call`` (a ``record_function``): its duration (µs), the offset of its first GPU
-    activity from its start (µs), and (start µs, duration µs, stream, name) of the GPU activities
-    launched inside it, matched to their launches by correlation id; start is the offset from the
-    first of them."""
+    activity from its start (µs), that activity's trace timestamp (µs), and (start µs, duration µs,
+    stream, name) of the GPU activities launched inside it, matched to their launches by correlation
+    id; start is the offset from ``origin`` (a trace timestamp; default the first of them)."""
     events = trace["traceEvents"]
     spans = [e for e in events if e.get("cat") == "user_annotation" and e.get("name") == call]
     if not spans:
@@ -61,8 +65,9 @@ def call_timeline(trace: dict, call: str) -> tuple[float, float, list[tuple[floa
     acts = sorted((e for e in events if e.get("cat") in GPU_CATEGORIES
                    and e.get("args", {}).get("correlation") in launched), key=lambda e: e["ts"])
     start = acts[0]["ts"] if acts else t0
-    rows = [(e["ts"] - start, e["dur"], e.get("args", {}).get("stream", -1), e["name"]) for e in acts]
-    return t1 - t0, start - t0, rows
+    base = start if origin is None else origin
+    rows = [(e["ts"] - base, e["dur"], e.get("args", {}).get("stream", -1), e["name"]) for e in acts]
+    return t1 - t0, start - t0, start, rows
 
 
 def main() -> None:
@@ -71,8 +76,11 @@ def main() -> None:
     p.add_argument("--strategy", default="pass_kv", choices=("pass_kv", "pass_q", "single"),
                    help="single: every rank runs single-GPU cuDNN attention over the whole sequence")
     p.add_argument("--transport", default=None, help="ring transport (auto | nccl | copy_engine)")
+    p.add_argument("--loop", type=int, default=0, help="profile this many back-to-back calls (>= 2)")
     p.add_argument("--out", default=None, help="also write each rank's chrome trace to <out>_rank<r>.json")
     args = p.parse_args()
+    if args.loop == 1 or args.loop < 0:
+        p.error("--loop needs at least 2 calls (call 0 starts the loop, the others are printed)")
     state = megacp.initialize()
     dev, r = state.device, state.rank_in("cp")
     ring = Ring(state.group("cp"), transport=args.transport)
@@ -104,24 +112,34 @@ def main() -> None:
     wall_us = start.elapsed_time(end) * 1000 / 5
     dist.barrier()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for i in range(3):
-            torch.cuda.synchronize()
-            dist.barrier()
+        for i in range(args.loop or 3):
+            if not args.loop:
+                torch.cuda.synchronize()
+                dist.barrier()
             with record_function(f"call{i}"):
                 call()
         torch.cuda.synchronize()
     path = f"{args.out}_rank{state.rank}.json" if args.out else tempfile.mktemp(suffix=".json")
     prof.export_chrome_trace(path)
     with open(path) as f:
-        host_us, first_us, rows = call_timeline(json.load(f), "call1")
+        trace = json.load(f)
     if not args.out:
         os.unlink(path)
-    lines = [f"rank {state.rank} S={bc.size_label(seqlen)} {args.strategy} transport={ring.transport}: "
-             f"{wall_us:.0f} us per call back to back; one isolated call (profiled): host issued it in "
-             f"{host_us:.0f} us, its first GPU activity began {first_us:.0f} us after the call began; "
-             f"GPU activities:",
-             f"  {'start us':>10} {'dur us':>9} {'stream':>6}  name"]
-    lines += [f"  {t:10.1f} {d:9.1f} {s:>6}  {short(nm)}" for t, d, s, nm in rows]
+    host_us, first_us, origin, rows = call_timeline(trace, "call1")
+    head = (f"rank {state.rank} S={bc.size_label(seqlen)} {args.strategy} transport={ring.transport}: "
+            f"{wall_us:.0f} us per call back to back; ")
+    if args.loop:
+        lines = [head + f"{args.loop} back-to-back calls (profiled), GPU activities of calls 1..{args.loop - 1} "
+                 "from call 1's first one:"]
+        for i in range(1, args.loop):
+            _, _, _, rows = call_timeline(trace, f"call{i}", origin)
+            lines.append(f"  call {i}:  {'start us':>10} {'dur us':>9} {'stream':>6}  name")
+            lines += [f"  {'':8}{t:10.1f} {d:9.1f} {s:>6}  {short(nm)}" for t, d, s, nm in rows]
+    else:
+        lines = [head + f"one isolated call (profiled): host issued it in {host_us:.0f} us, its first GPU "
+                 f"activity began {first_us:.0f} us after the call began; GPU activities:",
+                 f"  {'start us':>10} {'dur us':>9} {'stream':>6}  name"]
+        lines += [f"  {t:10.1f} {d:9.1f} {s:>6}  {short(nm)}" for t, d, s, nm in rows]
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, lines)
     if state.rank == 0:

@@ -10,7 +10,7 @@
 #       quick   — small sizes everywhere (a wiring test, ~1-2 min with TE's build, less without)
 #       nocheck — the benchmarks without their --check comparisons
 # Environment: NPROC (GPUs, default 2), OUT (default ./out/gpu), VERIFY_ARGS / PREFILL_ARGS /
-#   DECODE_ARGS / BREAKDOWN_ARGS (extra arguments appended to that script), T_VERIFY / T_PREFILL /
+#   DECODE_ARGS / BREAKDOWN_ARGS / PROFILE_ARGS (extra arguments appended to that script), T_VERIFY / T_PREFILL /
 #   T_DECODE / T_BREAKDOWN / T_PROFILE (time limits in s, default 300 / 420 / 240 / 150 / 60 per
 #   transport), BREAKDOWN_SEQLENS (16K,64K), PROFILE_SEQLEN (64K), PROFILE_TRANSPORTS ("nccl copy_engine"),
 #   DEVICE=cpu (gloo smoke test of this script, small sizes).
@@ -107,7 +107,8 @@ for p in "${parts[@]}"; do
              run_part breakdown "${T_BREAKDOWN:-150}" scripts/prefill_breakdown.py --seqlens "${BREAKDOWN_SEQLENS:-16K,64K}" ${BREAKDOWN_ARGS:-} ;;
     profile) [ "$DEVICE" = cpu ] && { echo "profile: GPU only, skipped"; continue; }
              for tr in ${PROFILE_TRANSPORTS:-nccl copy_engine}; do
-               run_part "profile_$tr" "${T_PROFILE:-60}" scripts/profile_prefill.py --seqlen "${PROFILE_SEQLEN:-64K}" --transport "$tr"
+               # shellcheck disable=SC2086
+               run_part "profile_$tr" "${T_PROFILE:-60}" scripts/profile_prefill.py --seqlen "${PROFILE_SEQLEN:-64K}" --transport "$tr" ${PROFILE_ARGS:-}
              done ;;
     # shellcheck disable=SC2086
     decode)  run_part decode "${T_DECODE:-240}" scripts/bench_decode.py ${devargs[@]+"${devargs[@]}"} ${sizes_decode[@]+"${sizes_decode[@]}"} ${checkarg[@]+"${checkarg[@]}"} --json "$OUT/decode.json" ${DECODE_ARGS:-} ;;

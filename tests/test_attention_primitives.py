@@ -18,6 +18,7 @@ from megacp.attention import (
     partial_attention,
     shard_ranges,
 )
+from megacp.attention.merge import pack_states, unpack_states
 from megacp.attention.strategy import Hardware
 from megacp.attention.tiles import Tile, plan_tiles
 from tests.reference import naive_attention, rel_err
@@ -64,6 +65,19 @@ def test_merge_is_exact_and_handles_empty_partials() -> None:
     assert not torch.isnan(both_empty).any() and torch.all(both_empty == 0) and torch.all(torch.isneginf(lse_e))
     stack_empty, _ = merge_stack(torch.stack([empty[0]] * 3), torch.stack([empty[1]] * 3))
     assert not torch.isnan(stack_empty).any()
+
+
+def test_pack_states_round_trips_into_a_row_range_of_a_send_buffer() -> None:
+    g = torch.Generator().manual_seed(1)
+    out, lse = torch.randn(5, 4, 8, generator=g, dtype=torch.bfloat16), torch.randn(5, 4, generator=g)
+    send = torch.zeros(3, 7, 4 * 8 * 2 + 4 * 4, dtype=torch.uint8)
+    packed = pack_states(out, lse, into=send[1, :5])
+    assert packed.data_ptr() == send[1].data_ptr()
+    got_out, got_lse = unpack_states(send[1, :5], 4, 8, torch.bfloat16)
+    assert torch.equal(got_out, out) and torch.equal(got_lse, lse)
+    assert torch.count_nonzero(send[0]) == 0 and torch.count_nonzero(send[1, 5:]) == 0
+    with pytest.raises(ValueError, match="destination must be uint8"):
+        pack_states(out, lse, into=send[1, :4])
 
 
 def test_bookkeeping_worked_example() -> None:

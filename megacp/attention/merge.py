@@ -92,17 +92,22 @@ def merge_stack(outs: Tensor, lses: Tensor, *, fused: bool | None = None) -> tup
     return out.to(outs.dtype), lse
 
 
-def pack_states(out: Tensor, lse: Tensor) -> Tensor:
+def pack_states(out: Tensor, lse: Tensor, into: Tensor | None = None) -> Tensor:
     """Pack attention states into one byte tensor so that one collective carries both.
 
     Args:
         out: ``[..., H, D]`` (any dtype); lse: ``[..., H]`` fp32.
+        into: optional destination, uint8 ``[..., H*D*itemsize + H*4]`` (e.g. a row range of a
+            collective's send buffer); default a new tensor.
     Returns:
-        uint8 ``[..., H*D*itemsize + H*4]`` (two copies, no concatenation temporaries).
+        uint8 ``[..., H*D*itemsize + H*4]`` (``into`` when given; two copies, no concatenation temporaries).
     """
     lead, h, d = out.shape[:-2], out.shape[-2], out.shape[-1]
     nb = h * d * out.element_size()
-    buf = torch.empty((*lead, nb + h * 4), dtype=torch.uint8, device=out.device)
+    buf = torch.empty((*lead, nb + h * 4), dtype=torch.uint8, device=out.device) if into is None else into
+    if buf.dtype != torch.uint8 or tuple(buf.shape) != (*lead, nb + h * 4):
+        raise ValueError(f"pack_states: destination must be uint8 {(*lead, nb + h * 4)}, got {buf.dtype} "
+                         f"{tuple(buf.shape)}")
     buf[..., :nb].view(out.dtype).view(*lead, h, d).copy_(out)
     buf[..., nb:].view(torch.float32).copy_(lse)
     return buf

@@ -31,6 +31,12 @@ def ring_pass_q(
 ) -> tuple[Tensor, Tensor]:
     """Exact attention of this rank's queries over every rank's KV block, moving queries.
 
+    On CUDA, the partial over the own KV block (step 0) is queued before the rotation starts, which
+    waits on an event recorded before it (as in :func:`~megacp.attention.pass_kv.ring_pass_kv`: an
+    isolated call waits for its first kernel's host-side launch). Every partial is packed straight
+    into its row range of the All2All's send buffer. Over the copy engine a push carries only the
+    origin's own query rows (no padding).
+
     Args:
         q: ``[n_local, Hq, D]`` local queries in ``plan.q_layout(rank)`` order.
         kv_block: this rank's keys/values in ``plan.kv_layout(rank)`` order, stacked ``[2, L, Hkv, D]``
@@ -43,15 +49,31 @@ def ring_pass_q(
     if n == 1:
         return run_tiles(q, kv_block[0], kv_block[1], plan.tiles(r, r), None, scale=scale, backend=backend)
     hq, d = q.shape[1], q.shape[2]
-    padded = q.new_zeros((plan.max_local, hq, d))
-    padded[: q.shape[0]] = q
-    partials: list[Tensor | None] = [None] * n  # packed (out, lse) of each origin's queries
-    for step, q_block in ring.rotate(padded):  # queries of rank r - step in hand
-        origin = (r - step) % n
-        rows = plan.num_local(origin)
-        out, lse = run_tiles(q_block[:rows], kv_block[0], kv_block[1], plan.tiles(origin, r), None,
+    # [N origins of the queries, max_local rows, packed (out, lse) bytes]; rows past an origin's
+    # count are never read
+    send = torch.empty((n, plan.max_local, hq * d * q.element_size() + hq * 4), dtype=torch.uint8, device=q.device)
+
+    def partial(origin: int, q_rows: Tensor) -> None:
+        out, lse = run_tiles(q_rows, kv_block[0], kv_block[1], plan.tiles(origin, r), None,
                              scale=scale, backend=backend)
-        partials[origin] = torch.nn.functional.pad(pack_states(out, lse), (0, 0, 0, plan.max_local - rows))
-    received = ring.all_to_all(torch.stack(partials))  # [N origins-of-KV, max_local, bytes]
+        pack_states(out, lse, into=send[origin, : q_rows.shape[0]])
+
+    padded = q
+    if q.shape[0] != plan.max_local or not q.is_contiguous():  # every hop carries one size
+        padded = q.new_zeros((plan.max_local, hq, d))
+        padded[: q.shape[0]] = q
+    ready = None
+    if q.is_cuda:  # step 0 first; the transfers wait on ``ready``, not on it
+        ready = torch.cuda.Event()
+        ready.record()
+        partial(r, q)
+    for step, q_block in ring.rotate(padded, ready=ready, rows=[q.shape[0]] * n):  # queries of rank r - step
+        if step == 0:
+            if ready is None:  # gloo: the transfers were posted first, step 0 overlaps them
+                partial(r, q)
+            continue
+        origin = (r - step) % n
+        partial(origin, q_block[: plan.num_local(origin)])
+    received = ring.all_to_all(send)  # [N holders of KV, max_local, bytes]: partials of my queries
     outs, lses = unpack_states(received[:, : q.shape[0]], hq, d, q.dtype)
     return merge_stack(outs, lses)
