@@ -15,8 +15,7 @@ three kinds round-robin, so drift of clock or temperature during the run hits th
   costs the kernels at the power cap;
 * ``pass_kv[T]``   — ``cp_prefill`` with ring transport T (the real thing); for the copy engine
   also with the received blocks forced onto one stream / a second stream
-  (``megacp.attention.pass_kv.SECOND_STREAM_MAX_ROWS``), and with step 0 deferred until the
-  received block is in hand (``TRANSFER_FIRST_MIN_ROWS``: the transfer alone, then the kernels);
+  (``megacp.attention.pass_kv.SECOND_STREAM_MAX_ROWS``);
 * each kernel alone (step-0 and step-1 tiles, the merge).
 
 Efficiencies are T1 / (2 · t) against single-GPU cuDNN over the whole sequence (rank 0). Where
@@ -183,14 +182,6 @@ def main() -> None:
                     finally:
                         pass_kv.SECOND_STREAM_MAX_ROWS = default
                 variants[f"pass_kv[copy_engine,{label}]"] = forced
-
-            def transfer_first():
-                default, pass_kv.TRANSFER_FIRST_MIN_ROWS = pass_kv.TRANSFER_FIRST_MIN_ROWS, 0
-                try:
-                    cp_prefill(ql, block, plan, rings["copy_engine"], strategy="pass_kv")
-                finally:
-                    pass_kv.TRANSFER_FIRST_MIN_ROWS = default
-            variants["pass_kv[copy_engine,transfer first]"] = transfer_first
         res, samples = timed_interleaved(variants)
         for i, tiles in enumerate((tiles0, tiles1)):
             for t in tiles:

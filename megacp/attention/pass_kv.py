@@ -43,13 +43,6 @@ GPUs run at their power cap, the filled tail only lowers the clock, and at 128K-
 kernels were 1-4% slower."""
 
 
-TRANSFER_FIRST_MIN_ROWS = 1 << 62
-"""Pass-KV on CUDA, with one compute stream, defers step 0 until the first received block is in
-hand when a rank holds at least this many query rows: the transfers then run alone before the
-kernels instead of beside step 0's kernel (what a copy beside the attention kernel costs is measured
-by ``scripts/prefill_breakdown.py``). Disabled by default (under evaluation)."""
-
-
 @functools.cache
 def _later_steps_stream(device: torch.device) -> torch.cuda.Stream:
     """The second compute stream of ``device`` (steps >= 1 of the ring)."""
@@ -94,15 +87,13 @@ def ring_pass_kv(
     if ring is None:
         return run_tiles(q, kv_block[0], kv_block[1], own, None, scale=scale, backend=backend)
     state = ready = None
-    aux = _later_steps_stream(q.device) if q.is_cuda and q.shape[0] <= SECOND_STREAM_MAX_ROWS else None
-    transfer_first = q.is_cuda and aux is None and q.shape[0] >= TRANSFER_FIRST_MIN_ROWS
-    if q.is_cuda:
+    if q.is_cuda:  # step 0 first: an isolated call waits for its first kernel's (slow) host-side launch
         ready = torch.cuda.Event()
         ready.record()  # the inputs are complete: the transfers and the second stream wait on this
-        if not transfer_first:  # step 0 first: an isolated call waits for its first kernel's host-side launch
-            state = run_tiles(q, kv_block[0], kv_block[1], own, None, scale=scale, backend=backend)
+        state = run_tiles(q, kv_block[0], kv_block[1], own, None, scale=scale, backend=backend)
     later = [t for s in range(1, n) for t in plan.tiles(r, (r - s) % n)]
     lo, hi = min((t.q0 for t in later), default=0), max((t.q1 for t in later), default=0)
+    aux = _later_steps_stream(q.device) if q.is_cuda and q.shape[0] <= SECOND_STREAM_MAX_ROWS else None
     if aux is not None:
         main = torch.cuda.current_stream(q.device)
         aux.wait_event(ready)  # aux needs q, not step 0's results
@@ -111,11 +102,9 @@ def ring_pass_kv(
     # at step s the block of rank r - s is in hand
     for step, block in ring.rotate((kv_block[0], kv_block[1]), stream=aux, ready=ready, rows=need):
         if step == 0:
-            if state is None and not transfer_first:  # gloo: the transfers were posted first, step 0 overlaps them
+            if state is None:  # gloo: the transfers were posted first, step 0 overlaps them
                 state = run_tiles(q, block[0], block[1], own, None, scale=scale, backend=backend)
             continue
-        if state is None:  # transfer first: the current stream now waits for step 1's block
-            state = run_tiles(q, kv_block[0], kv_block[1], own, None, scale=scale, backend=backend)
         tiles = plan.tiles(r, (r - step) % n)
         with torch.cuda.stream(aux) if aux is not None else contextlib.nullcontext():
             tiles = [dataclasses.replace(t, q0=t.q0 - lo, q1=t.q1 - lo) for t in tiles]
