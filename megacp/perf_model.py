@@ -66,8 +66,9 @@ def _merge_stack_bytes(n: int, e: int) -> int:
 KV_COPY_PASSES = 2
 """Per layer of a full prefill, the KV cache write reads and writes the local K and V once (2 passes);
 ``build_kv_block`` hands them to the ring as they are (a prompt split evenly over the ranks has no
-padding). Before the fourth session it also zero-filled and copied them (5 passes in all; the
-recorded TTFT runs of docs/results/ttft_*.json were made then)."""
+padding). Before the fourth session it also zero-filled and copied them (5 passes in all; the first
+sessions' TTFT runs, docs/results/ttft_h200x2.json, were made then; ttft_h200x2_s5.json is the
+fifth session's)."""
 
 DECODE_MERGE_KERNELS = 1
 """Small kernels after the decode all-gather: unpack views are free; ``merge_stack`` is one fused
@@ -594,11 +595,11 @@ def _label(tokens: int) -> str:
 
 def validate(m: Machine, results_dir: str | Path) -> list[Check]:
     """The model against the recorded 2-GPU runs in ``results_dir`` (``prefill_h200x2_s3_run3.json``,
-    ``decode_h200x2.json``, ``ttft_h200x2.json``)."""
+    ``decode_h200x2.json``, ``ttft_h200x2_s5.json``)."""
     root = Path(results_dir)
     pre = json.loads((root / "prefill_h200x2_s3_run3.json").read_text())
     dec = json.loads((root / "decode_h200x2.json").read_text())
-    gen = json.loads((root / "ttft_h200x2.json").read_text())
+    gen = json.loads((root / "ttft_h200x2_s5.json").read_text())
     meta = pre["meta"]
     shape = AttnShape(meta["heads"], meta["kv_heads"], meta["head_dim"], 2)
     n = meta["cp_size"]

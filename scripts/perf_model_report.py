@@ -161,7 +161,7 @@ def plot(path: Path, results: Path) -> None:
         return
     pre = json.loads((results / "prefill_h200x2_s3_run3.json").read_text())
     measured = {r["seqlen"]: r["efficiency"] for r in pre["results"] if r["method"] == "megacp_pass_kv"}
-    gen = json.loads((results / "ttft_h200x2.json").read_text())
+    gen = json.loads((results / "ttft_h200x2_s5.json").read_text())
     cps = CP_SIZES[1:]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5))
     colors = dict(zip(LENGTHS, ("tab:blue", "tab:orange", "tab:green")))
