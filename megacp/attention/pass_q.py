@@ -53,7 +53,8 @@ def ring_pass_q(
     # count are never read
     send = torch.empty((n, plan.max_local, hq * d * q.element_size() + hq * 4), dtype=torch.uint8, device=q.device)
 
-    def partial(origin: int, q_rows: Tensor) -> None:
+    def attend(origin: int, q_rows: Tensor) -> None:
+        """Partial attention of ``origin``'s query rows over this rank's KV block, packed into ``send[origin]``."""
         out, lse = run_tiles(q_rows, kv_block[0], kv_block[1], plan.tiles(origin, r), None,
                              scale=scale, backend=backend)
         pack_states(out, lse, into=send[origin, : q_rows.shape[0]])
@@ -66,14 +67,14 @@ def ring_pass_q(
     if q.is_cuda:  # step 0 first; the transfers wait on ``ready``, not on it
         ready = torch.cuda.Event()
         ready.record()
-        partial(r, q)
+        attend(r, q)
     for step, q_block in ring.rotate(padded, ready=ready, rows=[q.shape[0]] * n):  # queries of rank r - step
         if step == 0:
             if ready is None:  # gloo: the transfers were posted first, step 0 overlaps them
-                partial(r, q)
+                attend(r, q)
             continue
         origin = (r - step) % n
-        partial(origin, q_block[: plan.num_local(origin)])
+        attend(origin, q_block[: plan.num_local(origin)])
     received = ring.all_to_all(send)  # [N holders of KV, max_local, bytes]: partials of my queries
     outs, lses = unpack_states(received[:, : q.shape[0]], hq, d, q.dtype)
     return merge_stack(outs, lses)
