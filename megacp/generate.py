@@ -30,7 +30,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from megacp.attention.strategy import STRATEGIES
+from megacp.checkpoint.store import DTYPES
+
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -94,6 +96,8 @@ class Generator:
     def __init__(self, model: torch.nn.Module, *, num_layers: int, num_kv_heads: int, head_dim: int,
                  ring: Any, device: torch.device, dtype: torch.dtype, strategy: str = "auto",
                  prefill_chunk: int = 0, backend: str | None = None, load_balance: bool = True) -> None:
+        if prefill_chunk < 0:
+            raise ValueError(f"prefill_chunk must be >= 0 (0 = whole prompt), got {prefill_chunk}")
         self.model, self.ring, self.device, self.dtype = model, ring, device, dtype
         self.shape = dict(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim)
         self.strategy, self.prefill_chunk, self.backend, self.load_balance = strategy, prefill_chunk, backend, load_balance
@@ -128,6 +132,7 @@ class Generator:
         """
         from tqdm import tqdm
 
+        from megacp.attention.prefill import strategy_name
         from megacp.kv_cache import ShardedKVCache
         from megacp.layers.step import CPStep
 
@@ -159,7 +164,7 @@ class Generator:
             if step.replicated:  # every request added one token: all-gather decode, not a ring
                 strategies.append("allgather_decode")
             else:
-                strategies.append(step.choice if isinstance(step.choice, str) else step.choice.strategy)
+                strategies.append(strategy_name(step.choice))
             for row, (i, k) in enumerate(zip(todo, new)):
                 done_tokens[i] += k
                 last_logits[i] = logits[row]
@@ -223,7 +228,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-stop", action="store_true", help="ignore the model's stop tokens")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: bfloat16 on GPU, float32 on CPU")
-    p.add_argument("--strategy", choices=("auto", "pass_kv", "pass_q"), default=None,
+    p.add_argument("--strategy", choices=STRATEGIES, default=None,
                    help="prefill strategy (default: the config's context_parallel.prefill, else auto)")
     p.add_argument("--prefill-chunk", type=int, default=0, help="chunked prefill: tokens per chunk (0 = whole prompt)")
     p.add_argument("--calibrate", action="store_true",
@@ -233,16 +238,23 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     from megacp.config import add_launcher_args
 
     add_launcher_args(p)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.prefill_chunk < 0:
+        p.error(f"--prefill-chunk must be >= 0 (0 = whole prompt), got {args.prefill_chunk}")
+    return args
 
 
 def _load_prompts(args: argparse.Namespace, tokenizer: Any) -> tuple[list[list[int]], bool]:
     if args.prompt_ids:
-        data = json.loads(Path(args.prompt_ids).read_text())
-        nested = bool(data) and isinstance(data[0], list)
+        try:
+            data = json.loads(Path(args.prompt_ids).read_text())
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"--prompt-ids {args.prompt_ids}: {e}") from None
+        nested = isinstance(data, list) and bool(data) and isinstance(data[0], list)
         prompts = data if nested else [data]
-        if not all(isinstance(t, int) for p in prompts for t in p):
-            raise SystemExit(f"{args.prompt_ids}: expected a JSON list of token ids or a list of such lists")
+        if not all(isinstance(p, list) and p and all(type(t) is int and t >= 0 for t in p) for p in prompts):
+            raise SystemExit(f"--prompt-ids {args.prompt_ids}: expected a non-empty JSON list of token ids "
+                             "(integers >= 0) or a list of such lists")
         return prompts, nested
     if tokenizer is None:
         raise SystemExit("--prompt needs a model with a tokenizer; use --prompt-ids otherwise")
@@ -274,8 +286,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     state = megacp.initialize(args.deepspeed_config)
     device = state.device
     dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    cfg_cp = state.config.context_parallel if state.config is not None else None
-    strategy = args.strategy or (cfg_cp.prefill if cfg_cp else "auto")
+    cfg_cp = state.config.context_parallel
+    strategy = args.strategy or cfg_cp.prefill
     rank0 = state.rank == 0
     tp_group = state.group("tp") if state.size("tp") > 1 else None
 
@@ -295,7 +307,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     gen = Generator(model, num_layers=mcfg.num_layers, num_kv_heads=mcfg.num_kv_heads // state.size("tp"),
                     head_dim=mcfg.head_dim, ring=ring, device=device, dtype=dtype, strategy=strategy,
                     prefill_chunk=args.prefill_chunk,
-                    load_balance=cfg_cp.load_balance if cfg_cp else True)
+                    load_balance=cfg_cp.load_balance)
     try:
         params = SamplingParams(args.max_new_tokens, args.temperature, args.top_p, args.seed,
                                 () if args.no_stop else mcfg.eos_token_ids)

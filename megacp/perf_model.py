@@ -296,7 +296,7 @@ H200_BOUND_EFFICIENCY = {16384: 0.93, 65536: 1.00, 131072: 1.09, 262144: 1.12}
 S/4 × S/2 block, cuDNN, timed alone on one H200."""
 
 NVLINK_H200 = Link(latency_s=45e-6, bandwidth=312e9, hop_s=3e-6)
-"""NV18 NVLink send/recv (GPU_NOTES): 45 µs + B/370 GB/s fits 1 MiB (22 GB/s) … 256 MiB (351 GB/s)
+"""NV18 NVLink send/recv (../shared/GPU_NOTES.md): 45 µs + B/370 GB/s fits 1 MiB (22 GB/s) … 256 MiB (351 GB/s)
 one way; both directions at once 297 GB/s at 256 MiB ⇒ 312 GB/s for a ring step. Small-message
 hop 3 µs (assumed; the CP2 all-gather of 8 KB is 17.8 µs in a CUDA graph)."""
 
@@ -310,7 +310,7 @@ IB_800G = Link(latency_s=20e-6, bandwidth=100e9, hop_s=10e-6)
 H200 = Machine(
     name="H200 nodes (8 GPUs, NVLink), 400 Gb/s per GPU between nodes",
     kernels=fit_kernel_rates(H200_ATTN, H200_CAUSAL_S, H200_BOUND_EFFICIENCY),
-    hbm_bandwidth=4.4e12,  # fitted to single-GPU decode 128K/1M, B = 1/8 (GPU_NOTES: 4.3-4.7 TB/s)
+    hbm_bandwidth=4.4e12,  # fitted to single-GPU decode 128K/1M, B = 1/8 (../shared/GPU_NOTES.md: 4.3-4.7 TB/s)
     copy_bandwidth=3.5e12,  # build_kv_block at 256K: 1.61 GB zero-fill + copies in 0.458 ms
     intra=NVLINK_H200,
     inter=IB_400G,
@@ -321,7 +321,7 @@ H200 = Machine(
     host_step_s=40e-6,  # assumed: ~5 launches and one batch_isend_irecv per ring step
     decode_floor_s=55e-6,  # fitted to single-GPU and CP2 decode (launch, barrier sync, kernel tail)
     small_kernel_s=3e-6,  # assumed: one tiny kernel inside a CUDA graph
-    allgather_base_s=14.8e-6,  # GPU_NOTES: 17.8 µs for the CP2 all-gather in a graph, minus one hop
+    allgather_base_s=14.8e-6,  # ../shared/GPU_NOTES.md: 17.8 µs for the CP2 all-gather in a graph, minus one hop
 )
 """The measured 2× H200 machine, extended to nodes of 8 with the assumed inter-node links."""
 

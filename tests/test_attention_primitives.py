@@ -175,3 +175,61 @@ def test_calibration_measures_and_caches(tmp_path) -> None:
     assert hw0 == hw1 and hw0.source == "measured"  # the slowest rank's numbers, agreed by all
     assert 1e6 < hw0.flops < 1e14 and 1e5 < hw0.bandwidth < 1e13
     assert cached0 == hw0 and (tmp_path / "calibration.json").is_file()
+    import json
+
+    assert json.loads((tmp_path / "calibration.json").read_text())["cpu|cp2"] == {
+        "flops": hw0.flops, "bandwidth": hw0.bandwidth, "source": "measured"}
+
+
+def _lookup(rank: int, n: int, dirs: list[str]) -> tuple:
+    import os
+
+    import torch.distributed as dist
+
+    os.environ["MEGACP_CACHE_DIR"] = dirs[rank]
+    from megacp.attention.strategy import hardware_for
+
+    own = hardware_for(torch.device("cpu"), n)
+    agreed = hardware_for(torch.device("cpu"), n, dist.group.WORLD)
+    return own, agreed, hardware_for(torch.device("cpu"), n)
+
+
+def test_a_cp_group_agrees_on_one_calibration(tmp_path) -> None:
+    """Ranks whose hosts cache different numbers (or none) would choose differently and hang the ring."""
+    import json
+
+    from megacp.attention.strategy import DEFAULTS, Hardware
+    from tests.distributed import run_distributed
+
+    dirs = [tmp_path / "host0", tmp_path / "host1"]
+    for d in dirs:
+        d.mkdir()
+    (dirs[0] / "calibration.json").write_text(json.dumps({"cpu|cp2": {"flops": 1e9, "bandwidth": 5e8, "source": "measured"}}))
+    (own0, agreed0, later0), (own1, agreed1, later1) = run_distributed(_lookup, 2, [str(d) for d in dirs])
+    rank0 = Hardware(1e9, 5e8, "measured")
+    assert own0 == rank0 and own1 == DEFAULTS["cpu"]  # alone, each rank reads its own host
+    assert agreed0 == agreed1 == later0 == later1 == rank0  # the group takes rank 0's, and keeps it
+
+
+def test_lower_level_entry_points_reject_bad_input_clearly() -> None:
+    from megacp.attention.backward import ring_attention
+    from megacp.attention.decode import local_decode_states
+    from megacp.attention.merge import merge_into
+    from megacp.attention.pass_kv import ring_pass_kv
+    from megacp.attention.pass_q import ring_pass_q
+
+    plan = ShardPlan([0], [16], 2, 1)  # CP = 2: without a ring only the own block would be attended
+    q, k = torch.randn(8, 4, 8), torch.randn(8, 2, 8)
+    for fn in (ring_pass_kv, ring_pass_q):
+        with pytest.raises(ValueError, match="CP size 2 needs a ring"):
+            fn(q, (k, k), plan, None)
+    with pytest.raises(ValueError, match="CP size 2 needs a ring"):
+        ring_attention(q, k, k, plan, None)
+    out, lse = local_decode_states(torch.randn(0, 4, 8), [])  # no request
+    assert out.shape == (0, 4, 8) and lse.shape == (0, 4)
+    with pytest.raises(ValueError, match="fused merge forced but it does not apply"):
+        merge_into(torch.zeros(3, 4, 8), torch.zeros(3, 4), torch.zeros(3, 4, 8), torch.zeros(3, 4), fused=True)
+    with pytest.raises(ValueError, match="rank 2 outside a CP group of size 2"):
+        shard_ranges(0, 10, 2, 2)
+    with pytest.raises(ValueError, match="sum over the ranks"):
+        ShardPlan([5], [3], 2, 0, prefix_counts=[[2], [2]])

@@ -449,3 +449,22 @@ def test_gguf_megacp_model_matches_transformers(smollm: tuple[Path, torch.nn.Mod
         expected = reference(ids[None]).logits[0]
     for got in run_distributed(_megacp_logits, 3, str(out), ids):
         torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_load_model_takes_an_hf_dir_by_model_type_and_names_a_missing_path(hf_dirs: dict, tmp_path: Path) -> None:
+    from megacp.checkpoint import CheckpointError
+    from megacp.models.loading import load_model
+
+    source, reference = hf_dirs["llama3"]
+    plain = _copy_hf(source, tmp_path / "no_architectures")
+    config = json.loads((plain / "config.json").read_text())
+    del config["architectures"]
+    (plain / "config.json").write_text(json.dumps(config))
+    model, cfg, _ = load_model(plain, dtype=torch.float32, device="cpu")
+    ids = torch.randint(0, 256, (17,), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        got = model(ids, torch.arange(17))
+        expected = reference(ids[None]).logits[0]
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_model(tmp_path / "nowhere", dtype=torch.float32, device="cpu")

@@ -119,3 +119,22 @@ def test_bad_inputs_get_one_clear_error() -> None:
         CPDotProductAttention(4, 8, 2, attn_mask_type="sliding")
     with pytest.raises(TypeError, match="CPStep"):
         layer(torch.randn(3, 4, 8), torch.randn(3, 2, 8), torch.randn(3, 2, 8), inference_params=object())
+
+
+def test_layer_refuses_what_it_cannot_compute_and_takes_tes_argument_order() -> None:
+    from megacp.layers.cp_attention import CPDotProductAttention
+
+    g = torch.Generator().manual_seed(3)
+    q, k, v = torch.randn(10, 4, 8, generator=g), torch.randn(10, 2, 8, generator=g), torch.randn(10, 2, 8, generator=g)
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32)
+    layer = CPDotProductAttention(4, 8, 2, 0.1, "thd")  # TE's positional order: ..., attention_dropout, qkv_format
+    assert layer.qkv_format == "thd" and layer.attention_dropout == 0.1
+    with pytest.raises(ValueError, match="attention_dropout=0.1 and is in training mode"):
+        layer(q, k, v, cu_seqlens_q=cu)
+    layer.eval()
+    out = layer(q, k, v, cu_seqlens_q=cu).view(10, 4, 8)
+    assert rel_err(out, packed_causal(q, k, v, [4, 6])) < 1e-5
+    with pytest.raises(ValueError, match="needs a causal mask"):  # a non-causal mask at call time
+        layer(q, k, v, cu_seqlens_q=cu, attn_mask_type="no_mask")
+    with pytest.raises(ValueError, match="cu_seqlens must rise strictly from 0"):
+        layer(q, k, v, cu_seqlens_q=torch.tensor([0, 4, 2, 10], dtype=torch.int32))

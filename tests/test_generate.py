@@ -183,3 +183,17 @@ def test_sampling_is_seeded_and_top_p_keeps_the_nucleus() -> None:
     assert len(picks) > 1  # a high temperature does sample
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=1.5)
+
+
+@pytest.mark.parametrize("content", ["5", '{"a": 1}', "[[1, 2], 3]", "[]", "[[]]", "[1, -2]", "[1, true]", "[1,"])
+def test_bad_prompt_ids_get_one_clear_error(content: str, tmp_path: Path) -> None:
+    from megacp.generate import _load_prompts, parse_args
+
+    path = tmp_path / "ids.json"
+    path.write_text(content)
+    with pytest.raises(SystemExit, match="--prompt-ids"):
+        _load_prompts(parse_args(["--prompt-ids", str(path)]), None)
+    path.write_text("[[1, 2], [3]]")
+    assert _load_prompts(parse_args(["--prompt-ids", str(path)]), None) == ([[1, 2], [3]], True)
+    with pytest.raises(SystemExit):
+        parse_args(["--prefill-chunk", "-1"])

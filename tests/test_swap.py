@@ -66,3 +66,12 @@ def test_real_te_model_swapped_matches_single_gpu() -> None:
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                            str(root / "scripts" / "te_swap_check.py")], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0 and "FAIL" not in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def test_a_swap_that_fails_leaves_the_model_unchanged() -> None:
+    from megacp.layers.attention import DotProductAttention
+
+    model = torch.nn.Sequential(DotProductAttention(4, 8, 2), DotProductAttention(4, 8, 2, attn_mask_type="no_mask"))
+    with pytest.raises(ValueError, match="needs a causal mask"):
+        megacp.swap_attention(model)
+    assert [type(m) for m in model] == [DotProductAttention, DotProductAttention]

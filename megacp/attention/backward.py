@@ -23,7 +23,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from megacp.attention.pass_kv import KVBlock, ring_pass_kv
+from megacp.attention.merge import finite_or_zero
+from megacp.attention.partial import heads_first, hidden_by_causal_mask
+from megacp.attention.pass_kv import KVBlock, check_ring, ring_pass_kv
 from megacp.attention.prefill import build_kv_block
 from megacp.attention.sharding import ShardPlan
 from megacp.parallel.ring import Ring
@@ -46,24 +48,17 @@ def partial_attention_backward(
     dq = torch.zeros(lq, hq, d, dtype=torch.float32, device=q.device)
     dk = torch.zeros(hkv, lk, d, dtype=torch.float32, device=q.device)
     dv = torch.zeros(hkv, lk, d, dtype=torch.float32, device=q.device)
-    kf = k.float().permute(1, 0, 2).unsqueeze(1)  # [Hkv,1,Lk,D]
-    vf = v.float().permute(1, 0, 2).unsqueeze(1)
-
-    def heads_first(x: Tensor) -> Tensor:  # [bq, Hq, D] -> [Hkv, G, bq, D]
-        return x.float().reshape(x.shape[0], hkv, g, d).permute(1, 2, 0, 3)
-
+    kf, vf = heads_first(k, hkv), heads_first(v, hkv)  # [Hkv,1,Lk,D]
     for i0 in range(0, lq, block_q):
         i1 = min(i0 + block_q, lq)
         k_end = min(lk, i1 + offset) if causal else lk
         if k_end <= 0:
             continue
-        qb, ob, dob = heads_first(q[i0:i1]), heads_first(out[i0:i1]), heads_first(dout[i0:i1])
-        lb = lse[i0:i1].reshape(i1 - i0, hkv, g).permute(1, 2, 0)  # [Hkv,G,bq]
-        lb = torch.where(torch.isneginf(lb), torch.zeros_like(lb), lb)
+        qb, ob, dob = (heads_first(x[i0:i1], hkv) for x in (q, out, dout))  # [Hkv,G,bq,D]
+        lb = finite_or_zero(lse[i0:i1].reshape(i1 - i0, hkv, g).permute(1, 2, 0))  # [Hkv,G,bq]
         scores = (qb @ kf[:, :, :k_end].transpose(-1, -2)) * scale  # [Hkv,G,bq,k_end]
         if causal:
-            rows = torch.arange(i0, i1, device=q.device).unsqueeze(1) + offset
-            scores = scores.masked_fill(torch.arange(k_end, device=q.device).unsqueeze(0) > rows, float("-inf"))
+            scores = scores.masked_fill(hidden_by_causal_mask(i0, i1, 0, k_end, offset, q.device), float("-inf"))
         p = torch.exp(scores - lb.unsqueeze(-1))
         dv[:, :k_end] += (p.transpose(-1, -2) @ dob).sum(dim=1)
         ds = p * (dob @ vf[:, :, :k_end].transpose(-1, -2) - (dob * ob).sum(-1, keepdim=True))
@@ -134,6 +129,7 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, plan: ShardPlan, ring: Ring 
         order (``plan`` without cached tokens). Returns ``out`` ``[n_local, Hq, D]``; its backward
         returns exact gradients for q, k and v.
     """
+    check_ring(plan, ring)
     if plan.has_cached_kv:
         raise ValueError("ring_attention (training) takes plans without cached tokens")
     if q.shape[0] != plan.num_local() or k.shape[0] != q.shape[0] or v.shape != k.shape:

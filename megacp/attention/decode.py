@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from megacp.attention.merge import merge_stack, pack_states, unpack_states
-from megacp.attention.partial import partial_attention
+from megacp.attention.partial import empty_state, partial_attention
 from megacp.parallel.ring import Ring
 
 
@@ -42,6 +42,8 @@ def local_decode_states(
         return out[:, 0], lse[:, 0]
     if len(kv) != q.shape[0]:
         raise ValueError(f"{q.shape[0]} decode queries but KV for {len(kv)} requests")
+    if not kv:  # no request
+        return empty_state(*q.shape, dtype=q.dtype, device=q.device)
     outs, lses = zip(*(partial_attention(q[i : i + 1], k, v, scale=scale, backend=backend) for i, (k, v) in enumerate(kv)))
     return torch.cat(outs), torch.cat(lses)
 

@@ -19,12 +19,23 @@ from torch import Tensor
 
 from megacp.attention import merge_kernel
 
-NEG_INF = float("-inf")
-
-
-def _finite_or_zero(m: Tensor) -> Tensor:
-    """Replace -inf maxima by 0 so that ``x - m`` never evaluates ``-inf - (-inf)``."""
+def finite_or_zero(m: Tensor) -> Tensor:
+    """Replace -inf maxima (or LSEs of rows that see no key) by 0 so that ``x - m`` never evaluates
+    ``-inf - (-inf)``."""
     return torch.where(torch.isneginf(m), torch.zeros_like(m), m)
+
+
+def _use_fused(fused: bool | None, out: Tensor, dims: int) -> bool:
+    """Whether to run the Triton merge: where it applies when ``fused`` is ``None``; forced with
+    ``True``, in which case a tensor it does not apply to is an error that says why."""
+    applies = merge_kernel.available(out, dims)
+    if fused and not applies:
+        raise ValueError(
+            f"fused merge forced but it does not apply: it needs Triton ({'present' if merge_kernel.triton else 'missing'}), "
+            f"a CUDA tensor (or TRITON_INTERPRET=1) of {dims} dims with a power-of-two head dim >= 16 and unit "
+            f"last stride; got {out.dim()} dims {tuple(out.shape)} on {out.device}"
+        )
+    return applies if fused is None else bool(fused)
 
 
 def merge_states(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> tuple[Tensor, Tensor]:
@@ -37,7 +48,7 @@ def merge_states(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> 
     Returns:
         ``(out, lse)``: ``out`` fp32 ``[..., H, D]``, ``lse`` fp32 ``[..., H]``.
     """
-    m = _finite_or_zero(torch.maximum(lse_a, lse_b))
+    m = finite_or_zero(torch.maximum(lse_a, lse_b))
     wa = torch.exp(lse_a - m)
     wb = torch.exp(lse_b - m)
     total = wa + wb
@@ -63,7 +74,7 @@ def merge_into(acc_out: Tensor, acc_lse: Tensor, out: Tensor, lse: Tensor, *, fu
         fused: use the one-kernel Triton merge (:mod:`megacp.attention.merge_kernel`, weights in
             fp32); ``None`` = when it applies (CUDA tensors ``[L, H, D]``, Triton installed).
     """
-    if fused or (fused is None and merge_kernel.available(acc_out, 3)):
+    if _use_fused(fused, acc_out, 3):
         merge_kernel.merge_into_fused(acc_out, acc_lse, out, lse)
         return
     new = torch.logaddexp(acc_lse, lse)  # -inf only where both are -inf
@@ -84,7 +95,7 @@ def merge_stack(outs: Tensor, lses: Tensor, *, fused: bool | None = None) -> tup
     Returns:
         ``(out, lse)`` with the leading N removed; ``out`` in ``outs.dtype``.
     """
-    if fused or (fused is None and merge_kernel.available(outs, 4)):
+    if _use_fused(fused, outs, 4):
         return merge_kernel.merge_stack_fused(outs, lses)
     lse = torch.logsumexp(lses, dim=0)  # -inf where every partial is empty
     w = torch.exp(lses - lse).nan_to_num_(nan=0.0)  # (-inf) - (-inf) = nan -> weight 0

@@ -18,8 +18,9 @@ Backends (``backend=`` or env ``MEGACP_ATTN_BACKEND``; default ``"auto"``):
   ``block_q × block_k`` scores per head (never an ``Lq × Lk`` matrix).
 
 ``"auto"`` tries cuDNN then flash for fp16/bf16 CUDA tensors and falls back to the next backend
-for shapes a kernel refuses (the refusal is remembered per shape signature); fp32 and CPU tensors
-use the reference path. Every kernel's LSE is natural log, fp32 (checked on H200, see GPU_NOTES).
+for shapes a kernel refuses (the refusal is remembered per dtype, batch dimension, heads, head dim
+and mask, not per length; an out-of-memory error is raised, not taken for a refusal); fp32 and CPU
+tensors use the reference path. Every kernel's LSE is natural log, fp32 (checked on H200, see ../shared/GPU_NOTES.md).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from megacp.attention.merge import merge_states
+from megacp.attention.merge import finite_or_zero, merge_states
 
 BACKENDS = ("auto", "cudnn", "flash", "reference")
 _KERNEL_ORDER = ("cudnn", "flash")
@@ -81,11 +82,13 @@ def partial_attention(
         return _reference_batched(q, k, v, causal=causal, scale=scale)
     candidates = _KERNEL_ORDER if backend == "auto" else (backend,)
     for name in candidates:
-        key = (name, q.dtype, hq, k.shape[-2], d)
+        key = (name, q.dtype, q.dim(), hq, k.shape[-2], d, causal)  # not the lengths: they change every step
         if backend == "auto" and key in _refused:
             continue
         try:
             return _kernel_attention(_KERNELS[name], q, k, v, causal=causal, scale=scale)
+        except torch.OutOfMemoryError:  # not a refusal of the shape: no fallback would fit either
+            raise
         except RuntimeError:
             if backend != "auto":
                 raise
@@ -163,6 +166,20 @@ def _kernel_attention(kernel: Callable, q: Tensor, k: Tensor, v: Tensor, *, caus
 # --------------------------------------------------------------------------- reference
 
 
+def heads_first(x: Tensor, hkv: int) -> Tensor:
+    """``[L, H, D]`` → fp32 ``[Hkv, H/Hkv, L, D]``: the query heads of one KV head side by side
+    (GQA without repeating K/V: a K/V tensor, ``H = Hkv``, becomes ``[Hkv, 1, L, D]``)."""
+    l, h, d = x.shape
+    return x.float().reshape(l, hkv, h // hkv, d).permute(1, 2, 0, 3)
+
+
+def hidden_by_causal_mask(i0: int, i1: int, j0: int, j1: int, offset: int, device: torch.device) -> Tensor:
+    """Bool ``[i1-i0, j1-j0]``: True where query ``i`` may not see key ``j`` under the bottom-right
+    causal mask (``j > i + offset``, ``offset = Lk - Lq``)."""
+    rows = torch.arange(i0, i1, device=device).unsqueeze(1) + offset
+    return torch.arange(j0, j1, device=device).unsqueeze(0) > rows
+
+
 def _reference_batched(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
     if q.dim() == 3:
         return _reference(q, k, v, causal=causal, scale=scale)
@@ -184,11 +201,10 @@ def _reference(
     offset = lk - lq  # query i sees keys j <= i + offset
     out = torch.empty(lq, hq, d, dtype=q.dtype, device=q.device)
     lse = torch.empty(lq, hq, dtype=torch.float32, device=q.device)
-    kf = k.float().permute(1, 0, 2).unsqueeze(1)  # [Hkv, 1, Lk, D]
-    vf = v.float().permute(1, 0, 2).unsqueeze(1)
+    kf, vf = heads_first(k, hkv), heads_first(v, hkv)  # [Hkv, 1, Lk, D]
     for i0 in range(0, lq, block_q):
         i1 = min(i0 + block_q, lq)
-        qb = q[i0:i1].float().reshape(i1 - i0, hkv, g, d).permute(1, 2, 0, 3) * scale  # [Hkv,G,bq,D]
+        qb = heads_first(q[i0:i1], hkv) * scale  # [Hkv,G,bq,D]
         m = torch.full((hkv, g, i1 - i0), float("-inf"), device=q.device)
         s = torch.zeros(hkv, g, i1 - i0, device=q.device)
         acc = torch.zeros(hkv, g, i1 - i0, d, device=q.device)
@@ -197,11 +213,9 @@ def _reference(
             j1 = min(j0 + block_k, k_end)
             scores = qb @ kf[:, :, j0:j1].transpose(-1, -2)  # [Hkv,G,bq,bk]
             if causal:
-                rows = torch.arange(i0, i1, device=q.device).unsqueeze(1) + offset
-                cols = torch.arange(j0, j1, device=q.device).unsqueeze(0)
-                scores = scores.masked_fill(cols > rows, float("-inf"))
+                scores = scores.masked_fill(hidden_by_causal_mask(i0, i1, j0, j1, offset, q.device), float("-inf"))
             m_new = torch.maximum(m, scores.amax(dim=-1))
-            m_safe = torch.where(torch.isneginf(m_new), torch.zeros_like(m_new), m_new)
+            m_safe = finite_or_zero(m_new)
             p = torch.exp(scores - m_safe.unsqueeze(-1))
             corr = torch.exp(m - m_safe)
             s = s * corr + p.sum(dim=-1)
@@ -209,7 +223,7 @@ def _reference(
             m = m_new
         seen = s > 0
         ob = torch.where(seen.unsqueeze(-1), acc / torch.where(seen, s, 1.0).unsqueeze(-1), 0.0)
-        lb = torch.where(seen, torch.where(torch.isneginf(m), 0.0, m) + torch.log(s), float("-inf"))
+        lb = torch.where(seen, finite_or_zero(m) + torch.log(s), float("-inf"))
         out[i0:i1] = ob.permute(2, 0, 1, 3).reshape(i1 - i0, hq, d).to(q.dtype)
         lse[i0:i1] = lb.permute(2, 0, 1).reshape(i1 - i0, hq)
     return out, lse

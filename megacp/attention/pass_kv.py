@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 
 import torch
 from torch import Tensor
@@ -27,7 +26,7 @@ from torch import Tensor
 from megacp.attention.merge import merge_into
 from megacp.attention.sharding import ShardPlan
 from megacp.attention.tiles import run_tiles
-from megacp.parallel.ring import Ring
+from megacp.parallel.ring import Ring, side_stream
 
 
 KVBlock = Tensor | tuple[Tensor, Tensor]
@@ -43,10 +42,13 @@ GPUs run at their power cap, the filled tail only lowers the clock, and at 128K-
 kernels were 1-4% slower."""
 
 
-@functools.cache
-def _later_steps_stream(device: torch.device) -> torch.cuda.Stream:
-    """The second compute stream of ``device`` (steps >= 1 of the ring)."""
-    return torch.cuda.Stream(device=device)
+def check_ring(plan: ShardPlan, ring: Ring | None) -> None:
+    """Raise ``ValueError`` unless ``ring`` fits ``plan``: a ring of ``plan.cp_size`` ranks, or
+    ``None`` for CP = 1 (a missing ring would otherwise compute only the own block's share)."""
+    if plan.cp_size > 1 and ring is None:
+        raise ValueError(f"CP size {plan.cp_size} needs a ring (process group)")
+    if ring is not None and ring.size != plan.cp_size:
+        raise ValueError(f"plan is for CP size {plan.cp_size} but the group has {ring.size} ranks")
 
 
 def ring_pass_kv(
@@ -82,6 +84,7 @@ def ring_pass_kv(
     Returns:
         ``(out [n_local, Hq, D] q.dtype, lse [n_local, Hq] fp32)``.
     """
+    check_ring(plan, ring)
     r, n = plan.rank, plan.cp_size
     own = plan.tiles(r, r)
     if ring is None:
@@ -93,7 +96,7 @@ def ring_pass_kv(
         state = run_tiles(q, kv_block[0], kv_block[1], own, None, scale=scale, backend=backend)
     later = [t for s in range(1, n) for t in plan.tiles(r, (r - s) % n)]
     lo, hi = min((t.q0 for t in later), default=0), max((t.q1 for t in later), default=0)
-    aux = _later_steps_stream(q.device) if q.is_cuda and q.shape[0] <= SECOND_STREAM_MAX_ROWS else None
+    aux = side_stream(q.device, "pass_kv later steps") if q.is_cuda and q.shape[0] <= SECOND_STREAM_MAX_ROWS else None
     if aux is not None:
         main = torch.cuda.current_stream(q.device)
         aux.wait_event(ready)  # aux needs q, not step 0's results

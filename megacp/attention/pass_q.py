@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from megacp.attention.merge import merge_stack, pack_states, unpack_states
-from megacp.attention.pass_kv import KVBlock
+from megacp.attention.pass_kv import KVBlock, check_ring
 from megacp.attention.sharding import ShardPlan
 from megacp.attention.tiles import run_tiles
 from megacp.parallel.ring import Ring
@@ -45,6 +45,7 @@ def ring_pass_q(
     Returns:
         ``(out [n_local, Hq, D] q.dtype, lse [n_local, Hq] fp32)``.
     """
+    check_ring(plan, ring)
     n, r = plan.cp_size, plan.rank
     if n == 1:
         return run_tiles(q, kv_block[0], kv_block[1], plan.tiles(r, r), None, scale=scale, backend=backend)

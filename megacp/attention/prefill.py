@@ -11,11 +11,12 @@ import logging
 from typing import Callable, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
-from megacp.attention.pass_kv import KVBlock, ring_pass_kv
+from megacp.attention.pass_kv import KVBlock, check_ring, ring_pass_kv
 from megacp.attention.pass_q import ring_pass_q
-from megacp.attention.sharding import ShardPlan
+from megacp.attention.sharding import ShardPlan, seq_lengths
 from megacp.attention.strategy import STRATEGIES, Choice, choose_strategy, hardware_for
 from megacp.parallel.ring import Ring
 
@@ -65,18 +66,27 @@ def build_kv_block(
 
 
 def resolve_strategy(strategy: str, plan: ShardPlan, num_heads: int, num_kv_heads: int,
-                     elem_bytes: int, device: torch.device) -> Choice | str:
-    """``"pass_kv"``/``"pass_q"`` as given; ``"auto"`` applies the paper's rule to the batch totals."""
+                     elem_bytes: int, device: torch.device, group: dist.ProcessGroup | None = None
+                     ) -> Choice | str:
+    """``"pass_kv"``/``"pass_q"`` as given; ``"auto"`` applies the paper's rule to the batch totals
+    (a :class:`Choice` with every input, logged at debug level) with the numbers the CP ``group``
+    agreed on (:func:`~megacp.attention.strategy.hardware_for`: pass the group, and call this on
+    every rank of it)."""
     if strategy not in STRATEGIES:
         raise ValueError(f"prefill strategy {strategy!r} is not one of {', '.join(STRATEGIES)}")
     if strategy != "auto":
         return strategy
     choice = choose_strategy(
         sum(plan.new), sum(plan.cached), num_heads=num_heads, num_kv_heads=num_kv_heads,
-        cp_size=plan.cp_size, elem_bytes=elem_bytes, hw=hardware_for(device, plan.cp_size),
+        cp_size=plan.cp_size, elem_bytes=elem_bytes, hw=hardware_for(device, plan.cp_size, group),
     )
     log.debug("prefill strategy %s", choice)
     return choice
+
+
+def strategy_name(choice: Choice | str) -> str:
+    """The strategy a :func:`resolve_strategy` result names (``"pass_kv"`` or ``"pass_q"``)."""
+    return choice if isinstance(choice, str) else choice.strategy
 
 
 def cp_prefill(
@@ -98,10 +108,7 @@ def cp_prefill(
     Returns:
         ``[n_local, Hq, D]`` in ``q.dtype``.
     """
-    if plan.cp_size > 1 and ring is None:
-        raise ValueError(f"CP size {plan.cp_size} needs a ring (process group)")
-    if ring is not None and ring.size != plan.cp_size:
-        raise ValueError(f"plan is for CP size {plan.cp_size} but the group has {ring.size} ranks")
+    check_ring(plan, ring)
     if q.shape[0] != plan.num_local():
         raise ValueError(f"q has {q.shape[0]} tokens but the plan gives this rank {plan.num_local()}")
     fn = {"pass_kv": ring_pass_kv, "pass_q": ring_pass_q}.get(strategy)
@@ -136,25 +143,19 @@ def cp_attention(
     Returns:
         ``[T, Hq, D]``, the full output, on every rank.
     """
-    import torch.distributed as dist
-
     if q.dim() != 3 or k.shape != v.shape or k.dim() != 3 or k.shape[0] != q.shape[0]:
         raise ValueError(
             f"cp_attention expects q [T,Hq,D] and k, v [T,Hkv,D] with the same T; got {tuple(q.shape)}, "
             f"{tuple(k.shape)}, {tuple(v.shape)}"
         )
-    total = q.shape[0]
-    bounds = [0, total] if cu_seqlens is None else [int(x) for x in cu_seqlens]
-    if bounds[0] != 0 or bounds[-1] != total or any(b <= a for a, b in zip(bounds, bounds[1:])):
-        raise ValueError(f"cu_seqlens must rise strictly from 0 to T={total}, got {bounds}")
-    lens = [b - a for a, b in zip(bounds, bounds[1:])]
+    lens = [q.shape[0]] if cu_seqlens is None else seq_lengths(cu_seqlens, q.shape[0])
     ring = Ring(group) if dist.is_initialized() else None
     n, r = (ring.size, ring.rank) if ring else (1, 0)
     plan = ShardPlan([0] * len(lens), lens, n, r, load_balance=load_balance)
     idx = plan.local_index().to(q.device)
     ql, kl, vl = q[idx], k[idx], v[idx]
-    choice = resolve_strategy(strategy, plan, q.shape[1], k.shape[1], k.element_size(), q.device)
-    name = choice if isinstance(choice, str) else choice.strategy
+    name = strategy_name(resolve_strategy(strategy, plan, q.shape[1], k.shape[1], k.element_size(), q.device,
+                                          ring.group if ring else None))
     out_local = cp_prefill(ql, build_kv_block(plan, kl, vl), plan, ring, strategy=name, scale=scale, backend=backend)
     if ring is None or n == 1:
         return out_local

@@ -2,7 +2,7 @@
 per-rank buffer layouts, and the bookkeeping that derives a rank's positions from a request's
 history.
 
-Placement rules (DESIGN.md §1):
+Placement rules (the team design notes, ../shared/DESIGN.md §1):
 
 * A step that adds ``T > 1`` tokens (prefill, or a chunk of a chunked prefill) at positions
   ``P .. P+T-1`` splits them into ``2N`` chunks of ``c = ceil(T / 2N)`` positions; rank ``r`` holds
@@ -28,6 +28,18 @@ Range = tuple[int, int]
 _T = TypeVar("_T")
 
 
+def seq_lengths(cu_seqlens: Tensor | Sequence[int], total: int | None = None) -> list[int]:
+    """Sequence lengths from packed-batch boundaries ``cu_seqlens`` (``[B+1]``: 0, then strictly
+    rising; the last equals ``total`` tokens when given). Raises ``ValueError`` naming the bad input."""
+    bounds = [int(x) for x in cu_seqlens]
+    end = bounds[-1] if bounds else None
+    if len(bounds) < 2 or bounds[0] != 0 or any(b <= a for a, b in zip(bounds, bounds[1:])) or (
+            total is not None and end != total):
+        to = f" to T={total}" if total is not None else ""
+        raise ValueError(f"cu_seqlens must rise strictly from 0{to}, got {bounds}")
+    return [b - a for a, b in zip(bounds, bounds[1:])]
+
+
 def shard_ranges(start: int, num_new: int, cp_size: int, rank: int, *, load_balance: bool = True) -> list[Range]:
     """Position ranges ``[a, b)`` (ascending, non-empty) of a step's new tokens held by ``rank``.
 
@@ -36,6 +48,8 @@ def shard_ranges(start: int, num_new: int, cp_size: int, rank: int, *, load_bala
         num_new: new tokens in the step (T).
         cp_size: N; rank: this CP rank in ``[0, N)``.
     """
+    if not 0 <= rank < cp_size:
+        raise ValueError(f"rank {rank} outside a CP group of size {cp_size}")
     if num_new <= 0:
         return []
     if num_new == 1:
@@ -146,8 +160,12 @@ class ShardPlan:
         self.cp_size, self.rank, self.load_balance = cp_size, rank, load_balance
         if prefix_counts is None:
             prefix_counts = [[0] * len(new) for _ in range(cp_size)]
-        if len(prefix_counts) != cp_size or any(len(row) != len(new) for row in prefix_counts):
+        elif len(prefix_counts) != cp_size or any(len(row) != len(new) for row in prefix_counts):
             raise ValueError("prefix_counts must be [cp_size][num_requests]")
+        elif any(x < 0 for row in prefix_counts for x in row) or any(
+                sum(row[i] for row in prefix_counts) != p for i, p in enumerate(self.cached)):
+            raise ValueError(f"prefix_counts must be >= 0 and sum over the ranks to each request's cached "
+                             f"tokens {self.cached}; got {[list(row) for row in prefix_counts]}")
         self.prefix_counts = [[int(x) for x in row] for row in prefix_counts]
         self._cache: dict[tuple, object] = {}
         self.ranges = [

@@ -2,10 +2,13 @@
 
 Pass-KV is chosen when its KV transfer hides behind compute,
 ``T >= N·C·NKV·e / (2·NH·BW)``, or when the cache miss rate is high enough,
-``T/(T+P) >= 2·NKV/NH − 4·T·BW/(N·C·e)``; otherwise pass-Q. Full prefill (P = 0) is always
-pass-KV; a single new token over a long cache is pass-Q. ``C`` (achieved attention FLOP/s of one
-rank) and ``BW`` (ring link bandwidth, bytes/s) are measured by :func:`calibrate` and cached per
-device kind and CP size; :data:`DEFAULTS` serve where no measurement exists.
+``T/(T+P) >= 2·NKV/NH − 4·T·BW/(N·C·e)``; otherwise pass-Q. With GQA (NKV ≤ NH/2) a full
+prefill (P = 0, miss rate 1) is always pass-KV; with MHA a short one can be pass-Q. A single new
+token over a long cache is pass-Q. ``C`` (achieved attention FLOP/s of one rank) and ``BW`` (ring
+link bandwidth, bytes/s) are measured by :func:`calibrate` and cached per device kind and CP size;
+:data:`DEFAULTS` serve where no measurement exists. Every rank of a CP group must choose alike (the
+ring hangs otherwise), so a group's ranks use one set of numbers: :func:`hardware_for` takes the
+group's rank 0's on first use.
 """
 
 from __future__ import annotations
@@ -84,33 +87,66 @@ def _cache_path() -> Path:
     return Path(root) / "calibration.json"
 
 
+def _kind(device: torch.device) -> str:
+    """:data:`DEFAULTS` key of ``device``."""
+    return "cuda" if device.type == "cuda" else "cpu"
+
+
 def _device_key(device: torch.device, cp_size: int) -> str:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     return f"{name}|cp{cp_size}"
 
 
-def hardware_for(device: torch.device, cp_size: int) -> Hardware:
-    """Cached calibration for this device kind and CP size, else the defaults."""
+_agreed: dict[str, Hardware] = {}
+"""This process's numbers by :func:`_device_key`, agreed with its CP group (or measured by
+:func:`calibrate` over it): once set, every later strategy choice of the group reads the same entry."""
+
+
+def _from_file(key: str) -> Hardware | None:
     try:
-        cached = json.loads(_cache_path().read_text())
-        entry = cached.get(_device_key(device, cp_size))
-        if entry:
-            return Hardware(**entry)
-    except (OSError, ValueError, TypeError):
-        pass
-    return DEFAULTS["cuda" if device.type == "cuda" else "cpu"]
+        entry = json.loads(_cache_path().read_text()).get(key)
+        return Hardware(**entry) if entry else None
+    except (OSError, ValueError, TypeError, AttributeError):
+        return None
 
 
-def calibrate(group: dist.ProcessGroup | None, device: torch.device, *, tokens: int = 4096,
-              heads: int = 32, kv_heads: int = 8, head_dim: int = 128, save: bool = True) -> Hardware:
+def hardware_for(device: torch.device, cp_size: int, group: dist.ProcessGroup | None = None) -> Hardware:
+    """C and BW for this device kind and CP size: measured by :func:`calibrate` in this process,
+    else this host's cached calibration, else :data:`DEFAULTS`.
+
+    With ``group`` (the CP group, more than one rank), the first lookup is collective: every rank
+    takes the group's rank 0's numbers (one object broadcast) and keeps them, so ranks whose hosts
+    cache different calibrations (or none) still make the same choice. Call it on every rank of the
+    group at the same point (as a prefill step does)."""
+    key = _device_key(device, cp_size)
+    if key in _agreed:
+        return _agreed[key]
+    hw = _from_file(key) or DEFAULTS[_kind(device)]
+    if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return hw
+    box = [hw]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group,
+                               device=device if device.type == "cuda" else None)
+    _agreed[key] = box[0]
+    return box[0]
+
+
+def calibrate(group: dist.ProcessGroup | None, device: torch.device, *, tokens: int | None = None,
+              heads: int | None = None, kv_heads: int | None = None, head_dim: int | None = None,
+              save: bool = True) -> Hardware:
     """Measure C (one dense attention block) and BW (one ring hop) on this hardware; collective
-    over ``group``. The slowest rank's numbers are kept and cached to ``~/.cache/megacp``."""
+    over ``group`` (``None`` = the whole world). Every rank gets the slowest rank's numbers and
+    uses them for the rest of the process (:func:`hardware_for`); the group's rank 0 also caches
+    them in ``~/.cache/megacp/calibration.json`` (``MEGACP_CACHE_DIR``). The block's shape defaults
+    to 4096 tokens, 32/8 heads of 128 on GPUs and 512 tokens, 8/2 heads of 64 on CPUs. With one
+    rank there is no link to measure: BW keeps its default."""
     from megacp.attention.partial import partial_attention
     from megacp.parallel.ring import Ring
 
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    if device.type == "cpu":
-        tokens, heads, kv_heads, head_dim = 512, 8, 2, 64
+    gpu = device.type == "cuda"
+    dtype = torch.bfloat16 if gpu else torch.float32
+    tokens = tokens or (4096 if gpu else 512)
+    heads, kv_heads, head_dim = heads or (32 if gpu else 8), kv_heads or (8 if gpu else 2), head_dim or (128 if gpu else 64)
     q = torch.randn(tokens, heads, head_dim, device=device, dtype=dtype)
     kv = torch.randn(2, tokens, kv_heads, head_dim, device=device, dtype=dtype)
 
@@ -137,8 +173,11 @@ def calibrate(group: dist.ProcessGroup | None, device: torch.device, *, tokens: 
     vals = torch.tensor([flops, bw], dtype=torch.float64, device=device)
     if ring.size > 1:
         dist.all_reduce(vals, op=dist.ReduceOp.MIN, group=ring.group)
-    hw = Hardware(float(vals[0]), float(vals[1]) if math.isfinite(vals[1]) else DEFAULTS[device.type].bandwidth, "measured")
-    if save and dist.get_rank() == 0:
+    measured_bw = math.isfinite(vals[1])
+    hw = Hardware(float(vals[0]), float(vals[1]) if measured_bw else DEFAULTS[_kind(device)].bandwidth,
+                  "measured" if measured_bw else "measured C, default BW")
+    _agreed[_device_key(device, ring.size)] = hw
+    if save and ring.rank == 0:
         path = _cache_path()
         path.parent.mkdir(parents=True, exist_ok=True)
         try:

@@ -62,9 +62,10 @@ def load_gguf(
         (with its chat template) — write it out with ``tokenizer.save_pretrained(directory)``.
 
     Raises:
-        CheckpointError: the file is missing, truncated or not GGUF; unsupported architecture,
-            rope scaling or tensor; a shape that does not match the metadata. Raised by this call,
-            before any tensor is produced, except for a shape mismatch found while iterating.
+        CheckpointError: the file is missing, truncated or not GGUF; unsupported architecture or
+            rope scaling (raised by this call); a missing or unexpected tensor (raised when the
+            stream is first read, before it yields anything); a shape that does not match the
+            metadata (raised while iterating).
     """
     path = Path(path)
     if not path.is_file():

@@ -46,15 +46,26 @@ def check_format(qkv_format: str, attn_mask_type: str) -> None:
         raise ValueError(f"attn_mask_type={attn_mask_type!r} is not one of {', '.join(MASK_TYPES)}")
 
 
+def check_dropout(module: nn.Module) -> None:
+    """Refuse a training-mode call of an attention module whose ``attention_dropout`` is nonzero
+    (megacp's kernels have no dropout: the result would silently differ from the model's)."""
+    if module.training and module.attention_dropout:
+        raise ValueError(
+            f"{type(module).__name__} has attention_dropout={module.attention_dropout} and is in training mode: "
+            "attention dropout is not implemented; build the model with attention_dropout=0 (or call eval())"
+        )
+
+
 class DotProductAttention(nn.Module):
     """Local attention, TE-compatible constructor and forward.
 
     Args:
         num_attention_heads: query heads NH; kv_channels: head dim D;
-        num_gqa_groups: KV heads NKV (default NH); attn_mask_type: ``"causal"`` or ``"no_mask"``
-        (``padding*`` variants accepted: sequences are delimited by ``cu_seqlens``);
-        qkv_format: default layout of inputs; layer_number: 1-based index (TE convention);
-        softmax_scale: default ``1/sqrt(D)``.
+        num_gqa_groups: KV heads NKV (default NH); attention_dropout: kept for TE's signature; a
+        module with a nonzero value refuses to run in training mode (dropout is not implemented);
+        attn_mask_type: ``"causal"`` or ``"no_mask"`` (``padding*`` variants accepted: sequences are
+        delimited by ``cu_seqlens``); qkv_format: default layout of inputs; layer_number: 1-based
+        index (TE convention); softmax_scale: default ``1/sqrt(D)``.
     """
 
     # TE >= 2.16's MultiheadAttention reads and sets `core_attention.name` (quantizer roles)
@@ -77,6 +88,7 @@ class DotProductAttention(nn.Module):
         self.num_attention_heads = num_attention_heads
         self.kv_channels = kv_channels
         self.num_gqa_groups = num_gqa_groups or num_attention_heads
+        self.attention_dropout = attention_dropout
         self.qkv_format = qkv_format
         self.attn_mask_type = attn_mask_type
         self.layer_number = layer_number
@@ -109,6 +121,7 @@ class DotProductAttention(nn.Module):
             )
         if attention_mask is not None:
             raise ValueError("attention_mask tensors are not supported: delimit sequences with cu_seqlens")
+        check_dropout(self)
         causal = "causal" in mask
         if fmt == "thd":
             bounds = [0, query_layer.shape[0]] if cu_seqlens_q is None else cu_seqlens_q.tolist()

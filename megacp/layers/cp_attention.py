@@ -19,18 +19,25 @@ from torch import Tensor
 from megacp.attention.backward import ring_attention
 from megacp.attention.decode import allgather_decode
 from megacp.attention.prefill import build_kv_block, cp_prefill
-from megacp.attention.sharding import ShardPlan
-from megacp.layers.attention import DotProductAttention, check_format, from_thd, to_thd
+from megacp.attention.sharding import ShardPlan, seq_lengths
+from megacp.layers.attention import DotProductAttention, check_dropout, check_format, from_thd, to_thd
 from megacp.layers.step import CPStep
 from megacp.parallel.ring import Ring
+
+
+def _check_causal(attn_mask_type: str) -> None:
+    if "causal" not in attn_mask_type:
+        raise ValueError(f"CP attention needs a causal mask, got attn_mask_type={attn_mask_type!r}")
 
 
 class CPDotProductAttention(DotProductAttention):
     """CP attention with TE ``DotProductAttention``'s constructor arguments and forward.
 
     Args:
-        num_attention_heads, kv_channels, num_gqa_groups, qkv_format, attn_mask_type,
-        layer_number, softmax_scale: as TE (``layer_number`` is 1-based and indexes the KV cache).
+        num_attention_heads, kv_channels, num_gqa_groups, attention_dropout, qkv_format,
+        attn_mask_type, layer_number, softmax_scale: as TE, in TE's order (``layer_number`` is
+        1-based and indexes the KV cache; ``attn_mask_type`` must be causal; see
+        :class:`~megacp.layers.attention.DotProductAttention` for ``attention_dropout``).
         ring: the CP ring used when a step brings none.
         strategy: default prefill strategy when a step brings none.
     """
@@ -40,6 +47,7 @@ class CPDotProductAttention(DotProductAttention):
         num_attention_heads: int,
         kv_channels: int,
         num_gqa_groups: int | None = None,
+        attention_dropout: float = 0.0,
         qkv_format: str = "sbhd",
         attn_mask_type: str = "causal",
         layer_number: int | None = None,
@@ -47,11 +55,11 @@ class CPDotProductAttention(DotProductAttention):
         *,
         ring: Ring | None = None,
         strategy: str = "auto",
+        **_: Any,
     ) -> None:
-        super().__init__(num_attention_heads, kv_channels, num_gqa_groups, qkv_format=qkv_format,
+        super().__init__(num_attention_heads, kv_channels, num_gqa_groups, attention_dropout, qkv_format=qkv_format,
                          attn_mask_type=attn_mask_type, layer_number=layer_number, softmax_scale=softmax_scale)
-        if "causal" not in attn_mask_type:
-            raise ValueError(f"CP attention needs a causal mask, got attn_mask_type={attn_mask_type!r}")
+        _check_causal(attn_mask_type)
         self.ring = ring
         self.strategy = strategy
 
@@ -75,9 +83,12 @@ class CPDotProductAttention(DotProductAttention):
         **_: Any,
     ) -> Tensor:
         fmt = qkv_format or self.qkv_format
-        check_format(fmt, attn_mask_type or self.attn_mask_type)
+        mask = attn_mask_type or self.attn_mask_type
+        check_format(fmt, mask)
+        _check_causal(mask)
         if attention_mask is not None:
             raise ValueError("attention_mask tensors are not supported under CP: delimit sequences with cu_seqlens")
+        check_dropout(self)
         q, k, v = (to_thd(x, fmt) for x in (query_layer, key_layer, value_layer))
         step = inference_params if inference_params is not None else self._cacheless_step(q, fmt, query_layer, cu_seqlens_q)
         if not isinstance(step, CPStep):
@@ -90,7 +101,7 @@ class CPDotProductAttention(DotProductAttention):
         if fmt == "thd":
             if cu_seqlens is None:
                 raise ValueError("qkv_format='thd' under CP needs cu_seqlens_q with the full sequence lengths")
-            lens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+            lens = seq_lengths(cu_seqlens)
         else:
             b, s = (like.shape[0], like.shape[1]) if fmt == "bshd" else (like.shape[1], like.shape[0])
             lens = [s * n] * b

@@ -13,7 +13,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from megacp.attention.prefill import resolve_strategy
+from megacp.attention.prefill import resolve_strategy, strategy_name
 from megacp.attention.sharding import ShardPlan
 from megacp.attention.strategy import Choice
 from megacp.kv_cache import ShardedKVCache
@@ -97,8 +97,9 @@ class CPStep:
     def prefill_strategy(self, num_heads: int, num_kv_heads: int, elem_bytes: int, device: torch.device) -> str:
         """The step's prefill strategy, resolved once (the same for every layer)."""
         if self.choice is None:
-            self.choice = resolve_strategy(self.strategy, self.plan, num_heads, num_kv_heads, elem_bytes, device)
-        return self.choice if isinstance(self.choice, str) else self.choice.strategy
+            self.choice = resolve_strategy(self.strategy, self.plan, num_heads, num_kv_heads, elem_bytes, device,
+                                           self.ring.group if self.ring else None)
+        return strategy_name(self.choice)
 
     def commit(self) -> None:
         """Advance the KV cache bookkeeping once every layer has run."""

@@ -55,10 +55,12 @@ def _convert(mod: nn.Module, ring: Ring | None, strategy: str, te_cls: type | No
     if te_cls is not None and isinstance(mod, te_cls):
         head_dim = _first_attr(mod, "hidden_size_per_attention_head_k", "hidden_size_per_attention_head", "kv_channels")
         heads = getattr(mod, "num_attention_heads", None) or _first_attr(mod, "hidden_size_per_partition") // head_dim
+        dropout = getattr(mod, "attention_dropout", 0.0)
         return TECPDotProductAttention(
             num_attention_heads=heads,
             kv_channels=head_dim,
             num_gqa_groups=mod.num_gqa_groups,
+            attention_dropout=dropout if isinstance(dropout, (int, float)) else 0.0,
             qkv_format=mod.qkv_format,
             attn_mask_type=mod.attn_mask_type,
             layer_number=mod.layer_number,
@@ -68,8 +70,9 @@ def _convert(mod: nn.Module, ring: Ring | None, strategy: str, te_cls: type | No
             extra_state=mod.get_extra_state(),
         )
     return CPDotProductAttention(
-        mod.num_attention_heads, mod.kv_channels, mod.num_gqa_groups, mod.qkv_format, mod.attn_mask_type,
-        mod.layer_number, mod.softmax_scale, ring=ring, strategy=strategy,
+        mod.num_attention_heads, mod.kv_channels, mod.num_gqa_groups, mod.attention_dropout,
+        qkv_format=mod.qkv_format, attn_mask_type=mod.attn_mask_type, layer_number=mod.layer_number,
+        softmax_scale=mod.softmax_scale, ring=ring, strategy=strategy,
     )
 
 
@@ -86,17 +89,20 @@ def swap_attention(model: nn.Module, state: Any = None, *, strategy: str = "auto
         strategy: default prefill strategy of the new layers.
 
     Returns:
-        The qualified names of the swapped modules. Warns when there was nothing to swap.
+        The qualified names of the swapped modules. Warns when there was nothing to swap. Every
+        replacement is built before any is put in place: a module that cannot be swapped (e.g. a
+        non-causal mask) raises and leaves the model unchanged.
     """
     group = _cp_group(state)
     ring = Ring(group) if dist.is_initialized() else None
     te_cls = _te_attention_class()
     kinds = (DotProductAttention,) + ((te_cls,) if te_cls is not None else ())
     targets = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, kinds) and not isinstance(mod, CPDotProductAttention)]
-    for name, mod in targets:
+    replacements = [_convert(mod, ring, strategy, te_cls) for _, mod in targets]
+    for (name, _), new in zip(targets, replacements):
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, _convert(mod, ring, strategy, te_cls))
+        setattr(parent, child, new)
     if not targets:
         warnings.warn(
             f"swap_attention found no DotProductAttention (TE or megacp) in {type(model).__name__}; nothing was swapped",

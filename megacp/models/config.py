@@ -36,6 +36,8 @@ class ModelConfig:
         attention_bias: Q/K/V projections carry a bias (Qwen2).
         tie_word_embeddings: the LM head reuses the embedding matrix (no ``lm_head.weight``).
         bos_token_id / eos_token_id: special tokens (``eos_token_id`` may list several).
+        extra: free-form metadata saved and loaded with a megacp checkpoint's config; megacp
+            itself reads none of it (every saved manifest has the key, so it stays).
     """
 
     architecture: str = "llama"

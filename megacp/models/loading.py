@@ -3,9 +3,10 @@
 :func:`load_model` accepts what users point at: a Hugging Face checkpoint directory, a megacp
 checkpoint directory, or a ``.gguf`` file. Weights are streamed into megacp names, sharded for the
 caller's tensor-parallel rank, cast to the target dtype/device one tensor at a time, and put into a
-model skeleton built on the ``meta`` device (``load_state_dict(assign=True)``), so no second copy
-of the model is ever allocated. TE layers initialise their own tensors on the device and are
-filled by copy instead.
+model skeleton built on the ``meta`` device (``load_state_dict(assign=True)``), so a Hugging Face
+or GGUF model is never held twice. A megacp checkpoint's shard is read whole, then copied to the
+target (on CPU the peak holds it twice). TE layers initialise their own tensors on the device and
+are filled by copy instead.
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ def load_model(
     """Load a model for inference from a Hugging Face directory, a megacp checkpoint or a GGUF file.
 
     Args:
-        path: a directory with ``config.json`` naming ``architectures`` (Hugging Face), a directory
+        path: a directory with ``config.json`` naming ``architectures`` or ``model_type`` (Hugging Face), a directory
             with ``megacp_checkpoint.json`` (megacp, any stored TP size), or a ``.gguf`` file.
         dtype / device: of the parameters.
         tp_group: this rank's tensor-parallel group (weights are sharded for its rank).
@@ -89,6 +90,8 @@ def load_model(
         CheckpointError: the path is none of the above, or its contents are invalid.
     """
     path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"{path} does not exist")
     build = dict(dtype=dtype, device=device, backend=backend, tp_group=tp_group)
     if path.is_file() and path.suffix == ".gguf":
         from megacp.checkpoint.gguf import load_gguf  # needs the optional `gguf` package
@@ -106,19 +109,21 @@ def load_model(
             return _load(cfg, tensors, sharded=False, **build), cfg, _tokenizer_dir(path)
     raise CheckpointError(
         f"{path} is neither a Hugging Face checkpoint directory (config.json with "
-        "'architectures'), a megacp checkpoint (megacp_checkpoint.json) nor a .gguf file"
+        "'architectures' or 'model_type'), a megacp checkpoint (megacp_checkpoint.json) nor a .gguf file"
     )
 
 
 def _is_hf_dir(path: Path) -> bool:
-    """Whether ``path`` has a ``config.json`` naming ``architectures``."""
+    """Whether ``path`` has a ``config.json`` naming ``architectures`` or ``model_type`` (what
+    :func:`~megacp.checkpoint.hf.config_from_hf` reads the architecture from)."""
     config = path / "config.json"
     if not config.is_file():
         return False
     try:
-        return "architectures" in json.loads(config.read_text(encoding="utf-8"))
+        data = json.loads(config.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return False
+    return isinstance(data, dict) and ("architectures" in data or "model_type" in data)
 
 
 def _tokenizer_dir(path: Path) -> str | None:

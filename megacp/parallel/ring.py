@@ -76,8 +76,9 @@ def _received_shape(block: Block) -> tuple[int, ...]:
 
 
 @functools.cache
-def _post_stream(device: torch.device) -> torch.cuda.Stream:
-    """The side stream from which :meth:`Ring.rotate` posts NCCL exchanges that wait on a ``ready`` event."""
+def side_stream(device: torch.device, role: str) -> torch.cuda.Stream:
+    """One CUDA stream per ``device`` and ``role``, made on first use and kept: e.g. ``"post"``, from
+    which :meth:`Ring.rotate` posts NCCL exchanges that wait on a ``ready`` event."""
     return torch.cuda.Stream(device=device)
 
 
@@ -171,7 +172,7 @@ class Ring:
         consumer = consumer or caller
         poster = caller
         if ready is not None:
-            poster = _post_stream(dev)
+            poster = side_stream(dev, "post")
             poster.wait_event(ready)
         with torch.cuda.stream(poster) if streams else contextlib.nullcontext():
             shape = _received_shape(block)
