@@ -75,3 +75,14 @@ def test_a_swap_that_fails_leaves_the_model_unchanged() -> None:
     with pytest.raises(ValueError, match="needs a causal mask"):
         megacp.swap_attention(model)
     assert [type(m) for m in model] == [DotProductAttention, DotProductAttention]
+
+
+def test_swap_keeps_each_modules_training_mode() -> None:
+    from megacp.layers.attention import DotProductAttention
+
+    model = torch.nn.ModuleList([DotProductAttention(4, 8, 2, 0.1), DotProductAttention(4, 8, 2)])
+    model[0].eval()  # eval: its dropout setting does not apply
+    megacp.swap_attention(model)
+    assert [m.training for m in model] == [False, True]
+    q, k = torch.randn(1, 6, 4, 8), torch.randn(1, 6, 2, 8)
+    assert model[0](q, k, k).shape == (1, 6, 32)

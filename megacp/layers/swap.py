@@ -80,7 +80,8 @@ def swap_attention(model: nn.Module, state: Any = None, *, strategy: str = "auto
     """Replace each attention core of ``model`` by a CP attention layer, in place.
 
     Swaps every ``transformer_engine.pytorch.DotProductAttention`` and every
-    :class:`megacp.layers.attention.DotProductAttention`; module names and parameters are unchanged.
+    :class:`megacp.layers.attention.DotProductAttention`; module names, parameters and each
+    module's training/eval mode are unchanged.
 
     Args:
         model: any ``nn.Module``.
@@ -98,7 +99,7 @@ def swap_attention(model: nn.Module, state: Any = None, *, strategy: str = "auto
     te_cls = _te_attention_class()
     kinds = (DotProductAttention,) + ((te_cls,) if te_cls is not None else ())
     targets = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, kinds) and not isinstance(mod, CPDotProductAttention)]
-    replacements = [_convert(mod, ring, strategy, te_cls) for _, mod in targets]
+    replacements = [_convert(mod, ring, strategy, te_cls).train(mod.training) for _, mod in targets]
     for (name, _), new in zip(targets, replacements):
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
