@@ -19,6 +19,7 @@ from torch import Tensor
 
 from megacp.attention import merge_kernel
 
+
 def finite_or_zero(m: Tensor) -> Tensor:
     """Replace -inf maxima (or LSEs of rows that see no key) by 0 so that ``x - m`` never evaluates
     ``-inf - (-inf)``."""

@@ -169,8 +169,8 @@ def _kernel_attention(kernel: Callable, q: Tensor, k: Tensor, v: Tensor, *, caus
 def heads_first(x: Tensor, hkv: int) -> Tensor:
     """``[L, H, D]`` → fp32 ``[Hkv, H/Hkv, L, D]``: the query heads of one KV head side by side
     (GQA without repeating K/V: a K/V tensor, ``H = Hkv``, becomes ``[Hkv, 1, L, D]``)."""
-    l, h, d = x.shape
-    return x.float().reshape(l, hkv, h // hkv, d).permute(1, 2, 0, 3)
+    n, h, d = x.shape
+    return x.float().reshape(n, hkv, h // hkv, d).permute(1, 2, 0, 3)
 
 
 def hidden_by_causal_mask(i0: int, i1: int, j0: int, j1: int, offset: int, device: torch.device) -> Tensor:
