@@ -17,7 +17,6 @@ setup(
         "hjson",
         "safetensors",
         "tqdm",
-        "rich",
     ],
     extras_require={
         "deepspeed": ["deepspeed>=0.14"],

@@ -5,7 +5,11 @@ Public entry points (imported lazily so that ``import megacp`` stays cheap):
 * :class:`ParallelLayout`, :func:`initialize`, :class:`ParallelState` — the process mesh.
 * :func:`load_config`, :class:`ConfigError` — the ``context_parallel`` section of a DeepSpeed config.
 * :func:`swap_attention` — replace a model's attention modules by CP attention layers.
-* :mod:`megacp.attention` — partial attention, merge, sharding, ring prefill, decode.
+* :class:`ModelConfig` — a Llama-family model's hyper-parameters.
+
+Subpackages are imported explicitly (``from megacp.attention import cp_attention``):
+:mod:`megacp.attention` (partial attention, merge, sharding, ring prefill, decode), ``layers``,
+``models``, ``checkpoint``, ``parallel``.
 """
 
 from __future__ import annotations

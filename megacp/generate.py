@@ -280,6 +280,7 @@ def _load_tokenizer(source: Any) -> Any:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     import megacp
+    from megacp.checkpoint import CheckpointError
     from megacp.models.loading import load_model
     from megacp.parallel.ring import Ring
 
@@ -292,7 +293,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     tp_group = state.group("tp") if state.size("tp") > 1 else None
 
     model_path = args.model or default_model_path()
-    model, mcfg, tok_source = load_model(model_path, dtype=dtype, device=device, tp_group=tp_group)
+    try:
+        model, mcfg, tok_source = load_model(model_path, dtype=dtype, device=device, tp_group=tp_group)
+    except CheckpointError as e:  # a bad path or checkpoint, or one this TP size cannot split
+        raise SystemExit(f"megacp.generate: cannot load {model_path}: {e}") from None
     megacp.swap_attention(model, state, strategy=strategy)
     tokenizer = _load_tokenizer(tok_source)
     prompts, nested = _load_prompts(args, tokenizer)

@@ -12,6 +12,7 @@ token; then rank 0 alone runs the same model at CP=1. Prints TTFT of each, the r
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 import torch
@@ -20,12 +21,9 @@ import torch.distributed as dist
 import megacp
 from megacp.config import add_launcher_args
 from megacp.generate import Generator, SamplingParams
-from megacp.models import ModelConfig, build_model
+from megacp.models import build_model
 from megacp.parallel.ring import Ring
-
-LLAMA3_8B = dict(architecture="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-                 num_heads=32, num_kv_heads=8, rms_norm_eps=1e-5, rope_theta=500000.0,
-                 max_position_embeddings=1 << 20)
+from megacp.perf_model import LLAMA3_8B
 
 
 def main() -> None:
@@ -38,7 +36,7 @@ def main() -> None:
     args = p.parse_args()
     state = megacp.initialize(args.deepspeed_config)
     dev, rank = state.device, state.rank
-    cfg = ModelConfig(num_layers=args.layers, **LLAMA3_8B)
+    cfg = dataclasses.replace(LLAMA3_8B, num_layers=args.layers)
     torch.manual_seed(0)
     model = build_model(cfg, dtype=torch.bfloat16, device=dev, backend="torch")
     megacp.swap_attention(model, state, strategy=args.strategy)
@@ -57,6 +55,7 @@ def main() -> None:
     for s in (int(x) for x in args.seqlens.split(",")):
         prompt = torch.randint(0, cfg.vocab_size, (s,), generator=g).tolist()
         dist.barrier()
+        torch.cuda.reset_peak_memory_stats(dev)  # the CP=2 call's own peak (rank 0 ran CP=1 before)
         r2 = cp2.generate([prompt], one)
         dist.barrier()
         row = {"seqlen": s, "cp2_ttft_s": r2.report["ttft_s"], "strategy": r2.report["prefill_strategy"],

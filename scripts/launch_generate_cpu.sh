@@ -8,6 +8,7 @@ export PYTHONPATH="${ROOT}${PYTHONPATH:+:${PYTHONPATH}}"
 CONFIG="${CONFIG:-${ROOT}/configs/cpu_demo.json}"
 NPROC="${NPROC:-2}"
 PORT="${MASTER_PORT:-29511}"
+export CUDA_VISIBLE_DEVICES=  # CPU processes even on a GPU host (megacp picks NCCL when it sees a GPU)
 if command -v deepspeed >/dev/null 2>&1; then
     DS_ACCELERATOR=cpu exec deepspeed --num_gpus "${NPROC}" --master_port "${PORT}" \
         --module megacp.generate --deepspeed_config "${CONFIG}" "$@"

@@ -41,8 +41,8 @@ def fmt_s(seconds: float) -> str:
     return f"{seconds * 1e6:.0f} µs"
 
 
-def print_validation(checks: list[pm.Check]) -> None:
-    print("## Validation against the recorded 2x H200 runs (docs/results/*_h200x2.json)\n")
+def print_validation(checks: list[pm.Check], results: str) -> None:
+    print(f"## Validation against the recorded 2x H200 runs ({results}: the files pm.validate names)\n")
     print("| measurement | measured | predicted | error | role |")
     print("|---|---|---|---|---|")
     for c in checks:
@@ -101,7 +101,8 @@ def print_ttft_projection() -> None:
 
 
 def h100_like(m: pm.Machine) -> pm.Machine:
-    """H200 kernel rates standing in for H100 (same GH100 SMs and clocks), HBM scaled to 3.35 TB/s."""
+    """H200 kernel rates standing in for H100 (same GH100 SMs and clocks); HBM and copy bandwidths
+    scaled by the datasheets' ratio, 3.35 / 4.8 TB/s."""
     scale = 3.35 / 4.8
     return pm.replace(m, name=f"H100-like, {m.name}", hbm_bandwidth=m.hbm_bandwidth * scale,
                       copy_bandwidth=m.copy_bandwidth * scale)
@@ -110,7 +111,7 @@ def h100_like(m: pm.Machine) -> pm.Machine:
 def print_paper_comparison() -> None:
     print("## The paper's layout: Llama3-405B, CP over nodes × TP8 inside a node (16 nodes = 128 GPUs)\n")
     print("Per CP rank one node of 8 GPUs: per GPU 16 Q / 1 KV heads and 1/8 of the linear layers, two "
-          "TP all-reduces per layer on NVLink; H200 kernel rates stand in for H100, HBM scaled to 3.35 TB/s; "
+          "TP all-reduces per layer on NVLink; H200 kernel rates stand in for H100, HBM scaled by 3.35/4.8 (datasheets); "
           "400 Gb/s per GPU between nodes. 'ring BW' = per-GPU bandwidth that hides every ring transfer.\n")
     m, fast = h100_like(pm.H200), h100_like(pm.H200_FAST_NET)
     tokens = tuple(pm.PAPER_405B_TTFT_S)
@@ -209,10 +210,12 @@ def plot(path: Path, results: Path) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--results", default=str(ROOT / "docs" / "results"), help="folder of the recorded *_h200x2.json")
+    p.add_argument("--results", default=str(ROOT / "docs" / "results"), help="folder of the recorded runs that megacp.perf_model.validate reads")
     p.add_argument("--plot", default=str(ROOT / "docs" / "scaling_efficiency.png"), help="PNG to write ('' = none)")
     args = p.parse_args()
-    print_validation(pm.validate(pm.H200, args.results))
+    if not Path(args.results).is_dir():
+        p.error(f"--results {args.results} is not a directory")
+    print_validation(pm.validate(pm.H200, args.results), args.results)
     print_attention_projection()
     print_ttft_projection()
     print_paper_comparison()

@@ -11,6 +11,7 @@ must match the reference within bf16 noise. Prints PASS/FAIL; exits 1 on failure
 
 from __future__ import annotations
 
+import shutil
 import sys
 import tempfile
 
@@ -62,6 +63,9 @@ def main() -> int:
         save_megacp_checkpoint(ckpt[0] + "/ckpt", CFG, src.state_dict().items(), dtype=torch.bfloat16)
     dist.broadcast_object_list(ckpt)
     _, tensors = load_megacp_checkpoint(ckpt[0] + "/ckpt")
+    dist.barrier()  # every rank has read the checkpoint
+    if rank == 0:
+        shutil.rmtree(ckpt[0])
     model = TEUserModel(CFG).to(device=dev, dtype=torch.bfloat16).eval()
     missing, unexpected = model.load_state_dict(tensors, strict=False)
     bad = [k for k in missing if not k.endswith("_extra_state") and "rope" not in k]

@@ -123,9 +123,11 @@ def test_config_styles_and_round_trip(hf_dirs: dict) -> None:
         ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "rope_theta": 1e4}}, "needs low_freq_factor"),
         ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
         ({"hidden_size": None}, "no 'hidden_size'"),
+        ({"num_attention_heads": "9"}, "'num_attention_heads' must be a positive integer, got '9'"),
         ({"attention_bias": True}, "o_proj bias"),
     ],
-    ids=["arch", "sliding-window", "mistral-default-window", "rope-type", "rope-params", "act", "missing-key", "llama-bias"],
+    ids=["arch", "sliding-window", "mistral-default-window", "rope-type", "rope-params", "act", "missing-key", "non-int-size",
+         "llama-bias"],
 )
 def test_config_errors(hf_dirs: dict, change: dict, message: str) -> None:
     hf_config = json.loads((hf_dirs["llama3"][0] / "config.json").read_text())

@@ -109,7 +109,7 @@ def config_from_hf(hf_config: dict[str, Any]) -> ModelConfig:
             bos_token_id=hf_config.get("bos_token_id"),
             eos_token_id=hf_config.get("eos_token_id"),
         )
-    except ValueError as err:
+    except (ValueError, TypeError) as err:
         raise CheckpointError(f"invalid Hugging Face config: {err}") from None
 
 
@@ -168,10 +168,14 @@ def _architecture(hf_config: dict[str, Any]) -> str:
     return model_type
 
 
-def _required(hf_config: dict[str, Any], key: str) -> Any:
-    if hf_config.get(key) is None:
+def _required(hf_config: dict[str, Any], key: str) -> int:
+    """A required size of the config: a positive integer."""
+    value = hf_config.get(key)
+    if value is None:
         raise CheckpointError(f"the Hugging Face config has no {key!r}")
-    return hf_config[key]
+    if type(value) is not int or value < 1:
+        raise CheckpointError(f"the Hugging Face config's {key!r} must be a positive integer, got {value!r}")
+    return value
 
 
 def _check_sliding_window(arch: str, hf_config: dict[str, Any], max_positions: int) -> None:
@@ -339,7 +343,8 @@ class HFCheckpoint(ClosingContext):
     def __init__(self, hf_dir: str | os.PathLike[str]) -> None:
         self.path = Path(hf_dir)
         if not self.path.is_dir():
-            raise CheckpointError(f"Hugging Face checkpoint directory {self.path} does not exist")
+            what = "is not a directory" if self.path.exists() else "does not exist"
+            raise CheckpointError(f"Hugging Face checkpoint directory {self.path} {what}")
         config_path = self.path / "config.json"
         if not config_path.is_file():
             raise CheckpointError(f"{config_path} does not exist")
