@@ -470,8 +470,10 @@ def prefill_time(
     if cp * tp > m.gpus_per_node:  # the ring leaves the node: NCCL transport
         overhead += m.call_overhead_s
     if strategy == "pass_q" and cp > 1:
-        # the zero-padded query buffer (zero-fill, copy), the stack of the N padded partials,
-        # All2All's copy of the own slice, merge_stack
+        # pass-Q as validated (prefill_h200x2_s3_run3.json): the zero-padded query buffer (zero-fill,
+        # copy), the stack of the N padded partials, All2All's copy of the own slice, merge_stack.
+        # Since the fifth session an evenly split prompt skips the padded copy and partials are packed
+        # straight into the send buffer: these passes overstate today's pass-Q a little.
         piece = shape.state_bytes(plan.max_local)
         elems = plan.max_local * shape.num_heads * shape.head_dim
         copies = 3 * shape.q_bytes(plan.max_local) + 2 * cp * piece + 2 * piece

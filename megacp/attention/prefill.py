@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from megacp.attention.pass_kv import KVBlock, check_ring, ring_pass_kv
+from megacp.attention.pass_kv import KVBlock, ring_pass_kv
 from megacp.attention.pass_q import ring_pass_q
 from megacp.attention.sharding import ShardPlan, seq_lengths
 from megacp.attention.strategy import STRATEGIES, Choice, choose_strategy, hardware_for
@@ -108,7 +108,6 @@ def cp_prefill(
     Returns:
         ``[n_local, Hq, D]`` in ``q.dtype``.
     """
-    check_ring(plan, ring)
     if q.shape[0] != plan.num_local():
         raise ValueError(f"q has {q.shape[0]} tokens but the plan gives this rank {plan.num_local()}")
     fn = {"pass_kv": ring_pass_kv, "pass_q": ring_pass_q}.get(strategy)
