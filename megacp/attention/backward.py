@@ -25,7 +25,7 @@ from torch import Tensor
 
 from megacp.attention.merge import finite_or_zero
 from megacp.attention.partial import heads_first, hidden_by_causal_mask
-from megacp.attention.pass_kv import KVBlock, check_ring, ring_pass_kv
+from megacp.attention.pass_kv import KVBlock, ring_pass_kv
 from megacp.attention.prefill import build_kv_block
 from megacp.attention.sharding import ShardPlan
 from megacp.parallel.ring import Ring
@@ -129,7 +129,6 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, plan: ShardPlan, ring: Ring 
         order (``plan`` without cached tokens). Returns ``out`` ``[n_local, Hq, D]``; its backward
         returns exact gradients for q, k and v.
     """
-    check_ring(plan, ring)
     if plan.has_cached_kv:
         raise ValueError("ring_attention (training) takes plans without cached tokens")
     if q.shape[0] != plan.num_local() or k.shape[0] != q.shape[0] or v.shape != k.shape:
