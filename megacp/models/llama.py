@@ -21,10 +21,18 @@ with its *global* position in its sequence (under context parallelism a rank hol
 tokens). Attention is delegated to ``self_attention.core_attention``, a TE-compatible
 :class:`~megacp.layers.attention.DotProductAttention` that the CP machinery may swap.
 
-Tensor parallelism (optional, inference only): with a ``tp_group`` of size t > 1 the Q/K/V and
-``fc1`` projections are column-parallel (a rank holds NH/t query heads, NKV/t KV heads and F/t rows
-of gate stacked over F/t rows of up), ``proj`` and ``fc2`` are row-parallel and followed by an
-``all_reduce`` over the group (not differentiable); embedding and LM head are replicated.
+Tensor parallelism (optional): with a ``tp_group`` of size t > 1 the Q/K/V and ``fc1`` projections
+are column-parallel (a rank holds NH/t query heads, NKV/t KV heads and F/t rows of gate stacked over
+F/t rows of up), ``proj`` and ``fc2`` are row-parallel and followed by an ``all_reduce`` over the
+group; embedding, norms and LM head are replicated. The collectives are differentiable (Megatron's
+conjugate pair): :func:`copy_to_tp` in front of each column-parallel projection (forward identity,
+backward all-reduce of the input gradient) and :func:`reduce_from_tp` after each row-parallel one
+(forward all-reduce, backward identity), so every TP rank computes the full gradient of the
+replicated weights and of the residual stream.
+
+Training: :meth:`CausalLM.hidden_states` returns the final-norm hidden states (the LM head is
+applied by the loss, chunk by chunk: :mod:`megacp.train.loss`); with
+``activation_checkpointing=True`` each decoder layer's activations are recomputed in backward.
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from megacp.layers.attention import DotProductAttention
 from megacp.models.config import ModelConfig
@@ -63,10 +72,52 @@ def _tp_shard(total: int, tp_size: int, what: str) -> int:
     return total // tp_size
 
 
-def _all_reduce(x: torch.Tensor, tp_group: dist.ProcessGroup | None) -> torch.Tensor:
-    """Sum the row-parallel partial results ``x`` over the TP group (in place; identity for t=1)."""
-    if tp_world_size(tp_group) > 1:
+class _CopyToTP(torch.autograd.Function):
+    """Forward identity; backward all-reduce (sum) of the gradient over the TP group."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, tp_group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.tp_group = tp_group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.tp_group)
+        return grad, None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """Forward all-reduce (sum) over the TP group, in place; backward identity."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, tp_group: dist.ProcessGroup) -> torch.Tensor:
         dist.all_reduce(x, group=tp_group)
+        ctx.mark_dirty(x)
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+def copy_to_tp(x: torch.Tensor, tp_group: dist.ProcessGroup | None) -> torch.Tensor:
+    """The replicated input ``x`` of a column-parallel projection: unchanged, but its gradient is
+    summed over the TP group in backward (each rank's projection sees only its own output
+    columns). Identity for t = 1 and without autograd."""
+    if tp_world_size(tp_group) == 1 or not (torch.is_grad_enabled() and x.requires_grad):
+        return x
+    return _CopyToTP.apply(x, tp_group)
+
+
+def reduce_from_tp(x: torch.Tensor, tp_group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Sum the row-parallel partial results ``x`` over the TP group (in place; identity for t = 1);
+    the gradient passes through unchanged (every rank's partial result feeds the same sum)."""
+    if tp_world_size(tp_group) == 1:
+        return x
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _ReduceFromTP.apply(x, tp_group)
+    dist.all_reduce(x, group=tp_group)
     return x
 
 
@@ -90,15 +141,17 @@ class RMSNorm(nn.Module):
 class LayerNormQKV(nn.Module):
     """RMSNorm followed by the Q, K and V projections (TE ``LayerNormLinear`` names).
 
-    Holds this rank's ``nh`` query heads and ``nkv`` KV heads of width ``d``.
+    Holds this rank's ``nh`` query heads and ``nkv`` KV heads of width ``d`` (column-parallel over
+    ``tp_group``).
     """
 
     def __init__(
         self, hidden_size: int, nh: int, nkv: int, d: int, eps: float, bias: bool,
-        *, dtype: torch.dtype | None = None, device: Any = None,
+        tp_group: dist.ProcessGroup | None = None, *, dtype: torch.dtype | None = None, device: Any = None,
     ):
         super().__init__()
         self.eps = eps
+        self.tp_group = tp_group
         self.layer_norm_weight = _param(hidden_size, dtype=dtype, device=device)
         self.query_weight = _param(nh * d, hidden_size, dtype=dtype, device=device)
         self.key_weight = _param(nkv * d, hidden_size, dtype=dtype, device=device)
@@ -112,7 +165,7 @@ class LayerNormQKV(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, H] -> q [T, nh*d], k [T, nkv*d], v [T, nkv*d]."""
-        x = rms_norm(x, self.layer_norm_weight, self.eps)
+        x = copy_to_tp(rms_norm(x, self.layer_norm_weight, self.eps), self.tp_group)
         return (
             F.linear(x, self.query_weight, self.query_bias),
             F.linear(x, self.key_weight, self.key_bias),
@@ -135,7 +188,7 @@ class SelfAttention(nn.Module):
         self.head_dim = cfg.head_dim
         self.layernorm_qkv = LayerNormQKV(
             cfg.hidden_size, self.num_heads, self.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps,
-            cfg.attention_bias, dtype=dtype, device=device,
+            cfg.attention_bias, tp_group, dtype=dtype, device=device,
         )
         self.core_attention = DotProductAttention(
             self.num_heads,
@@ -167,7 +220,7 @@ class SelfAttention(nn.Module):
             attn_mask_type="causal",
             inference_params=inference_params,
         )
-        return _all_reduce(self.proj(context), self.tp_group)
+        return reduce_from_tp(self.proj(context), self.tp_group)
 
 
 class LayerNormMLP(nn.Module):
@@ -187,8 +240,9 @@ class LayerNormMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[T, H] -> [T, H]."""
-        gate, up = F.linear(rms_norm(x, self.layer_norm_weight, self.eps), self.fc1_weight).chunk(2, dim=-1)
-        return _all_reduce(F.linear(F.silu(gate) * up, self.fc2_weight), self.tp_group)
+        x = copy_to_tp(rms_norm(x, self.layer_norm_weight, self.eps), self.tp_group)
+        gate, up = F.linear(x, self.fc1_weight).chunk(2, dim=-1)
+        return reduce_from_tp(F.linear(F.silu(gate) * up, self.fc2_weight), self.tp_group)
 
 
 class DecoderLayer(nn.Module):
@@ -221,14 +275,20 @@ class CausalLM(nn.Module):
             :meth:`~torch.nn.Module.load_state_dict` fills with ``assign=True``).
         layers: the decoder layers to use instead of :class:`DecoderLayer` (the TE backend passes
             its own); each is called as ``layer(x [T,H], cos, sin, cu_seqlens, inference_params)``.
+        activation_checkpointing: under autograd, run each decoder layer through
+            ``torch.utils.checkpoint`` (non-reentrant): only its input is kept and its forward runs
+            again in backward (CP ring and TP collectives included, in the same order on every
+            rank). A plain attribute: it may also be set after construction.
     """
 
     def __init__(
         self, cfg: ModelConfig, tp_group: dist.ProcessGroup | None = None,
         *, dtype: torch.dtype | None = None, device: Any = None, layers: nn.ModuleList | None = None,
+        activation_checkpointing: bool = False,
     ):
         super().__init__()
         self.cfg = cfg
+        self.activation_checkpointing = activation_checkpointing
         self.embedding = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
         self.rotary = RotaryEmbedding(cfg)
         self.layers = layers if layers is not None else nn.ModuleList(
@@ -257,6 +317,42 @@ class CausalLM(nn.Module):
             else:
                 param.normal_(0.0, std)
 
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        """The LM head matrix [V, H] (the embedding matrix when the embeddings are tied)."""
+        return self.embedding.weight if self.lm_head is None else self.lm_head.weight
+
+    def hidden_states(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        *,
+        cu_seqlens: torch.Tensor | None = None,
+        inference_params: Any = None,
+    ) -> torch.Tensor:
+        """Final-norm hidden states [T, H] of packed tokens (the arguments of :meth:`forward`);
+        the logits are ``hidden_states(...) @ lm_head_weight.T``."""
+        if input_ids.dim() != 1 or position_ids.shape != input_ids.shape:
+            raise ValueError(
+                f"input_ids and position_ids must both be [T]; got {list(input_ids.shape)} and "
+                f"{list(position_ids.shape)}"
+            )
+        if cu_seqlens is None:
+            cu_seqlens = torch.tensor([0, input_ids.numel()], dtype=torch.int32, device=input_ids.device)
+        elif cu_seqlens.dim() != 1 or cu_seqlens.dtype != torch.int32:
+            raise ValueError(
+                f"cu_seqlens must be a 1-D int32 tensor; got {cu_seqlens.dtype} {list(cu_seqlens.shape)}"
+            )
+        x = self.embedding(input_ids)
+        cos, sin = (c.to(x.dtype) for c in self.rotary(position_ids))
+        recompute = self.activation_checkpointing and torch.is_grad_enabled()
+        for layer in self.layers:
+            if recompute:
+                x = checkpoint(layer, x, cos, sin, cu_seqlens, inference_params, use_reentrant=False)
+            else:
+                x = layer(x, cos, sin, cu_seqlens, inference_params)
+        return self.final_norm(x)
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -280,23 +376,7 @@ class CausalLM(nn.Module):
         Returns:
             [T, V] logits (``[N, V]`` with ``logits_index``) in the parameter dtype.
         """
-        if input_ids.dim() != 1 or position_ids.shape != input_ids.shape:
-            raise ValueError(
-                f"input_ids and position_ids must both be [T]; got {list(input_ids.shape)} and "
-                f"{list(position_ids.shape)}"
-            )
-        if cu_seqlens is None:
-            cu_seqlens = torch.tensor([0, input_ids.numel()], dtype=torch.int32, device=input_ids.device)
-        elif cu_seqlens.dim() != 1 or cu_seqlens.dtype != torch.int32:
-            raise ValueError(
-                f"cu_seqlens must be a 1-D int32 tensor; got {cu_seqlens.dtype} {list(cu_seqlens.shape)}"
-            )
-        x = self.embedding(input_ids)
-        cos, sin = (c.to(x.dtype) for c in self.rotary(position_ids))
-        for layer in self.layers:
-            x = layer(x, cos, sin, cu_seqlens, inference_params)
+        x = self.hidden_states(input_ids, position_ids, cu_seqlens=cu_seqlens, inference_params=inference_params)
         if logits_index is not None:
             x = x.index_select(0, logits_index)
-        x = self.final_norm(x)
-        head = self.embedding.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(x, head)
+        return F.linear(x, self.lm_head_weight)

@@ -1,0 +1,2 @@
+"""Training under context parallelism: CP-sharded batches (:mod:`megacp.train.batch`) and the
+CP-exact causal-LM loss (:mod:`megacp.train.loss`)."""

@@ -1,0 +1,137 @@
+"""The causal-LM loss under context parallelism, exact against one process.
+
+Each CP rank sums the cross-entropy (natural log) over the valid labels of its shard and divides
+by the valid labels of the *whole* sequence group (:attr:`TrainShard.num_valid_tokens`), so the
+sum of the CP ranks' losses, and of their gradients, is the mean loss and gradient of CP = 1.
+That is how DeepSpeed combines them when its mpu names a sequence-parallel group (megacp's
+:class:`~megacp.parallel.mpu.DeepSpeedMPU`: CP is DeepSpeed's sequence parallelism): gradients
+are all-reduced over the sequence-data-parallel group (DP x CP) and divided by
+``seq_dp_world_size / sp_world_size`` = the DP size (``DeepSpeedEngine._reduce_non_expert_gradients``
+and ZeRO 1/2's ``average_tensor``/``allreduce_bucket`` in DeepSpeed 0.19), i.e. summed over CP and
+averaged over DP. The objective is therefore the mean over DP replicas of each sequence group's
+mean token loss; :func:`logged_loss` reports that number.
+
+The LM head never produces the logits of a whole shard at once: the final hidden states are
+taken ``chunk_tokens`` rows at a time, each chunk's logits (``[chunk, V]``, upcast to fp32) and
+cross-entropy computed under ``torch.utils.checkpoint``, so only one chunk's logits live at a time
+in forward and in backward (the head's matmul runs again in backward: one extra ``2·T·V·H``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from megacp.layers.attention import DotProductAttention
+from megacp.layers.cp_attention import CPDotProductAttention
+from megacp.layers.step import CPStep
+from megacp.placement import ShardPlan
+from megacp.train.batch import IGNORE_INDEX, TrainShard
+
+DEFAULT_CHUNK_TOKENS = 4096
+"""Rows of hidden states whose logits are materialised at once."""
+
+
+def _cross_entropy_sum(hidden: Tensor, weight: Tensor, labels: Tensor) -> Tensor:
+    """Summed cross-entropy of ``labels`` [n] (-100 ignored) under logits ``hidden @ weight.T``
+    (hidden [n, H], weight [V, H]); fp32 scalar."""
+    logits = F.linear(hidden, weight).float()
+    return F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def chunked_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> Tensor:
+    """Summed cross-entropy of the logits ``hidden [n, H] @ weight [V, H].T`` against ``labels``
+    ``[n]`` (-100 ignored), ``chunk_tokens`` rows at a time; differentiable, fp32 scalar.
+
+    Under autograd each chunk runs through ``torch.utils.checkpoint``: its logits are freed after
+    the chunk and recomputed in backward.
+    """
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    recompute = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    total = None
+    for h, y in zip(hidden.split(chunk_tokens), labels.split(chunk_tokens)):
+        part = checkpoint(_cross_entropy_sum, h, weight, y, use_reentrant=False) if recompute else \
+            _cross_entropy_sum(h, weight, y)
+        total = part if total is None else total + part
+    return total
+
+
+def _attention_step(model: nn.Module, plan: ShardPlan) -> CPStep | None:
+    """The step handed to the model's CP attention layers for ``plan`` (``None``: local attention,
+    CP = 1). Raises ``ValueError`` when the model's attention does not match the plan's CP group."""
+    cores = [m for m in model.modules() if isinstance(m, DotProductAttention)]
+    cp = [m for m in cores if isinstance(m, CPDotProductAttention)]
+    if not cp:
+        if plan.cp_size > 1:
+            raise ValueError(
+                f"the shard is one of {plan.cp_size} CP ranks' but the model has local attention: "
+                "call megacp.swap_attention(model, state) first"
+            )
+        return None
+    if len(cp) != len(cores):
+        raise ValueError(f"{len(cores) - len(cp)} of the model's {len(cores)} attention layers are not CP layers")
+    ring = cp[0].ring
+    size, rank = (ring.size, ring.rank) if ring is not None else (1, 0)
+    if any(m.ring is not ring for m in cp):
+        raise ValueError("the model's CP attention layers use different rings")
+    if (size, rank) != (plan.cp_size, plan.rank):
+        raise ValueError(
+            f"the shard is for CP rank {plan.rank} of {plan.cp_size}, but the model's CP ring is rank {rank} of {size}"
+        )
+    return CPStep(plan, ring, strategy=cp[0].strategy)
+
+
+def lm_loss(model: nn.Module, shard: TrainShard, *, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> Tensor:
+    """This CP rank's share of the batch's mean causal-LM loss (differentiable fp32 scalar).
+
+    Summed over the CP group, the losses (and the gradients) equal CP = 1's mean token loss of the
+    batch. Zero, with zero gradients, when the batch has no valid label.
+
+    Args:
+        model: a :class:`~megacp.models.llama.CausalLM` (or anything with its ``hidden_states``
+            and ``lm_head_weight``), with CP attention over the shard's CP group
+            (:func:`megacp.swap_attention`) unless CP = 1.
+        shard: this rank's :class:`TrainShard` (:func:`~megacp.train.batch.shard_batch`).
+        chunk_tokens: rows of logits materialised at once.
+
+    Raises:
+        ValueError: an input id or label outside the vocabulary, or a model whose attention does
+            not match the shard's CP group.
+    """
+    weight = model.lm_head_weight
+    vocab = weight.shape[0]
+    if shard.input_ids.numel():
+        top_id, top_label = int(shard.input_ids.max()), int(shard.labels.max())
+        if shard.input_ids.min() < 0 or top_id >= vocab:
+            raise ValueError(f"input_ids must be in [0, {vocab}) (the vocabulary); got {top_id}")
+        if top_label >= vocab:
+            raise ValueError(f"labels must be < {vocab} (the vocabulary) or -100; got {top_label}")
+    step = _attention_step(model, shard.plan)
+    device = weight.device
+    hidden = model.hidden_states(
+        shard.input_ids.to(device), shard.position_ids.to(device),
+        cu_seqlens=shard.local_cu_seqlens.to(device), inference_params=step,
+    )
+    total = chunked_cross_entropy(hidden, weight, shard.labels.to(device), chunk_tokens)
+    return total / max(shard.num_valid_tokens, 1)
+
+
+def logged_loss(loss: Tensor, *, cp_group: dist.ProcessGroup | None = None,
+                dp_group: dist.ProcessGroup | None = None) -> float:
+    """The loss to report: ``loss`` (this rank's :func:`lm_loss`) summed over the CP group and
+    averaged over the DP group, i.e. CP = 1's mean token loss, averaged over the DP replicas.
+
+    Collective over both groups (TP ranks hold equal losses and need no reduction); ``None`` (or a
+    group of one) skips that reduction.
+    """
+    x = loss.detach().float().reshape(1).clone()
+    if cp_group is not None and dist.get_world_size(cp_group) > 1:
+        dist.all_reduce(x, group=cp_group)
+    if dp_group is not None and dist.get_world_size(dp_group) > 1:
+        dist.all_reduce(x, group=dp_group)
+        x /= dist.get_world_size(dp_group)
+    return float(x)
