@@ -3,7 +3,7 @@
 Each CP rank keeps, for every layer, a static preallocated buffer of ``max_requests`` slots ×
 ``capacity`` tokens (gpt-fast style: fixed shapes, CUDA-graph friendly) holding only **this rank's**
 tokens of each request, in position order, plus their global positions. Placement follows
-:mod:`megacp.attention.sharding`: prefill tokens stay where the load-balanced sharding put them
+:mod:`megacp.placement`: prefill tokens stay where the load-balanced sharding put them
 (also across chunked prefill and multi-turn continuation), a decoded token at position t lives only
 on rank ``t mod N``. The host keeps, for every request, how many tokens *each* rank holds — every
 rank can derive it from the request's history, so no communication is needed to plan a step.
@@ -20,7 +20,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from megacp.attention.sharding import ShardPlan
+from megacp.placement import ShardPlan
 
 
 class CacheCapacityError(RuntimeError):

@@ -37,10 +37,9 @@ from functools import lru_cache
 from itertools import pairwise
 from pathlib import Path
 
-from megacp.attention.sharding import ShardPlan, shard_ranges
 from megacp.attention.strategy import Hardware, choose_strategy
-from megacp.attention.tiles import Tile
 from megacp.models.config import ModelConfig
+from megacp.placement import ShardPlan, Tile, shard_ranges
 
 KiB, MiB = 2**10, 2**20
 
@@ -344,7 +343,7 @@ class RingPlan:
 
 @lru_cache(maxsize=32)
 def ring_plan(new: tuple[int, ...], cached: tuple[int, ...], cp: int, strategy: str) -> RingPlan:
-    """Tiles of every step and rank from :class:`~megacp.attention.sharding.ShardPlan` (cached
+    """Tiles of every step and rank from :class:`~megacp.placement.ShardPlan` (cached
     tokens are taken to come from one earlier prefill, so rank j holds its load-balanced share).
 
     Pass-KV: at step s rank r runs its queries over rank (r−s)'s KV block. Pass-Q: rank r runs the

@@ -37,15 +37,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_common as bc  # noqa: E402  (puts the repo root on sys.path)
 
 from megacp.attention import (  # noqa: E402
-    ShardPlan,
     allgather_decode,
     build_kv_block,
     cp_attention,
     cp_prefill,
-    local_positions,
     partial_attention,
 )
 from megacp.parallel.ring import Ring  # noqa: E402
+from megacp.placement import ShardPlan, positions_from_history  # noqa: E402
 
 
 def parse_pairs(text: str) -> list[tuple[int, int]]:
@@ -163,7 +162,7 @@ def check_ragged(ctx, ver: Verifier, args, spec: list[tuple[int, int]], strategi
     vs = [bc.shared_randn((p + t, hkv, d), ctx, args.seed + 101 + 3 * i) for i, (p, t) in enumerate(spec)]
     qs = [bc.shared_randn((t, h, d), ctx, args.seed + 102 + 3 * i) for i, (p, t) in enumerate(spec)]
     # cache bookkeeping: request i's prefix came from one prefill step [0, P_i]
-    prefix_pos = [[local_positions([0, p], n, j) if p else [] for p in cached] for j in range(n)]
+    prefix_pos = [[positions_from_history([0, p], n, j) if p else [] for p in cached] for j in range(n)]
     prefix_counts = [[len(x) for x in row] for row in prefix_pos]
     plan = ShardPlan(cached, new, n, r, prefix_counts=prefix_counts)
     q_new = torch.cat(qs)
@@ -220,7 +219,7 @@ def check_decode_ragged(ctx, ver: Verifier, args, spec: list[tuple[int, int]]) -
     for i, (length, steps) in enumerate(spec):
         hist = [0, length - steps] + [length - steps + j for j in range(1, steps + 1)] if length - steps > 0 else \
             list(range(0, length + 1))
-        pos = torch.tensor(local_positions(hist, n, r), dtype=torch.long, device=ctx.device)
+        pos = torch.tensor(positions_from_history(hist, n, r), dtype=torch.long, device=ctx.device)
         local.append((ks[i][pos], vs[i][pos]))
     out = None
     try:

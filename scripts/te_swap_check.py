@@ -20,9 +20,9 @@ import torch.distributed as dist
 import transformer_engine.pytorch as te
 
 import megacp
-from megacp.attention.sharding import ShardPlan
 from megacp.checkpoint.store import load_megacp_checkpoint, save_megacp_checkpoint
 from megacp.models import ModelConfig, build_model
+from megacp.placement import ShardPlan
 
 CFG = ModelConfig(vocab_size=1024, hidden_size=1024, intermediate_size=2816, num_layers=4, num_heads=16,
                   num_kv_heads=4, rope_theta=10000.0, max_position_embeddings=1 << 16)

@@ -28,7 +28,7 @@ def _reference_grads() -> tuple[torch.Tensor, ...]:
 
 def _cp_grads(rank: int, n: int, through_layer: bool) -> tuple[torch.Tensor, ...]:
     from megacp.attention.backward import ring_attention
-    from megacp.attention.sharding import ShardPlan
+    from megacp.placement import ShardPlan
     from megacp.layers.cp_attention import CPDotProductAttention
     from megacp.parallel.ring import Ring
 

@@ -1,5 +1,5 @@
-"""CP attention: partial attention + merge, sharding, pass-KV / pass-Q ring prefill, all-gather
-decode, the strategy choice and the training backward. Nothing here knows about models."""
+"""CP attention: partial attention + merge, running planned tiles, pass-KV / pass-Q ring prefill,
+all-gather decode, the strategy choice and the training backward. Nothing here knows about models."""
 
 from megacp.attention.backward import ring_attention
 from megacp.attention.decode import allgather_decode
@@ -13,25 +13,16 @@ from megacp.attention.prefill import (
     cp_prefill,
     resolve_strategy,
 )
-from megacp.attention.sharding import (
-    ShardPlan,
-    local_counts,
-    local_positions,
-    shard_ranges,
-)
 from megacp.attention.strategy import Hardware, calibrate, choose_strategy
 
 __all__ = [
     "Hardware",
-    "ShardPlan",
     "allgather_decode",
     "build_kv_block",
     "calibrate",
     "choose_strategy",
     "cp_attention",
     "cp_prefill",
-    "local_counts",
-    "local_positions",
     "merge_into",
     "merge_stack",
     "merge_states",
@@ -40,5 +31,4 @@ __all__ = [
     "ring_attention",
     "ring_pass_kv",
     "ring_pass_q",
-    "shard_ranges",
 ]

@@ -27,8 +27,8 @@ from megacp.attention.merge import finite_or_zero
 from megacp.attention.partial import heads_first, hidden_by_causal_mask
 from megacp.attention.pass_kv import KVBlock, ring_pass_kv
 from megacp.attention.prefill import build_kv_block
-from megacp.attention.sharding import ShardPlan
 from megacp.parallel.ring import Ring
+from megacp.placement import ShardPlan
 
 
 def partial_attention_backward(

@@ -24,9 +24,9 @@ import torch
 from torch import Tensor
 
 from megacp.attention.merge import merge_into
-from megacp.attention.sharding import ShardPlan
-from megacp.attention.tiles import run_tiles
+from megacp.attention.tile_attention import run_tiles
 from megacp.parallel.ring import Ring, side_stream
+from megacp.placement import ShardPlan
 
 
 KVBlock = Tensor | tuple[Tensor, Tensor]

@@ -15,9 +15,9 @@ from torch import Tensor
 
 from megacp.attention.merge import merge_stack, pack_states, unpack_states
 from megacp.attention.pass_kv import KVBlock, check_ring
-from megacp.attention.sharding import ShardPlan
-from megacp.attention.tiles import run_tiles
+from megacp.attention.tile_attention import run_tiles
 from megacp.parallel.ring import Ring
+from megacp.placement import ShardPlan
 
 
 def ring_pass_q(

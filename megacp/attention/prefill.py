@@ -16,9 +16,9 @@ from torch import Tensor
 
 from megacp.attention.pass_kv import KVBlock, ring_pass_kv
 from megacp.attention.pass_q import ring_pass_q
-from megacp.attention.sharding import ShardPlan, seq_lengths
 from megacp.attention.strategy import STRATEGIES, Choice, choose_strategy, hardware_for
 from megacp.parallel.ring import Ring
+from megacp.placement import ShardPlan, seq_lengths
 
 log = logging.getLogger("megacp.prefill")
 

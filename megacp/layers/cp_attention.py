@@ -19,10 +19,10 @@ from torch import Tensor
 from megacp.attention.backward import ring_attention
 from megacp.attention.decode import allgather_decode
 from megacp.attention.prefill import build_kv_block, cp_prefill
-from megacp.attention.sharding import ShardPlan, seq_lengths
 from megacp.layers.attention import DotProductAttention, check_dropout, check_format, from_thd, to_thd
 from megacp.layers.step import CPStep
 from megacp.parallel.ring import Ring
+from megacp.placement import ShardPlan, seq_lengths
 
 
 def _check_causal(attn_mask_type: str) -> None:

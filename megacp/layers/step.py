@@ -14,10 +14,10 @@ import torch
 from torch import Tensor
 
 from megacp.attention.prefill import resolve_strategy, strategy_name
-from megacp.attention.sharding import ShardPlan
 from megacp.attention.strategy import Choice
 from megacp.kv_cache import ShardedKVCache
 from megacp.parallel.ring import Ring
+from megacp.placement import ShardPlan
 
 DECODE_STRATEGIES = ("allgather",)
 

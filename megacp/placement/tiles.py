@@ -1,6 +1,7 @@
-"""Turning buffer layouts into kernel calls.
+"""Turning buffer layouts into kernel calls (pure planning; :mod:`megacp.attention.tile_attention`
+runs them).
 
-Given where a block's queries sit (:class:`~megacp.attention.sharding.SeqLayout` per request, no
+Given where a block's queries sit (:class:`~megacp.placement.layout.SeqLayout` per request, no
 prefix) and where a KV block's keys sit (per request: cached prefix, then new tokens), every query
 at position ``x`` sees the prefix plus the new keys at positions ``<= x`` of its own request. Keys of
 a request are stored in position order, so the visible keys of a query always form a prefix of the
@@ -17,11 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from torch import Tensor
-
-from megacp.attention.merge import merge_into
-from megacp.attention.partial import empty_state, partial_attention
-from megacp.attention.sharding import SeqLayout
+from megacp.placement.layout import SeqLayout
 
 
 @dataclass(frozen=True)
@@ -83,38 +80,3 @@ def plan_tiles(q_layout: Sequence[SeqLayout], kv_layout: Sequence[SeqLayout]) ->
     for q, kv in zip(q_layout, kv_layout):
         tiles.extend(_coalesce(_request_tiles(q, kv)))
     return tiles
-
-
-def run_tiles(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    tiles: Sequence[Tile],
-    acc: tuple[Tensor, Tensor] | None,
-    *,
-    scale: float | None = None,
-    backend: str | None = None,
-) -> tuple[Tensor, Tensor]:
-    """Run ``tiles`` (queries of ``q`` ``[Lq,Hq,D]`` over ``k``/``v`` ``[Lk,Hkv,D]``) and fold them
-    into the running state ``acc = (out [Lq,Hq,D], lse [Lq,Hq] fp32)``.
-
-    With ``acc=None`` the tiles start a fresh state: rows no tile covers are ``out = 0``,
-    ``lse = -inf``, and a single tile covering every row becomes the state without a copy.
-    Returns the (possibly new) state.
-    """
-    lq, hq, d = q.shape
-    if acc is None:
-        if len(tiles) == 1 and tiles[0].q0 == 0 and tiles[0].q1 == lq:
-            t = tiles[0]
-            return partial_attention(q, k[t.k0:t.k1], v[t.k0:t.k1], causal=t.causal, scale=scale, backend=backend)
-        out, lse = empty_state(lq, hq, d, dtype=q.dtype, device=q.device)
-        for t in tiles:  # tiles never overlap in queries within one block
-            o, l = partial_attention(q[t.q0:t.q1], k[t.k0:t.k1], v[t.k0:t.k1], causal=t.causal, scale=scale, backend=backend)
-            out[t.q0:t.q1] = o
-            lse[t.q0:t.q1] = l
-        return out, lse
-    out, lse = acc
-    for t in tiles:
-        o, l = partial_attention(q[t.q0:t.q1], k[t.k0:t.k1], v[t.k0:t.k1], causal=t.causal, scale=scale, backend=backend)
-        merge_into(out[t.q0:t.q1], lse[t.q0:t.q1], o, l)
-    return out, lse

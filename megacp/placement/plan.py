@@ -1,126 +1,20 @@
-"""Which CP rank holds which token: load-balanced prefill sharding, round-robin decode placement,
-per-rank buffer layouts, and the bookkeeping that derives a rank's positions from a request's
-history.
-
-Placement rules (the team design notes, ../shared/DESIGN.md §1):
-
-* A step that adds ``T > 1`` tokens (prefill, or a chunk of a chunked prefill) at positions
-  ``P .. P+T-1`` splits them into ``2N`` chunks of ``c = ceil(T / 2N)`` positions; rank ``r`` holds
-  chunks ``r`` and ``2N-1-r`` (causal work is then equal on every rank). Chunks past the end are
-  shorter or empty: that is the "padding to a multiple of 2N", except that padded positions are
-  never materialised, so they cannot change a result. With ``load_balance=False`` rank ``r`` holds
-  the ``r``-th of ``N`` contiguous chunks.
-* A step that adds one token (decode) places the token at position ``t`` on rank ``t mod N``.
-
-Every rank computes the same plan from the same host-side integers; no communication is needed.
-"""
+"""The sharding plan of one batch step: per-rank position ranges, buffer layouts, local indices
+and the tiles (kernel calls) between any two ranks' blocks. Identical on every rank; no
+communication."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import cached_property
 from typing import Callable, Sequence, TypeVar
 
 import torch
 from torch import Tensor
 
-Range = tuple[int, int]
+from megacp.placement.layout import SeqLayout, pack_layouts
+from megacp.placement.sharding import shard_ranges
+from megacp.placement.tiles import Tile, plan_tiles
+
 _T = TypeVar("_T")
-
-
-def seq_lengths(cu_seqlens: Tensor | Sequence[int], total: int | None = None) -> list[int]:
-    """Sequence lengths from packed-batch boundaries ``cu_seqlens`` (``[B+1]``: 0, then strictly
-    rising; the last equals ``total`` tokens when given). Raises ``ValueError`` naming the bad input."""
-    bounds = [int(x) for x in cu_seqlens]
-    end = bounds[-1] if bounds else None
-    if len(bounds) < 2 or bounds[0] != 0 or any(b <= a for a, b in zip(bounds, bounds[1:])) or (
-            total is not None and end != total):
-        to = f" to T={total}" if total is not None else ""
-        raise ValueError(f"cu_seqlens must rise strictly from 0{to}, got {bounds}")
-    return [b - a for a, b in zip(bounds, bounds[1:])]
-
-
-def shard_ranges(start: int, num_new: int, cp_size: int, rank: int, *, load_balance: bool = True) -> list[Range]:
-    """Position ranges ``[a, b)`` (ascending, non-empty) of a step's new tokens held by ``rank``.
-
-    Args:
-        start: position of the step's first new token (= tokens already computed, P).
-        num_new: new tokens in the step (T).
-        cp_size: N; rank: this CP rank in ``[0, N)``.
-    """
-    if not 0 <= rank < cp_size:
-        raise ValueError(f"rank {rank} outside a CP group of size {cp_size}")
-    if num_new <= 0:
-        return []
-    if num_new == 1:
-        return [(start, start + 1)] if start % cp_size == rank else []
-    if load_balance:
-        c = -(-num_new // (2 * cp_size))
-        chunks = (rank, 2 * cp_size - 1 - rank)
-    else:
-        c = -(-num_new // cp_size)
-        chunks = (rank,)
-    end = start + num_new
-    out = []
-    for idx in chunks:
-        a, b = min(start + idx * c, end), min(start + (idx + 1) * c, end)
-        if b > a:
-            out.append((a, b))
-    return out
-
-
-def local_positions(history: Sequence[int], cp_size: int, rank: int, *, load_balance: bool = True) -> list[int]:
-    """Positions held by ``rank`` after a request's steps.
-
-    Args:
-        history: computed-token counts after each step, starting at 0 (e.g. ``[0, 4, 8, 9, 10, 11]``:
-            two prefill chunks of 4, then three decoded tokens).
-
-    Example (cp=2): rank 0 → ``[0, 3, 4, 7, 8, 10]``, rank 1 → ``[1, 2, 5, 6, 9]``.
-    """
-    if len(history) == 0 or history[0] != 0 or any(b < a for a, b in zip(history, history[1:])):
-        raise ValueError(f"history must start at 0 and never decrease, got {list(history)}")
-    out: list[int] = []
-    for a, b in zip(history, history[1:]):
-        for lo, hi in shard_ranges(a, b - a, cp_size, rank, load_balance=load_balance):
-            out.extend(range(lo, hi))
-    return out
-
-
-def local_counts(histories: Sequence[Sequence[int]], cp_size: int, rank: int, *, load_balance: bool = True) -> list[int]:
-    """Number of tokens ``rank`` holds for each request of a batch (a flat list, one int each)."""
-    return [len(local_positions(h, cp_size, rank, load_balance=load_balance)) for h in histories]
-
-
-@dataclass(frozen=True)
-class SeqLayout:
-    """Where one request's keys or queries sit in a rank's buffer.
-
-    The request occupies ``[offset, offset + length)``: first ``prefix`` cached tokens (all at
-    positions before this step's new tokens, so visible to every new query of the request), then the
-    new tokens of ``ranges`` in position order.
-    """
-
-    offset: int
-    prefix: int
-    ranges: tuple[Range, ...]
-
-    @property
-    def num_new(self) -> int:
-        return sum(b - a for a, b in self.ranges)
-
-    @property
-    def length(self) -> int:
-        return self.prefix + self.num_new
-
-
-def _pack(prefixes: Sequence[int], ranges: Sequence[Sequence[Range]]) -> list[SeqLayout]:
-    out, off = [], 0
-    for p, rs in zip(prefixes, ranges):
-        lay = SeqLayout(off, p, tuple(rs))
-        out.append(lay)
-        off += lay.length
-    return out
 
 
 class ShardPlan:
@@ -184,11 +78,11 @@ class ShardPlan:
 
     def q_layout(self, rank: int) -> list[SeqLayout]:
         """Layout of ``rank``'s local new tokens (queries); computed once per plan."""
-        return self._memo(("q", rank), lambda: _pack([0] * self.num_requests, self.ranges[rank]))
+        return self._memo(("q", rank), lambda: pack_layouts([0] * self.num_requests, self.ranges[rank]))
 
     def kv_layout(self, rank: int) -> list[SeqLayout]:
         """Layout of ``rank``'s KV block: per request, its cached tokens then its new tokens."""
-        return self._memo(("kv", rank), lambda: _pack(self.prefix_counts[rank], self.ranges[rank]))
+        return self._memo(("kv", rank), lambda: pack_layouts(self.prefix_counts[rank], self.ranges[rank]))
 
     def _memo(self, key: tuple, make: Callable[[], _T]) -> _T:
         """The plan is immutable and every layer asks the same questions: answer each once."""
@@ -226,11 +120,9 @@ class ShardPlan:
         load-balanced layout a later rank reads only the first chunk of an earlier rank's block."""
         return self._memo(("rows", q_rank, kv_rank), lambda: max((t.k1 for t in self.tiles(q_rank, kv_rank)), default=0))
 
-    def tiles(self, q_rank: int, kv_rank: int) -> list:
-        """Kernel calls (:class:`~megacp.attention.tiles.Tile`) for ``q_rank``'s queries over
-        ``kv_rank``'s KV block; computed once per plan and reused by every layer."""
-        from megacp.attention.tiles import plan_tiles
-
+    def tiles(self, q_rank: int, kv_rank: int) -> list[Tile]:
+        """Kernel calls for ``q_rank``'s queries over ``kv_rank``'s KV block; computed once per plan
+        and reused by every layer."""
         return self._memo(("tiles", q_rank, kv_rank), lambda: plan_tiles(self.q_layout(q_rank), self.kv_layout(kv_rank)))
 
     def local_index(self, rank: int | None = None) -> Tensor:

@@ -1,0 +1,47 @@
+"""Running planned tiles (:func:`megacp.placement.plan_tiles`) through the partial-attention
+kernels and folding them into a running (out, LSE) state."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from torch import Tensor
+
+from megacp.attention.merge import merge_into
+from megacp.attention.partial import empty_state, partial_attention
+from megacp.placement.tiles import Tile
+
+
+def run_tiles(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    tiles: Sequence[Tile],
+    acc: tuple[Tensor, Tensor] | None,
+    *,
+    scale: float | None = None,
+    backend: str | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Run ``tiles`` (queries of ``q`` ``[Lq,Hq,D]`` over ``k``/``v`` ``[Lk,Hkv,D]``) and fold them
+    into the running state ``acc = (out [Lq,Hq,D], lse [Lq,Hq] fp32)``.
+
+    With ``acc=None`` the tiles start a fresh state: rows no tile covers are ``out = 0``,
+    ``lse = -inf``, and a single tile covering every row becomes the state without a copy.
+    Returns the (possibly new) state.
+    """
+    lq, hq, d = q.shape
+    if acc is None:
+        if len(tiles) == 1 and tiles[0].q0 == 0 and tiles[0].q1 == lq:
+            t = tiles[0]
+            return partial_attention(q, k[t.k0:t.k1], v[t.k0:t.k1], causal=t.causal, scale=scale, backend=backend)
+        out, lse = empty_state(lq, hq, d, dtype=q.dtype, device=q.device)
+        for t in tiles:  # tiles never overlap in queries within one block
+            o, l = partial_attention(q[t.q0:t.q1], k[t.k0:t.k1], v[t.k0:t.k1], causal=t.causal, scale=scale, backend=backend)
+            out[t.q0:t.q1] = o
+            lse[t.q0:t.q1] = l
+        return out, lse
+    out, lse = acc
+    for t in tiles:
+        o, l = partial_attention(q[t.q0:t.q1], k[t.k0:t.k1], v[t.k0:t.k1], causal=t.causal, scale=scale, backend=backend)
+        merge_into(out[t.q0:t.q1], lse[t.q0:t.q1], o, l)
+    return out, lse

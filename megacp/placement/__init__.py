@@ -1,0 +1,19 @@
+"""The placement rule: which CP rank holds which token, where it sits in the rank's buffer, and
+which kernel calls (tiles) a rank's queries make over another rank's keys. Pure host-side integer
+bookkeeping, identical on every rank; nothing here communicates or runs a kernel."""
+
+from megacp.placement.layout import SeqLayout
+from megacp.placement.plan import ShardPlan
+from megacp.placement.sharding import local_counts, positions_from_history, seq_lengths, shard_ranges
+from megacp.placement.tiles import Tile, plan_tiles
+
+__all__ = [
+    "SeqLayout",
+    "ShardPlan",
+    "Tile",
+    "local_counts",
+    "plan_tiles",
+    "positions_from_history",
+    "seq_lengths",
+    "shard_ranges",
+]
