@@ -23,7 +23,7 @@ setup(
         "te": ["transformer-engine[pytorch]"],
         "hf": ["transformers>=4.45", "safetensors", "gguf>=0.10", "accelerate", "sentencepiece"],
         # triton: the fused merges run in Triton's CPU interpreter in the tests (GPUs compile them)
-        "dev": ["pytest", "pytest-timeout", "transformers>=4.45", "gguf>=0.10", "accelerate", "sentencepiece",
+        "dev": ["pytest", "pytest-timeout", "hypothesis", "transformers>=4.45", "gguf>=0.10", "accelerate", "sentencepiece",
                 "triton; platform_system == 'Linux'"],
     },
     entry_points={"console_scripts": ["megacp-generate=megacp.generate:main"]},
