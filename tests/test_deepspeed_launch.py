@@ -16,7 +16,7 @@ import pytest
 from tests.distributed import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
-INIT_CHECK = ROOT / "scripts" / "init_check.py"
+INIT_CHECK = ROOT / "tests" / "programs" / "init_check.py"
 PREFIX = "MEGACP_INIT_CHECK "
 LAUNCH_TIMEOUT_S = 180
 

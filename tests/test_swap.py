@@ -54,7 +54,7 @@ def test_te_replacement_keeps_extra_state_entries() -> None:
 
 _TE_REASON = None
 if importlib.util.find_spec("transformer_engine") is None:
-    _TE_REASON = "Transformer Engine is not installed (it runs on the GPU machine through shared/te)"
+    _TE_REASON = "Transformer Engine is not installed (docs/GPU_FACTS.md: how it runs on the GPU machine)"
 elif not torch.cuda.is_available() or torch.cuda.device_count() < 2:
     _TE_REASON = "the TE swap check needs 2 CUDA GPUs"
 
@@ -64,7 +64,7 @@ def test_real_te_model_swapped_matches_single_gpu() -> None:
     """A model of real te.TransformerLayers: megacp checkpoint loads, CP=2 equals single GPU."""
     root = Path(__file__).resolve().parents[1]
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           str(root / "scripts" / "te_swap_check.py")], capture_output=True, text=True, timeout=600)
+                           str(root / "tests" / "programs" / "te_swap_check.py")], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0 and "FAIL" not in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 

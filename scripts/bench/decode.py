@@ -21,17 +21,14 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import os
 import sys
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_common as bc  # noqa: E402  (puts the repo root on sys.path)
-
-from megacp.attention import allgather_decode, partial_attention  # noqa: E402
-from megacp.parallel.ring import Ring  # noqa: E402
+from megacp.attention import allgather_decode, partial_attention
+from megacp.parallel.ring import Ring
+from scripts.bench import harness as bh
 
 
 MERGES = {"auto": None, "torch": False, "fused": True}  # --merges name -> allgather_decode(fused_merge=)
@@ -39,7 +36,7 @@ MERGES = {"auto": None, "torch": False, "fused": True}  # --merges name -> allga
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    bc.add_common_args(p)
+    bh.add_common_args(p)
     p.add_argument("--batches", default="1,8")
     p.add_argument("--lengths", default="128K,1M", help="KV tokens per request (K/M suffixes)")
     p.add_argument("--single-backends", default=None, help="default cudnn,flash (reference on cpu)")
@@ -57,7 +54,7 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def make_shards(ctx: bc.Ctx, b: int, length: int, hkv: int, d: int, seed: int):
+def make_shards(ctx: bh.Ctx, b: int, length: int, hkv: int, d: int, seed: int):
     """This rank's ``(k, v)`` ``[B, L/N, Hkv, D]`` (made on rank 0 and sent), and on rank 0 the
     full ``(K, V)`` ``[B, L, Hkv, D]`` = the shards concatenated in rank order (None elsewhere)."""
     n, per = ctx.world, length // ctx.world
@@ -65,8 +62,8 @@ def make_shards(ctx: bc.Ctx, b: int, length: int, hkv: int, d: int, seed: int):
     if ctx.rank == 0:
         ks, vs = [], []
         for j in range(n):
-            ks.append(bc.randn(shape, ctx, seed + 2 * j))
-            vs.append(bc.randn(shape, ctx, seed + 2 * j + 1))
+            ks.append(bh.randn(shape, ctx, seed + 2 * j))
+            vs.append(bh.randn(shape, ctx, seed + 2 * j + 1))
             if j > 0:
                 dist.send(ks[j], dst=j, group=ctx.group)
                 dist.send(vs[j], dst=j, group=ctx.group)
@@ -83,22 +80,22 @@ def make_shards(ctx: bc.Ctx, b: int, length: int, hkv: int, d: int, seed: int):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    ctx = bc.init_dist(args.device, args.dtype, args.pg_timeout)
+    ctx = bh.init(args.device, args.dtype)
     n = ctx.world
     h, hkv, d = args.heads, args.kv_heads, args.head_dim
-    batches, lengths = bc.parse_sizes(args.batches), bc.parse_sizes(args.lengths)
-    single_backends = bc.parse_names(args.single_backends or ("cudnn,flash" if ctx.cuda else "reference"))
-    cp_backends = bc.parse_names(args.cp_backends or ("cudnn,flash" if ctx.cuda else "reference"))
-    merges = bc.parse_names(args.merges)
+    batches, lengths = bh.parse_sizes(args.batches), bh.parse_sizes(args.lengths)
+    single_backends = bh.parse_names(args.single_backends or ("cudnn,flash" if ctx.cuda else "reference"))
+    cp_backends = bh.parse_names(args.cp_backends or ("cudnn,flash" if ctx.cuda else "reference"))
+    merges = bh.parse_names(args.merges)
     if not merges or any(m not in MERGES for m in merges):
         raise SystemExit(f"--merges {args.merges!r}: choose from {', '.join(MERGES)}")
     timing = dict(warmup=args.warmup, min_iters=args.min_iters, max_iters=args.max_iters, target_s=args.target_s)
-    meta = bc.env_info(ctx)
+    meta = bh.env_info(ctx)
     meta.update(kind="decode", heads=h, kv_heads=hkv, head_dim=d, batches=batches, lengths=lengths, cp_size=n,
                 timing=timing, loop_calls=args.loop_calls, check=args.check)
-    rep = bc.Report(ctx, args.json, meta)
+    rep = bh.Report(ctx, args.json, meta)
     ctx.log(f"decode benchmark: {meta.get('gpu', 'cpu')} x{n}, torch {torch.__version__}, {ctx.dtype}, H={h} Hkv={hkv} "
-            f"D={d}, B={batches}, L={[bc.size_label(x) for x in lengths]}")
+            f"D={d}, B={batches}, L={[bh.size_label(x) for x in lengths]}")
     graphs = ctx.cuda and not args.no_graph
     if not ctx.cuda:
         rep.skip("cuda_graph", "CUDA graphs need CUDA")
@@ -111,21 +108,21 @@ def main(argv=None) -> int:
     rows, checks = [], []
     check_fail = False
 
-    def add(b, length, method, tm: bc.Timing, loop_ms: float | None, note: str = ""):
-        row = {"batch": b, "kv_len": length, "kv_label": bc.size_label(length), "method": method, "ms": tm.ms,
+    def add(b, length, method, tm: bh.Timing, loop_ms: float | None, note: str = ""):
+        row = {"batch": b, "kv_len": length, "kv_label": bh.size_label(length), "method": method, "ms": tm.ms,
                "min_ms": tm.min_ms, "max_ms": tm.max_ms, "iters": tm.iters, "loop_ms": loop_ms, "note": note,
                "times_ms": [round(t, 4) for t in tm.times_ms]}
         rows.append(row)
         rep.result(row)
-        ctx.log(f"  {method:24s} {tm.ms * 1e3:10.1f} us   loop {bc.fmt(loop_ms and loop_ms * 1e3, '.1f'):>8s} us"
+        ctx.log(f"  {method:24s} {tm.ms * 1e3:10.1f} us   loop {bh.fmt(loop_ms and loop_ms * 1e3, '.1f'):>8s} us"
                 f"  ({tm.iters} iters) {note}")
 
     for b in batches:
         for length in lengths:
-            ctx.log(f"\n=== B = {b}, L = {bc.size_label(length)} per request "
+            ctx.log(f"\n=== B = {b}, L = {bh.size_label(length)} per request "
                     f"({b * length * hkv * d * 2 * 2 / 2**30:.1f} GiB of KV, {length // n} tokens per rank) ===")
             seed = args.seed + 1000 * b + length % 997
-            q = bc.shared_randn((b, h, d), ctx, seed)
+            q = bh.shared_randn((b, h, d), ctx, seed)
             (k_loc, v_loc), full = make_shards(ctx, b, length, hkv, d, seed + 10)
             ref, noise = None, None
 
@@ -137,35 +134,35 @@ def main(argv=None) -> int:
                         return partial_attention(q.unsqueeze(1), kf, vf, backend=be)
 
                     try:
-                        tm = bc.measure(ctx, fn, collective=False, **timing)
-                        add(b, length, f"single_{be}", tm, bc.measure_loop(ctx, fn, calls=args.loop_calls, collective=False),
+                        tm = bh.measure(ctx, fn, collective=False, **timing)
+                        add(b, length, f"single_{be}", tm, bh.measure_loop(ctx, fn, calls=args.loop_calls, collective=False),
                             "rank 0 alone")
                         if args.check:
                             out = fn()[0][:, 0]
                             if ref is None:
                                 ref = out
                             else:
-                                st = bc.diff_stats(out, ref)
+                                st = bh.diff_stats(out, ref)
                                 noise = st["max_abs"] if noise is None else max(noise, st["max_abs"])
                     except Exception as e:  # noqa: BLE001 - rank-local
                         rep.error(f"single_{be}", e, batch=b, kv_len=length)
                 del kf, vf
             full = None
-            bc.free(ctx)
-            bc.barrier(ctx)
+            bh.free(ctx)
+            bh.barrier(ctx)
 
             def compare(method, out):
                 nonlocal check_fail
                 if ctx.rank != 0 or ref is None:
                     return
-                st = bc.diff_stats(out, ref)
-                tol = bc.tolerance(ref, noise, ctx.dtype)
+                st = bh.diff_stats(out, ref)
+                tol = bh.tolerance(ref, noise, ctx.dtype)
                 ok = st["max_abs"] == st["max_abs"] and st["max_abs"] <= tol
                 check_fail |= not ok
                 row = {"batch": b, "kv_len": length, "method": method, **st, "noise_max_abs": noise, "tol": tol, "ok": ok}
                 checks.append(row)
                 rep.check(row)
-                print(f"  check {method:20s} max|err| {st['max_abs']:.3e} (noise {bc.fmt(noise, '.3e')}) "
+                print(f"  check {method:20s} max|err| {st['max_abs']:.3e} (noise {bh.fmt(noise, '.3e')}) "
                       f"{'ok' if ok else 'MISMATCH'}", flush=True)
 
             # megacp all-gather decode
@@ -177,8 +174,8 @@ def main(argv=None) -> int:
                     return allgather_decode(q, (k_loc, v_loc), ring, backend=be, fused_merge=fused)
 
                 try:
-                    tm = bc.measure(ctx, fn, **timing)
-                    add(b, length, f"megacp_{tag}_eager", tm, bc.measure_loop(ctx, fn, calls=args.loop_calls))
+                    tm = bh.measure(ctx, fn, **timing)
+                    add(b, length, f"megacp_{tag}_eager", tm, bh.measure_loop(ctx, fn, calls=args.loop_calls))
                     eager_out = fn() if args.check else None
                     if args.check:
                         compare(f"megacp_{tag}_eager", eager_out)
@@ -187,12 +184,12 @@ def main(argv=None) -> int:
                     continue
                 if graphs:
                     try:
-                        g, static_out = bc.capture_graph(ctx, fn)
-                        tm = bc.measure(ctx, g.replay, **timing)
-                        add(b, length, f"megacp_{tag}_graph", tm, bc.measure_loop(ctx, g.replay, calls=args.loop_calls))
+                        g, static_out = bh.capture_graph(ctx, fn)
+                        tm = bh.measure(ctx, g.replay, **timing)
+                        add(b, length, f"megacp_{tag}_graph", tm, bh.measure_loop(ctx, g.replay, calls=args.loop_calls))
                         if args.check:
                             g.replay()
-                            bc.sync(ctx)
+                            bh.sync(ctx)
                             compare(f"megacp_{tag}_graph", static_out)
                             same = torch.equal(static_out, eager_out)
                             ctx.log(f"  graph replay == eager output: {same}")
@@ -203,7 +200,7 @@ def main(argv=None) -> int:
                     except Exception as e:  # noqa: BLE001
                         rep.error(f"megacp_{tag}_graph", e, batch=b, kv_len=length)
                 del eager_out
-                bc.free(ctx)
+                bh.free(ctx)
 
             # the all-gather alone (the packed states of the batch)
             if ring is not None:
@@ -215,18 +212,18 @@ def main(argv=None) -> int:
 
                 try:
                     note = f"{b * nbytes} B per rank"
-                    add(b, length, "allgather_eager", bc.measure(ctx, ag, **timing),
-                        bc.measure_loop(ctx, ag, calls=args.loop_calls), note)
+                    add(b, length, "allgather_eager", bh.measure(ctx, ag, **timing),
+                        bh.measure_loop(ctx, ag, calls=args.loop_calls), note)
                     if graphs:
-                        g, _ = bc.capture_graph(ctx, ag)
-                        add(b, length, "allgather_graph", bc.measure(ctx, g.replay, **timing),
-                            bc.measure_loop(ctx, g.replay, calls=args.loop_calls), note)
+                        g, _ = bh.capture_graph(ctx, ag)
+                        add(b, length, "allgather_graph", bh.measure(ctx, g.replay, **timing),
+                            bh.measure_loop(ctx, g.replay, calls=args.loop_calls), note)
                         del g
                 except Exception as e:  # noqa: BLE001
                     rep.error("allgather", e, batch=b, kv_len=length)
             del q, k_loc, v_loc, ref
-            bc.free(ctx)
-            bc.barrier(ctx)
+            bh.free(ctx)
+            bh.barrier(ctx)
 
     if ctx.rank == 0:
         for b in batches:
@@ -239,14 +236,14 @@ def main(argv=None) -> int:
                     x["vs_single"] = x["ms"] / t1 if t1 and x["method"].startswith("megacp") else None
                     x["us"] = x["ms"] * 1e3
                     x["loop_us"] = x["loop_ms"] * 1e3 if x["loop_ms"] is not None else None
-        rep._save()
-    bc.print_table(ctx, rows, [("batch", "B", ""), ("kv_label", "L", ""), ("method", "method", ""), ("us", "us", ".1f"),
+        rep.save()
+    bh.print_table(ctx, rows, [("batch", "B", ""), ("kv_label", "L", ""), ("method", "method", ""), ("us", "us", ".1f"),
                                ("loop_us", "loop us", ".1f"), ("vs_single", f"CP{n}/single", ".3f"),
                                ("iters", "iters", ""), ("note", "note", "")],
                    title=f"Decode attention, H={h}/{hkv} D={d} {str(ctx.dtype).replace('torch.', '')}, CP={n} "
                          f"(ideal CP/single = {1 / n:.2f})")
     if args.check:
-        bc.print_table(ctx, checks, [("batch", "B", ""), ("kv_len", "L", ""), ("method", "method", ""),
+        bh.print_table(ctx, checks, [("batch", "B", ""), ("kv_len", "L", ""), ("method", "method", ""),
                                      ("max_abs", "max|err|", ".3e"), ("noise_max_abs", "noise", ".3e"), ("ok", "ok", "")],
                        title="CP decode output vs single GPU (noise = flash vs cuDNN)")
     if ctx.rank == 0:
@@ -257,8 +254,8 @@ def main(argv=None) -> int:
         if args.json:
             print(f"JSON: {args.json}")
         print("decode check: " + ("FAIL" if check_fail else "ok" if args.check else "not run"), flush=True)
-    failed = not bc.agree(ctx, not check_fail)
-    bc.finish(ctx)
+    failed = not bh.agree(ctx, not check_fail)
+    bh.finish(ctx)
     return 1 if failed else 0
 
 

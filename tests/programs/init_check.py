@@ -1,7 +1,7 @@
 """Bring up megacp under a launcher and report this rank's mesh (used by the launcher tests).
 
-    DS_ACCELERATOR=cpu deepspeed --num_gpus 2 scripts/init_check.py --deepspeed_config configs/cpu_demo.json
-    torchrun --nproc_per_node 2 scripts/init_check.py --deepspeed_config configs/cpu_demo.json
+    DS_ACCELERATOR=cpu deepspeed --num_gpus 2 tests/programs/init_check.py --deepspeed_config configs/cpu_demo.json
+    torchrun --nproc_per_node 2 tests/programs/init_check.py --deepspeed_config configs/cpu_demo.json
 
 megacp must be importable (``pip install -e .`` or ``PYTHONPATH=<repo root>``). Every rank prints
 one line ``MEGACP_INIT_CHECK {json}`` with its rank, the CP group size and the global ranks an

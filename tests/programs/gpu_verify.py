@@ -1,7 +1,6 @@
-#!/usr/bin/env python3
 """Exactness of megacp's CP attention on GPUs, in bf16 at 16K-128K tokens (N ranks, NCCL).
 
-    torchrun --nproc_per_node 2 scripts/gpu_verify.py [--json out/verify.json]
+    torchrun --nproc_per_node 2 -m tests.programs.gpu_verify [--json out/verify.json]
 
 Checks (each prints ``PASS``/``FAIL`` with its errors; the exit status is 1 when any fails):
 
@@ -28,36 +27,33 @@ reference path and the same checks run at small sizes.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_common as bc  # noqa: E402  (puts the repo root on sys.path)
-
-from megacp.attention import (  # noqa: E402
+from megacp.attention import (
     allgather_decode,
     build_kv_block,
     cp_attention,
     cp_prefill,
     partial_attention,
 )
-from megacp.parallel.ring import Ring  # noqa: E402
-from megacp.placement import ShardPlan, positions_from_history  # noqa: E402
+from megacp.parallel.ring import Ring
+from megacp.placement import ShardPlan, positions_from_history
+from scripts.bench import harness as bh
 
 
 def parse_pairs(text: str) -> list[tuple[int, int]]:
     out = []
-    for tok in bc.parse_names(text):
+    for tok in bh.parse_names(text):
         a, b = tok.split(":")
-        out.append((bc.parse_sizes(a)[0], bc.parse_sizes(b)[0]))
+        out.append((bh.parse_sizes(a)[0], bh.parse_sizes(b)[0]))
     return out
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    bc.add_common_args(p)
+    bh.add_common_args(p)
     p.add_argument("--seqlens", default="16K,64K,128K", help="whole-sequence prefill lengths")
     p.add_argument("--odd-extra", type=int, default=5, help="also test seqlens[0] + this (0: skip)")
     p.add_argument("--ragged", default="8K:4K,0:12K,20000:1,30000:7001,5:9000",
@@ -71,7 +67,7 @@ def parse_args(argv=None):
 
 
 class Verifier:
-    def __init__(self, ctx: bc.Ctx, rep: bc.Report, backends: list[str]) -> None:
+    def __init__(self, ctx: bh.Ctx, rep: bh.Report, backends: list[str]) -> None:
         self.ctx, self.rep, self.backends = ctx, rep, backends
         self.floor = 1e-4 if ctx.dtype == torch.float32 else 1e-3
         self.failed = 0
@@ -85,12 +81,12 @@ class Verifier:
         ref_name = self.backends[0]
         ref = kernel_outs[ref_name]
         finite = bool(torch.isfinite(cp_out.float()).all())
-        st = bc.diff_stats(cp_out, ref)
+        st = bh.diff_stats(cp_out, ref)
         noise = 0.0
         for be, out in kernel_outs.items():
             if be != ref_name:
-                noise = max(noise, bc.diff_stats(out, ref)["max_abs"])
-        tol_ref = bc.tolerance(ref, noise, self.ctx.dtype)
+                noise = max(noise, bh.diff_stats(out, ref)["max_abs"])
+        tol_ref = bh.tolerance(ref, noise, self.ctx.dtype)
         ok = finite and st["max_abs"] <= tol_ref
         msg = f"max|cp-{ref_name}| {st['max_abs']:.3e} (tol {tol_ref:.3e}, noise {noise:.3e})"
         row = {"check": name, **where, "finite": finite, "max_abs_vs_ref": st["max_abs"],
@@ -122,33 +118,33 @@ class Verifier:
         self.failed += 1
 
 
-def gather_plan(ctx: bc.Ctx, plan: ShardPlan, out_local: torch.Tensor) -> torch.Tensor:
+def gather_plan(ctx: bh.Ctx, plan: ShardPlan, out_local: torch.Tensor) -> torch.Tensor:
     idx = [plan.local_index(j) for j in range(ctx.world)]
-    return bc.gather_rows(ctx, out_local, idx, sum(plan.new))
+    return bh.gather_rows(ctx, out_local, idx, sum(plan.new))
 
 
 def check_prefill(ctx, ver: Verifier, args, s: int, strategies, *, load_balance: bool = True) -> None:
     h, hkv, d = args.heads, args.kv_heads, args.head_dim
-    q = bc.shared_randn((s, h, d), ctx, args.seed + s + 1)
-    k = bc.shared_randn((s, hkv, d), ctx, args.seed + s + 2)
-    v = bc.shared_randn((s, hkv, d), ctx, args.seed + s + 3)
+    q = bh.shared_randn((s, h, d), ctx, args.seed + s + 1)
+    k = bh.shared_randn((s, hkv, d), ctx, args.seed + s + 2)
+    v = bh.shared_randn((s, hkv, d), ctx, args.seed + s + 3)
     outs = {}
     for strat in strategies:
         try:
             outs[strat] = cp_attention(q, k, v, ctx.group, strategy=strat, load_balance=load_balance)
         except Exception as e:  # noqa: BLE001
             ver.error(f"prefill_{strat}", e, S=s)
-    bc.barrier(ctx)
+    bh.barrier(ctx)
     if ctx.rank == 0 and outs:
         kern = ver.kernels(lambda be: partial_attention(q, k, v, causal=True, backend=be)[0])
         c = -(-s // (2 * ctx.world))
-        rows = bc.sample_rows(s, args.rows, args.seed + s, edges=[c * i for i in range(1, 2 * ctx.world)])
-        exact = bc.truth_rows(q, k, v, rows, causal=True)
+        rows = bh.sample_rows(s, args.rows, args.seed + s, edges=[c * i for i in range(1, 2 * ctx.world)])
+        exact = bh.truth_rows(q, k, v, rows, causal=True)
         for strat, out in outs.items():
             ver.judge(f"prefill_{strat}", out, kern, rows, exact, S=s, load_balance=load_balance)
     del q, k, v, outs
-    bc.free(ctx)
-    bc.barrier(ctx)
+    bh.free(ctx)
+    bh.barrier(ctx)
 
 
 def check_ragged(ctx, ver: Verifier, args, spec: list[tuple[int, int]], strategies) -> None:
@@ -158,9 +154,9 @@ def check_ragged(ctx, ver: Verifier, args, spec: list[tuple[int, int]], strategi
     cached = [p for p, _ in spec]
     new = [t for _, t in spec]
     # full keys/values of each request (prefix + new), queries of the new tokens; identical on every rank
-    ks = [bc.shared_randn((p + t, hkv, d), ctx, args.seed + 100 + 3 * i) for i, (p, t) in enumerate(spec)]
-    vs = [bc.shared_randn((p + t, hkv, d), ctx, args.seed + 101 + 3 * i) for i, (p, t) in enumerate(spec)]
-    qs = [bc.shared_randn((t, h, d), ctx, args.seed + 102 + 3 * i) for i, (p, t) in enumerate(spec)]
+    ks = [bh.shared_randn((p + t, hkv, d), ctx, args.seed + 100 + 3 * i) for i, (p, t) in enumerate(spec)]
+    vs = [bh.shared_randn((p + t, hkv, d), ctx, args.seed + 101 + 3 * i) for i, (p, t) in enumerate(spec)]
+    qs = [bh.shared_randn((t, h, d), ctx, args.seed + 102 + 3 * i) for i, (p, t) in enumerate(spec)]
     # cache bookkeeping: request i's prefix came from one prefill step [0, P_i]
     prefix_pos = [[positions_from_history([0, p], n, j) if p else [] for p in cached] for j in range(n)]
     prefix_counts = [[len(x) for x in row] for row in prefix_pos]
@@ -186,23 +182,23 @@ def check_ragged(ctx, ver: Verifier, args, spec: list[tuple[int, int]], strategi
                 ver.error(f"ragged_{strat}", e)
     except Exception as e:  # noqa: BLE001
         ver.error("ragged_build_kv_block", e)
-    bc.barrier(ctx)
+    bh.barrier(ctx)
     if ctx.rank == 0 and outs:
         kern = ver.kernels(lambda be: torch.cat([partial_attention(qi, kf, vf, causal=True, backend=be)[0]
                                                  for qi, kf, vf in zip(qs, ks, vs)]))
         rows_all, exact_all, off = [], [], 0
         per = max(4, args.rows // len(spec))
         for i, (_, t) in enumerate(spec):
-            rws = bc.sample_rows(t, per, args.seed + i)
-            exact_all.append(bc.truth_rows(qs[i], ks[i], vs[i], rws, causal=True))
+            rws = bh.sample_rows(t, per, args.seed + i)
+            exact_all.append(bh.truth_rows(qs[i], ks[i], vs[i], rws, causal=True))
             rows_all.append(rws + off)
             off += t
         rows, exact = torch.cat(rows_all), torch.cat(exact_all)
         desc = ",".join(f"{p}+{t}" for p, t in spec)
         for strat, out in outs.items():
             ver.judge(f"ragged_cached_{strat}", out, kern, rows, exact, requests=desc)
-    bc.free(ctx)
-    bc.barrier(ctx)
+    bh.free(ctx)
+    bh.barrier(ctx)
 
 
 def check_decode_ragged(ctx, ver: Verifier, args, spec: list[tuple[int, int]]) -> None:
@@ -212,9 +208,9 @@ def check_decode_ragged(ctx, ver: Verifier, args, spec: list[tuple[int, int]]) -
     n, r = ctx.world, ctx.rank
     ring = Ring(ctx.group) if n > 1 else None
     b = len(spec)
-    q = bc.shared_randn((b, h, d), ctx, args.seed + 300)
-    ks = [bc.shared_randn((length, hkv, d), ctx, args.seed + 301 + 2 * i) for i, (length, _) in enumerate(spec)]
-    vs = [bc.shared_randn((length, hkv, d), ctx, args.seed + 302 + 2 * i) for i, (length, _) in enumerate(spec)]
+    q = bh.shared_randn((b, h, d), ctx, args.seed + 300)
+    ks = [bh.shared_randn((length, hkv, d), ctx, args.seed + 301 + 2 * i) for i, (length, _) in enumerate(spec)]
+    vs = [bh.shared_randn((length, hkv, d), ctx, args.seed + 302 + 2 * i) for i, (length, _) in enumerate(spec)]
     local = []
     for i, (length, steps) in enumerate(spec):
         hist = [0, length - steps] + [length - steps + j for j in range(1, steps + 1)] if length - steps > 0 else \
@@ -226,16 +222,16 @@ def check_decode_ragged(ctx, ver: Verifier, args, spec: list[tuple[int, int]]) -
         out = allgather_decode(q, local, ring)
     except Exception as e:  # noqa: BLE001
         ver.error("decode_ragged", e)
-    bc.barrier(ctx)
+    bh.barrier(ctx)
     if ctx.rank == 0 and out is not None:
         kern = ver.kernels(lambda be: torch.cat([partial_attention(q[i:i + 1], ks[i], vs[i], backend=be)[0]
                                                  for i in range(b)]))
-        exact = torch.cat([bc.truth_rows(q[i:i + 1], ks[i], vs[i], torch.tensor([0]), causal=False) for i in range(b)])
+        exact = torch.cat([bh.truth_rows(q[i:i + 1], ks[i], vs[i], torch.tensor([0]), causal=False) for i in range(b)])
         desc = ",".join(f"{length}({steps} decoded)" for length, steps in spec)
         ver.judge("decode_ragged", out, kern, torch.arange(b), exact, requests=desc)
     del ks, vs, local
-    bc.free(ctx)
-    bc.barrier(ctx)
+    bh.free(ctx)
+    bh.barrier(ctx)
 
 
 def check_decode_batched(ctx, ver: Verifier, args, batched: tuple[int, int]) -> None:
@@ -244,9 +240,9 @@ def check_decode_batched(ctx, ver: Verifier, args, batched: tuple[int, int]) -> 
     n, r = ctx.world, ctx.rank
     ring = Ring(ctx.group) if n > 1 else None
     bb, length = batched
-    q = bc.shared_randn((bb, h, d), ctx, args.seed + 400)
-    kf = bc.shared_randn((bb, length, hkv, d), ctx, args.seed + 401)
-    vf = bc.shared_randn((bb, length, hkv, d), ctx, args.seed + 402)
+    q = bh.shared_randn((bb, h, d), ctx, args.seed + 400)
+    kf = bh.shared_randn((bb, length, hkv, d), ctx, args.seed + 401)
+    vf = bh.shared_randn((bb, length, hkv, d), ctx, args.seed + 402)
     per = length // n
     sl = slice(r * per, (r + 1) * per if r < n - 1 else length)
     kl, vl = kf[:, sl].contiguous(), vf[:, sl].contiguous()
@@ -258,9 +254,9 @@ def check_decode_batched(ctx, ver: Verifier, args, batched: tuple[int, int]) -> 
     try:
         outs["eager"] = fn()
         if ctx.cuda:
-            g, static = bc.capture_graph(ctx, fn)
+            g, static = bh.capture_graph(ctx, fn)
             g.replay()
-            bc.sync(ctx)
+            bh.sync(ctx)
             outs["graph"] = static.clone()
             same = bool(torch.equal(outs["graph"], outs["eager"]))
             if ctx.rank == 0:
@@ -268,28 +264,28 @@ def check_decode_batched(ctx, ver: Verifier, args, batched: tuple[int, int]) -> 
                 ver.rep.check({"check": "decode_graph_vs_eager", "B": bb, "L": length, "ok": same})
     except Exception as e:  # noqa: BLE001
         ver.error("decode_batched", e, B=bb, L=length)
-    bc.barrier(ctx)
+    bh.barrier(ctx)
     if ctx.rank == 0 and outs:
         kern = ver.kernels(lambda be: partial_attention(q.unsqueeze(1), kf, vf, backend=be)[0][:, 0])
-        exact = torch.cat([bc.truth_rows(q[i:i + 1], kf[i], vf[i], torch.tensor([0]), causal=False) for i in range(bb)])
+        exact = torch.cat([bh.truth_rows(q[i:i + 1], kf[i], vf[i], torch.tensor([0]), causal=False) for i in range(bb)])
         for mode, o in outs.items():
             ver.judge(f"decode_batched_{mode}", o, kern, torch.arange(bb), exact, B=bb, L=length)
-    bc.free(ctx)
-    bc.barrier(ctx)
+    bh.free(ctx)
+    bh.barrier(ctx)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    ctx = bc.init_dist(args.device, args.dtype, args.pg_timeout)
-    backends = bc.parse_names(args.backends or ("cudnn,flash" if ctx.cuda else "reference"))
-    meta = bc.env_info(ctx)
+    ctx = bh.init(args.device, args.dtype)
+    backends = bh.parse_names(args.backends or ("cudnn,flash" if ctx.cuda else "reference"))
+    meta = bh.env_info(ctx)
     meta.update(kind="verify", heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim, backends=backends)
-    rep = bc.Report(ctx, args.json, meta)
+    rep = bh.Report(ctx, args.json, meta)
     ver = Verifier(ctx, rep, backends)
     ctx.log(f"gpu_verify: {meta.get('gpu', 'cpu')} x{ctx.world}, torch {torch.__version__}, {ctx.dtype}, "
             f"H={args.heads} Hkv={args.kv_heads} D={args.head_dim}, kernels {backends}")
     strategies = ("pass_kv", "pass_q")
-    seqlens = bc.parse_sizes(args.seqlens)
+    seqlens = bh.parse_sizes(args.seqlens)
     for s in seqlens:
         check_prefill(ctx, ver, args, s, strategies)
     if seqlens and args.odd_extra:
@@ -302,10 +298,10 @@ def main(argv=None) -> int:
         check_decode_ragged(ctx, ver, args, parse_pairs(args.decode))
     if args.decode_batched:
         check_decode_batched(ctx, ver, args, parse_pairs(args.decode_batched)[0])
-    failed = not bc.agree(ctx, ver.failed == 0)
+    failed = not bh.agree(ctx, ver.failed == 0)
     if ctx.rank == 0:
         print(f"{ver.passed} passed, {ver.failed} failed", flush=True)
-    bc.finish(ctx)
+    bh.finish(ctx)
     return 1 if failed else 0
 
 

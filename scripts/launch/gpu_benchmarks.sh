@@ -1,25 +1,25 @@
 #!/usr/bin/env bash
-# The GPU run: megacp exactness checks, prefill and decode benchmarks (with the peers), logs and JSON
-# into $OUT. One command line on the GPU machine, from the repository root:
+# The GPU run: megacp exactness checks (tests/programs/gpu_verify.py), prefill and decode benchmarks
+# (scripts/bench/, with the peers), logs and JSON into $OUT. One command line on the GPU machine, from the repository root:
 #
-#   bash scripts/run_gpu_benchmarks.sh [PART ...]
+#   bash scripts/launch/gpu_benchmarks.sh [PART ...]
 #
 # PART: verify | prefill | decode | all (= verify prefill decode, the default)
-#       breakdown — per-rank prefill time split, clock and power (scripts/prefill_breakdown.py; GPU only)
-#       profile — GPU timeline of one pass-KV call per transport (scripts/profile_prefill.py; GPU only)
+#       breakdown — per-rank prefill time split, clock and power (scripts/diagnostics/prefill_breakdown.py; GPU only)
+#       profile — GPU timeline of one pass-KV call per transport (scripts/diagnostics/profile_prefill.py; GPU only)
 #       quick   — small sizes everywhere (a wiring test, ~1-2 min with TE's build, less without)
 #       nocheck — the benchmarks without their --check comparisons
 # Environment: NPROC (GPUs, default 2), OUT (default ./out/gpu), VERIFY_ARGS / PREFILL_ARGS /
-#   DECODE_ARGS / BREAKDOWN_ARGS / PROFILE_ARGS (extra arguments appended to that script), T_VERIFY / T_PREFILL /
+#   DECODE_ARGS / BREAKDOWN_ARGS / PROFILE_ARGS (extra arguments appended to that program), T_VERIFY / T_PREFILL /
 #   T_DECODE / T_BREAKDOWN / T_PROFILE (time limits in s, default 300 / 420 / 240 / 150 / 60 per
 #   transport), BREAKDOWN_SEQLENS (16K,64K), PROFILE_SEQLEN (64K), PROFILE_TRANSPORTS ("nccl copy_engine"),
 #   DEVICE=cpu (gloo smoke test of this script, small sizes).
 # Carried, optional: .whl/*.whl (DeepSpeed and its pure-Python dependencies, installed into
-#   /tmp/site), .tecarry/te (Transformer Engine, see shared/te/README.md; its first use on a fresh
-#   machine builds an extension for ~2 min and leaves the wheel in $OUT: put it in .tecarry/te/built/).
+#   /tmp/site), .tecarry/te (Transformer Engine packed for the GPU machine, docs/GPU_FACTS.md; its first use
+#   on a fresh machine builds an extension for ~2 min and leaves the wheel in $OUT: put it in .tecarry/te/built/).
 # Exit status: non-zero when any part failed (a failed check, a crash or a time-out).
 set -u -o pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 ROOT=$PWD
 OUT=${OUT:-$ROOT/out/gpu}
 mkdir -p "$OUT"
@@ -28,7 +28,6 @@ DEVICE=${DEVICE:-cuda}
 
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 DS_ACCELERATOR=${DS_ACCELERATOR:-cuda}
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-4} TORCH_NCCL_ASYNC_ERROR_HANDLING=1
-export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 
 parts=() ; quick=0 ; check=1
 for a in "$@"; do
@@ -52,7 +51,7 @@ if [ "$DEVICE" = cuda ]; then
   # DeepSpeed (and hjson, pydantic, ... ) as carried wheels
   if compgen -G ".whl/*.whl" >/dev/null; then
     if python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl >"$OUT/pip.log" 2>&1; then
-      export PYTHONPATH="/tmp/site:$PYTHONPATH"; echo "wheels installed into /tmp/site: $(ls .whl | tr '\n' ' ')"
+      export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"; echo "wheels installed into /tmp/site: $(ls .whl | tr '\n' ' ')"
     else
       echo "wheel install failed (see pip.log): DeepSpeed will be skipped"; tail -5 "$OUT/pip.log"
     fi
@@ -83,11 +82,11 @@ fi
 checkarg=() ; [ $check = 1 ] && checkarg=(--check)
 
 status=0
-run_part() {  # name, time limit, script, args...
-  local name=$1 limit=$2 script=$3; shift 3
-  echo; echo "== $name: torchrun --nproc_per_node $NPROC $script $* (limit ${limit}s)"
+run_part() {  # name, time limit, module, args...  (run from the repository root: python -m <module>)
+  local name=$1 limit=$2 module=$3; shift 3
+  echo; echo "== $name: torchrun --nproc_per_node $NPROC -m $module $* (limit ${limit}s)"
   local t0=$SECONDS
-  timeout -k 15 "$limit" torchrun --standalone --nproc_per_node "$NPROC" "$script" "$@" 2>&1 | tee "$OUT/$name.log"
+  timeout -k 15 "$limit" torchrun --standalone --nproc_per_node "$NPROC" -m "$module" "$@" 2>&1 | tee "$OUT/$name.log"
   local rc=${PIPESTATUS[0]}
   echo "== $name: exit $rc after $((SECONDS - t0)) s"
   [ "$rc" -eq 124 ] && echo "== $name: TIMED OUT (partial JSON kept)"
@@ -98,20 +97,20 @@ run_part() {  # name, time limit, script, args...
 for p in "${parts[@]}"; do
   case $p in
     # shellcheck disable=SC2086
-    verify)  run_part verify "${T_VERIFY:-300}" scripts/gpu_verify.py ${devargs[@]+"${devargs[@]}"} ${sizes_verify[@]+"${sizes_verify[@]}"} --json "$OUT/verify.json" ${VERIFY_ARGS:-} ;;
+    verify)  run_part verify "${T_VERIFY:-300}" tests.programs.gpu_verify ${devargs[@]+"${devargs[@]}"} ${sizes_verify[@]+"${sizes_verify[@]}"} --json "$OUT/verify.json" ${VERIFY_ARGS:-} ;;
     # shellcheck disable=SC2086
-    prefill) run_part prefill "${T_PREFILL:-420}" scripts/bench_prefill.py ${devargs[@]+"${devargs[@]}"} ${sizes_prefill[@]+"${sizes_prefill[@]}"} ${checkarg[@]+"${checkarg[@]}"} --json "$OUT/prefill.json" ${PREFILL_ARGS:-} ;;
+    prefill) run_part prefill "${T_PREFILL:-420}" scripts.bench.prefill ${devargs[@]+"${devargs[@]}"} ${sizes_prefill[@]+"${sizes_prefill[@]}"} ${checkarg[@]+"${checkarg[@]}"} --json "$OUT/prefill.json" ${PREFILL_ARGS:-} ;;
     # shellcheck disable=SC2086
     breakdown) [ "$DEVICE" = cpu ] && { echo "breakdown: GPU only, skipped"; continue; }
              # shellcheck disable=SC2086
-             run_part breakdown "${T_BREAKDOWN:-150}" scripts/prefill_breakdown.py --seqlens "${BREAKDOWN_SEQLENS:-16K,64K}" ${BREAKDOWN_ARGS:-} ;;
+             run_part breakdown "${T_BREAKDOWN:-150}" scripts.diagnostics.prefill_breakdown --seqlens "${BREAKDOWN_SEQLENS:-16K,64K}" ${BREAKDOWN_ARGS:-} ;;
     profile) [ "$DEVICE" = cpu ] && { echo "profile: GPU only, skipped"; continue; }
              for tr in ${PROFILE_TRANSPORTS:-nccl copy_engine}; do
                # shellcheck disable=SC2086
-               run_part "profile_$tr" "${T_PROFILE:-60}" scripts/profile_prefill.py --seqlen "${PROFILE_SEQLEN:-64K}" --transport "$tr" ${PROFILE_ARGS:-}
+               run_part "profile_$tr" "${T_PROFILE:-60}" scripts.diagnostics.profile_prefill --seqlen "${PROFILE_SEQLEN:-64K}" --transport "$tr" ${PROFILE_ARGS:-}
              done ;;
     # shellcheck disable=SC2086
-    decode)  run_part decode "${T_DECODE:-240}" scripts/bench_decode.py ${devargs[@]+"${devargs[@]}"} ${sizes_decode[@]+"${sizes_decode[@]}"} ${checkarg[@]+"${checkarg[@]}"} --json "$OUT/decode.json" ${DECODE_ARGS:-} ;;
+    decode)  run_part decode "${T_DECODE:-240}" scripts.bench.decode ${devargs[@]+"${devargs[@]}"} ${sizes_decode[@]+"${sizes_decode[@]}"} ${checkarg[@]+"${checkarg[@]}"} --json "$OUT/decode.json" ${DECODE_ARGS:-} ;;
   esac
 done
 

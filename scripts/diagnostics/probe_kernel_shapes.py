@@ -26,16 +26,12 @@ Prints ms, efficiency T1/(2·t) against T1 in the ``thd`` layout, mean SM clock 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 from collections.abc import Callable
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_common as bc  # noqa: E402
-from prefill_breakdown import Sampler, _window  # noqa: E402
+from scripts.bench import harness as bh
 
 
 def attn(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, causal: bool) -> torch.Tensor:
@@ -69,7 +65,7 @@ def main() -> None:
     torch.cuda.set_device(dev)
     h, hkv, d = 32, 8, 128
     print(f"{torch.cuda.get_device_name(dev)}, torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}")
-    for s in bc.parse_sizes(args.seqlens):
+    for s in bh.parse_sizes(args.seqlens):
         c = s // 4
         fns: dict[str, Callable[[], object]] = {}
         keep = []
@@ -114,7 +110,7 @@ def main() -> None:
                 fns[f"rank0 {name} {lay}"] = fn
             for name, fn in (("base", base1), ("b2", b2_1), ("cat", cat1)):
                 fns[f"rank1 {name} {lay}"] = fn
-        samplers = {k: Sampler() for k in fns}
+        samplers = {k: bh.Sampler() for k in fns}
         times: dict[str, list[float]] = {k: [] for k in fns}
         for fn in fns.values():
             fn()
@@ -123,9 +119,9 @@ def main() -> None:
             for k, fn in fns.items():
                 torch.cuda.synchronize()
                 with samplers[k]:
-                    times[k].append(_window(fn, calls if not k.startswith("T1") else max(1, calls // 2)))
+                    times[k].append(bh.window_ms(fn, calls if not k.startswith("T1") else max(1, calls // 2)))
         t1 = statistics.median(times["T1 thd"])
-        print(f"\n=== S={bc.size_label(s)} (c = {c}; T1 thd = {t1:.3f} ms)")
+        print(f"\n=== S={bh.size_label(s)} (c = {c}; T1 thd = {t1:.3f} ms)")
         for k, v in times.items():
             ms = statistics.median(v)
             smp = samplers[k]

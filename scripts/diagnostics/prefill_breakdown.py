@@ -27,71 +27,19 @@ from exposed transfer time.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
-import threading
 from collections.abc import Callable
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_common as bc  # noqa: E402
 
-from megacp.attention import ShardPlan, build_kv_block, cp_prefill, partial_attention, pass_kv  # noqa: E402
-from megacp.attention.merge import merge_into  # noqa: E402
-from megacp.attention.tiles import run_tiles  # noqa: E402
-from megacp.parallel.peer import peer_window  # noqa: E402
-from megacp.parallel.ring import Ring  # noqa: E402
-
-
-class Sampler:
-    """Mean SM clock (MHz) and power (W) of this GPU over every ``with`` block it was entered for
-    (NVML, every 5 ms); ``clock``/``power`` stay ``None`` where NVML is unavailable."""
-
-    def __init__(self) -> None:
-        self._samples: list[tuple[float, float]] = []
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    @property
-    def clock(self) -> float | None:
-        return statistics.mean(c for c, _ in self._samples) if self._samples else None
-
-    @property
-    def power(self) -> float | None:
-        return statistics.mean(p for _, p in self._samples) if self._samples else None
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.005):
-            self._samples.append((torch.cuda.clock_rate(), torch.cuda.power_draw() / 1000))
-
-    def __enter__(self) -> "Sampler":
-        try:
-            torch.cuda.clock_rate(), torch.cuda.power_draw()
-        except Exception:  # noqa: BLE001 - no pynvml / NVML: no samples
-            return self
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self._thread is not None:
-            self._stop.set()
-            self._thread.join()
-            self._thread = None
-
-
-def _window(fn: Callable[[], object], calls: int) -> float:
-    """Mean ms of ``calls`` back-to-back calls of ``fn`` (CUDA events on the current stream)."""
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(calls):
-        fn()
-    b.record()
-    b.synchronize()
-    return a.elapsed_time(b) / calls
+from megacp.attention import build_kv_block, cp_prefill, partial_attention, pass_kv
+from megacp.attention.merge import merge_into
+from megacp.attention.tile_attention import run_tiles
+from megacp.parallel.peer import peer_window
+from megacp.parallel.ring import Ring
+from megacp.placement import ShardPlan
+from scripts.bench import harness as bh
 
 
 def timed(fn: Callable[[], object], reps: int = 7, calls: int = 5) -> float:
@@ -100,16 +48,16 @@ def timed(fn: Callable[[], object], reps: int = 7, calls: int = 5) -> float:
     out = []
     for _ in range(reps):
         torch.cuda.synchronize()
-        out.append(_window(fn, calls))
+        out.append(bh.window_ms(fn, calls))
     return statistics.median(out)
 
 
 def timed_interleaved(fns: dict[str, Callable[[], object]], reps: int = 7, calls: int = 5
-                      ) -> tuple[dict[str, float], dict[str, Sampler]]:
+                      ) -> tuple[dict[str, float], dict[str, bh.Sampler]]:
     """Every rank: the variants of ``fns`` measured round-robin (rep 1 of each, rep 2 of each, ...)
     after a barrier each, so clock or temperature drift during the run hits all of them alike.
     Returns the median ms of each and its clock/power samples."""
-    samplers = {k: Sampler() for k in fns}
+    samplers = {k: bh.Sampler() for k in fns}
     times: dict[str, list[float]] = {k: [] for k in fns}
     for fn in fns.values():
         fn()
@@ -118,7 +66,7 @@ def timed_interleaved(fns: dict[str, Callable[[], object]], reps: int = 7, calls
             torch.cuda.synchronize()
             torch.distributed.barrier()
             with samplers[k]:
-                times[k].append(_window(fn, calls))
+                times[k].append(bh.window_ms(fn, calls))
     return {k: statistics.median(v) for k, v in times.items()}, samplers
 
 
@@ -127,15 +75,15 @@ def main() -> None:
     p.add_argument("--seqlens", default="16K,64K")
     p.add_argument("--transports", default="nccl,copy_engine")
     args = p.parse_args()
-    ctx = bc.init_dist("cuda", None)
+    ctx = bh.init("cuda", None)
     n, r = ctx.world, ctx.rank
     h, hkv, d = 32, 8, 128
-    rings = {t: Ring(ctx.group, transport=t) for t in bc.parse_names(args.transports)}
-    for s in bc.parse_sizes(args.seqlens):
-        q = bc.shared_randn((s, h, d), ctx, 1)
-        k = bc.shared_randn((s, hkv, d), ctx, 2)
-        v = bc.shared_randn((s, hkv, d), ctx, 3)
-        t1, t1_smp = None, Sampler()
+    rings = {t: Ring(ctx.group, transport=t) for t in bh.parse_names(args.transports)}
+    for s in bh.parse_sizes(args.seqlens):
+        q = bh.shared_randn((s, h, d), ctx, 1)
+        k = bh.shared_randn((s, hkv, d), ctx, 2)
+        v = bh.shared_randn((s, hkv, d), ctx, 3)
+        t1, t1_smp = None, bh.Sampler()
         if r == 0 and s <= 131072:
             with t1_smp:
                 t1 = timed(lambda: partial_attention(q, k, v, causal=True, backend="cudnn"), reps=5, calls=3)
@@ -192,11 +140,11 @@ def main() -> None:
         rows = sum(t.q1 - t.q0 for t in tiles1)
         res[f"merge_into {rows} rows"] = timed(lambda: merge_into(st[0][:rows].clone(), st[1][:rows].clone(), o[:rows], l_[:rows]))
         res[f"  (clone of the inputs, subtract) {rows}"] = timed(lambda: (st[0][:rows].clone(), st[1][:rows].clone()))
-        t1 = bc.all_max(ctx, [t1 or 0.0])[0]
+        t1 = bh.all_max(ctx, [t1 or 0.0])[0]
         for rk in range(n):
             if rk == r:
                 t1_clk = f", {t1_smp.clock:.0f} MHz {t1_smp.power:.0f} W" if t1_smp.clock else ""
-                print(f"\n=== S={bc.size_label(s)} rank {r}  (single cuDNN T1 = {t1:.3f} ms on rank 0{t1_clk})", flush=True)
+                print(f"\n=== S={bh.size_label(s)} rank {r}  (single cuDNN T1 = {t1:.3f} ms on rank 0{t1_clk})", flush=True)
                 for key, ms in res.items():
                     eff = t1 / (n * ms) if t1 and not key.startswith(("step", "merge", "  ")) else None
                     smp = samples.get(key)
@@ -204,8 +152,8 @@ def main() -> None:
                     print(f"  {key:36s} {ms:9.4f} ms" + (f"   eff {eff:.3f}" if eff else "") + clk, flush=True)
             torch.distributed.barrier()
         del q, k, v, ql, kl, vl, block
-        bc.free(ctx)
-    bc.finish(ctx)
+        bh.free(ctx)
+    bh.finish(ctx)
 
 
 if __name__ == "__main__":

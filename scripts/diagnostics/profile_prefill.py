@@ -21,19 +21,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 
 import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile, record_function
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_common as bc  # noqa: E402
 
-import megacp  # noqa: E402
-from megacp.attention import ShardPlan, build_kv_block, cp_prefill, partial_attention  # noqa: E402
-from megacp.parallel.ring import Ring  # noqa: E402
+import megacp
+from megacp.attention import build_kv_block, cp_prefill, partial_attention
+from megacp.parallel.ring import Ring
+from megacp.placement import ShardPlan
+from scripts.bench import harness as bh
 
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 
@@ -84,7 +83,7 @@ def main() -> None:
     state = megacp.initialize()
     dev, r = state.device, state.rank_in("cp")
     ring = Ring(state.group("cp"), transport=args.transport)
-    seqlen = bc.parse_sizes(args.seqlen)[0]
+    seqlen = bh.parse_sizes(args.seqlen)[0]
     plan = ShardPlan([0], [seqlen], ring.size, r)
     g = torch.Generator(device=dev).manual_seed(0)
     n = seqlen if args.strategy == "single" else plan.num_local()
@@ -126,7 +125,7 @@ def main() -> None:
     if not args.out:
         os.unlink(path)
     host_us, first_us, origin, rows = call_timeline(trace, "call1")
-    head = (f"rank {state.rank} S={bc.size_label(seqlen)} {args.strategy} transport={ring.transport}: "
+    head = (f"rank {state.rank} S={bh.size_label(seqlen)} {args.strategy} transport={ring.transport}: "
             f"{wall_us:.0f} us per call back to back; ")
     if args.loop:
         lines = [head + f"{args.loop} back-to-back calls (profiled), GPU activities of calls 1..{args.loop - 1} "

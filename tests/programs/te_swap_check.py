@@ -1,6 +1,6 @@
-"""GPU check of the Transformer Engine swap (needs TE and 2 GPUs; see shared/te/README.md).
+"""GPU check of the Transformer Engine swap (needs TE and 2 GPUs; docs/GPU_FACTS.md says how TE runs there).
 
-    torchrun --nproc_per_node 2 scripts/te_swap_check.py
+    torchrun --nproc_per_node 2 tests/programs/te_swap_check.py
 
 A user's model built from real ``te.TransformerLayer``s (TE's own DotProductAttention and RoPE,
 sbhd, bf16) gets the weights of a megacp checkpoint, runs the whole sequence on one GPU
@@ -20,7 +20,7 @@ import torch.distributed as dist
 import transformer_engine.pytorch as te
 
 import megacp
-from megacp.checkpoint.store import load_megacp_checkpoint, save_megacp_checkpoint
+from megacp.checkpoint import load_megacp_checkpoint, save_megacp_checkpoint
 from megacp.models import ModelConfig, build_model
 from megacp.placement import ShardPlan
 
