@@ -1,8 +1,8 @@
 """Time to first token of a Llama-3-8B-shaped model (random bf16 weights): CP=2 against CP=1,
 measured in one run on the same GPUs.
 
-    torchrun --nproc_per_node 2 scripts/bench_generate.py --seqlens 32768,65536,131072
-    deepspeed --num_gpus 2 scripts/bench_generate.py --deepspeed_config configs/cp2.json --seqlens 65536
+    torchrun --nproc_per_node 2 -m scripts.bench.generate --seqlens 32768,65536,131072
+    deepspeed --num_gpus 2 --module scripts.bench.generate --deepspeed_config configs/cp2.json --seqlens 65536
 
 Both ranks run the CP=2 prefill (pass-KV ring, sharded KV cache) of the same prompt and the first
 token; then rank 0 alone runs the same model at CP=1. Prints TTFT of each, the ratio CP2/CP1
@@ -23,7 +23,7 @@ from megacp.config import add_launcher_args
 from megacp.generate import Generator, SamplingParams
 from megacp.models import build_model
 from megacp.parallel.ring import Ring
-from megacp.perf_model import LLAMA3_8B
+from scripts.perf_model import LLAMA3_8B
 
 
 def main() -> None:

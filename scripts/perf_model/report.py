@@ -1,9 +1,8 @@
-#!/usr/bin/env python3
-"""The CP cost model (megacp/perf_model.py) against the recorded 2× H200 runs, its projections to
-4-128 GPUs, the paper's Llama3-405B numbers, and the efficiency plot.
+"""The CP cost model (:mod:`scripts.perf_model`) against the recorded 2× H200 runs, its projections
+to 4-128 GPUs, the paper's Llama3-405B numbers, and the efficiency plot.
 
-    python scripts/perf_model_report.py                       # tables + docs/scaling_efficiency.png
-    python scripts/perf_model_report.py --plot ''             # tables only
+    python -m scripts.perf_model.report                       # tables + docs/scaling_efficiency.png
+    python -m scripts.perf_model.report --plot ''             # tables only
 
 The plot needs matplotlib (``pip install matplotlib``); without it the tables still print.
 """
@@ -12,13 +11,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
+from dataclasses import replace
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from scripts import perf_model as pm
+from scripts.perf_model.validation import PREFILL_RUN, TTFT_RUN
 
-from megacp import perf_model as pm  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 CP_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 LENGTHS = (131072, 262144, 1 << 20)
@@ -104,7 +103,7 @@ def h100_like(m: pm.Machine) -> pm.Machine:
     """H200 kernel rates standing in for H100 (same GH100 SMs and clocks); HBM and copy bandwidths
     scaled by the datasheets' ratio, 3.35 / 4.8 TB/s."""
     scale = 3.35 / 4.8
-    return pm.replace(m, name=f"H100-like, {m.name}", hbm_bandwidth=m.hbm_bandwidth * scale,
+    return replace(m, name=f"H100-like, {m.name}", hbm_bandwidth=m.hbm_bandwidth * scale,
                       copy_bandwidth=m.copy_bandwidth * scale)
 
 
@@ -141,7 +140,7 @@ def print_paper_comparison() -> None:
               f"{flops / pred / 128 / 1e12:.0f} TFLOP/s per GPU = {flops / pred / 128 / H100_PEAK:.0%} of "
               f"the H100's {H100_PEAK / 1e12:.0f} TFLOP/s dense bf16 peak")
     flat_rate = 600e12
-    flat = pm.replace(m, kernels=pm.replace(m.kernels, causal=((1.0, flat_rate),), dense=((1.0, flat_rate),), half_flops=0.0))
+    flat = replace(m, kernels=replace(m.kernels, causal=((1.0, flat_rate),), dense=((1.0, flat_rate),), half_flops=0.0))
     effs = []
     for s in tokens:
         t1 = pm.ttft(flat, pm.LLAMA3_405B, s, cp=1, tp=8).total_s
@@ -160,9 +159,9 @@ def plot(path: Path, results: Path) -> None:
     except ImportError:
         print(f"matplotlib is not installed: {path} not written (pip install matplotlib)")
         return
-    pre = json.loads((results / "prefill_h200x2_s3_run3.json").read_text())
+    pre = json.loads((results / PREFILL_RUN).read_text())
     measured = {r["seqlen"]: r["efficiency"] for r in pre["results"] if r["method"] == "megacp_pass_kv"}
-    gen = json.loads((results / "ttft_h200x2_s5.json").read_text())
+    gen = json.loads((results / TTFT_RUN).read_text())
     cps = CP_SIZES[1:]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5))
     colors = dict(zip(LENGTHS, ("tab:blue", "tab:orange", "tab:green")))
@@ -210,7 +209,7 @@ def plot(path: Path, results: Path) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--results", default=str(ROOT / "docs" / "results"), help="folder of the recorded runs that megacp.perf_model.validate reads")
+    p.add_argument("--results", default=str(ROOT / "docs" / "results"), help="folder of the recorded runs that scripts.perf_model.validate reads")
     p.add_argument("--plot", default=str(ROOT / "docs" / "scaling_efficiency.png"), help="PNG to write ('' = none)")
     args = p.parse_args()
     if not Path(args.results).is_dir():
