@@ -1,6 +1,6 @@
 """The fused Triton merges (``merge_stack`` / ``merge_into`` with ``fused=True``) against full attention, run by Triton's
 CPU interpreter (``TRITON_INTERPRET=1``, set before Triton is imported: hence a subprocess). On GPU
-machines the decode benchmark and ``gpu_verify.py`` run the compiled kernel against single-GPU
+machines the decode benchmark and ``tests/programs/gpu_verify.py`` run the compiled kernel against single-GPU
 attention."""
 
 from __future__ import annotations

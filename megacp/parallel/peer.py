@@ -4,7 +4,7 @@ A :class:`PeerWindow` is one buffer per rank, allocated collectively with
 ``torch.distributed._symmetric_memory`` and mapped into every peer's address space. It holds two
 *slots* (double buffering) for blocks that peers *push* into it, and a small *signal* area.
 
-Everything a rotation does between GPUs avoids the SMs. Measured on H200 (``scripts/profile_prefill.py``
+Everything a rotation does between GPUs avoids the SMs. Measured on H200 (``scripts/diagnostics/profile_prefill.py``
 and a side-stream probe, see docs/PERFORMANCE.md): cuDNN's attention kernel keeps every SM until it
 ends, and any kernel on another stream — an NCCL send/recv, a barrier, even a same-device
 ``cudaMemcpy``, whatever the stream priority — starts only at its tail, so a transfer that needs an
@@ -45,17 +45,11 @@ import torch.distributed as dist
 log = logging.getLogger("megacp.peer")
 
 TRANSPORTS = ("auto", "nccl", "copy_engine")
+DEFAULT_WINDOW_MB = 1024
+"""MiB of each of a window's two slots unless the ring is given another size."""
 _ALIGN = 2 << 20  # slot sizes are rounded up to 2 MiB
 _SIGNAL_BYTES = 4096  # flags: ready[slot] at words 0-1, free[rank][slot] at words 16 + 2*rank + slot
 _MAX_RANKS = (_SIGNAL_BYTES // 4 - 16) // 2
-
-
-def default_transport() -> str:
-    """The ring transport named by ``MEGACP_RING_TRANSPORT`` (``"auto"`` when unset)."""
-    name = os.environ.get("MEGACP_RING_TRANSPORT", "auto")
-    if name not in TRANSPORTS:
-        raise ValueError(f"MEGACP_RING_TRANSPORT={name!r} is not one of {', '.join(TRANSPORTS)}")
-    return name
 
 
 @functools.cache
@@ -205,17 +199,20 @@ def push_schedule(n: int, r: int, uses: list[int]) -> tuple[list[PushOp], list[i
 
 
 _windows: dict[str, PeerWindow] = {}
+"""Each group's window, by group name: one per group and process, never replaced (see
+:func:`peer_window`)."""
 
 
-def slot_bytes(nbytes: int) -> int:
-    """Size of a slot: ``MEGACP_PEER_WINDOW_MB`` (default 1024 MiB) or ``nbytes`` if larger."""
-    mb = int(os.environ.get("MEGACP_PEER_WINDOW_MB", "1024"))
-    return max(nbytes, mb << 20)
+def slot_bytes(nbytes: int, window_mb: int = DEFAULT_WINDOW_MB) -> int:
+    """Size of a slot: ``window_mb`` MiB, or ``nbytes`` if larger."""
+    return max(nbytes, window_mb << 20)
 
 
-def peer_window(group: dist.ProcessGroup, nbytes: int, device: torch.device) -> PeerWindow | None:
+def peer_window(group: dist.ProcessGroup, nbytes: int, device: torch.device,
+                window_mb: int = DEFAULT_WINDOW_MB) -> PeerWindow | None:
     """The group's window, allocated collectively on first use with two slots of
-    :func:`slot_bytes`; ``None`` when ``nbytes`` does not fit a slot (the caller then uses NCCL).
+    :func:`slot_bytes` (``window_mb`` MiB each unless the first block is larger); ``None`` when
+    ``nbytes`` does not fit a slot (the caller then uses NCCL).
     Every rank of the group must call it with the same ``nbytes`` (blocks of a ring have one size
     on every rank).
 
@@ -224,9 +221,9 @@ def peer_window(group: dist.ProcessGroup, nbytes: int, device: torch.device) -> 
     """
     win = _windows.get(group.group_name)
     if win is None:
-        win = _windows[group.group_name] = PeerWindow(group, slot_bytes(nbytes), device)
+        win = _windows[group.group_name] = PeerWindow(group, slot_bytes(nbytes, window_mb), device)
     if nbytes > win.slot_bytes:
         log.info("a %d-byte block exceeds the %d-byte peer window slot: this rotation uses NCCL "
-                 "(raise MEGACP_PEER_WINDOW_MB)", nbytes, win.slot_bytes)
+                 "(raise runtime.peer_window_mb / MEGACP_PEER_WINDOW_MB)", nbytes, win.slot_bytes)
         return None
     return win

@@ -4,7 +4,7 @@ eager and inside a CUDA graph, plus the all-gather alone (the communication part
 
 Shape: 32 Q / 8 KV heads, head dim 128, bf16; batch 1 and 8; KV length 128K and 1M per request.
 
-    torchrun --nproc_per_node 2 scripts/bench_decode.py --json out/decode.json [--check]
+    torchrun --nproc_per_node 2 -m scripts.bench.decode --json out/decode.json [--check]
 
 * single: ``partial_attention(q [B,1,Hq,D], k [B,L,Hkv,D], v, backend=B)`` for B in cuDNN, flash, on
   rank 0 alone (the others wait); the best is T1.

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Where pass-KV prefill time goes, per rank, against the zero-communication bound (2 GPUs).
 
-    torchrun --nproc_per_node 2 scripts/prefill_breakdown.py --seqlens 16K,64K
+    torchrun --nproc_per_node 2 -m scripts.diagnostics.prefill_breakdown --seqlens 16K,64K
 
 For each length, every rank times (CUDA events, back-to-back calls, median of repeats; the first
 three kinds round-robin, so drift of clock or temperature during the run hits them alike):

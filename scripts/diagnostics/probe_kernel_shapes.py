@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """How fast cuDNN runs one CP rank's pass-KV work when it is cut into kernel calls differently (1 GPU).
 
-    python3 scripts/probe_kernel_shapes.py --seqlens 16K,64K,128K
+    python3 -m scripts.diagnostics.probe_kernel_shapes --seqlens 16K,64K,128K
 
 With N = 2 and the 2N-chunk layout (chunk c = S/4 tokens), rank 0 holds query/key chunks (0, 3)
 and receives (1, 2); rank 1 holds (1, 2) and receives (0, 3). Each rank's work is 4 c² causal

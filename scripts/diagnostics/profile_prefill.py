@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """Profile megacp prefill on 2 GPUs (torch.profiler): the GPU timeline of one call, per rank.
 
-    torchrun --nproc_per_node 2 scripts/profile_prefill.py --seqlen 64K [--transport copy_engine] [--loop 4] [--out prof]
+    torchrun --nproc_per_node 2 -m scripts.diagnostics.profile_prefill --seqlen 64K [--transport copy_engine] [--loop 4] [--out prof]
 
 Times five back-to-back calls with CUDA events, then profiles three isolated calls (a device sync
-and a barrier before each, as ``bench_prefill.py`` times them) and prints, per rank, every GPU
+and a barrier before each, as ``scripts/bench/prefill.py`` times them) and prints, per rank, every GPU
 activity (kernel, memcpy, memset) of the middle call in start order: offset from the call's first
 activity (µs), duration (µs), CUDA stream and a short name. This shows whether a transfer (NCCL
 kernel or copy-engine memcpy) runs beside the attention kernels or waits for them. The header says

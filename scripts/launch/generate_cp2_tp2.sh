@@ -10,7 +10,7 @@ export PYTHONPATH="${ROOT}${PYTHONPATH:+:${PYTHONPATH}}"
 export NCCL_NVLS_ENABLE="${NCCL_NVLS_ENABLE:-0}" TORCH_SYMM_MEM_DISABLE_MULTICAST="${TORCH_SYMM_MEM_DISABLE_MULTICAST:-1}"
 case " $* " in
   *" --model "*|*" --model="*) ;;
-  *) echo "launch_generate_cp2_tp2.sh needs --model: TP=2 splits the heads, and the default model" \
+  *) echo "generate_cp2_tp2.sh needs --model: TP=2 splits the heads, and the default model" \
           "(SmolLM2-135M, 9 heads / 3 KV heads) cannot be split in two" >&2; exit 2 ;;
 esac
 exec deepspeed --num_gpus "${NUM_GPUS:-4}" --module megacp.generate \

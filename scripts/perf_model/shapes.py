@@ -47,7 +47,7 @@ class AttnShape:
 
 LLAMA3_8B = ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
                         num_heads=32, num_kv_heads=8, rope_theta=500000.0, max_position_embeddings=1 << 20)
-"""The Llama-3-8B shape of ``scripts/bench_generate.py`` (32 layers, 32 Q / 8 KV heads, D = 128)."""
+"""The Llama-3-8B shape of ``scripts/bench/generate.py`` (32 layers, 32 Q / 8 KV heads, D = 128)."""
 
 LLAMA3_405B = ModelConfig(vocab_size=128256, hidden_size=16384, intermediate_size=53248, num_layers=126,
                           num_heads=128, num_kv_heads=8, rope_theta=500000.0, max_position_embeddings=1 << 20)
