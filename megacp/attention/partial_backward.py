@@ -1,0 +1,183 @@
+"""Backward of partial attention: the gradients one block of keys contributes, given the final state.
+
+Training keeps, for every query, the *final* merged ``(out, lse)`` of the forward (over every key
+block). With it the softmax of any block is recomputed exactly as ``P = exp(q·kᵀ·scale − lse)``, so
+the gradients of a block need no correction for the other blocks::
+
+    dV = Pᵀ·dO,   dS = P ∘ (dO·Vᵀ − rowsum(dO ∘ out)),   dQ = dS·K·scale,   dK = dSᵀ·Q·scale
+
+(GQA: dK and dV summed over the query heads of a group). The dQ of the blocks of a query add up to
+the full attention's dQ; dK/dV of a block are complete once every query that sees it has added its
+share. This is what a fused attention backward kernel computes when it is fed the final
+``out``/``lse`` instead of those of its own forward.
+
+Layout as :mod:`~megacp.attention.partial`: ``q``/``out``/``dout`` ``[Lq, Hq, D]``, ``k``/``v``
+``[Lk, Hkv, D]``, ``lse`` ``[Lq, Hq]`` fp32 natural log; ``causal`` is bottom-right aligned.
+
+Backends (the forward's names and default, ``backend=``):
+
+* ``"cudnn"`` — ``aten._scaled_dot_product_cudnn_attention_backward`` (LSE ``[B,H,S,1]``);
+* ``"flash"`` — ``aten._scaled_dot_product_flash_attention_backward`` (LSE ``[B,H,S]``);
+* ``"reference"`` — exact fp32 math on any device, ``Hq × block_q × Lk`` scores at a time.
+
+Both kernels take fewer KV heads than query heads and return dK/dV with the KV head count. ``"auto"``
+tries cuDNN then flash for fp16/bf16 CUDA tensors (a shape a kernel refuses falls back to the next,
+remembered per shape class as in the forward) and uses the reference elsewhere. Kernels return
+gradients in the input dtype, the reference in fp32; callers accumulate blocks in fp32.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from megacp.attention.merge import finite_or_zero
+from megacp.attention.partial import BACKENDS, default_backend, heads_first, hidden_by_causal_mask
+
+Grads = tuple[Tensor, Tensor, Tensor]
+_KERNEL_ORDER = ("cudnn", "flash")
+_refused: set[tuple] = set()
+"""Shape classes a kernel refused under ``"auto"`` (per process, like the forward's: a property of
+the installed kernels, not of any job)."""
+
+
+def partial_attention_backward(
+    q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor,
+    *, causal: bool, scale: float | None = None, backend: str | None = None,
+) -> Grads:
+    """Gradients of one block's share of attention.
+
+    Args:
+        q, out, dout: ``[Lq, Hq, D]`` (``out``: the queries' final output, ``dout``: its gradient).
+        k, v: ``[Lk, Hkv, D]`` the block's keys and values.
+        lse: ``[Lq, Hq]`` fp32, the queries' final natural-log LSE.
+        causal: bottom-right aligned mask (query ``i`` sees key ``j`` iff ``j <= i + Lk - Lq``).
+
+    Returns:
+        ``(dq [Lq,Hq,D], dk [Lk,Hkv,D], dv [Lk,Hkv,D])`` — in ``q.dtype`` from a kernel, fp32 from
+        the reference.
+    """
+    d = q.shape[-1]
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    backend = backend or default_backend()
+    if backend not in BACKENDS:
+        raise ValueError(f"attention backend {backend!r} is not one of {', '.join(BACKENDS)}")
+    if q.shape[0] == 0 or k.shape[0] == 0:
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    if backend == "reference" or (backend == "auto" and not (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16))):
+        return reference_backward(q, k, v, out, lse, dout, causal=causal, scale=scale)
+    dout = dout.contiguous()
+    for name in _KERNEL_ORDER if backend == "auto" else (backend,):
+        key = (name, q.dtype, q.shape[1], k.shape[1], d, causal)
+        if (backend == "auto" and key in _refused):
+            continue
+        try:
+            return _kernel_backward(_KERNELS[name], q, k, v, out, lse, dout, causal=causal, scale=scale)
+        except torch.OutOfMemoryError:  # not a refusal of the shape: no fallback would fit either
+            raise
+        except RuntimeError:
+            if backend != "auto":
+                raise
+            _refused.add(key)
+    return reference_backward(q, k, v, out, lse, dout, causal=causal, scale=scale)
+
+
+# --------------------------------------------------------------------------- fused kernels
+
+
+@functools.cache
+def _zero_seed(device: torch.device) -> Tensor:
+    """The (unused, dropout is 0) RNG seed/offset tensor the kernels' signatures require, on ``device``."""
+    return torch.zeros((), dtype=torch.int64, device=device)
+
+
+def _cudnn_backward(dout4: Tensor, q4: Tensor, k4: Tensor, v4: Tensor, out4: Tensor, lse3: Tensor,
+                    causal: bool, scale: float) -> Grads:
+    lq, lk, seed = q4.shape[2], k4.shape[2], _zero_seed(q4.device)
+    return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+        dout4, q4, k4, v4, out4, lse3.unsqueeze(-1), seed, seed, None, None, None, lq, lk, 0.0, causal, scale=scale)
+
+
+def _flash_backward(dout4: Tensor, q4: Tensor, k4: Tensor, v4: Tensor, out4: Tensor, lse3: Tensor,
+                    causal: bool, scale: float) -> Grads:
+    lq, lk, seed = q4.shape[2], k4.shape[2], _zero_seed(q4.device)
+    return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        dout4, q4, k4, v4, out4, lse3, None, None, lq, lk, 0.0, causal, seed, seed, scale=scale)
+
+
+_KERNELS: dict[str, Callable[..., Grads]] = {"cudnn": _cudnn_backward, "flash": _flash_backward}
+
+
+def _kernel_call(kernel: Callable[..., Grads], q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                 dout: Tensor, causal: bool, scale: float) -> Grads:
+    """One fused backward on ``[L, H, D]`` tensors viewed as ``[1, H, L, D]`` (no copies but the
+    small LSE, which the kernels want contiguous ``[1, H, Lq]``). cuDNN (9.19) refuses one query
+    over one key ("s_q = s_kv = 1 is not supported"): that call takes the exact path."""
+    if kernel is _cudnn_backward and q.shape[0] == 1 and k.shape[0] == 1:
+        return tuple(g.to(q.dtype) for g in reference_backward(q, k, v, out, lse, dout, causal=causal, scale=scale))
+    def view(x: Tensor) -> Tensor:
+        return x.unsqueeze(0).transpose(1, 2)
+
+    lse3 = lse.t().contiguous().unsqueeze(0)
+    dq, dk, dv = kernel(view(dout), view(q), view(k), view(v), view(out), lse3, causal, scale)
+    return dq[0].transpose(0, 1), dk[0].transpose(0, 1), dv[0].transpose(0, 1)
+
+
+def _kernel_backward(kernel: Callable[..., Grads], q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                     dout: Tensor, *, causal: bool, scale: float) -> Grads:
+    """As the forward's kernels, the fused backward only does square causal masks: a bottom-right
+    mask with ``Lq != Lk`` is split into a dense prefix and a square causal block."""
+    lq, lk = q.shape[0], k.shape[0]
+    if not causal:
+        return _kernel_call(kernel, q, k, v, out, lse, dout, False, scale)
+    if lq == lk:
+        return _kernel_call(kernel, q, k, v, out, lse, dout, True, scale)
+    if lq > lk:  # the first lq - lk queries see nothing
+        tail = slice(lq - lk, lq)
+        dq = torch.zeros_like(q)
+        dq[tail], dk, dv = _kernel_call(kernel, q[tail], k, v, out[tail], lse[tail], dout[tail], True, scale)
+        return dq, dk, dv
+    p = lk - lq
+    dq1, dk1, dv1 = _kernel_call(kernel, q, k[:p], v[:p], out, lse, dout, False, scale)
+    dq2, dk2, dv2 = _kernel_call(kernel, q, k[p:], v[p:], out, lse, dout, True, scale)
+    return dq1 + dq2, torch.cat([dk1, dk2]), torch.cat([dv1, dv2])
+
+
+# --------------------------------------------------------------------------- reference
+
+
+def reference_backward(
+    q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor,
+    *, causal: bool, scale: float, block_q: int = 256,
+) -> Grads:
+    """Exact fp32 gradients (the module formulas), ``Hq × block_q × Lk`` scores at a time.
+
+    Returns fp32 ``(dq [Lq,Hq,D], dk [Lk,Hkv,D], dv [Lk,Hkv,D])``.
+    """
+    lq, hq, d = q.shape
+    lk, hkv, _ = k.shape
+    g, offset = hq // hkv, lk - lq
+    dq = torch.zeros(lq, hq, d, dtype=torch.float32, device=q.device)
+    dk = torch.zeros(hkv, lk, d, dtype=torch.float32, device=q.device)
+    dv = torch.zeros(hkv, lk, d, dtype=torch.float32, device=q.device)
+    kf, vf = heads_first(k, hkv), heads_first(v, hkv)  # [Hkv,1,Lk,D]
+    for i0 in range(0, lq, block_q):
+        i1 = min(i0 + block_q, lq)
+        k_end = min(lk, i1 + offset) if causal else lk
+        if k_end <= 0:
+            continue
+        qb, ob, dob = (heads_first(x[i0:i1], hkv) for x in (q, out, dout))  # [Hkv,G,bq,D]
+        lb = finite_or_zero(lse[i0:i1].reshape(i1 - i0, hkv, g).permute(1, 2, 0))  # [Hkv,G,bq]
+        scores = (qb @ kf[:, :, :k_end].transpose(-1, -2)) * scale  # [Hkv,G,bq,k_end]
+        if causal:
+            scores = scores.masked_fill(hidden_by_causal_mask(i0, i1, 0, k_end, offset, q.device), float("-inf"))
+        p = torch.exp(scores - lb.unsqueeze(-1))
+        dv[:, :k_end] += (p.transpose(-1, -2) @ dob).sum(dim=1)
+        ds = p * (dob @ vf[:, :, :k_end].transpose(-1, -2) - (dob * ob).sum(-1, keepdim=True))
+        dq[i0:i1] = ((ds @ kf[:, :, :k_end]) * scale).permute(2, 0, 1, 3).reshape(i1 - i0, hq, d)
+        dk[:, :k_end] += (ds.transpose(-1, -2) @ qb).sum(dim=1) * scale
+    return dq, dk.permute(1, 0, 2), dv.permute(1, 0, 2)

@@ -1,0 +1,166 @@
+"""CP attention for training: the differentiable pass-KV ring (forward and backward).
+
+Forward is :func:`~megacp.attention.pass_kv.ring_pass_kv`; it keeps this rank's queries, its KV
+block and the merged ``(out, lse)``. Backward replays the same rotation (:meth:`Ring.rotate`) and
+the same per-step tiles: at step ``s`` a rank holds the KV block of rank ``r - s`` together with the
+gradient accumulator of that block (filled by the ranks that held it before), adds the gradients of
+its own tiles (:func:`~megacp.attention.partial_backward.partial_attention_backward`, a fused kernel
+on GPU fed the *final* ``out``/``lse``, so no tile needs a correction), and passes the accumulator on;
+after N steps every accumulator is back at its owner, as in Transformer Engine's p2p CP. The tile
+gradients of step ``s`` are queued before the wait for the accumulator that arrives with it, so the
+transfers overlap the kernels. dQ stays local; the travelling dK/dV accumulators and dQ are fp32
+(:func:`accumulate`), except dQ at N = 2, where a row sums at most two kernel results (bf16/fp16)
+and one rounding of their sum in that dtype equals what an fp32 accumulator would give.
+
+Gradients of the replicated weights are reduced over DP×CP by the training engine (DeepSpeed
+through :class:`megacp.parallel.mpu.DeepSpeedMPU`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+from torch import Tensor
+
+from megacp.attention.partial_backward import partial_attention_backward
+from megacp.attention.pass_kv import KVBlock, ring_pass_kv
+from megacp.attention.prefill import build_kv_block
+from megacp.parallel.ring import Ring
+from megacp.placement import ShardPlan, Tile
+
+
+Piece = tuple[int, int, Tensor]
+"""Rows ``[a, b)`` of an accumulator and the value to add there."""
+
+
+def accumulate(acc: Tensor | None, pieces: Sequence[Piece], shape: Sequence[int], device: torch.device,
+               dtype: torch.dtype = torch.float32) -> Tensor:
+    """Sum of ``pieces`` placed into ``acc`` (``shape``, ``dtype``, updated in place).
+
+    With ``acc=None`` a new accumulator starts: when the pieces do not overlap each is written
+    (cast) rather than added to zeros and only the rows no piece covers are zeroed (one piece that
+    covers every row in ``dtype`` already is the accumulator), which saves passes over a block's
+    gradient — a training rank's memory traffic beside its kernels.
+    """
+    if acc is None:
+        spans = sorted((a, b) for a, b, _ in pieces)
+        if len(pieces) == 1 and spans[0] == (0, shape[0]) and pieces[0][2].dtype == dtype:
+            return pieces[0][2]
+        if all(b0 <= a1 for (_, b0), (a1, _) in zip(spans, spans[1:])):
+            acc = torch.empty(tuple(shape), dtype=dtype, device=device)
+            end = 0
+            for a, b in spans + [(shape[0], shape[0])]:
+                if a > end:
+                    acc[end:a].zero_()
+                end = max(end, b)
+            for a, b, x in pieces:
+                acc[a:b].copy_(x)
+            return acc
+        acc = torch.zeros(tuple(shape), dtype=dtype, device=device)
+    for a, b, x in pieces:
+        acc[a:b] += x
+    return acc
+
+
+def block_gradients(q: Tensor, block: KVBlock, out: Tensor, lse: Tensor, dout: Tensor, tiles: Sequence[Tile], *,
+                    scale: float | None, backend: str | None) -> tuple[list[Piece], list[Piece], list[Piece]]:
+    """Gradients of ``tiles`` (this rank's queries over one KV block), as pieces for :func:`accumulate`.
+
+    Args:
+        q, out, dout: ``[n_local, Hq, D]``; lse: ``[n_local, Hq]`` fp32 (final, merged).
+        block: the KV block the tiles index (:data:`~megacp.attention.pass_kv.KVBlock`, ``M`` rows).
+
+    Returns:
+        ``(dq, dk, dv)`` pieces: rows of the queries ``[n_local, Hq, D]`` and of the block's keys
+        and values ``[M, Hkv, D]``.
+    """
+    k, v = block[0], block[1]
+    dq, dk, dv = [], [], []
+    for t in tiles:
+        rows, keys = slice(t.q0, t.q1), slice(t.k0, t.k1)
+        gq, gk, gv = partial_attention_backward(q[rows], k[keys], v[keys], out[rows], lse[rows], dout[rows],
+                                                causal=t.causal, scale=scale, backend=backend)
+        dq.append((t.q0, t.q1, gq))
+        dk.append((t.k0, t.k1, gk))
+        dv.append((t.k0, t.k1, gv))
+    return dq, dk, dv
+
+
+def _whole(tiles: Sequence[Tile], rows: int, keys: int) -> Tile | None:
+    """The single tile that covers every query row and key of a block, if that is all there is."""
+    if len(tiles) == 1 and (tiles[0].q0, tiles[0].q1, tiles[0].k0, tiles[0].k1) == (0, rows, 0, keys):
+        return tiles[0]
+    return None
+
+
+class _RingAttention(torch.autograd.Function):
+    """Differentiable pass-KV ring prefill of new tokens (no KV cache)."""
+
+    @staticmethod
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, plan: ShardPlan, ring: Ring | None,
+                scale: float | None, backend: str | None) -> Tensor:
+        block = build_kv_block(plan, k, v)
+        out, lse = ring_pass_kv(q, block, plan, ring, scale=scale, backend=backend)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, block[0], block[1], out, lse)
+        ctx.plan, ctx.ring, ctx.scale, ctx.backend = plan, ring, scale, backend
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, dout: Tensor) -> tuple:
+        q, bk, bv, out, lse = ctx.saved_tensors
+        plan, ring, scale, backend = ctx.plan, ctx.ring, ctx.scale, ctx.backend
+        r, n, m = plan.rank, plan.cp_size, q.shape[0]
+        dout = dout.contiguous()
+        dev, kv_shape = q.device, bk.shape
+        if ring is None or n == 1:
+            own = plan.tiles(r, r)
+            whole = _whole(own, m, kv_shape[0])
+            if whole is not None:  # one kernel call: its gradients are the answer, no fp32 accumulation
+                gq, gk, gv = partial_attention_backward(q, bk, bv, out, lse, dout, causal=whole.causal,
+                                                        scale=scale, backend=backend)
+                return gq.to(q.dtype), gk.to(q.dtype), gv.to(q.dtype), None, None, None, None
+            pq, pk, pv = block_gradients(q, (bk, bv), out, lse, dout, own, scale=scale, backend=backend)
+            dq = accumulate(None, pq, q.shape, dev)
+            home = [accumulate(None, pk, kv_shape, dev), accumulate(None, pv, kv_shape, dev)]
+        else:
+            dq, recv, pending = None, None, None
+            # the tiles of one block never overlap in queries, so a query row sums at most n partial
+            # gradients: with two, one rounding of their sum in q.dtype is what fp32 would give
+            dq_dtype = q.dtype if n == 2 else torch.float32
+            need = [plan.kv_rows_read(j, r) for j in range(n)]
+            for step, held in ring.rotate((bk, bv), rows=need):  # held: KV block of rank r - step
+                pq, pk, pv = block_gradients(q, held, out, lse, dout, plan.tiles(r, (r - step) % n),
+                                             scale=scale, backend=backend)
+                dq = accumulate(dq, pq, q.shape, dev, dq_dtype)
+                if pending is not None:
+                    Ring.wait(pending)  # what the ranks that held this block before have added
+                acc = [accumulate(recv[i] if recv else None, p, kv_shape, dev) for i, p in enumerate((pk, pv))]
+                recv = [torch.empty_like(a) for a in acc]
+                pending = ring.start(acc, recv, tag=1)  # on to the next holder; the last hop goes home
+            Ring.wait(pending)
+            home = recv
+        return dq.to(q.dtype), home[0][:m].to(q.dtype), home[1][:m].to(q.dtype), None, None, None, None
+
+
+def ring_attention(q: Tensor, k: Tensor, v: Tensor, plan: ShardPlan, ring: Ring | None, *,
+                   scale: float | None = None, backend: str | None = None) -> Tensor:
+    """Differentiable CP attention (pass-KV) of this rank's new tokens, for training.
+
+    Args:
+        q ``[n_local, Hq, D]``, k/v ``[n_local, Hkv, D]``: this rank's shard in ``plan.q_layout``
+            order (``plan`` without cached tokens).
+        plan: the sharding plan; ring: the CP ring (``None`` when N = 1).
+        scale: softmax scale (default ``1/sqrt(D)``); backend: forward and backward kernels
+            (:mod:`~megacp.attention.partial`, :mod:`~megacp.attention.partial_backward`).
+
+    Returns:
+        ``out`` ``[n_local, Hq, D]`` in ``q.dtype``; its backward returns the gradients of q, k and v
+        (exact in fp32 on the reference backend, fused kernels' precision on GPU).
+    """
+    if plan.has_cached_kv:
+        raise ValueError("ring_attention (training) takes plans without cached tokens")
+    if q.shape[0] != plan.num_local() or k.shape[0] != q.shape[0] or v.shape != k.shape:
+        raise ValueError(f"q, k, v must hold this rank's {plan.num_local()} tokens; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    return _RingAttention.apply(q, k, v, plan, ring, scale, backend)
