@@ -20,7 +20,7 @@ SCRIPT = textwrap.dedent(
     """
     import torch
     from megacp.attention import merge_kernel
-    from megacp.attention.merge import merge_into, merge_stack, pack_states, unpack_states
+    from megacp.attention.merge import merge_into, merge_stack, merge_states, pack_states, unpack_states
     from megacp.attention.partial import partial_attention
     from tests.reference import naive_attention, rel_err
 
@@ -56,6 +56,23 @@ SCRIPT = textwrap.dedent(
     acc_out, acc_lse = torch.zeros(2, 4, 32), torch.full((2, 4), float("-inf"))
     merge_into(acc_out, acc_lse, outs[0].float(), lses[0], fused=True)  # empty into empty
     assert (acc_out == 0).all() and torch.isneginf(acc_lse).all()
+    # mixed dtypes (fp32 running state, bf16 partial) merge in fp32 as merge_states does
+    a_out, a_lse, b_out, b_lse = torch.randn(5, 4, 32), torch.randn(5, 4), torch.randn(5, 4, 32).bfloat16(), torch.randn(5, 4)
+    want_out, want_lse = merge_states(a_out, a_lse, b_out, b_lse)
+    merge_into(a_out, a_lse, b_out, b_lse, fused=True)
+    assert rel_err(a_out, want_out) < 1e-6 and rel_err(a_lse, want_lse) < 1e-6
+    # a NaN partial makes its row NaN (out and LSE), in both kernels; empty partials stay harmless
+    lses = torch.randn(3, 2, 4)
+    lses[1, 0, 2] = float("nan")
+    lses[2, 1] = float("-inf")
+    outs = torch.randn(3, 2, 4, 32)
+    out, lse = merge_stack(outs, lses, fused=True)
+    want_out, want_lse = merge_stack(outs, lses, fused=False)
+    assert torch.equal(out.isnan(), want_out.isnan()) and out[0, 2].isnan().all() and out.isnan().sum() == 32
+    assert lse[0, 2].isnan() and lse.isnan().sum() == 1 and torch.allclose(out.nan_to_num(), want_out.nan_to_num(), atol=1e-6)
+    acc_out, acc_lse = outs[0].clone(), lses[0].clone()
+    merge_into(acc_out, acc_lse, outs[1], lses[1], fused=True)
+    assert acc_out[0, 2].isnan().all() and acc_out.isnan().sum() == 32 and acc_lse[0, 2].isnan() and acc_lse.isnan().sum() == 1
     print("fused merge ok")
     """
 )

@@ -8,8 +8,14 @@ results ``(O_s, LSE_s)``::
 
 Layouts: ``out`` is ``[..., H, D]`` and ``lse`` is ``[..., H]`` (natural log, fp32); leading
 dimensions (tokens, batch) are arbitrary but must agree. A partial with ``lse == -inf`` (no visible
-key) contributes nothing; when every partial is empty the result is ``out = 0, lse = -inf`` and no
-NaN is ever produced.
+key) contributes nothing; when every partial is empty the result is ``out = 0, lse = -inf`` (no NaN
+is made from empty partials). A NaN in a partial's ``out`` or ``lse`` (NaN inputs, a NaN scale, an
+infinite score) makes the merged row NaN, as single-process attention over the same keys would:
+nothing here hides it.
+
+The results are computed in fp32 whatever the dtypes of the partials; a running output kept in a
+low-precision dtype is rounded once per merge, so long chains of merges keep their running output
+in fp32 (:func:`~megacp.attention.pass_kv.ring_pass_kv`) and round once at the end.
 """
 
 from __future__ import annotations
@@ -49,12 +55,12 @@ def merge_states(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> 
     Returns:
         ``(out, lse)``: ``out`` fp32 ``[..., H, D]``, ``lse`` fp32 ``[..., H]``.
     """
-    m = finite_or_zero(torch.maximum(lse_a, lse_b))
+    m = finite_or_zero(torch.maximum(lse_a, lse_b))  # NaN where either is NaN
     wa = torch.exp(lse_a - m)
     wb = torch.exp(lse_b - m)
     total = wa + wb
     lse = m + torch.log(total)
-    inv = torch.where(total > 0, 1.0 / total, torch.zeros_like(total))
+    inv = torch.where(total == 0, torch.zeros_like(total), 1.0 / total)  # both empty: weights 0; NaN stays NaN
     out = out_a.float() * (wa * inv).unsqueeze(-1) + out_b.float() * (wb * inv).unsqueeze(-1)
     return out, lse
 
@@ -62,26 +68,24 @@ def merge_states(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> 
 def merge_into(acc_out: Tensor, acc_lse: Tensor, out: Tensor, lse: Tensor, *, fused: bool | None = None) -> None:
     """Online merge: fold one partial ``(out, lse)`` into the running state in place.
 
-    With normalised weights the merge is a linear interpolation,
-    ``acc_out ← acc_out + w·(out − acc_out)``, ``w = exp(lse − LSE_new)``: the weights are computed
-    on the small ``[..., H]`` LSE tensors (four small kernels) and the large output is rewritten by a
-    single ``lerp_`` kernel (this runs once per ring step on every query row, so its memory traffic matters).
-    ``w`` is cast to the output dtype, which for bf16 adds an error of the size of bf16 rounding.
+    The merge is computed in fp32 and written into ``acc_out`` (rounded once when it is a
+    low-precision tensor). The fused kernel does it in one pass over both states (this runs once per
+    ring step on every query row, so its memory traffic matters); the torch path is
+    :func:`merge_states` plus the copies.
 
     Args:
         acc_out: ``[..., H, D]`` running output (any float dtype; updated in place; may be a slice).
         acc_lse: fp32 ``[..., H]`` running LSE (updated in place).
-        out, lse: the partial to add, same leading shape, ``out`` in ``acc_out``'s dtype.
-        fused: use the one-kernel Triton merge (:mod:`megacp.attention.merge_kernel`, weights in
-            fp32); ``None`` = when it applies (CUDA tensors ``[L, H, D]``, Triton installed).
+        out, lse: the partial to add, same leading shape, ``out`` in any float dtype.
+        fused: use the one-kernel Triton merge (:mod:`megacp.attention.merge_kernel`); ``None`` =
+            when it applies (CUDA tensors ``[L, H, D]``, Triton installed).
     """
     if _use_fused(fused, acc_out, 3):
         merge_kernel.merge_into_fused(acc_out, acc_lse, out, lse)
         return
-    new = torch.logaddexp(acc_lse, lse)  # -inf only where both are -inf
-    w = (lse - new).exp_().nan_to_num_(nan=0.0)  # (-inf) - (-inf) = nan -> weight 0
-    acc_lse.copy_(new)
-    acc_out.lerp_(out, w.unsqueeze(-1).to(acc_out.dtype))
+    new_out, new_lse = merge_states(acc_out, acc_lse, out, lse)
+    acc_out.copy_(new_out)
+    acc_lse.copy_(new_lse)
 
 
 def merge_stack(outs: Tensor, lses: Tensor, *, fused: bool | None = None) -> tuple[Tensor, Tensor]:
@@ -98,8 +102,8 @@ def merge_stack(outs: Tensor, lses: Tensor, *, fused: bool | None = None) -> tup
     """
     if _use_fused(fused, outs, 4):
         return merge_kernel.merge_stack_fused(outs, lses)
-    lse = torch.logsumexp(lses, dim=0)  # -inf where every partial is empty
-    w = torch.exp(lses - lse).nan_to_num_(nan=0.0)  # (-inf) - (-inf) = nan -> weight 0
+    lse = torch.logsumexp(lses, dim=0)  # -inf where every partial is empty, NaN where one is NaN
+    w = torch.exp(lses - lse).masked_fill_(torch.isneginf(lses), 0.0)  # empty partials weigh 0, NaN stays
     out = (outs * w.unsqueeze(-1)).sum(dim=0)
     return out.to(outs.dtype), lse
 

@@ -6,8 +6,12 @@
   a ~90 µs decode step. The kernel reads the N partials once, straight from the strided views
   :func:`~megacp.attention.merge.unpack_states` returns (the packed buffer is never copied).
 * :func:`merge_into_fused` — the online merge of the pass-KV ring, in place: one pass that reads
-  the running and the new state and writes the running state (torch needs a weight tensor and
-  ``lerp_`` over mixed layouts, ~3× slower on H200 at 8K rows × 32 heads: 0.155 vs 0.054 ms).
+  the running and the new state and writes the running state (torch needs weight tensors and
+  several passes over mixed layouts; even a single-``lerp_`` torch merge was ~3× slower on H200 at
+  8K rows × 32 heads: 0.155 vs 0.054 ms).
+
+Both compute in fp32 and take states of mixed dtypes (an fp32 running output with bf16 partials);
+the result is rounded once, to the destination's dtype. A NaN in any partial makes the row NaN.
 
 Both take any strides with a unit last stride (cuDNN's outputs are head-major views; the online
 merge walks the states in the order of the running output's memory). Available
@@ -65,7 +69,8 @@ if triton is not None:
         o_off = row * so_l + head * so_h
         top = tl.full([BLOCK_M], float("-inf"), tl.float32)
         for i in tl.static_range(N):
-            top = tl.maximum(top, tl.load(l_ptr + i * sl_n + l_off, mask=live, other=float("-inf")))
+            top = tl.maximum(top, tl.load(l_ptr + i * sl_n + l_off, mask=live, other=float("-inf")),
+                             propagate_nan=tl.PropagateNan.ALL)  # a NaN partial makes the row NaN
         top = tl.where(top == float("-inf"), 0.0, top)  # all partials empty: weights exp(-inf) = 0
         total = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, D], tl.float32)
@@ -74,7 +79,7 @@ if triton is not None:
             o = tl.load(o_ptr + i * so_n + o_off[:, None] + d[None, :], mask=live[:, None], other=0.0)
             total += w
             acc += o.to(tl.float32) * w[:, None]
-        seen = total > 0
+        seen = total != 0  # NaN counts as seen: it must reach the output
         inv = tl.where(seen, 1.0 / tl.where(seen, total, 1.0), 0.0)
         m = m.to(tl.int64)
         tl.store(r_ptr + m[:, None] * D + d[None, :], (acc * inv[:, None]).to(r_ptr.dtype.element_ty), mask=live[:, None])
@@ -98,12 +103,12 @@ if triton is not None:
         d = tl.arange(0, D)
         la = tl.load(al_ptr + row * sal_l + head * sal_h, mask=live, other=float("-inf"))
         lb = tl.load(ol_ptr + row * sol_l + head * sol_h, mask=live, other=float("-inf"))
-        top = tl.maximum(la, lb)
+        top = tl.maximum(la, lb, propagate_nan=tl.PropagateNan.ALL)
         top = tl.where(top == float("-inf"), 0.0, top)
         wa = tl.exp(la - top)
         wb = tl.exp(lb - top)
         total = wa + wb
-        seen = total > 0
+        seen = total != 0
         inv = tl.where(seen, 1.0 / tl.where(seen, total, 1.0), 0.0)
         a_off = (row * sa_l + head * sa_h)[:, None] + d[None, :]
         a = tl.load(a_ptr + a_off, mask=live[:, None], other=0.0).to(tl.float32)
@@ -118,8 +123,8 @@ def merge_into_fused(acc_out: Tensor, acc_lse: Tensor, out: Tensor, lse: Tensor)
     """:func:`~megacp.attention.merge.merge_into` in one kernel (in place).
 
     Args:
-        acc_out: ``[L, H, D]`` running output (updated); acc_lse: ``[L, H]`` fp32 (updated).
-        out: ``[L, H, D]`` the partial to add; lse: ``[L, H]`` fp32.
+        acc_out: ``[L, H, D]`` running output, any float dtype (updated); acc_lse: ``[L, H]`` fp32 (updated).
+        out: ``[L, H, D]`` the partial to add, any float dtype; lse: ``[L, H]`` fp32.
     """
     rows, h, d = acc_out.shape
     total = rows * h

@@ -11,7 +11,7 @@ On CUDA, step 0's compute is queued before the rotation starts and, for short sh
 blocks' compute runs on a second stream beside it (see :func:`ring_pass_kv`).
 
 The loop is a sequence of (block source, tiles) steps over :meth:`Ring.rotate`; the training
-backward (:mod:`megacp.attention.backward`) replays the same rotation and tiles while the K/V
+backward (:mod:`megacp.attention.training`) replays the same rotation and tiles while the K/V
 gradient accumulators follow the blocks around the ring, as in Transformer Engine's p2p CP.
 """
 
@@ -36,7 +36,7 @@ KVBlock = Tensor | tuple[Tensor, Tensor]
 
 SECOND_STREAM_MAX_ROWS = 16384
 """Pass-KV computes the received blocks on a second stream when a rank holds at most this many
-query rows. Measured on 2×H200 (``scripts/prefill_breakdown.py``): at 16K tokens (8K rows per rank,
+query rows. Measured on 2×H200 (``scripts/diagnostics/prefill_breakdown.py``): at 16K tokens (8K rows per rank,
 ~16 waves of attention CTAs, not power-limited) filling step 0's tail saves ~3%; from 64K on the
 GPUs run at their power cap, the filled tail only lowers the clock, and at 128K-256K the concurrent
 kernels were 1-4% slower."""
@@ -63,12 +63,15 @@ def ring_pass_kv(
     """Exact attention of this rank's queries over every rank's KV block.
 
     Step 0 (the own block) starts the running state; steps ``>= 1`` run into a second state over
-    the span of query rows they touch, merged into step 0's at the end.
+    the span of query rows they touch, merged into step 0's at the end. Each partial is rounded
+    once to ``q.dtype`` (by the kernel, as in single-GPU attention); the second state is kept in
+    fp32 from its second partial on, and the final merge computes in fp32 and rounds once, so the
+    bf16 error does not grow with the CP size (``tests/test_numerics.py``).
 
     On CUDA, step 0's kernels are queued before anything else, and the transfers wait on an event
     recorded before them rather than on the stream (``Ring.rotate(ready=)``): the host-side launch
     of one cuDNN call takes ~0.1 ms, which an isolated call pays before its first kernel starts
-    (H200, ``scripts/profile_prefill.py``). With at most :data:`SECOND_STREAM_MAX_ROWS` local rows
+    (H200, ``scripts/diagnostics/profile_prefill.py``). With at most :data:`SECOND_STREAM_MAX_ROWS` local rows
     steps ``>= 1`` run on a second compute stream: the received blocks do not depend on step 0, so
     their kernels fill the SMs that step 0's attention kernel leaves idle at its tail (with one
     stream, the next kernel starts only after the last CTA of the previous one ends). Over the copy
@@ -111,6 +114,8 @@ def ring_pass_kv(
         tiles = plan.tiles(r, (r - step) % n)
         with torch.cuda.stream(aux) if aux is not None else contextlib.nullcontext():
             tiles = [dataclasses.replace(t, q0=t.q0 - lo, q1=t.q1 - lo) for t in tiles]
+            if rest is not None and rest[0].dtype != torch.float32:  # a sum of partials is kept in fp32
+                rest = (rest[0].float(), rest[1])
             rest = run_tiles(q[lo:hi], block[0], block[1], tiles, rest, scale=scale, backend=backend)
     if rest is not None and hi > lo:
         if aux is not None:
