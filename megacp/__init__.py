@@ -1,35 +1,33 @@
 """megacp: context parallelism for long-context LLMs.
 
-Public entry points (imported lazily so that ``import megacp`` stays cheap):
+Public entry points:
 
 * :class:`ParallelLayout`, :func:`initialize`, :class:`ParallelState` — the process mesh.
-* :func:`load_config`, :class:`ConfigError` — the ``context_parallel`` section of a DeepSpeed config.
+* :func:`load_config`, :class:`ConfigError`, :class:`MegacpConfig` — megacp's sections of a
+  DeepSpeed config.
 * :func:`swap_attention` — replace a model's attention modules by CP attention layers.
 * :class:`ModelConfig` — a Llama-family model's hyper-parameters.
 
-Subpackages are imported explicitly (``from megacp.attention import cp_attention``):
-:mod:`megacp.attention` (partial attention, merge, sharding, ring prefill, decode), ``layers``,
-``models``, ``checkpoint``, ``parallel``.
+Subpackages, bottom layer first (each imports only the ones before it): ``config``, ``parallel``,
+``placement``, ``kv_cache``, ``attention``, ``layers``, ``models``, then ``checkpoint``,
+``generate`` and ``train``.
 """
 
-from __future__ import annotations
-
-from megacp._lazy import lazy_getattr
+from megacp.config import ConfigError, MegacpConfig, load_config
+from megacp.layers.swap import swap_attention
+from megacp.models.config import ModelConfig
+from megacp.parallel import ParallelLayout, ParallelState, initialize
 
 __version__ = "0.1.0"
 
-_EXPORTS = {
-    "ParallelLayout": "megacp.parallel.layout",
-    "ParallelState": "megacp.parallel.state",
-    "initialize": "megacp.parallel.state",
-    "load_config": "megacp.config",
-    "ConfigError": "megacp.config",
-    "MegacpConfig": "megacp.config",
-    "swap_attention": "megacp.layers.swap",
-    "ModelConfig": "megacp.models.config",
-}
-
-__all__ = sorted(_EXPORTS) + ["__version__"]
-
-
-__getattr__ = lazy_getattr(__name__, _EXPORTS)
+__all__ = [
+    "ConfigError",
+    "MegacpConfig",
+    "ModelConfig",
+    "ParallelLayout",
+    "ParallelState",
+    "__version__",
+    "initialize",
+    "load_config",
+    "swap_attention",
+]

@@ -7,7 +7,10 @@ here and stays available, untouched, as :attr:`MegacpConfig.deepspeed`::
     "context_parallel":        {"size": 2, "prefill": "auto", "decode": "allgather", "load_balance": true},
     "tensor_model_parallel":   {"size": 1},
     "pipeline_model_parallel": {"size": 1},
-    "expert_model_parallel":   {"size": 4, "include_cp": false}
+    "expert_model_parallel":   {"size": null, "include_cp": false},
+    "external_data_parallel":  {"size": 1},
+    "runtime":                 {"attention_backend": "auto", "ring_transport": "auto", "peer_window_mb": 1024,
+                                "calibration_cache_dir": null, "timeout_minutes": 5}
 
 The tensor/pipeline/expert sections carry Megatron's names because DeepSpeed 0.19 already owns
 ``tensor_parallel`` (its AutoTP section, which rejects unknown keys such as ``size``, so such a
@@ -16,9 +19,19 @@ file would fail in ``deepspeed.initialize``) and ``expert_parallel`` (AutoEP). T
 error instead of being silently ignored.
 
 The data-parallel size is not configured: it is what the world size leaves
-(:meth:`MegacpConfig.layout`). ``expert_model_parallel.size`` is a check, not a knob: the EP group
-is fixed by the mesh (``dp x tp`` ranks, or ``dp x cp x tp`` with ``include_cp``), and a size that
-differs from it is an error.
+(:meth:`megacp.parallel.ParallelLayout.from_config`). Sizes of a dimension that no megacp code
+uses are refused rather than ignored: no megacp model has pipeline stages
+(``pipeline_model_parallel.size`` must be 1) or expert layers (``expert_model_parallel.size`` may
+only be 1 or null; ``include_cp`` still decides which ranks ``ParallelState.group("ep")`` holds for
+a caller's own expert layers).
+
+The ``runtime`` section holds the knobs of the running job; :func:`with_env_overrides` applies the
+environment variables ``MEGACP_ATTN_BACKEND``, ``MEGACP_RING_TRANSPORT``, ``MEGACP_PEER_WINDOW_MB``
+and ``MEGACP_CACHE_DIR`` on top of it (:func:`megacp.initialize` does, once). DeepSpeed's own
+``bf16.enabled`` / ``fp16.enabled`` give the model dtype (:attr:`MegacpConfig.dtype_name`).
+
+A top-level key that is a megacp section misspelled (another case, or at most two edits away) is
+an error naming the section.
 
 Every problem raises :class:`ConfigError` with a one-line message that starts with the dotted key
 (e.g. ``context_parallel.prefill``) and names the allowed values.
@@ -37,8 +50,6 @@ from typing import Any, Literal, Union
 import annotated_types
 import hjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-
-from megacp.parallel.layout import ParallelLayout
 
 
 class ConfigError(ValueError):
@@ -61,8 +72,11 @@ class ContextParallelConfig(_Section):
         size: CP ranks that shard one sequence.
         prefill: ``"pass_kv"``, ``"pass_q"`` or ``"auto"`` (chosen per request from T, P and the
             measured compute/bandwidth, paper Algorithm 1).
-        decode: ``"allgather"`` (replicated query, all-gather of the partial outputs).
-        load_balance: causal load-balanced sharding (rank r holds chunks r and 2N-1-r).
+        decode: the decode algorithm of every cached step (:class:`megacp.layers.step.CPStep`);
+            ``"allgather"`` (replicated query, all-gather of the partial outputs) is the one megacp has.
+        load_balance: causal load-balanced sharding (rank r holds chunks r and 2N-1-r). Read by
+            :mod:`megacp.generate` (KV cache and step plans); the functional entry points
+            (``cp_attention``, ``ShardPlan``, ``ShardedKVCache``) take it as an argument.
     """
 
     size: int = Field(1, ge=1)
@@ -78,16 +92,44 @@ class TensorModelParallelConfig(_Section):
 
 
 class PipelineModelParallelConfig(_Section):
-    """``pipeline_model_parallel``: ``size`` pipeline stages."""
+    """``pipeline_model_parallel``: ``size`` pipeline stages (only 1: no megacp model has stages)."""
 
     size: int = Field(1, ge=1)
+
+
+class ExternalDataParallelConfig(_Section):
+    """``external_data_parallel``: ``size`` independent replicas of the whole job (the outermost
+    mesh axis ``ext_dp``; no group spans two replicas)."""
+
+    size: int = Field(1, ge=1)
+
+
+class RuntimeConfig(_Section):
+    """``runtime``: how the job runs (no effect on results).
+
+    Attributes:
+        attention_backend: partial-attention kernels (:mod:`megacp.attention.partial`).
+        ring_transport: how ring blocks travel (:mod:`megacp.parallel.ring`).
+        peer_window_mb: MiB of each of the two slots of a CP group's copy-engine window; larger
+            blocks rotate over NCCL.
+        calibration_cache_dir: directory of ``calibration.json`` (``None``: ``~/.cache/megacp``).
+        timeout_minutes: timeout of every process-group collective: a rank that stops answering
+            ends the job with an error after this long instead of hanging.
+    """
+
+    attention_backend: Literal["auto", "cudnn", "flash", "reference"] = "auto"
+    ring_transport: Literal["auto", "nccl", "copy_engine"] = "auto"
+    peer_window_mb: int = Field(1024, ge=1)
+    calibration_cache_dir: Union[str, None] = None
+    timeout_minutes: float = Field(5.0, gt=0, allow_inf_nan=False)
 
 
 class ExpertModelParallelConfig(_Section):
     """``expert_model_parallel``: the expert-parallel group.
 
     Attributes:
-        size: expected EP group size, checked against the mesh by :meth:`MegacpConfig.layout`
+        size: expected EP group size, checked against the mesh by
+            :meth:`megacp.parallel.ParallelLayout.from_config`
             (``None``: not checked).
         include_cp: the EP group spans ``dp x cp x tp`` ranks instead of ``dp x tp``.
     """
@@ -101,8 +143,24 @@ SECTIONS: dict[str, type[_Section]] = {
     "tensor_model_parallel": TensorModelParallelConfig,
     "pipeline_model_parallel": PipelineModelParallelConfig,
     "expert_model_parallel": ExpertModelParallelConfig,
+    "external_data_parallel": ExternalDataParallelConfig,
+    "runtime": RuntimeConfig,
 }
 """megacp's top-level keys and their models."""
+
+ENV_OVERRIDES: dict[str, str] = {
+    "MEGACP_ATTN_BACKEND": "attention_backend",
+    "MEGACP_RING_TRANSPORT": "ring_transport",
+    "MEGACP_PEER_WINDOW_MB": "peer_window_mb",
+    "MEGACP_CACHE_DIR": "calibration_cache_dir",
+}
+"""Environment variable -> the ``runtime`` key it overrides."""
+
+_UNUSED_SIZES: dict[str, str] = {
+    "pipeline_model_parallel": "no megacp model has pipeline stages",
+    "expert_model_parallel": "no megacp model has expert layers",
+}
+"""Sections whose ``size`` must be 1 (or null), and why."""
 
 _MISPLACED: dict[tuple[str, str | None], str] = {
     ("tensor_parallel", "size"): "tensor_model_parallel.size",
@@ -118,7 +176,8 @@ class MegacpConfig(BaseModel):
 
     Attributes:
         context_parallel / tensor_model_parallel / pipeline_model_parallel /
-        expert_model_parallel: the validated sections (defaults when absent).
+        expert_model_parallel / external_data_parallel / runtime: the validated sections
+        (defaults when absent).
         deepspeed: the whole raw top-level dict, to hand to DeepSpeed unchanged.
         source: the file it was read from, ``None`` for a dict.
     """
@@ -129,6 +188,8 @@ class MegacpConfig(BaseModel):
     tensor_model_parallel: TensorModelParallelConfig = TensorModelParallelConfig()
     pipeline_model_parallel: PipelineModelParallelConfig = PipelineModelParallelConfig()
     expert_model_parallel: ExpertModelParallelConfig = ExpertModelParallelConfig()
+    external_data_parallel: ExternalDataParallelConfig = ExternalDataParallelConfig()
+    runtime: RuntimeConfig = RuntimeConfig()
     deepspeed: dict[str, Any] = Field(default_factory=dict)
     source: Union[str, None] = None
 
@@ -151,40 +212,72 @@ class MegacpConfig(BaseModel):
                     f"{prefix}{section}.{key}: '{section}' is DeepSpeed's own section; "
                     f"megacp reads this setting as {target}"
                 )
+        for key in raw:
+            near = _near_section(str(key))
+            if near is not None:
+                raise ConfigError(f"{prefix}{key}: unknown top-level key; did you mean {near}?")
         sections = {name: raw[name] for name in SECTIONS if name in raw}
         try:
-            return cls(**sections, deepspeed=dict(raw), source=source)
+            config = cls(**sections, deepspeed=dict(raw), source=source)
         except ValidationError as err:
             raise ConfigError(prefix + _describe(err)) from None
+        for name, reason in _UNUSED_SIZES.items():
+            size = getattr(config, name).size
+            if size is not None and size > 1:
+                raise ConfigError(f"{prefix}{name}.size: got {size}; {reason}; allowed values: 1")
+        config.dtype_name  # noqa: B018 - validates the bf16 / fp16 sections now
+        return config
 
-    def layout(self, world_size: int) -> ParallelLayout:
-        """The mesh of ``world_size`` ranks: configured tp, cp, pp; dp takes the rest.
+    @property
+    def dtype_name(self) -> str | None:
+        """The model dtype DeepSpeed's own sections ask for: ``"bfloat16"`` when ``bf16.enabled``,
+        ``"float16"`` when ``fp16.enabled``, ``None`` when neither (the caller's default).
 
         Raises:
-            ConfigError: the sizes do not divide ``world_size``, or ``expert_model_parallel.size``
-                differs from the EP group this layout implies.
+            ConfigError: both are enabled, or ``enabled`` is not a boolean.
         """
         prefix = f"{self.source}: " if self.source else ""
-        cp, tp, pp = self.context_parallel.size, self.tensor_model_parallel.size, self.pipeline_model_parallel.size
-        per_replica = cp * tp * pp
-        if world_size < 1 or world_size % per_replica != 0:
-            raise ConfigError(
-                f"{prefix}context_parallel.size x tensor_model_parallel.size x pipeline_model_parallel.size "
-                f"= {cp} x {tp} x {pp} = {per_replica} does not divide the world size {world_size}; "
-                f"allowed: sizes whose product divides {world_size}"
-            )
-        expert = self.expert_model_parallel
-        layout = ParallelLayout(
-            tp=tp, cp=cp, pp=pp, dp=world_size // per_replica, ep_includes_cp=expert.include_cp
-        )
-        implied = layout.dp * layout.tp * (layout.cp if expert.include_cp else 1)
-        if expert.size is not None and expert.size != implied:
-            spans = "dp x cp x tp" if expert.include_cp else "dp x tp"
-            raise ConfigError(
-                f"{prefix}expert_model_parallel.size: {expert.size} does not match the expert-parallel group "
-                f"of {layout} ({spans} = {implied} ranks); allowed value: {implied}"
-            )
-        return layout
+        enabled = []
+        for section, name in (("bf16", "bfloat16"), ("fp16", "float16")):
+            value = self.deepspeed.get(section)
+            flag = value.get("enabled", False) if isinstance(value, Mapping) else False
+            if not isinstance(flag, bool):
+                raise ConfigError(f"{prefix}{section}.enabled: got {flag!r}; allowed values: true, false")
+            if flag:
+                enabled.append(name)
+        if len(enabled) > 1:
+            raise ConfigError(f"{prefix}bf16.enabled and fp16.enabled are both true; enable at most one")
+        return enabled[0] if enabled else None
+
+
+def with_env_overrides(config: MegacpConfig, environ: Mapping[str, str]) -> MegacpConfig:
+    """``config`` with the ``runtime`` keys that the :data:`ENV_OVERRIDES` variables set in
+    ``environ`` override (an empty value counts as unset), validated.
+
+    Raises:
+        ConfigError: a variable's value is not allowed for its key (the message names the variable).
+    """
+    updates: dict[str, Any] = {}
+    for var, key in ENV_OVERRIDES.items():
+        text = environ.get(var, "")
+        if not text:
+            continue
+        if key == "peer_window_mb":
+            if not text.strip().isdigit():
+                raise ConfigError(f"{var}={text!r}: allowed values: {_allowed(RuntimeConfig, key)}")
+            updates[key] = int(text)
+        else:
+            updates[key] = text
+    if not updates:
+        return config
+    merged = {**config.runtime.model_dump(), **updates}
+    try:
+        runtime = RuntimeConfig(**merged)
+    except ValidationError as err:
+        key = str(err.errors()[0]["loc"][0])
+        var = next(v for v, k in ENV_OVERRIDES.items() if k == key)
+        raise ConfigError(f"{var}={environ[var]!r}: allowed values: {_allowed(RuntimeConfig, key)}") from None
+    return config.model_copy(update={"runtime": runtime})
 
 
 def load_config(source: str | os.PathLike[str] | Mapping[str, Any] | MegacpConfig) -> MegacpConfig:
@@ -210,6 +303,8 @@ def load_config(source: str | os.PathLike[str] | Mapping[str, Any] | MegacpConfi
         raise ConfigError(f"{path}: cannot read the config file ({err})") from None
     try:
         raw = hjson.loads(text, object_pairs_hook=_unique_keys)
+    except OverflowError as err:  # hjson converts e.g. 1e400 to an int
+        raise ConfigError(f"{path}: a number is out of range ({err})") from None
     except ValueError as err:
         raise ConfigError(f"{path}: not valid JSON/hjson: {str(err).splitlines()[0]}") from None
     return MegacpConfig.from_dict(raw, source=str(path))
@@ -232,6 +327,28 @@ def add_launcher_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
         help="DeepSpeed JSON/hjson config with megacp's context_parallel section",
     )
     return parser
+
+
+def _near_section(key: str) -> str | None:
+    """The megacp section ``key`` misspells (same letters in another case, or at most two edits
+    away), else ``None`` (``key`` itself a section, or unrelated)."""
+    if key in SECTIONS:
+        return None
+    lowered = key.lower()
+    for name in SECTIONS:
+        if lowered == name or _edit_distance(lowered, name) <= 2:
+            return name
+    return None
+
+
+def _edit_distance(a: str, b: str) -> int:
+    """Levenshtein distance (insertions, deletions, substitutions) between ``a`` and ``b``."""
+    row = list(range(len(b) + 1))
+    for i, ca in enumerate(a, 1):
+        prev, row[0] = row[0], i
+        for j, cb in enumerate(b, 1):
+            prev, row[j] = row[j], min(row[j] + 1, row[j - 1] + 1, prev + (ca != cb))
+    return row[-1]
 
 
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -294,6 +411,9 @@ def _allowed(model: type[BaseModel], field: str) -> str:
     elif annotation is int:
         bounds = [f">= {meta.ge}" for meta in info.metadata if isinstance(meta, annotated_types.Ge)]
         text = "an integer " + " ".join(bounds) if bounds else "an integer"
+    elif annotation is float:
+        bounds = [f"> {meta.gt}" for meta in info.metadata if isinstance(meta, annotated_types.Gt)]
+        text = "a finite number " + " ".join(bounds) if bounds else "a finite number"
     else:
         text = getattr(annotation, "__name__", str(annotation))
     return text + (" or null" if nullable else "")

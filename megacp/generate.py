@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from megacp.attention.strategy import STRATEGIES
-from megacp.checkpoint.store import DTYPES
+from megacp.checkpoint.dtypes import DTYPES
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -91,16 +91,21 @@ class Generator:
         ring: the CP ring (``None`` for CP = 1).
         strategy: prefill strategy (``"auto"``, ``"pass_kv"``, ``"pass_q"``).
         prefill_chunk: split prompts into chunks of this many tokens (chunked prefill), 0 = whole.
+        backend: attention kernel backend (``None``: ``auto``).
+        load_balance, decode: the config's ``context_parallel`` choices.
+        calibration_dir: where the ``auto`` strategy reads this host's calibration.
     """
 
     def __init__(self, model: torch.nn.Module, *, num_layers: int, num_kv_heads: int, head_dim: int,
                  ring: Any, device: torch.device, dtype: torch.dtype, strategy: str = "auto",
-                 prefill_chunk: int = 0, backend: str | None = None, load_balance: bool = True) -> None:
+                 prefill_chunk: int = 0, backend: str | None = None, load_balance: bool = True,
+                 decode: str = "allgather", calibration_dir: str | None = None) -> None:
         if prefill_chunk < 0:
             raise ValueError(f"prefill_chunk must be >= 0 (0 = whole prompt), got {prefill_chunk}")
         self.model, self.ring, self.device, self.dtype = model, ring, device, dtype
         self.shape = dict(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim)
         self.strategy, self.prefill_chunk, self.backend, self.load_balance = strategy, prefill_chunk, backend, load_balance
+        self.decode, self.calibration_dir = decode, calibration_dir
         self.cp_size = ring.size if ring else 1
         self.cp_rank = ring.rank if ring else 0
 
@@ -145,7 +150,8 @@ class Generator:
                                cp_rank=self.cp_rank, dtype=self.dtype, device=self.device, load_balance=self.load_balance)
         slots = [cache.allocate() for _ in prompts]
         gen = torch.Generator().manual_seed(params.seed)
-        step_kw = dict(strategy=self.strategy, backend=self.backend)
+        step_kw = dict(strategy=self.strategy, backend=self.backend, decode=self.decode,
+                       calibration_dir=self.calibration_dir)
         sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
 
         t0 = time.perf_counter()
@@ -227,7 +233,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-stop", action="store_true", help="ignore the model's stop tokens")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: bfloat16 on GPU, float32 on CPU")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: the config's bf16 / fp16 section, else bfloat16 on GPU and float32 on CPU")
     p.add_argument("--strategy", choices=STRATEGIES, default=None,
                    help="prefill strategy (default: the config's context_parallel.prefill, else auto)")
     p.add_argument("--prefill-chunk", type=int, default=0, help="chunked prefill: tokens per chunk (0 = whole prompt)")
@@ -280,14 +286,19 @@ def _load_tokenizer(source: Any) -> Any:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     import megacp
-    from megacp.checkpoint import CheckpointError
-    from megacp.models.loading import load_model
-    from megacp.parallel.ring import Ring
+    from megacp.checkpoint import CheckpointError, load_model
+    from megacp.config import ConfigError
 
-    state = megacp.initialize(args.deepspeed_config)
+    try:
+        state = megacp.initialize(args.deepspeed_config)
+    except ConfigError as err:  # every rank fails alike: one line from the launcher's rank 0
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"megacp.generate: {err}", file=sys.stderr, flush=True)
+        return 2
     device = state.device
-    dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    cfg_cp = state.config.context_parallel
+    dtype_name = args.dtype or state.config.dtype_name  # --dtype, else DeepSpeed's bf16 / fp16 section
+    dtype = DTYPES[dtype_name] if dtype_name else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    cfg_cp, runtime = state.config.context_parallel, state.config.runtime
     strategy = args.strategy or cfg_cp.prefill
     rank0 = state.rank == 0
     tp_group = state.group("tp") if state.size("tp") > 1 else None
@@ -301,17 +312,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     tokenizer = _load_tokenizer(tok_source)
     prompts, nested = _load_prompts(args, tokenizer)
 
-    ring = Ring(state.group("cp")) if state.size("cp") > 1 else None
+    ring = state.ring()
     if args.calibrate:
         from megacp.attention.strategy import calibrate
 
-        hw = calibrate(state.group("cp"), device)
+        hw = calibrate(state.group("cp"), device, cache_dir=runtime.calibration_cache_dir)
         if rank0:
             print(f"megacp: calibrated C={hw.flops:.3g} FLOP/s per rank, BW={hw.bandwidth:.3g} B/s", flush=True)
     gen = Generator(model, num_layers=mcfg.num_layers, num_kv_heads=mcfg.num_kv_heads // state.size("tp"),
                     head_dim=mcfg.head_dim, ring=ring, device=device, dtype=dtype, strategy=strategy,
-                    prefill_chunk=args.prefill_chunk,
-                    load_balance=cfg_cp.load_balance)
+                    prefill_chunk=args.prefill_chunk, backend=None if runtime.attention_backend == "auto" else
+                    runtime.attention_backend, load_balance=cfg_cp.load_balance, decode=cfg_cp.decode,
+                    calibration_dir=runtime.calibration_cache_dir)
     try:
         params = SamplingParams(args.max_new_tokens, args.temperature, args.top_p, args.seed,
                                 () if args.no_stop else mcfg.eos_token_ids)

@@ -24,15 +24,14 @@ from safetensors.torch import load_file, save_file
 from megacp.checkpoint import CheckpointError
 from megacp.checkpoint.convert import main
 from megacp.checkpoint.hf import config_from_hf, config_to_hf, hf_to_megacp, load_hf_state_dict
-from megacp.checkpoint.store import (
+from megacp.checkpoint.megacp_format import (
     MANIFEST,
     load_megacp_checkpoint,
     open_megacp_checkpoint,
-    parameter_shapes,
     save_megacp_checkpoint,
 )
 from megacp.checkpoint.tp import merge_shards, shard_tensor
-from megacp.models.config import ModelConfig
+from megacp.models import ModelConfig, parameter_shapes
 from tests.distributed import run_distributed
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -422,7 +421,7 @@ def test_gguf_tokenizer_and_export(smollm: tuple[Path, torch.nn.Module], tmp_pat
 
 def _megacp_logits(rank: int, world_size: int, directory: str, ids: torch.Tensor) -> torch.Tensor:
     """megacp's model loaded from ``directory`` with TP over the world (none for 1 rank)."""
-    from megacp.models import load_model
+    from megacp.checkpoint import load_model
 
     group = torch.distributed.group.WORLD if world_size > 1 else None
     model, _, _ = load_model(directory, dtype=torch.float32, device="cpu", tp_group=group)
@@ -455,7 +454,7 @@ def test_gguf_megacp_model_matches_transformers(smollm: tuple[Path, torch.nn.Mod
 
 def test_load_model_takes_an_hf_dir_by_model_type_and_names_a_missing_path(hf_dirs: dict, tmp_path: Path) -> None:
     from megacp.checkpoint import CheckpointError
-    from megacp.models.loading import load_model
+    from megacp.checkpoint import load_model
 
     source, reference = hf_dirs["llama3"]
     plain = _copy_hf(source, tmp_path / "no_architectures")

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from megacp import ConfigError, MegacpConfig, ParallelLayout, load_config
+from megacp.config import with_env_overrides
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
@@ -34,7 +35,7 @@ def test_defaults() -> None:
     assert cfg.tensor_model_parallel.size == 1 and cfg.pipeline_model_parallel.size == 1
     assert cfg.expert_model_parallel.size is None and cfg.expert_model_parallel.include_cp is False
     assert cfg.deepspeed == {"train_micro_batch_size_per_gpu": 1}
-    assert cfg.layout(4) == ParallelLayout(dp=4)
+    assert ParallelLayout.from_config(cfg, 4) == ParallelLayout(dp=4)
     assert MegacpConfig() == load_config({})
 
 
@@ -45,13 +46,16 @@ def test_full_section_and_deepspeed_keys_kept() -> None:
         "context_parallel": {"size": 4, "prefill": "pass_q", "decode": "allgather", "load_balance": False},
         "tensor_model_parallel": {"size": 2},
         "pipeline_model_parallel": {"size": 1},
-        "expert_model_parallel": {"size": 8, "include_cp": True},
+        "expert_model_parallel": {"size": None, "include_cp": True},
+        "external_data_parallel": {"size": 1},
+        "runtime": {"attention_backend": "reference", "ring_transport": "nccl", "peer_window_mb": 64,
+                    "calibration_cache_dir": "/tmp/c", "timeout_minutes": 0.5},
         "tensor_parallel": {"autotp_size": 0},
     }
     cfg = load_config(raw)
     assert cfg.context_parallel.prefill == "pass_q" and cfg.context_parallel.load_balance is False
     assert cfg.deepspeed == raw and cfg.deepspeed is not raw
-    assert cfg.layout(8) == ParallelLayout(cp=4, tp=2, ep_includes_cp=True)
+    assert ParallelLayout.from_config(cfg, 8) == ParallelLayout(cp=4, tp=2, ep_includes_cp=True)
     assert load_config(cfg) is cfg
 
 
@@ -98,6 +102,25 @@ def test_frozen() -> None:
          "megacp reads this setting as expert_model_parallel.size"),
         ({"pipeline_parallel": {"size": 2}},
          "pipeline_parallel: megacp reads this section as pipeline_model_parallel"),
+        ({"context_paralel": {"size": 2}},
+         "context_paralel: unknown top-level key; did you mean context_parallel?"),
+        ({"Context_Parallel": {"size": 2}},
+         "Context_Parallel: unknown top-level key; did you mean context_parallel?"),
+        ({"tensor_model_paralel": {"size": 2}},
+         "tensor_model_paralel: unknown top-level key; did you mean tensor_model_parallel?"),
+        ({"pipeline_model_parallel": {"size": 2}},
+         "pipeline_model_parallel.size: got 2; no megacp model has pipeline stages; allowed values: 1"),
+        ({"expert_model_parallel": {"size": 4}},
+         "expert_model_parallel.size: got 4; no megacp model has expert layers; allowed values: 1"),
+        ({"context_parallel": {"size": float("inf")}},
+         "context_parallel.size: got inf; allowed values: an integer >= 1"),
+        ({"runtime": {"timeout_minutes": 0}},
+         "runtime.timeout_minutes: got 0; allowed values: a finite number > 0"),
+        ({"runtime": {"ring_transport": "tcp"}},
+         "runtime.ring_transport: got 'tcp'; allowed values: 'auto', 'nccl', 'copy_engine'"),
+        ({"bf16": {"enabled": True}, "fp16": {"enabled": True}},
+         "bf16.enabled and fp16.enabled are both true; enable at most one"),
+        ({"bf16": {"enabled": "yes"}}, "bf16.enabled: got 'yes'; allowed values: true, false"),
     ],
 )
 def test_error_messages(raw: dict, message: str) -> None:
@@ -108,27 +131,64 @@ def test_error_messages(raw: dict, message: str) -> None:
 def test_world_size_not_divisible() -> None:
     cfg = load_config({"context_parallel": {"size": 3}, "tensor_model_parallel": {"size": 2}})
     with pytest.raises(ConfigError) as info:
-        cfg.layout(8)
+        ParallelLayout.from_config(cfg, 8)
     assert str(info.value) == (
         "context_parallel.size x tensor_model_parallel.size x pipeline_model_parallel.size = 3 x 2 x 1 = 6 "
         "does not divide the world size 8; allowed: sizes whose product divides 8"
     )
-    assert cfg.layout(12) == ParallelLayout(cp=3, tp=2, dp=2)
+    assert ParallelLayout.from_config(cfg, 12) == ParallelLayout(cp=3, tp=2, dp=2)
 
 
 def test_expert_size_must_match_mesh() -> None:
     cfg = load_config({"context_parallel": {"size": 2}, "tensor_model_parallel": {"size": 2},
-                       "expert_model_parallel": {"size": 8}})
+                       "expert_model_parallel": {"size": 1}})
     with pytest.raises(ConfigError) as info:
-        cfg.layout(8)
+        ParallelLayout.from_config(cfg, 8)
     assert str(info.value) == (
-        "expert_model_parallel.size: 8 does not match the expert-parallel group of "
+        "expert_model_parallel.size: 1 does not match the expert-parallel group of "
         "ext_dp1 x dp2 x pp1 x cp2 x tp2 = 8 ranks (dp x tp = 4 ranks); allowed value: 4"
     )
     with_cp = load_config({"context_parallel": {"size": 2}, "tensor_model_parallel": {"size": 2},
-                           "expert_model_parallel": {"size": 8, "include_cp": True}})
-    layout = with_cp.layout(8)
+                           "expert_model_parallel": {"include_cp": True}})
+    layout = ParallelLayout.from_config(with_cp, 8)
     assert layout.ep_includes_cp and [len(g) for g in layout.groups("ep")] == [8]
+
+
+def test_number_out_of_range_in_file(tmp_path: Path) -> None:
+    path = tmp_path / "big.json"
+    path.write_text('{"context_parallel": {"size": 1e400}}')
+    assert error_of(path) == f"{path}: a number is out of range (cannot convert float infinity to integer)"
+
+
+def test_deepspeed_precision_sections_give_the_dtype() -> None:
+    assert load_config({}).dtype_name is None
+    assert load_config({"bf16": {"enabled": True}}).dtype_name == "bfloat16"
+    assert load_config({"fp16": {"enabled": True}, "bf16": {"enabled": False}}).dtype_name == "float16"
+
+
+def test_environment_overrides_the_runtime_section() -> None:
+    cfg = load_config({"runtime": {"ring_transport": "nccl", "peer_window_mb": 8}})
+    env = {"MEGACP_ATTN_BACKEND": "flash", "MEGACP_PEER_WINDOW_MB": "64", "MEGACP_CACHE_DIR": "/tmp/cal",
+           "MEGACP_RING_TRANSPORT": ""}
+    runtime = with_env_overrides(cfg, env).runtime
+    assert (runtime.attention_backend, runtime.ring_transport, runtime.peer_window_mb,
+            runtime.calibration_cache_dir) == ("flash", "nccl", 64, "/tmp/cal")
+    assert with_env_overrides(cfg, {}) is cfg
+    for var, value, allowed in (("MEGACP_ATTN_BACKEND", "magic", "'auto', 'cudnn', 'flash', 'reference'"),
+                                ("MEGACP_RING_TRANSPORT", "tcp", "'auto', 'nccl', 'copy_engine'"),
+                                ("MEGACP_PEER_WINDOW_MB", "1.5", "an integer >= 1"),
+                                ("MEGACP_PEER_WINDOW_MB", "0", "an integer >= 1")):
+        with pytest.raises(ConfigError) as info:
+            with_env_overrides(cfg, {var: value})
+        assert str(info.value) == f"{var}={value!r}: allowed values: {allowed}"
+
+
+def test_external_data_parallel_is_the_outermost_axis() -> None:
+    cfg = load_config({"context_parallel": {"size": 2}, "external_data_parallel": {"size": 2}})
+    assert ParallelLayout.from_config(cfg, 8) == ParallelLayout(cp=2, dp=2, ext_dp=2)
+    with pytest.raises(ConfigError, match=r"x external_data_parallel.size = 2 x 1 x 1 x 2 = 4 does not divide "
+                                          r"the world size 6"):
+        ParallelLayout.from_config(cfg, 6)
 
 
 def test_missing_file(tmp_path: Path) -> None:
@@ -164,7 +224,7 @@ def test_file_errors_name_the_file(tmp_path: Path) -> None:
     assert error_of(path) == f"{path}: context_parallel.prefill: got 'ring'; allowed values: 'auto', 'pass_kv', 'pass_q'"
     path.write_text(json.dumps({"context_parallel": {"size": 3}}))
     with pytest.raises(ConfigError, match=rf"^{path}: context_parallel.size x .* does not divide the world size 4"):
-        load_config(path).layout(4)
+        ParallelLayout.from_config(load_config(path), 4)
 
 
 def test_hjson_file(tmp_path: Path) -> None:
@@ -185,7 +245,7 @@ def test_config_error_is_value_error_and_one_line() -> None:
 def test_shipped_configs(name: str) -> None:
     world, layout = SHIPPED[name]
     cfg = load_config(CONFIGS / name)
-    assert cfg.layout(world) == layout
+    assert ParallelLayout.from_config(cfg, world) == layout
     raw = json.loads((CONFIGS / name).read_text())
     assert raw["bf16"]["enabled"] is (name != "cpu_demo.json")
     assert cfg.deepspeed == raw

@@ -64,7 +64,7 @@ def _megacp_generate(rank: int, n: int, jobs: list[tuple[str, str, int]], prompt
     ``config`` is a DeepSpeed-style dict with megacp's sections (default: CP = world size)."""
     import megacp
     from megacp.generate import Generator, SamplingParams
-    from megacp.models.loading import load_model
+    from megacp.checkpoint import load_model
     from megacp.parallel.ring import Ring
 
     state = megacp.initialize(config)
@@ -141,7 +141,7 @@ def _smollm2_path() -> str | None:
 def _smollm2_cp(rank: int, n: int, path: str, prompt: list[int], new: int) -> list[int]:
     import megacp
     from megacp.generate import Generator, SamplingParams
-    from megacp.models.loading import load_model
+    from megacp.checkpoint import load_model
     from megacp.parallel.ring import Ring
 
     state = megacp.initialize()
@@ -197,3 +197,28 @@ def test_bad_prompt_ids_get_one_clear_error(content: str, tmp_path: Path) -> Non
     assert _load_prompts(parse_args(["--prompt-ids", str(path)]), None) == ([[1, 2], [3]], True)
     with pytest.raises(SystemExit):
         parse_args(["--prefill-chunk", "-1"])
+
+
+@pytest.mark.parametrize("config,env,message", [
+    ('{"context_paralel": {"size": 2}}', {},
+     "context_paralel: unknown top-level key; did you mean context_parallel?"),
+    ("{}", {"MEGACP_ATTN_BACKEND": "magic"},
+     "MEGACP_ATTN_BACKEND='magic': allowed values: 'auto', 'cudnn', 'flash', 'reference'"),
+])
+def test_config_error_is_one_line_from_one_rank_under_torchrun(config: str, env: dict, message: str,
+                                                              tmp_path: Path) -> None:
+    """Every rank fails alike before any model loads; only rank 0 says so, in one line, exit 2
+    (each worker's stderr is kept apart from torchrun's own failure report)."""
+    path = tmp_path / "ds.json"
+    path.write_text(config)
+    logs = tmp_path / "logs"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+           "--log-dir", str(logs), "--redirects", "3", "-m", "megacp.generate", "--deepspeed_config", str(path),
+           "--model", str(tmp_path / "never-loaded")]
+    result = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True, timeout=240)
+    assert result.returncode != 0
+    worker_err = sorted(logs.rglob("stderr.log"))
+    assert len(worker_err) == 2, result.stderr[-2000:]
+    lines = [line for f in worker_err for line in f.read_text().splitlines() if line.strip()]
+    assert lines == [f"megacp.generate: {path}: {message}" if not env else f"megacp.generate: {message}"]
+    assert "exitcode: 2" in result.stderr

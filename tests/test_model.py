@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from megacp.checkpoint import CheckpointError
-from megacp.checkpoint.store import parameter_shapes, save_megacp_checkpoint
-from megacp.models import CausalLM, ModelConfig, build_model, load_model
-from megacp.models.loading import resolve_backend
+from megacp.checkpoint import load_model, save_megacp_checkpoint
+from megacp.models import CausalLM, ModelConfig, build_model, parameter_shapes
+from megacp.models.build import resolve_backend
 from megacp.models.rope import RotaryEmbedding, apply_rotary, rope_inv_freq
 from megacp.models.te_model import check_te_supported, te_import_error
 from tests.distributed import run_distributed

@@ -15,21 +15,23 @@ from megacp.parallel.layout import GROUP_KINDS
 from megacp.parallel.mpu import DeepSpeedMPU
 from tests.distributed import run_distributed
 
-# (world size, megacp config dict) -> expected layout
+# (world size, megacp config dict or a layout to build directly) -> expected layout
 MESHES = [
     (2, None, ParallelLayout(cp=2)),
     (2, {"context_parallel": {"size": 1}}, ParallelLayout(dp=2)),
     (4, {"context_parallel": {"size": 2}, "tensor_model_parallel": {"size": 2}}, ParallelLayout(cp=2, tp=2)),
     (4, {"context_parallel": {"size": 2}}, ParallelLayout(dp=2, cp=2)),
-    (4, {"context_parallel": {"size": 2}, "pipeline_model_parallel": {"size": 2}}, ParallelLayout(pp=2, cp=2)),
+    (4, ParallelLayout(pp=2, cp=2), ParallelLayout(pp=2, cp=2)),  # no config has pipeline stages
     (4, None, ParallelLayout(cp=4)),
-    (4, {"tensor_model_parallel": {"size": 2}, "expert_model_parallel": {"size": 4}}, ParallelLayout(dp=2, tp=2)),
+    (4, {"tensor_model_parallel": {"size": 2}, "expert_model_parallel": {"include_cp": True}},
+     ParallelLayout(dp=2, tp=2, ep_includes_cp=True)),
+    (8, {"context_parallel": {"size": 2}, "external_data_parallel": {"size": 2}}, ParallelLayout(cp=2, dp=2, ext_dp=2)),
 ]
 
 
-def _collectives(rank: int, world_size: int, config: dict | None) -> dict:
+def _collectives(rank: int, world_size: int, config: dict | ParallelLayout | None) -> dict:
     """Per kind: the ranks an all_gather over the group returns, an all_reduce sum, the getters."""
-    state = megacp.initialize(config)
+    state = ParallelState.build(config) if isinstance(config, ParallelLayout) else megacp.initialize(config)
     assert isinstance(state, ParallelState) and state.rank == rank
     out: dict = {"layout": state.layout, "device": str(state.device), "backend": state.backend}
     for kind in GROUP_KINDS:
@@ -116,8 +118,7 @@ def test_initialize_from_path_and_errors(tmp_path: Path) -> None:
         assert out["errors"] == {
             "cp3": "context_parallel.size x tensor_model_parallel.size x pipeline_model_parallel.size "
                    "= 3 x 1 x 1 = 3 does not divide the world size 4; allowed: sizes whose product divides 4",
-            "ep": "expert_model_parallel.size: 3 does not match the expert-parallel group of "
-                  "ext_dp1 x dp4 x pp1 x cp1 x tp1 = 4 ranks (dp x tp = 4 ranks); allowed value: 4",
+            "ep": "expert_model_parallel.size: got 3; no megacp model has expert layers; allowed values: 1",
             "backend": "torch.distributed is already initialised with backend 'gloo', not 'nccl'",
             "build": "layout ext_dp1 x dp1 x pp1 x cp8 x tp1 = 8 ranks needs 8 ranks, but the world size is 4",
         }

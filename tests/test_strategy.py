@@ -28,16 +28,13 @@ def test_strategy_rule_on_the_papers_numbers() -> None:
 
 
 def _calibrate(rank: int, n: int, cache_dir: str) -> tuple:
-    import os
-
-    os.environ["MEGACP_CACHE_DIR"] = cache_dir
-    from megacp.attention.strategy import calibrate, hardware_for
-
-    hw = calibrate(None, torch.device("cpu"))
     import torch.distributed as dist
 
+    from megacp.attention.strategy import calibrate, hardware_for
+
+    hw = calibrate(None, torch.device("cpu"), cache_dir=cache_dir)
     dist.barrier()  # rank 0 has written the cache
-    return hw, hardware_for(torch.device("cpu"), n)
+    return hw, hardware_for(torch.device("cpu"), n, cache_dir=cache_dir)
 
 
 def test_calibration_measures_and_caches(tmp_path) -> None:
@@ -55,16 +52,13 @@ def test_calibration_measures_and_caches(tmp_path) -> None:
 
 
 def _lookup(rank: int, n: int, dirs: list[str]) -> tuple:
-    import os
-
     import torch.distributed as dist
 
-    os.environ["MEGACP_CACHE_DIR"] = dirs[rank]
     from megacp.attention.strategy import hardware_for
 
-    own = hardware_for(torch.device("cpu"), n)
-    agreed = hardware_for(torch.device("cpu"), n, dist.group.WORLD)
-    return own, agreed, hardware_for(torch.device("cpu"), n)
+    own = hardware_for(torch.device("cpu"), n, cache_dir=dirs[rank])
+    agreed = hardware_for(torch.device("cpu"), n, dist.group.WORLD, cache_dir=dirs[rank])
+    return own, agreed, hardware_for(torch.device("cpu"), n, cache_dir=dirs[rank])
 
 
 def test_a_cp_group_agrees_on_one_calibration(tmp_path) -> None:
@@ -82,3 +76,21 @@ def test_a_cp_group_agrees_on_one_calibration(tmp_path) -> None:
     rank0 = Hardware(1e9, 5e8, "measured")
     assert own0 == rank0 and own1 == DEFAULTS["cpu"]  # alone, each rank reads its own host
     assert agreed0 == agreed1 == later0 == later1 == rank0  # the group takes rank 0's, and keeps it
+
+
+def test_a_corrupt_calibration_cache_is_ignored_and_rebuilt(tmp_path, caplog) -> None:
+    import json
+
+    from megacp.attention.strategy import DEFAULTS, hardware_for
+    from tests.distributed import run_distributed
+
+    path = tmp_path / "calibration.json"
+    path.write_text('{"cpu|cp1": {"flops": 1e9,')  # cut short by a crash mid-write
+    with caplog.at_level("WARNING", logger="megacp.strategy"):
+        assert hardware_for(torch.device("cpu"), 1, cache_dir=tmp_path) == DEFAULTS["cpu"]
+    assert "ignoring the corrupt calibration cache" in caplog.text
+    path.write_text('{"cpu|cp1": {"flops": 1e9, "speed": 2}}')  # an entry of the wrong shape
+    assert hardware_for(torch.device("cpu"), 1, cache_dir=tmp_path) == DEFAULTS["cpu"]
+    path.write_text("[1, 2]")
+    ((hw, _),) = run_distributed(_calibrate, 1, str(tmp_path))
+    assert json.loads(path.read_text()) == {"cpu|cp1": {"flops": hw.flops, "bandwidth": hw.bandwidth, "source": hw.source}}

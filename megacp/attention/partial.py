@@ -10,7 +10,8 @@ Masks: ``causal=False`` — every key visible. ``causal=True`` — bottom-right 
 sees key ``j`` iff ``j <= i + (Lk - Lq)``; this is the plain causal mask when ``Lq == Lk`` and
 "causal with offset" (queries placed after a cached prefix of ``Lk - Lq`` keys) otherwise.
 
-Backends (``backend=`` or env ``MEGACP_ATTN_BACKEND``; default ``"auto"``):
+Backends (``backend=``; default ``"auto"``; a job configures it as ``runtime.attention_backend`` or
+env ``MEGACP_ATTN_BACKEND``, read once by :func:`megacp.initialize` and handed to the CP layers):
 
 * ``"cudnn"`` — ``aten._scaled_dot_product_cudnn_attention`` (fastest on H100/H200, LSE ``[B,H,S,1]``).
 * ``"flash"`` — ``aten._scaled_dot_product_flash_attention`` (FlashAttention-2, LSE ``[B,H,S]``).
@@ -26,7 +27,6 @@ tensors use the reference path. Every kernel's LSE is natural log, fp32 (checked
 from __future__ import annotations
 
 import math
-import os
 from typing import Callable
 
 import torch
@@ -40,11 +40,8 @@ _refused: set[tuple] = set()
 
 
 def default_backend() -> str:
-    """The backend named by ``MEGACP_ATTN_BACKEND`` (``"auto"`` when unset)."""
-    name = os.environ.get("MEGACP_ATTN_BACKEND", "auto")
-    if name not in BACKENDS:
-        raise ValueError(f"MEGACP_ATTN_BACKEND={name!r} is not one of {', '.join(BACKENDS)}")
-    return name
+    """The backend of a call that names none: ``"auto"``."""
+    return "auto"
 
 
 def empty_state(*shape: int, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor]:

@@ -66,19 +66,19 @@ def build_kv_block(
 
 
 def resolve_strategy(strategy: str, plan: ShardPlan, num_heads: int, num_kv_heads: int,
-                     elem_bytes: int, device: torch.device, group: dist.ProcessGroup | None = None
-                     ) -> Choice | str:
+                     elem_bytes: int, device: torch.device, group: dist.ProcessGroup | None = None, *,
+                     cache_dir: str | None = None) -> Choice | str:
     """``"pass_kv"``/``"pass_q"`` as given; ``"auto"`` applies the paper's rule to the batch totals
     (a :class:`Choice` with every input, logged at debug level) with the numbers the CP ``group``
     agreed on (:func:`~megacp.attention.strategy.hardware_for`: pass the group, and call this on
-    every rank of it)."""
+    every rank of it); ``cache_dir`` holds the host's calibration (``None``: ``~/.cache/megacp``)."""
     if strategy not in STRATEGIES:
         raise ValueError(f"prefill strategy {strategy!r} is not one of {', '.join(STRATEGIES)}")
     if strategy != "auto":
         return strategy
     choice = choose_strategy(
         sum(plan.new), sum(plan.cached), num_heads=num_heads, num_kv_heads=num_kv_heads,
-        cp_size=plan.cp_size, elem_bytes=elem_bytes, hw=hardware_for(device, plan.cp_size, group),
+        cp_size=plan.cp_size, elem_bytes=elem_bytes, hw=hardware_for(device, plan.cp_size, group, cache_dir=cache_dir),
     )
     log.debug("prefill strategy %s", choice)
     return choice
@@ -121,7 +121,7 @@ def cp_attention(
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    group: "torch.distributed.ProcessGroup | None" = None,
+    group: "torch.distributed.ProcessGroup | Ring | None" = None,
     *,
     cu_seqlens: Tensor | Sequence[int] | None = None,
     strategy: str = "auto",
@@ -136,7 +136,8 @@ def cp_attention(
 
     Args:
         q: ``[T, Hq, D]``; k, v: ``[T, Hkv, D]`` (identical on every rank).
-        group: the CP process group (``None`` = the whole world; world of one without init).
+        group: the CP process group, or a :class:`~megacp.parallel.ring.Ring` over it (another
+            transport or window size); ``None`` = the whole world (world of one without init).
         cu_seqlens: int32 ``[B+1]`` sequence boundaries (default: one sequence).
 
     Returns:
@@ -148,7 +149,7 @@ def cp_attention(
             f"{tuple(k.shape)}, {tuple(v.shape)}"
         )
     lens = [q.shape[0]] if cu_seqlens is None else seq_lengths(cu_seqlens, q.shape[0])
-    ring = Ring(group) if dist.is_initialized() else None
+    ring = group if isinstance(group, Ring) else Ring(group) if dist.is_initialized() else None
     n, r = (ring.size, ring.rank) if ring else (1, 0)
     plan = ShardPlan([0] * len(lens), lens, n, r, load_balance=load_balance)
     idx = plan.local_index().to(q.device)

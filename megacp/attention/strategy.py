@@ -82,8 +82,9 @@ def choose_strategy(
     return Choice(strategy, t, p, num_heads, num_kv_heads, n, e, c, bw, hide, miss, miss_thr)
 
 
-def _cache_path() -> Path:
-    root = os.environ.get("MEGACP_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "megacp")
+def _cache_path(cache_dir: str | os.PathLike[str] | None) -> Path:
+    """``calibration.json`` in ``cache_dir`` (``None``: ``~/.cache/megacp``)."""
+    root = cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "megacp")
     return Path(root) / "calibration.json"
 
 
@@ -102,15 +103,36 @@ _agreed: dict[str, Hardware] = {}
 :func:`calibrate` over it): once set, every later strategy choice of the group reads the same entry."""
 
 
-def _from_file(key: str) -> Hardware | None:
+def _read_cache(path: Path) -> dict:
+    """The calibration cache at ``path``; ``{}`` when absent, and ``{}`` with a warning when it is
+    corrupt (it is then rebuilt by the next :func:`calibrate`)."""
     try:
-        entry = json.loads(_cache_path().read_text()).get(key)
-        return Hardware(**entry) if entry else None
-    except (OSError, ValueError, TypeError, AttributeError):
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as err:
+        log.warning("ignoring the corrupt calibration cache %s (%s); it is rebuilt by the next calibration", path, err)
+        return {}
+    if not isinstance(data, dict):
+        log.warning("ignoring the corrupt calibration cache %s (not a JSON object)", path)
+        return {}
+    return data
+
+
+def _from_file(key: str, cache_dir: str | os.PathLike[str] | None) -> Hardware | None:
+    path = _cache_path(cache_dir)
+    entry = _read_cache(path).get(key)
+    if entry is None:
+        return None
+    try:
+        return Hardware(**entry)
+    except TypeError:
+        log.warning("ignoring the corrupt entry %r of the calibration cache %s", key, path)
         return None
 
 
-def hardware_for(device: torch.device, cp_size: int, group: dist.ProcessGroup | None = None) -> Hardware:
+def hardware_for(device: torch.device, cp_size: int, group: dist.ProcessGroup | None = None, *,
+                 cache_dir: str | os.PathLike[str] | None = None) -> Hardware:
     """C and BW for this device kind and CP size: measured by :func:`calibrate` in this process,
     else this host's cached calibration, else :data:`DEFAULTS`.
 
@@ -121,7 +143,7 @@ def hardware_for(device: torch.device, cp_size: int, group: dist.ProcessGroup | 
     key = _device_key(device, cp_size)
     if key in _agreed:
         return _agreed[key]
-    hw = _from_file(key) or DEFAULTS[_kind(device)]
+    hw = _from_file(key, cache_dir) or DEFAULTS[_kind(device)]
     if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
         return hw
     box = [hw]
@@ -133,11 +155,12 @@ def hardware_for(device: torch.device, cp_size: int, group: dist.ProcessGroup | 
 
 def calibrate(group: dist.ProcessGroup | None, device: torch.device, *, tokens: int | None = None,
               heads: int | None = None, kv_heads: int | None = None, head_dim: int | None = None,
-              save: bool = True) -> Hardware:
+              save: bool = True, cache_dir: str | os.PathLike[str] | None = None) -> Hardware:
     """Measure C (one dense attention block) and BW (one ring hop) on this hardware; collective
     over ``group`` (``None`` = the whole world). Every rank gets the slowest rank's numbers and
     uses them for the rest of the process (:func:`hardware_for`); the group's rank 0 also caches
-    them in ``~/.cache/megacp/calibration.json`` (``MEGACP_CACHE_DIR``). The block's shape defaults
+    them in ``calibration.json`` of ``cache_dir`` (default ``~/.cache/megacp``; a job's is
+    ``runtime.calibration_cache_dir`` / ``MEGACP_CACHE_DIR``). The block's shape defaults
     to 4096 tokens, 32/8 heads of 128 on GPUs and 512 tokens, 8/2 heads of 64 on CPUs. With one
     rank there is no link to measure: BW keeps its default."""
     from megacp.attention.partial import partial_attention
@@ -178,12 +201,9 @@ def calibrate(group: dist.ProcessGroup | None, device: torch.device, *, tokens: 
                   "measured" if measured_bw else "measured C, default BW")
     _agreed[_device_key(device, ring.size)] = hw
     if save and ring.rank == 0:
-        path = _cache_path()
+        path = _cache_path(cache_dir)
         path.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError):
-            data = {}
+        data = _read_cache(path)
         data[_device_key(device, ring.size)] = asdict(hw)
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(data, indent=1))

@@ -1,46 +1,52 @@
-"""Checkpoints: Hugging Face and GGUF import, megacp's own TP-sharded layout, export and reshard.
+"""Checkpoints: Hugging Face and GGUF import, megacp's own TP-sharded format, export, reshard and
+loading into a model.
 
-Modules (imported lazily, so that ``import megacp.checkpoint`` stays cheap):
-
-* :mod:`megacp.checkpoint.hf` — Hugging Face configs, name mapping, streaming reader and writer.
-* :mod:`megacp.checkpoint.gguf` — GGUF files (llama.cpp) dequantised to megacp tensors.
+* :mod:`megacp.checkpoint.errors` — :class:`CheckpointError`.
+* :mod:`megacp.checkpoint.dtypes` — the stored dtype names.
+* :mod:`megacp.checkpoint.safetensors_io` — the streaming safetensors writer, tensor checksums.
+* :mod:`megacp.checkpoint.staging` — atomic output directories.
+* :mod:`megacp.checkpoint.tokenizer_files` — tokenizer files that travel with a checkpoint.
 * :mod:`megacp.checkpoint.tp` — splitting and merging megacp tensors for tensor parallelism.
-* :mod:`megacp.checkpoint.store` — the megacp checkpoint directory (one safetensors file per TP
-  rank plus a checksummed manifest).
+* :mod:`megacp.checkpoint.megacp_format` — the megacp checkpoint directory (one safetensors file
+  per TP rank plus a checksummed manifest).
+* :mod:`megacp.checkpoint.hf` — Hugging Face configs, name mapping, streaming reader and writer.
+* :mod:`megacp.checkpoint.gguf` — GGUF files (llama.cpp) dequantised to megacp tensors (needs the
+  optional ``gguf`` package; imported on use).
+* :mod:`megacp.checkpoint.load` — :func:`load_model`: any of the above into a built model.
 * :mod:`megacp.checkpoint.convert` — the ``tools/convert_checkpoint.py`` command line.
 
 Every failure caused by the input (a missing or truncated file, an unsupported architecture, a
 shape that does not match the config, ...) raises :class:`CheckpointError` with one clear message.
 """
 
-from __future__ import annotations
+from megacp.checkpoint.errors import CheckpointError
+from megacp.checkpoint.hf import (
+    config_from_hf,
+    config_to_hf,
+    hf_to_megacp,
+    load_hf_state_dict,
+    megacp_to_hf,
+    open_hf_checkpoint,
+    save_hf_checkpoint,
+)
+from megacp.checkpoint.load import load_model
+from megacp.checkpoint.megacp_format import load_megacp_checkpoint, open_megacp_checkpoint, save_megacp_checkpoint
+from megacp.checkpoint.tp import check_tp_size, merge_shards, shard_tensor
 
-from megacp._lazy import lazy_getattr
-
-
-class CheckpointError(ValueError):
-    """A checkpoint or config that cannot be read, converted or written as asked."""
-
-
-_EXPORTS = {
-    "config_from_hf": "megacp.checkpoint.hf",
-    "config_to_hf": "megacp.checkpoint.hf",
-    "hf_to_megacp": "megacp.checkpoint.hf",
-    "megacp_to_hf": "megacp.checkpoint.hf",
-    "open_hf_checkpoint": "megacp.checkpoint.hf",
-    "load_hf_state_dict": "megacp.checkpoint.hf",
-    "save_hf_checkpoint": "megacp.checkpoint.hf",
-    "load_gguf": "megacp.checkpoint.gguf",
-    "shard_tensor": "megacp.checkpoint.tp",
-    "merge_shards": "megacp.checkpoint.tp",
-    "check_tp_size": "megacp.checkpoint.tp",
-    "parameter_shapes": "megacp.checkpoint.store",
-    "open_megacp_checkpoint": "megacp.checkpoint.store",
-    "load_megacp_checkpoint": "megacp.checkpoint.store",
-    "save_megacp_checkpoint": "megacp.checkpoint.store",
-}
-
-__all__ = sorted(_EXPORTS) + ["CheckpointError"]
-
-
-__getattr__ = lazy_getattr(__name__, _EXPORTS)
+__all__ = [
+    "CheckpointError",
+    "check_tp_size",
+    "config_from_hf",
+    "config_to_hf",
+    "hf_to_megacp",
+    "load_hf_state_dict",
+    "load_megacp_checkpoint",
+    "load_model",
+    "megacp_to_hf",
+    "merge_shards",
+    "open_hf_checkpoint",
+    "open_megacp_checkpoint",
+    "save_hf_checkpoint",
+    "save_megacp_checkpoint",
+    "shard_tensor",
+]

@@ -24,7 +24,8 @@ from contextlib import contextmanager
 import torch
 from tqdm import tqdm
 
-from megacp.checkpoint import CheckpointError
+from megacp.checkpoint.dtypes import DTYPES, dtype_from_name
+from megacp.checkpoint.errors import CheckpointError
 from megacp.checkpoint.hf import (
     hf_names_of,
     hf_parameter_shapes,
@@ -33,16 +34,11 @@ from megacp.checkpoint.hf import (
     open_hf_checkpoint,
     save_hf_checkpoint,
 )
-from megacp.checkpoint.store import (
-    DTYPES,
-    WriteSummary,
-    check_output_dir,
-    dtype_from_name,
-    open_megacp_checkpoint,
-    parameter_shapes,
-    save_megacp_checkpoint,
-)
+from megacp.checkpoint.megacp_format import open_megacp_checkpoint, save_megacp_checkpoint
+from megacp.checkpoint.safetensors_io import WriteSummary
+from megacp.checkpoint.staging import check_output_dir
 from megacp.checkpoint.tp import check_tp_size
+from megacp.models.schema import parameter_shapes
 
 Command = Callable[[argparse.Namespace], WriteSummary]
 

@@ -23,7 +23,7 @@ import torch
 from gguf import GGUFReader
 from gguf.quants import dequantize
 
-from megacp.checkpoint import CheckpointError
+from megacp.checkpoint.errors import CheckpointError
 from megacp.checkpoint.hf import hf_to_megacp
 from megacp.models.config import ModelConfig
 

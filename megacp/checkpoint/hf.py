@@ -21,18 +21,13 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from megacp.checkpoint import CheckpointError
-from megacp.checkpoint.store import (
-    ClosingContext,
-    SafetensorsWriter,
-    TokenizerSource,
-    WriteSummary,
-    dtype_name,
-    parameter_shapes,
-    staged_directory,
-    write_tokenizer,
-)
+from megacp.checkpoint.dtypes import dtype_name
+from megacp.checkpoint.errors import CheckpointError
+from megacp.checkpoint.safetensors_io import ClosingContext, SafetensorsWriter, WriteSummary
+from megacp.checkpoint.staging import staged_directory
+from megacp.checkpoint.tokenizer_files import TokenizerSource, write_tokenizer
 from megacp.models.config import ModelConfig
+from megacp.models.schema import parameter_shapes
 
 _HF_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 _ARCH_OF_CLASS = {cls: arch for arch, cls in _HF_CLASSES.items()}

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
-from megacp.checkpoint import CheckpointError
+from megacp.checkpoint.errors import CheckpointError
 from megacp.models.config import ModelConfig
 
 _REPLICATED = ("layer_norm_weight", "embedding.weight", "final_norm.weight", "lm_head.weight")

@@ -2,7 +2,7 @@
 
 Prefill steps run the pass-KV or pass-Q ring over the CP group; decode steps (every request adds
 one token, with a KV cache) run all-gather decode. With autograd on and inputs that need
-gradients (training, no cache), the differentiable pass-KV ring of :mod:`megacp.attention.backward`
+gradients (training, no cache), the differentiable pass-KV ring of :mod:`megacp.attention.training`
 runs instead. The KV cache, the sharding plan and the
 strategies arrive through ``inference_params`` (a :class:`~megacp.layers.step.CPStep`). Without
 one, the inputs are taken to be this rank's load-balanced shard of whole sequences whose full
@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from megacp.attention.backward import ring_attention
+from megacp.attention.training import ring_attention
 from megacp.attention.decode import allgather_decode
 from megacp.attention.prefill import build_kv_block, cp_prefill
 from megacp.layers.attention import DotProductAttention, check_dropout, check_format, from_thd, to_thd

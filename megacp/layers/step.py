@@ -33,6 +33,8 @@ class CPStep:
         strategy: prefill strategy, ``"auto"``, ``"pass_kv"`` or ``"pass_q"``.
         decode: decode strategy (``"allgather"``).
         backend: attention kernel backend override (see :mod:`megacp.attention.partial`).
+        calibration_dir: where the ``auto`` strategy reads this host's calibration (``None``:
+            ``~/.cache/megacp``).
     """
 
     plan: ShardPlan
@@ -42,6 +44,7 @@ class CPStep:
     strategy: str = "auto"
     decode: str = "allgather"
     backend: str | None = None
+    calibration_dir: str | None = None
     choice: Choice | str | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
@@ -98,7 +101,7 @@ class CPStep:
         """The step's prefill strategy, resolved once (the same for every layer)."""
         if self.choice is None:
             self.choice = resolve_strategy(self.strategy, self.plan, num_heads, num_kv_heads, elem_bytes, device,
-                                           self.ring.group if self.ring else None)
+                                           self.ring.group if self.ring else None, cache_dir=self.calibration_dir)
         return strategy_name(self.choice)
 
     def commit(self) -> None:

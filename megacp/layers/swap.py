@@ -11,6 +11,7 @@ from torch import nn
 from megacp.layers.attention import DotProductAttention
 from megacp.layers.cp_attention import CPDotProductAttention
 from megacp.parallel.ring import Ring
+from megacp.parallel.state import ParallelState
 
 
 class TECPDotProductAttention(CPDotProductAttention):
@@ -85,8 +86,9 @@ def swap_attention(model: nn.Module, state: Any = None, *, strategy: str = "auto
 
     Args:
         model: any ``nn.Module``.
-        state: a :class:`megacp.ParallelState` (its ``"cp"`` group), a process group, or ``None``
-            (the whole world when torch.distributed is initialised, else CP = 1).
+        state: a :class:`megacp.ParallelState` (its CP ring and its configured attention
+            backend), a process group, or ``None`` (the whole world when torch.distributed is
+            initialised, else CP = 1).
         strategy: default prefill strategy of the new layers.
 
     Returns:
@@ -94,12 +96,17 @@ def swap_attention(model: nn.Module, state: Any = None, *, strategy: str = "auto
         replacement is built before any is put in place: a module that cannot be swapped (e.g. a
         non-causal mask) raises and leaves the model unchanged.
     """
-    group = _cp_group(state)
-    ring = Ring(group) if dist.is_initialized() else None
+    if isinstance(state, ParallelState):
+        ring, backend = state.ring(), state.config.runtime.attention_backend
+    else:
+        group = _cp_group(state)
+        ring, backend = (Ring(group) if dist.is_initialized() else None), "auto"
     te_cls = _te_attention_class()
     kinds = (DotProductAttention,) + ((te_cls,) if te_cls is not None else ())
     targets = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, kinds) and not isinstance(mod, CPDotProductAttention)]
     replacements = [_convert(mod, ring, strategy, te_cls).train(mod.training) for _, mod in targets]
+    for new in replacements:
+        new.backend = None if backend == "auto" else backend
     for (name, _), new in zip(targets, replacements):
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model

@@ -1,29 +1,18 @@
 """megacp's model: a Llama-family decoder over packed tokens at global positions.
 
 * :class:`ModelConfig` — the architecture (:mod:`megacp.models.config`).
+* :func:`parameter_shapes` — the parameter schema (:mod:`megacp.models.schema`).
 * :class:`CausalLM` — the decoder, parameter names as Transformer Engine's ``TransformerLayer``
   (:mod:`megacp.models.llama`; TE-built layers in :mod:`megacp.models.te_model`).
-* :func:`build_model` / :func:`load_model` — a random model, or one loaded from a Hugging Face
-  directory, a megacp checkpoint or a GGUF file (:mod:`megacp.models.loading`).
+* :func:`build_model` — a random model or a ``meta`` skeleton (:mod:`megacp.models.build`);
+  loading weights into it is :func:`megacp.checkpoint.load_model`.
 * :class:`RotaryEmbedding` / :func:`apply_rotary` — RoPE at global positions (:mod:`megacp.models.rope`).
-
-Imported lazily, so that ``megacp.models.config`` stays importable without the model code.
 """
 
-from __future__ import annotations
+from megacp.models.build import build_model
+from megacp.models.config import ModelConfig
+from megacp.models.llama import CausalLM
+from megacp.models.rope import RotaryEmbedding, apply_rotary
+from megacp.models.schema import parameter_shapes
 
-from megacp._lazy import lazy_getattr
-
-_EXPORTS = {
-    "ModelConfig": "megacp.models.config",
-    "CausalLM": "megacp.models.llama",
-    "build_model": "megacp.models.loading",
-    "load_model": "megacp.models.loading",
-    "RotaryEmbedding": "megacp.models.rope",
-    "apply_rotary": "megacp.models.rope",
-}
-
-__all__ = sorted(_EXPORTS)
-
-
-__getattr__ = lazy_getattr(__name__, _EXPORTS)
+__all__ = ["CausalLM", "ModelConfig", "RotaryEmbedding", "apply_rotary", "build_model", "parameter_shapes"]

@@ -1,4 +1,5 @@
-"""Pure-Python arithmetic of the process mesh (no ``torch.distributed``).
+"""Pure-Python arithmetic of the process mesh (no ``torch.distributed``), and the mesh a megacp
+config describes (:meth:`ParallelLayout.from_config`).
 
 Ranks are laid out over the axes ``(ext_dp, dp, pp, cp, tp)`` with ``tp`` varying fastest::
 
@@ -29,6 +30,8 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
+
+from megacp.config import ConfigError, MegacpConfig
 
 AXES: tuple[str, ...] = ("ext_dp", "dp", "pp", "cp", "tp")
 """Mesh axes, slowest-varying first."""
@@ -115,6 +118,42 @@ class ParallelLayout:
         if world_size % product != 0:
             raise ValueError(f"world size {world_size} is not divisible by {shown} = {product} ({derived} takes the rest)")
         return cls(**given, **{derived: world_size // product}, ep_includes_cp=ep_includes_cp)
+
+    @classmethod
+    def from_config(cls, config: MegacpConfig, world_size: int) -> ParallelLayout:
+        """The mesh of ``world_size`` ranks from ``config``: configured tp, cp, pp, ext_dp; dp takes
+        the rest.
+
+        Raises:
+            ConfigError: the sizes do not divide ``world_size``, or ``expert_model_parallel.size``
+                differs from the EP group this layout implies.
+        """
+        prefix = f"{config.source}: " if config.source else ""
+        cp, tp, pp = config.context_parallel.size, config.tensor_model_parallel.size, config.pipeline_model_parallel.size
+        ext_dp = config.external_data_parallel.size
+        names = "context_parallel.size x tensor_model_parallel.size x pipeline_model_parallel.size"
+        sizes = f"{cp} x {tp} x {pp}"
+        if ext_dp > 1:
+            names, sizes = f"{names} x external_data_parallel.size", f"{sizes} x {ext_dp}"
+        per_replica = cp * tp * pp * ext_dp
+        if world_size < 1 or world_size % per_replica != 0:
+            raise ConfigError(
+                f"{prefix}{names} = {sizes} = {per_replica} does not divide the world size {world_size}; "
+                f"allowed: sizes whose product divides {world_size}"
+            )
+        expert = config.expert_model_parallel
+        layout = cls(
+            tp=tp, cp=cp, pp=pp, dp=world_size // per_replica, ext_dp=ext_dp, ep_includes_cp=expert.include_cp
+        )
+        implied = layout.dp * layout.tp * (layout.cp if expert.include_cp else 1)
+        if expert.size is not None and expert.size != implied:
+            spans = "dp x cp x tp" if expert.include_cp else "dp x tp"
+            raise ConfigError(
+                f"{prefix}expert_model_parallel.size: {expert.size} does not match the expert-parallel group "
+                f"of {layout} ({spans} = {implied} ranks); allowed value: {implied}"
+            )
+        return layout
+
 
     @property
     def world_size(self) -> int:

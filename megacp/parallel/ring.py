@@ -6,14 +6,15 @@ The ring of a group of N ranks: rank ``i`` (rank within the group) sends to ``i+
 once, so the caller computes on the block in hand while the next block travels; :meth:`Ring.wait`
 completes them (on CUDA it makes the current stream wait, without a host sync).
 
-:meth:`Ring.rotate` has two transports (``transport=`` or env ``MEGACP_RING_TRANSPORT``):
+:meth:`Ring.rotate` has two transports (``transport=``; megacp's config key
+``runtime.ring_transport``, env ``MEGACP_RING_TRANSPORT`` read by :func:`megacp.initialize`):
 
 * ``"nccl"`` — each block is relayed rank to rank with P2P send/recv (NCCL on GPU, gloo on CPU);
 * ``"copy_engine"`` — every rank *pushes* its block (or only the rows the target reads) straight
   into the :class:`~megacp.parallel.peer.PeerWindow` of rank ``r + s`` for step ``s``, with copies
   that run on a copy engine and flags that the GPU front end writes and waits on, so nothing
-  competes with the attention kernels for SMs (a block larger than a window slot,
-  ``MEGACP_PEER_WINDOW_MB``, rotates over NCCL instead);
+  competes with the attention kernels for SMs (a block larger than a window slot of
+  ``window_mb`` MiB rotates over NCCL instead);
 * ``"auto"`` (default) — ``copy_engine`` for CUDA tensors on a group that supports it
   (:func:`~megacp.parallel.peer.copy_engine_supported`), else ``nccl``.
 
@@ -33,10 +34,10 @@ import torch.distributed as dist
 from torch import Tensor
 
 from megacp.parallel.peer import (
+    DEFAULT_WINDOW_MB,
     TRANSPORTS,
     PeerWindow,
     copy_engine_supported,
-    default_transport,
     peer_window,
     push_schedule,
     wait_value,
@@ -85,14 +86,15 @@ def side_stream(device: torch.device, role: str) -> torch.cuda.Stream:
 @dataclass
 class Ring:
     """The CP ring of ``group`` (``None`` = the default group); ``transport`` of :meth:`rotate`
-    (``None`` = ``MEGACP_RING_TRANSPORT``, default ``"auto"``)."""
+    (one of :data:`~megacp.parallel.peer.TRANSPORTS`) and ``window_mb``, the MiB of each slot of
+    the group's copy-engine window. A job's ring is :meth:`megacp.ParallelState.ring`."""
 
     group: dist.ProcessGroup | None = None
-    transport: str | None = None
+    transport: str = "auto"
+    window_mb: int = DEFAULT_WINDOW_MB
 
     def __post_init__(self) -> None:
         self.group = self.group or dist.group.WORLD
-        self.transport = self.transport or default_transport()
         if self.transport not in TRANSPORTS:
             raise ValueError(f"ring transport {self.transport!r} is not one of {', '.join(TRANSPORTS)}")
         if self.transport == "auto":
@@ -156,7 +158,7 @@ class Ring:
         """
         parts = _parts(block)
         if self.transport == "copy_engine" and parts[0].is_cuda and self.size > 1:
-            win = peer_window(self.group, sum(t.nbytes for t in parts), parts[0].device)
+            win = peer_window(self.group, sum(t.nbytes for t in parts), parts[0].device, self.window_mb)
             if win is not None:
                 yield from self._rotate_push(block, parts, win, stream, ready, rows)
                 return

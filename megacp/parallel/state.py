@@ -1,12 +1,26 @@
-"""The distributed state: this rank's process groups for every mesh axis, as one object.
+"""The distributed state: this rank's process groups for every mesh axis, the CP ring, and the
+validated configuration (environment overrides applied), as one object.
 
 :func:`initialize` brings up ``torch.distributed`` (under the ``deepspeed`` launcher, ``torchrun``,
 or as a plain single process) and returns a :class:`ParallelState`, which is passed down to every
-layer that communicates. There are no module-level globals.
+layer that communicates.
+
+Per-process memos outside the state object, each harmless because it records a fact of this
+process or of a process group, never a setting:
+
+* ``megacp.parallel.peer``: a group's copy-engine window, allocated once per group and never
+  replaced (torch caches symmetric-memory rendezvous by address; a second one on a group hung),
+  and the CUDA driver's stream memory operations (looked up once).
+* ``megacp.parallel.ring.side_stream``: one side stream per device and role.
+* ``megacp.attention.strategy``: the calibration numbers a CP group agreed on (so that every
+  later strategy choice of the group reads the same numbers).
+* ``megacp.attention.partial`` / ``partial_backward``: shapes a fused kernel refused (so that
+  ``auto`` does not retry them).
 """
 
 from __future__ import annotations
 
+import datetime
 import importlib.util
 import os
 from collections.abc import Mapping
@@ -15,8 +29,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megacp.config import ConfigError, MegacpConfig, load_config
+from megacp.config import ConfigError, MegacpConfig, load_config, with_env_overrides
 from megacp.parallel.layout import GROUP_KINDS, ParallelLayout
+from megacp.parallel.ring import Ring
 
 ProcessGroup = dist.ProcessGroup
 
@@ -28,7 +43,9 @@ class ParallelState:
 
     Attributes:
         layout: the mesh.
-        config: the megacp configuration the mesh was built from.
+        config: the megacp configuration the mesh was built from (for a layout built directly:
+            its CP, TP, EP and external-DP settings over defaults; the layout is the authority on
+            sizes, including pipeline stages that no config may ask for).
         rank: this process's global rank.
         backend: the ``torch.distributed`` backend (``"nccl"``, ``"gloo"``, ...).
         device: ``cuda:<current device>`` under NCCL, else ``cpu``.
@@ -51,6 +68,7 @@ class ParallelState:
         self.device = device
         self._groups = dict(groups)
         self._ranks = dict(ranks)
+        self._ring: Ring | None = None
 
     @classmethod
     def build(cls, layout: ParallelLayout, config: MegacpConfig | None = None) -> ParallelState:
@@ -74,8 +92,8 @@ class ParallelState:
             config = MegacpConfig.from_dict({
                 "context_parallel": {"size": layout.cp},
                 "tensor_model_parallel": {"size": layout.tp},
-                "pipeline_model_parallel": {"size": layout.pp},
                 "expert_model_parallel": {"include_cp": layout.ep_includes_cp},
+                "external_data_parallel": {"size": layout.ext_dp},
             })
         created: dict[tuple[int, ...], ProcessGroup] = {tuple(range(world_size)): dist.group.WORLD}
         groups: dict[str, ProcessGroup] = {}
@@ -115,6 +133,16 @@ class ParallelState:
         """This rank's index inside its group of kind ``name`` (its group-local rank)."""
         return self.ranks(name).index(self.rank)
 
+    def ring(self) -> Ring | None:
+        """The CP ring (``None`` when CP = 1), built once with the configured transport and window
+        size (``runtime.ring_transport`` / ``runtime.peer_window_mb``) and shared by every user."""
+        if self.size("cp") == 1:
+            return None
+        if self._ring is None:
+            runtime = self.config.runtime
+            self._ring = Ring(self.group("cp"), transport=runtime.ring_transport, window_mb=runtime.peer_window_mb)
+        return self._ring
+
     @property
     def world_size(self) -> int:
         """Number of ranks in the mesh."""
@@ -145,30 +173,39 @@ def initialize(
     shared-memory op on first use (about a minute, and it needs a C++ compiler), and
     ``deepspeed.initialize`` adopts an existing process group later anyway.
 
+    The environment variables of :data:`megacp.config.ENV_OVERRIDES` override the config's
+    ``runtime`` section; they are read here, once, and validated before any process group exists.
+    Every collective of a process group this creates times out after ``runtime.timeout_minutes``.
+
     Args:
         config: ``None`` (all ranks form one CP group), a path of a DeepSpeed JSON/hjson file, its
             dict, or a :class:`MegacpConfig`.
         backend: ``torch.distributed`` backend override.
 
     Raises:
-        ConfigError: the config is invalid or its sizes do not fit the world size.
+        ConfigError: the config or an environment override is invalid, or the sizes do not fit the
+            world size.
         ValueError: ``backend`` differs from that of an already initialised process group.
     """
-    cfg = None if config is None else load_config(config)
+    cfg = with_env_overrides(load_config({} if config is None else config), os.environ)
     if dist.is_initialized():
         current = str(dist.get_backend())
         if backend is not None and backend != current:
             raise ValueError(f"torch.distributed is already initialised with backend {current!r}, not {backend!r}")
     else:
-        _init_process_group(backend or ("nccl" if torch.cuda.is_available() else "gloo"))
+        timeout = datetime.timedelta(minutes=cfg.runtime.timeout_minutes)
+        _init_process_group(backend or ("nccl" if torch.cuda.is_available() else "gloo"), timeout)
     world_size = dist.get_world_size()
-    if cfg is None:
-        return ParallelState.build(ParallelLayout(cp=world_size))
-    return ParallelState.build(cfg.layout(world_size), cfg)
+    if config is None:
+        layout = ParallelLayout(cp=world_size)
+        cfg = cfg.model_copy(update={"context_parallel": cfg.context_parallel.model_copy(update={"size": world_size})})
+        return ParallelState.build(layout, cfg)
+    return ParallelState.build(ParallelLayout.from_config(cfg, world_size), cfg)
 
 
-def _init_process_group(backend: str) -> None:
-    """Initialise the default process group from the launcher's environment, or as a world of one."""
+def _init_process_group(backend: str, timeout: datetime.timedelta) -> None:
+    """Initialise the default process group from the launcher's environment, or as a world of one;
+    every collective times out after ``timeout``."""
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
@@ -176,9 +213,9 @@ def _init_process_group(backend: str) -> None:
         if backend != "gloo" and importlib.util.find_spec("deepspeed") is not None:
             import deepspeed
 
-            deepspeed.init_distributed(dist_backend=backend)
+            deepspeed.init_distributed(dist_backend=backend, timeout=timeout)
         else:
-            dist.init_process_group(backend=backend, init_method="env://")
+            dist.init_process_group(backend=backend, init_method="env://", timeout=timeout)
         return
     store = dist.TCPStore("127.0.0.1", 0, world_size=1, is_master=True)
-    dist.init_process_group(backend=backend, store=store, rank=0, world_size=1)
+    dist.init_process_group(backend=backend, store=store, rank=0, world_size=1, timeout=timeout)

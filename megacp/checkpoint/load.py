@@ -1,4 +1,5 @@
-"""Building a :class:`CausalLM` (torch or Transformer Engine layers) and loading its weights.
+"""Loading a model's weights from a checkpoint into a freshly built :class:`CausalLM` (checkpoint
+reading only: the TP rank and size come from the model package, nothing here communicates).
 
 :func:`load_model` accepts what users point at: a Hugging Face checkpoint directory, a megacp
 checkpoint directory, or a ``.gguf`` file. Weights are streamed into megacp names, sharded for the
@@ -15,53 +16,24 @@ import json
 import os
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 
-from megacp.checkpoint import CheckpointError
+from megacp.checkpoint.errors import CheckpointError
 from megacp.checkpoint.hf import hf_to_megacp, open_hf_checkpoint
-from megacp.checkpoint.store import MANIFEST, TokenizerSource, load_megacp_checkpoint
+from megacp.checkpoint.megacp_format import MANIFEST, load_megacp_checkpoint
+from megacp.checkpoint.tokenizer_files import TokenizerSource
 from megacp.checkpoint.tp import check_tp_size, shard_tensor
+from megacp.models.build import Backend, build_model, resolve_backend, tp_rank_and_size
 from megacp.models.config import ModelConfig
-from megacp.models.llama import CausalLM, tp_world_size
-from megacp.models.te_model import build_te_model, te_import_error
+from megacp.models.llama import CausalLM
 
-Backend = Literal["auto", "torch", "te"]
-BACKENDS = ("auto", "torch", "te")
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
 # Any of these in a checkpoint directory means a tokenizer can be loaded from it.
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
-
-
-def resolve_backend(cfg: ModelConfig, device: Any, backend: Backend = "auto") -> str:
-    """``"te"`` or ``"torch"``: ``auto`` picks TE when it is importable, the device is CUDA and the
-    model is expressible with ``te.TransformerLayer`` (no Q/K/V bias); otherwise torch."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend={backend!r} is not supported; allowed: {', '.join(BACKENDS)}")
-    if backend != "auto":
-        return backend
-    usable = te_import_error() is None and torch.device(device).type == "cuda" and not cfg.attention_bias
-    return "te" if usable else "torch"
-
-
-def build_model(
-    cfg: ModelConfig,
-    *,
-    dtype: torch.dtype,
-    device: Any,
-    backend: Backend = "auto",
-    tp_group: dist.ProcessGroup | None = None,
-) -> CausalLM:
-    """A randomly initialised :class:`CausalLM` (``device="meta"``: a skeleton for loading).
-
-    Raises:
-        ValueError: unknown backend, or ``backend="te"`` for a model TE cannot express.
-        RuntimeError: ``backend="te"`` without an importable Transformer Engine.
-    """
-    if resolve_backend(cfg, device, backend) == "te":
-        return build_te_model(cfg, dtype=dtype, device=device, tp_group=tp_group)
-    return CausalLM(cfg, tp_group, dtype=dtype, device=device)
 
 
 def load_model(
@@ -69,7 +41,7 @@ def load_model(
     *,
     dtype: torch.dtype,
     device: Any,
-    tp_group: dist.ProcessGroup | None = None,
+    tp_group: ProcessGroup | None = None,
     backend: Backend = "auto",
 ) -> tuple[CausalLM, ModelConfig, TokenizerSource]:
     """Load a model for inference from a Hugging Face directory, a megacp checkpoint or a GGUF file.
@@ -99,8 +71,7 @@ def load_model(
         cfg, tensors, tokenizer = load_gguf(path)
         return _load(cfg, tensors, sharded=False, **build), cfg, tokenizer
     if (path / MANIFEST).is_file():
-        tp_rank = 0 if tp_group is None else dist.get_rank(tp_group)
-        cfg, shards = load_megacp_checkpoint(path, tp_rank, tp_world_size(tp_group))
+        cfg, shards = load_megacp_checkpoint(path, *tp_rank_and_size(tp_group))
         return _load(cfg, shards.items(), sharded=True, **build), cfg, _tokenizer_dir(path)
     if _is_hf_dir(path):
         with open_hf_checkpoint(path) as checkpoint:
@@ -139,7 +110,7 @@ def _load(
     dtype: torch.dtype,
     device: Any,
     backend: Backend,
-    tp_group: dist.ProcessGroup | None,
+    tp_group: ProcessGroup | None,
 ) -> CausalLM:
     """Build the model of ``cfg`` and fill it from ``tensors`` (megacp names), in eval mode.
 
@@ -150,10 +121,9 @@ def _load(
     Raises:
         CheckpointError: a parameter is missing (TE ``_extra_state`` aside) or a name is unexpected.
     """
-    tp_size = tp_world_size(tp_group)
+    tp_rank, tp_size = tp_rank_and_size(tp_group)
     check_tp_size(cfg, tp_size)
     if not sharded and tp_size > 1:
-        tp_rank = dist.get_rank(tp_group)
         tensors = ((name, shard_tensor(cfg, name, t, tp_rank, tp_size)) for name, t in tensors)
     if resolve_backend(cfg, device, backend) == "te":
         # TE modules allocate on the device themselves: copy into them one tensor at a time.

@@ -1,4 +1,4 @@
-"""The megacp checkpoint layout, and the streaming safetensors writer the converters share.
+"""The megacp checkpoint format: writing and verified reading.
 
 A megacp checkpoint is a directory::
 
@@ -33,21 +33,21 @@ one rank's shards returns that rank's state dict (the caller asked for it); a re
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import shutil
-import uuid
-from collections.abc import Iterable, Iterator, Sequence
-from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator
+from contextlib import ExitStack
 from pathlib import Path
-from typing import Any, BinaryIO, Protocol, TypeVar, Union
+from typing import Any
 
 import torch
 from safetensors import safe_open
 
-from megacp.checkpoint import CheckpointError
+from megacp.checkpoint.dtypes import dtype_from_name, dtype_name
+from megacp.checkpoint.errors import CheckpointError
+from megacp.checkpoint.safetensors_io import ClosingContext, SafetensorsWriter, WriteSummary, tensor_sha256
+from megacp.checkpoint.staging import CHECKPOINT_MARKERS, staged_directory
+from megacp.checkpoint.tokenizer_files import TokenizerSource, write_tokenizer
 from megacp.checkpoint.tp import (
     check_tp_rank,
     check_tp_size,
@@ -57,257 +57,10 @@ from megacp.checkpoint.tp import (
     shard_tensor,
 )
 from megacp.models.config import ModelConfig
+from megacp.models.schema import parameter_shapes
 
-
-_Closing = TypeVar("_Closing", bound="ClosingContext")
-
-
-class ClosingContext:
-    """``with reader:`` calls ``reader.close()`` on exit (readers and writers owning open files)."""
-
-    def close(self) -> None:
-        """Release what the object holds (overridden)."""
-
-    def __enter__(self: _Closing) -> _Closing:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-MANIFEST = "megacp_checkpoint.json"
+MANIFEST = CHECKPOINT_MARKERS[0]
 FORMAT_VERSION = 1
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# Files a tokenizer or generation setup needs; copied between checkpoint directories as they are.
-COMPANION_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "tokenizer.model",
-    "vocab.json",
-    "merges.txt",
-    "chat_template.jinja",
-    "chat_template.json",
-    "generation_config.json",
-)
-_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
-
-
-def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every megacp parameter of ``cfg`` with its full (unsharded) shape, in canonical order.
-
-    The names follow Transformer Engine's ``TransformerLayer`` with ``fuse_qkv_params=False``;
-    ``fc1_weight`` stacks the SwiGLU gate rows above the up rows. ``lm_head.weight`` is present only
-    when the embeddings are not tied.
-    """
-    h, f, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-    q_out, kv_out = cfg.num_heads * d, cfg.num_kv_heads * d
-    shapes: dict[str, tuple[int, ...]] = {"embedding.weight": (cfg.vocab_size, h)}
-    for i in range(cfg.num_layers):
-        qkv = f"layers.{i}.self_attention.layernorm_qkv"
-        shapes[f"{qkv}.layer_norm_weight"] = (h,)
-        shapes[f"{qkv}.query_weight"] = (q_out, h)
-        shapes[f"{qkv}.key_weight"] = (kv_out, h)
-        shapes[f"{qkv}.value_weight"] = (kv_out, h)
-        if cfg.attention_bias:
-            shapes[f"{qkv}.query_bias"] = (q_out,)
-            shapes[f"{qkv}.key_bias"] = (kv_out,)
-            shapes[f"{qkv}.value_bias"] = (kv_out,)
-        shapes[f"layers.{i}.self_attention.proj.weight"] = (h, q_out)
-        mlp = f"layers.{i}.layernorm_mlp"
-        shapes[f"{mlp}.layer_norm_weight"] = (h,)
-        shapes[f"{mlp}.fc1_weight"] = (2 * f, h)
-        shapes[f"{mlp}.fc2_weight"] = (h, f)
-    shapes["final_norm.weight"] = (h,)
-    if not cfg.tie_word_embeddings:
-        shapes["lm_head.weight"] = (cfg.vocab_size, h)
-    return shapes
-
-
-def dtype_from_name(name: str) -> torch.dtype:
-    """The torch dtype of a checkpoint dtype name (``float32``, ``bfloat16``, ``float16``)."""
-    if name not in DTYPES:
-        raise CheckpointError(f"unsupported dtype {name!r}; supported: {', '.join(DTYPES)}")
-    return DTYPES[name]
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """The checkpoint name of a torch dtype (inverse of :func:`dtype_from_name`)."""
-    for name, candidate in DTYPES.items():
-        if candidate == dtype:
-            return name
-    raise CheckpointError(f"unsupported dtype {dtype}; supported: {', '.join(DTYPES)}")
-
-
-def tensor_sha256(tensor: torch.Tensor) -> str:
-    """Hex SHA-256 of a tensor's raw little-endian bytes in row-major order."""
-    return hashlib.sha256(_tensor_bytes(tensor)).hexdigest()
-
-
-def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
-    flat = tensor.detach().to("cpu").contiguous().view(-1)
-    return memoryview(flat.view(torch.uint8).numpy())
-
-
-# -------------------------------------------------------------------------------------- writing
-
-
-class SafetensorsWriter(ClosingContext):
-    """Writes one safetensors file whose tensors arrive one at a time, in any order.
-
-    The header is computed from ``plan`` and written on construction; :meth:`write` puts each
-    tensor's bytes at its offset, so memory never holds more than the tensor being written.
-    """
-
-    def __init__(
-        self,
-        path: str | os.PathLike[str],
-        plan: dict[str, tuple[int, ...]],
-        dtype: torch.dtype,
-        metadata: dict[str, str] | None = None,
-    ) -> None:
-        self.path = Path(path)
-        self.dtype = dtype
-        self._shapes = plan
-        element_size = torch.empty((), dtype=dtype).element_size()
-        header: dict[str, Any] = {"__metadata__": {"format": "pt", **(metadata or {})}}
-        self._offsets: dict[str, int] = {}
-        offset = 0
-        for name, shape in plan.items():
-            size = element_size * _numel(shape)
-            header[name] = {
-                "dtype": _SAFETENSORS_DTYPES[dtype],
-                "shape": list(shape),
-                "data_offsets": [offset, offset + size],
-            }
-            self._offsets[name] = offset
-            offset += size
-        encoded = json.dumps(header, separators=(",", ":")).encode("utf-8")
-        encoded += b" " * (-len(encoded) % 8)
-        self._data_start = 8 + len(encoded)
-        self.num_bytes = self._data_start + offset
-        self._written: set[str] = set()
-        self._file: BinaryIO = open(self.path, "wb")  # noqa: SIM115 - closed by close()
-        self._file.write(len(encoded).to_bytes(8, "little") + encoded)
-        self._file.truncate(self.num_bytes)
-
-    def write(self, name: str, tensor: torch.Tensor) -> str:
-        """Write ``tensor`` (cast to the file's dtype) as ``name``; returns its SHA-256."""
-        if name not in self._shapes:
-            raise CheckpointError(f"unexpected tensor {name!r} for {self.path.name}")
-        if name in self._written:
-            raise CheckpointError(f"tensor {name!r} was given twice")
-        if tuple(tensor.shape) != self._shapes[name]:
-            raise CheckpointError(
-                f"tensor {name!r} has shape {list(tensor.shape)}, expected {list(self._shapes[name])}"
-            )
-        data = _tensor_bytes(tensor.to(self.dtype))
-        self._file.seek(self._data_start + self._offsets[name])
-        self._file.write(data)
-        self._written.add(name)
-        return hashlib.sha256(data).hexdigest()
-
-    def finish(self) -> None:
-        """Close the file; raises :class:`CheckpointError` if a planned tensor was never written."""
-        self.close()
-        missing = [name for name in self._shapes if name not in self._written]
-        if missing:
-            raise CheckpointError(f"missing tensor {missing[0]!r} for {self.path.name}")
-
-    def close(self) -> None:
-        """Close the file (it is incomplete unless every planned tensor was written)."""
-        self._file.close()
-
-
-
-def _numel(shape: Sequence[int]) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count
-
-
-@contextmanager
-def staged_directory(output_dir: str | os.PathLike[str], *, force: bool = False) -> Iterator[Path]:
-    """Yield a fresh staging directory that replaces ``output_dir`` when the block succeeds.
-
-    The staging directory lies next to ``output_dir`` (same file system, so the final step is a
-    rename); on any error it is removed and ``output_dir`` is left untouched.
-
-    Raises:
-        CheckpointError: ``output_dir`` exists and ``force`` is false, ``force`` would replace
-            something that is not a checkpoint directory, or the parent directory does not exist.
-    """
-    output = Path(output_dir)
-    check_output_dir(output, force=force)
-    staging = output.parent / f".{output.name}.{uuid.uuid4().hex[:12]}.tmp"
-    staging.mkdir()
-    try:
-        yield staging
-        if output.exists():
-            retired = staging.with_suffix(".old")
-            os.replace(output, retired)
-            os.replace(staging, output)
-            shutil.rmtree(retired, ignore_errors=True)
-        else:
-            os.replace(staging, output)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-
-
-def check_output_dir(output_dir: str | os.PathLike[str], *, force: bool = False) -> None:
-    """Raise :class:`CheckpointError` unless :func:`staged_directory` may create ``output_dir``.
-
-    With ``force`` an existing ``output_dir`` is replaced only when it is an empty directory or a
-    checkpoint (holds ``megacp_checkpoint.json`` or ``config.json``), never any other path.
-    """
-    output = Path(output_dir)
-    if output.exists() or output.is_symlink():
-        if not force:
-            raise CheckpointError(f"output {output} already exists (use --force to replace it)")
-        if not output.is_dir() or output.is_symlink() or not _is_replaceable(output):
-            raise CheckpointError(
-                f"refusing to replace {output}: it is not an empty or checkpoint directory"
-            )
-    if not output.parent.is_dir():
-        raise CheckpointError(f"the parent directory of {output} does not exist")
-
-
-def _is_replaceable(directory: Path) -> bool:
-    return not any(directory.iterdir()) or any(
-        (directory / marker).is_file() for marker in (MANIFEST, "config.json")
-    )
-
-
-class SavesPretrained(Protocol):
-    """Anything with a Hugging Face style ``save_pretrained`` (e.g. a tokenizer object)."""
-
-    def save_pretrained(self, save_directory: str) -> Any: ...
-
-
-TokenizerSource = Union[str, os.PathLike, SavesPretrained, None]
-
-
-def write_tokenizer(source: TokenizerSource, directory: Path) -> None:
-    """Put the tokenizer into ``directory``: copy the :data:`COMPANION_FILES` a source directory
-    has, or call ``source.save_pretrained``; nothing for ``None``."""
-    if source is None:
-        return
-    if hasattr(source, "save_pretrained"):
-        source.save_pretrained(str(directory))
-        return
-    for name in COMPANION_FILES:
-        if (Path(source) / name).is_file():
-            shutil.copy2(Path(source) / name, directory / name)
-
-
-@dataclass
-class WriteSummary:
-    """What a checkpoint writer produced."""
-
-    tensors: int
-    bytes: int
 
 
 def rank_file_name(tp_rank: int, tp_size: int) -> str:
