@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import sys
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -34,7 +35,7 @@ from scripts.bench import harness as bh
 MERGES = {"auto": None, "torch": False, "fused": True}  # --merges name -> allgather_decode(fused_merge=)
 
 
-def parse_args(argv=None):
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     bh.add_common_args(p)
     p.add_argument("--batches", default="1,8")
@@ -51,7 +52,15 @@ def parse_args(argv=None):
     p.add_argument("--max-iters", type=int, default=100)
     p.add_argument("--target-s", type=float, default=0.4)
     p.add_argument("--loop-calls", type=int, default=20, help="calls of the back-to-back measurement")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    try:
+        args.batch_list, args.length_list = bh.parse_sizes(args.batches), bh.parse_sizes(args.lengths)
+    except ValueError as e:
+        p.error(f"--batches / --lengths: {e}")
+    args.merge_list = bh.parse_names(args.merges)
+    if not args.merge_list or any(m not in MERGES for m in args.merge_list):
+        p.error(f"--merges {args.merges!r}: choose from {', '.join(MERGES)}")
+    return args
 
 
 def make_shards(ctx: bh.Ctx, b: int, length: int, hkv: int, d: int, seed: int):
@@ -78,157 +87,157 @@ def make_shards(ctx: bh.Ctx, b: int, length: int, hkv: int, d: int, seed: int):
     return (k, v), None
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    ctx = bh.init(args.device, args.dtype)
-    n = ctx.world
-    h, hkv, d = args.heads, args.kv_heads, args.head_dim
-    batches, lengths = bh.parse_sizes(args.batches), bh.parse_sizes(args.lengths)
-    single_backends = bh.parse_names(args.single_backends or ("cudnn,flash" if ctx.cuda else "reference"))
-    cp_backends = bh.parse_names(args.cp_backends or ("cudnn,flash" if ctx.cuda else "reference"))
-    merges = bh.parse_names(args.merges)
-    if not merges or any(m not in MERGES for m in merges):
-        raise SystemExit(f"--merges {args.merges!r}: choose from {', '.join(MERGES)}")
-    timing = dict(warmup=args.warmup, min_iters=args.min_iters, max_iters=args.max_iters, target_s=args.target_s)
-    meta = bh.env_info(ctx)
-    meta.update(kind="decode", heads=h, kv_heads=hkv, head_dim=d, batches=batches, lengths=lengths, cp_size=n,
-                timing=timing, loop_calls=args.loop_calls, check=args.check)
-    rep = bh.Report(ctx, args.json, meta)
-    ctx.log(f"decode benchmark: {meta.get('gpu', 'cpu')} x{n}, torch {torch.__version__}, {ctx.dtype}, H={h} Hkv={hkv} "
-            f"D={d}, B={batches}, L={[bh.size_label(x) for x in lengths]}")
-    graphs = ctx.cuda and not args.no_graph
-    if not ctx.cuda:
-        rep.skip("cuda_graph", "CUDA graphs need CUDA")
-    elif args.no_graph:
-        rep.skip("cuda_graph", "--no-graph")
-    for length in lengths:
-        if length % n:
-            raise SystemExit(f"KV length {length} must be a multiple of N = {n}")
-    ring = Ring(ctx.group) if n > 1 else None
-    rows, checks = [], []
-    check_fail = False
+@dataclass
+class Inputs:
+    """One (batch, length) case: the replicated decode queries ``q [B, Hq, D]``, this rank's KV shard
+    ``[B, L/N, Hkv, D]``, and (rank 0, ``--check``) the single-GPU reference with its noise."""
 
-    def add(b, length, method, tm: bh.Timing, loop_ms: float | None, note: str = ""):
-        row = {"batch": b, "kv_len": length, "kv_label": bh.size_label(length), "method": method, "ms": tm.ms,
+    b: int
+    length: int
+    q: torch.Tensor
+    k_loc: torch.Tensor
+    v_loc: torch.Tensor
+    ref: torch.Tensor | None = None
+    noise: float | None = None
+
+
+@dataclass
+class DecodeRun:
+    """The rows, checks and failures of one decode benchmark run (every rank; rank 0 prints and writes)."""
+
+    ctx: bh.Ctx
+    args: argparse.Namespace
+    rep: bh.Report
+    timing: dict
+    graphs: bool
+    ring: Ring | None
+    rows: list[dict] = field(default_factory=list)
+    checks: list[dict] = field(default_factory=list)
+    check_fail: bool = False
+
+    def add(self, x: Inputs, method: str, tm: bh.Timing, loop_ms: float | None, note: str = "") -> None:
+        row = {"batch": x.b, "kv_len": x.length, "kv_label": bh.size_label(x.length), "method": method, "ms": tm.ms,
                "min_ms": tm.min_ms, "max_ms": tm.max_ms, "iters": tm.iters, "loop_ms": loop_ms, "note": note,
                "times_ms": [round(t, 4) for t in tm.times_ms]}
-        rows.append(row)
-        rep.result(row)
-        ctx.log(f"  {method:24s} {tm.ms * 1e3:10.1f} us   loop {bh.fmt(loop_ms and loop_ms * 1e3, '.1f'):>8s} us"
-                f"  ({tm.iters} iters) {note}")
+        self.rows.append(row)
+        self.rep.result(row)
+        self.ctx.log(f"  {method:24s} {tm.ms * 1e3:10.1f} us   loop {bh.fmt(loop_ms and loop_ms * 1e3, '.1f'):>8s} us"
+                     f"  ({tm.iters} iters) {note}")
 
-    for b in batches:
-        for length in lengths:
-            ctx.log(f"\n=== B = {b}, L = {bh.size_label(length)} per request "
-                    f"({b * length * hkv * d * 2 * 2 / 2**30:.1f} GiB of KV, {length // n} tokens per rank) ===")
-            seed = args.seed + 1000 * b + length % 997
-            q = bh.shared_randn((b, h, d), ctx, seed)
-            (k_loc, v_loc), full = make_shards(ctx, b, length, hkv, d, seed + 10)
-            ref, noise = None, None
+    def compare(self, x: Inputs, method: str, out: torch.Tensor) -> None:
+        """Rank 0: check a CP output ``[B, Hq, D]`` against the single-GPU reference."""
+        if self.ctx.rank != 0 or x.ref is None:
+            return
+        st = bh.diff_stats(out, x.ref)
+        tol = bh.tolerance(x.ref, x.noise, self.ctx.dtype)
+        ok = st["max_abs"] == st["max_abs"] and st["max_abs"] <= tol
+        self.check_fail |= not ok
+        row = {"batch": x.b, "kv_len": x.length, "method": method, **st, "noise_max_abs": x.noise, "tol": tol, "ok": ok}
+        self.checks.append(row)
+        self.rep.check(row)
+        print(f"  check {method:20s} max|err| {st['max_abs']:.3e} (noise {bh.fmt(x.noise, '.3e')}) "
+              f"{'ok' if ok else 'MISMATCH'}", flush=True)
 
-            # single GPU, rank 0 alone
-            if ctx.rank == 0:
-                kf, vf = full
-                for be in single_backends:
-                    def fn(be=be):
-                        return partial_attention(q.unsqueeze(1), kf, vf, backend=be)
+    def inputs(self, b: int, length: int) -> tuple[Inputs, tuple[torch.Tensor, torch.Tensor] | None]:
+        a = self.args
+        seed = a.seed + 1000 * b + length % 997
+        q = bh.shared_randn((b, a.heads, a.head_dim), self.ctx, seed)
+        (k_loc, v_loc), full = make_shards(self.ctx, b, length, a.kv_heads, a.head_dim, seed + 10)
+        return Inputs(b, length, q, k_loc, v_loc), full
 
-                    try:
-                        tm = bh.measure(ctx, fn, collective=False, **timing)
-                        add(b, length, f"single_{be}", tm, bh.measure_loop(ctx, fn, calls=args.loop_calls, collective=False),
-                            "rank 0 alone")
-                        if args.check:
-                            out = fn()[0][:, 0]
-                            if ref is None:
-                                ref = out
-                            else:
-                                st = bh.diff_stats(out, ref)
-                                noise = st["max_abs"] if noise is None else max(noise, st["max_abs"])
-                    except Exception as e:  # noqa: BLE001 - rank-local
-                        rep.error(f"single_{be}", e, batch=b, kv_len=length)
-                del kf, vf
-            full = None
-            bh.free(ctx)
-            bh.barrier(ctx)
-
-            def compare(method, out):
-                nonlocal check_fail
-                if ctx.rank != 0 or ref is None:
-                    return
-                st = bh.diff_stats(out, ref)
-                tol = bh.tolerance(ref, noise, ctx.dtype)
-                ok = st["max_abs"] == st["max_abs"] and st["max_abs"] <= tol
-                check_fail |= not ok
-                row = {"batch": b, "kv_len": length, "method": method, **st, "noise_max_abs": noise, "tol": tol, "ok": ok}
-                checks.append(row)
-                rep.check(row)
-                print(f"  check {method:20s} max|err| {st['max_abs']:.3e} (noise {bh.fmt(noise, '.3e')}) "
-                      f"{'ok' if ok else 'MISMATCH'}", flush=True)
-
-            # megacp all-gather decode
-            for be, (mi, merge) in itertools.product(cp_backends, enumerate(merges)):
-                fused = MERGES[merge]
-                tag = be if mi == 0 else f"{be}_{merge}"
-
-                def fn(be=be, fused=fused):
-                    return allgather_decode(q, (k_loc, v_loc), ring, backend=be, fused_merge=fused)
+    def single(self, x: Inputs, full: tuple[torch.Tensor, torch.Tensor] | None, backends: list[str]) -> None:
+        """Every single-GPU backend on rank 0 alone over the whole KV (the best is T1)."""
+        ctx, a = self.ctx, self.args
+        if ctx.rank == 0:
+            kf, vf = full
+            for be in backends:
+                def fn(be: str = be):
+                    return partial_attention(x.q.unsqueeze(1), kf, vf, backend=be)
 
                 try:
-                    tm = bh.measure(ctx, fn, **timing)
-                    add(b, length, f"megacp_{tag}_eager", tm, bh.measure_loop(ctx, fn, calls=args.loop_calls))
-                    eager_out = fn() if args.check else None
-                    if args.check:
-                        compare(f"megacp_{tag}_eager", eager_out)
-                except Exception as e:  # noqa: BLE001
-                    rep.error(f"megacp_{tag}_eager", e, batch=b, kv_len=length)
-                    continue
-                if graphs:
-                    try:
-                        g, static_out = bh.capture_graph(ctx, fn)
-                        tm = bh.measure(ctx, g.replay, **timing)
-                        add(b, length, f"megacp_{tag}_graph", tm, bh.measure_loop(ctx, g.replay, calls=args.loop_calls))
-                        if args.check:
-                            g.replay()
-                            bh.sync(ctx)
-                            compare(f"megacp_{tag}_graph", static_out)
-                            same = torch.equal(static_out, eager_out)
-                            ctx.log(f"  graph replay == eager output: {same}")
-                            if ctx.rank == 0:
-                                checks[-1]["equal_to_eager"] = same
-                                rep.check(dict(checks[-1], method=f"megacp_{tag}_graph_vs_eager", ok=same))
-                        del g, static_out
-                    except Exception as e:  # noqa: BLE001
-                        rep.error(f"megacp_{tag}_graph", e, batch=b, kv_len=length)
-                del eager_out
-                bh.free(ctx)
+                    tm = bh.measure(ctx, fn, collective=False, **self.timing)
+                    self.add(x, f"single_{be}", tm, bh.measure_loop(ctx, fn, calls=a.loop_calls, collective=False),
+                             "rank 0 alone")
+                    if a.check:
+                        out = fn()[0][:, 0]
+                        if x.ref is None:
+                            x.ref = out
+                        else:
+                            err = bh.diff_stats(out, x.ref)["max_abs"]
+                            x.noise = err if x.noise is None else max(x.noise, err)
+                except Exception as e:  # noqa: BLE001 - rank-local
+                    self.rep.error(f"single_{be}", e, batch=x.b, kv_len=x.length)
+        bh.free(ctx)
+        bh.barrier(ctx)
 
-            # the all-gather alone (the packed states of the batch)
-            if ring is not None:
-                nbytes = h * d * torch.empty((), dtype=ctx.dtype).element_size() + h * 4
-                buf = torch.zeros((b, nbytes), dtype=torch.uint8, device=ctx.device)
+    def megacp(self, x: Inputs, backends: list[str]) -> None:
+        """``allgather_decode`` per local backend and merge, eager and (CUDA) replayed from a graph."""
+        ctx, a = self.ctx, self.args
+        for be, (mi, merge) in itertools.product(backends, enumerate(a.merge_list)):
+            fused = MERGES[merge]
+            tag = be if mi == 0 else f"{be}_{merge}"
 
-                def ag():
-                    return ring.all_gather(buf)
+            def fn(be: str = be, fused: bool | None = fused):
+                return allgather_decode(x.q, (x.k_loc, x.v_loc), self.ring, backend=be, fused_merge=fused)
 
-                try:
-                    note = f"{b * nbytes} B per rank"
-                    add(b, length, "allgather_eager", bh.measure(ctx, ag, **timing),
-                        bh.measure_loop(ctx, ag, calls=args.loop_calls), note)
-                    if graphs:
-                        g, _ = bh.capture_graph(ctx, ag)
-                        add(b, length, "allgather_graph", bh.measure(ctx, g.replay, **timing),
-                            bh.measure_loop(ctx, g.replay, calls=args.loop_calls), note)
-                        del g
-                except Exception as e:  # noqa: BLE001
-                    rep.error("allgather", e, batch=b, kv_len=length)
-            del q, k_loc, v_loc, ref
+            try:
+                tm = bh.measure(ctx, fn, **self.timing)
+                self.add(x, f"megacp_{tag}_eager", tm, bh.measure_loop(ctx, fn, calls=a.loop_calls))
+                eager_out = fn() if a.check else None
+                if a.check:
+                    self.compare(x, f"megacp_{tag}_eager", eager_out)
+            except Exception as e:  # noqa: BLE001
+                self.rep.error(f"megacp_{tag}_eager", e, batch=x.b, kv_len=x.length)
+                continue
+            if self.graphs:
+                self._graph(x, f"megacp_{tag}_graph", fn, eager_out)
             bh.free(ctx)
-            bh.barrier(ctx)
 
-    if ctx.rank == 0:
-        for b in batches:
-            for length in lengths:
-                sel = [x for x in rows if x["batch"] == b and x["kv_len"] == length]
+    def _graph(self, x: Inputs, name: str, fn, eager_out: torch.Tensor | None) -> None:
+        ctx, a = self.ctx, self.args
+        try:
+            g, static_out = bh.capture_graph(ctx, fn)
+            tm = bh.measure(ctx, g.replay, **self.timing)
+            self.add(x, name, tm, bh.measure_loop(ctx, g.replay, calls=a.loop_calls))
+            if a.check:
+                g.replay()
+                bh.sync(ctx)
+                self.compare(x, name, static_out)
+                same = torch.equal(static_out, eager_out)
+                ctx.log(f"  graph replay == eager output: {same}")
+                if ctx.rank == 0:
+                    self.checks[-1]["equal_to_eager"] = same
+                    self.rep.check(dict(self.checks[-1], method=f"{name}_vs_eager", ok=same))
+        except Exception as e:  # noqa: BLE001
+            self.rep.error(name, e, batch=x.b, kv_len=x.length)
+
+    def allgather(self, x: Inputs) -> None:
+        """The all-gather alone: the packed (out, LSE) states of the batch, eager and in a graph."""
+        if self.ring is None:
+            return
+        ctx, a = self.ctx, self.args
+        nbytes = a.heads * a.head_dim * torch.empty((), dtype=ctx.dtype).element_size() + a.heads * 4
+        buf = torch.zeros((x.b, nbytes), dtype=torch.uint8, device=ctx.device)
+
+        def ag():
+            return self.ring.all_gather(buf)
+
+        try:
+            note = f"{x.b * nbytes} B per rank"
+            self.add(x, "allgather_eager", bh.measure(ctx, ag, **self.timing),
+                     bh.measure_loop(ctx, ag, calls=a.loop_calls), note)
+            if self.graphs:
+                g, _ = bh.capture_graph(ctx, ag)
+                self.add(x, "allgather_graph", bh.measure(ctx, g.replay, **self.timing),
+                         bh.measure_loop(ctx, g.replay, calls=a.loop_calls), note)
+        except Exception as e:  # noqa: BLE001
+            self.rep.error("allgather", e, batch=x.b, kv_len=x.length)
+
+    def ratios(self) -> None:
+        """Rank 0: T1 of each case and ``vs_single`` = T_cp / T1 of every megacp row."""
+        for b in self.args.batch_list:
+            for length in self.args.length_list:
+                sel = [x for x in self.rows if x["batch"] == b and x["kv_len"] == length]
                 singles = [x["ms"] for x in sel if x["method"].startswith("single_")]
                 t1 = min(singles) if singles else None
                 for x in sel:
@@ -236,25 +245,72 @@ def main(argv=None) -> int:
                     x["vs_single"] = x["ms"] / t1 if t1 and x["method"].startswith("megacp") else None
                     x["us"] = x["ms"] * 1e3
                     x["loop_us"] = x["loop_ms"] * 1e3 if x["loop_ms"] is not None else None
-        rep.save()
-    bh.print_table(ctx, rows, [("batch", "B", ""), ("kv_label", "L", ""), ("method", "method", ""), ("us", "us", ".1f"),
-                               ("loop_us", "loop us", ".1f"), ("vs_single", f"CP{n}/single", ".3f"),
-                               ("iters", "iters", ""), ("note", "note", "")],
-                   title=f"Decode attention, H={h}/{hkv} D={d} {str(ctx.dtype).replace('torch.', '')}, CP={n} "
-                         f"(ideal CP/single = {1 / n:.2f})")
-    if args.check:
-        bh.print_table(ctx, checks, [("batch", "B", ""), ("kv_len", "L", ""), ("method", "method", ""),
-                                     ("max_abs", "max|err|", ".3e"), ("noise_max_abs", "noise", ".3e"), ("ok", "ok", "")],
-                       title="CP decode output vs single GPU (noise = flash vs cuDNN)")
+        self.rep.save()
+
+    def print_summary(self) -> None:
+        ctx, a, n = self.ctx, self.args, self.ctx.world
+        bh.print_table(ctx, self.rows, [("batch", "B", ""), ("kv_label", "L", ""), ("method", "method", ""),
+                                        ("us", "us", ".1f"), ("loop_us", "loop us", ".1f"),
+                                        ("vs_single", f"CP{n}/single", ".3f"), ("iters", "iters", ""), ("note", "note", "")],
+                       title=f"Decode attention, H={a.heads}/{a.kv_heads} D={a.head_dim} "
+                             f"{str(ctx.dtype).replace('torch.', '')}, CP={n} (ideal CP/single = {1 / n:.2f})")
+        if a.check:
+            bh.print_table(ctx, self.checks, [("batch", "B", ""), ("kv_len", "L", ""), ("method", "method", ""),
+                                              ("max_abs", "max|err|", ".3e"), ("noise_max_abs", "noise", ".3e"),
+                                              ("ok", "ok", "")],
+                           title="CP decode output vs single GPU (noise = flash vs cuDNN)")
+        if ctx.rank == 0:
+            for sk in self.rep.data["skipped"]:
+                print(f"skipped: {sk['method']}: {sk['reason']}")
+            for er in self.rep.data["errors"]:
+                print(f"error: {er['method']} (B={er.get('batch')}, L={er.get('kv_len')}): {er['error'][:300]}")
+            if a.json:
+                print(f"JSON: {a.json}")
+            print("decode check: " + ("FAIL" if self.check_fail else "ok" if a.check else "not run"), flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    ctx = bh.init(args.device, args.dtype)
+    n = ctx.world
+    bad = [x for x in args.length_list if x % n]
+    if bad:
+        ctx.log(f"error: --lengths {bad} must be multiples of N = {n}")
+        bh.finish(ctx)
+        return 2
+    single_backends = bh.parse_names(args.single_backends or ("cudnn,flash" if ctx.cuda else "reference"))
+    cp_backends = bh.parse_names(args.cp_backends or ("cudnn,flash" if ctx.cuda else "reference"))
+    timing = dict(warmup=args.warmup, min_iters=args.min_iters, max_iters=args.max_iters, target_s=args.target_s)
+    meta = bh.env_info(ctx)
+    meta.update(kind="decode", heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
+                batches=args.batch_list, lengths=args.length_list, cp_size=n, timing=timing,
+                loop_calls=args.loop_calls, check=args.check)
+    rep = bh.Report(ctx, args.json, meta)
+    ctx.log(f"decode benchmark: {meta.get('gpu', 'cpu')} x{n}, torch {torch.__version__}, {ctx.dtype}, "
+            f"H={args.heads} Hkv={args.kv_heads} D={args.head_dim}, B={args.batch_list}, "
+            f"L={[bh.size_label(x) for x in args.length_list]}")
+    if not ctx.cuda:
+        rep.skip("cuda_graph", "CUDA graphs need CUDA")
+    elif args.no_graph:
+        rep.skip("cuda_graph", "--no-graph")
+    run = DecodeRun(ctx, args, rep, timing, ctx.cuda and not args.no_graph, Ring(ctx.group) if n > 1 else None)
+    for b in args.batch_list:
+        for length in args.length_list:
+            ctx.log(f"\n=== B = {b}, L = {bh.size_label(length)} per request "
+                    f"({b * length * args.kv_heads * args.head_dim * 2 * 2 / 2**30:.1f} GiB of KV, "
+                    f"{length // n} tokens per rank) ===")
+            x, full = run.inputs(b, length)
+            run.single(x, full, single_backends)
+            del full
+            run.megacp(x, cp_backends)
+            run.allgather(x)
+            del x
+            bh.free(ctx)
+            bh.barrier(ctx)
     if ctx.rank == 0:
-        for sk in rep.data["skipped"]:
-            print(f"skipped: {sk['method']}: {sk['reason']}")
-        for er in rep.data["errors"]:
-            print(f"error: {er['method']} (B={er.get('batch')}, L={er.get('kv_len')}): {er['error'][:300]}")
-        if args.json:
-            print(f"JSON: {args.json}")
-        print("decode check: " + ("FAIL" if check_fail else "ok" if args.check else "not run"), flush=True)
-    failed = not bh.agree(ctx, not check_fail)
+        run.ratios()
+    run.print_summary()
+    failed = not bh.agree(ctx, not run.check_fail)
     bh.finish(ctx)
     return 1 if failed else 0
 
