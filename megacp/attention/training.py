@@ -46,7 +46,7 @@ def accumulate(acc: Tensor | None, pieces: Sequence[Piece], shape: Sequence[int]
     if acc is None:
         spans = sorted((a, b) for a, b, _ in pieces)
         if len(pieces) == 1 and spans[0] == (0, shape[0]) and pieces[0][2].dtype == dtype:
-            return pieces[0][2]
+            return pieces[0][2].contiguous()  # the ring sends it (the fp32 reference returns dK/dV permuted)
         if all(b0 <= a1 for (_, b0), (a1, _) in zip(spans, spans[1:])):
             acc = torch.empty(tuple(shape), dtype=dtype, device=device)
             end = 0
