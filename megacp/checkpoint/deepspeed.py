@@ -1,0 +1,141 @@
+"""DeepSpeed checkpoints written by ``python -m megacp.train``: the sidecar that describes the model,
+and reading the trained weights back as full megacp tensors.
+
+``engine.save_checkpoint(DIR, tag)`` writes DeepSpeed's files (``DIR/latest``, ``DIR/<tag>/
+mp_rank_00_model_states.pt`` and, under ZeRO 1/2, one ``*_optim_states.pt`` per data-parallel
+rank holding that rank's partition of the fp32 master weights). DeepSpeed does not record what
+model the tensors belong to, so the trainer adds, from rank 0, :data:`TRAIN_STATE_FILE`::
+
+    {"format": "megacp-deepspeed", "version": 1,
+     "model_config": {...ModelConfig.to_dict()...},
+     "dtype": "bfloat16",          # the dtype the model was trained in
+     "tp_size": 1, "zero_stage": 1, "tag": "step100"}
+
+and the tokenizer files. :func:`read_deepspeed_checkpoint` rebuilds the full weights: with ZeRO
+shards through DeepSpeed's own ``zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint`` (fp32
+master weights, partitions merged), without them from the module states (the training dtype).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megacp.checkpoint.dtypes import dtype_from_name, dtype_name
+from megacp.checkpoint.errors import CheckpointError
+from megacp.checkpoint.tokenizer_files import TokenizerSource, write_tokenizer
+from megacp.models.config import ModelConfig
+from megacp.models.schema import parameter_shapes
+
+TRAIN_STATE_FILE = "megacp_train.json"
+"""The sidecar next to DeepSpeed's files (see the module docstring)."""
+
+FORMAT = "megacp-deepspeed"
+FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class DeepSpeedCheckpoint:
+    """The trained model of a DeepSpeed checkpoint directory.
+
+    Attributes:
+        config: the model config.
+        tensors: every parameter as a full megacp tensor (fp32 when rebuilt from ZeRO shards).
+        dtype: the dtype the model was trained in.
+        tag: the checkpoint tag read.
+        path: the checkpoint directory (also where the tokenizer files are).
+    """
+
+    config: ModelConfig
+    tensors: dict[str, torch.Tensor]
+    dtype: torch.dtype
+    tag: str
+    path: Path
+
+
+def write_train_state(directory: str | os.PathLike[str], *, model_config: ModelConfig, dtype: torch.dtype,
+                      tp_size: int, zero_stage: int, tag: str, tokenizer: TokenizerSource) -> None:
+    """Write :data:`TRAIN_STATE_FILE` (atomically) and the tokenizer files into ``directory``."""
+    path = Path(directory)
+    meta = {"format": FORMAT, "version": FORMAT_VERSION, "model_config": model_config.to_dict(),
+            "dtype": dtype_name(dtype), "tp_size": tp_size, "zero_stage": zero_stage, "tag": tag}
+    tmp = path / f".{TRAIN_STATE_FILE}.tmp"
+    tmp.write_text(json.dumps(meta, indent=1), encoding="utf-8")
+    tmp.replace(path / TRAIN_STATE_FILE)
+    write_tokenizer(tokenizer, path)
+
+
+def _read_meta(path: Path) -> dict[str, Any]:
+    meta_file = path / TRAIN_STATE_FILE
+    if not path.is_dir():
+        raise CheckpointError(f"{path} is not a directory")
+    if not meta_file.is_file():
+        raise CheckpointError(f"{path} is not a DeepSpeed checkpoint written by megacp.train (no {TRAIN_STATE_FILE})")
+    try:
+        meta = json.loads(meta_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{meta_file}: cannot be read ({err})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("version") != FORMAT_VERSION:
+        raise CheckpointError(f"{meta_file}: not a {FORMAT} version {FORMAT_VERSION} file")
+    return meta
+
+
+def _latest_tag(path: Path) -> str:
+    latest = path / "latest"
+    if not latest.is_file():
+        raise CheckpointError(f"{path} has no 'latest' file naming a checkpoint tag; pass --tag")
+    return latest.read_text(encoding="utf-8").strip()
+
+
+def read_deepspeed_checkpoint(directory: str | os.PathLike[str], tag: str | None = None) -> DeepSpeedCheckpoint:
+    """Rebuild the full weights of a ``megacp.train`` DeepSpeed checkpoint.
+
+    Args:
+        directory: the ``--save`` directory.
+        tag: the checkpoint tag (default: the one ``latest`` names).
+
+    Raises:
+        CheckpointError: not such a checkpoint, a missing tag, a TP-sharded checkpoint (not
+            supported: the model was trained with tensor parallelism), or tensors that do not
+            match the model config.
+    """
+    path = Path(directory)
+    meta = _read_meta(path)
+    if meta.get("tp_size", 1) != 1:
+        raise CheckpointError(f"{path} was trained with tensor_model_parallel.size {meta['tp_size']}; "
+                              "converting TP-sharded DeepSpeed checkpoints is not supported")
+    tag = tag or _latest_tag(path)
+    tag_dir = path / tag
+    if not tag_dir.is_dir():
+        raise CheckpointError(f"{path} has no checkpoint tag {tag!r}")
+    try:
+        config = ModelConfig.from_dict(meta["model_config"])
+        dtype = dtype_from_name(meta["dtype"])
+    except (KeyError, TypeError, ValueError) as err:
+        raise CheckpointError(f"{path / TRAIN_STATE_FILE}: bad model_config or dtype ({err})") from None
+    if any(tag_dir.glob("*_optim_states.pt")):  # ZeRO 1/2 partitions of the fp32 master weights
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        with contextlib.redirect_stdout(io.StringIO()):  # its progress prints
+            state = get_fp32_state_dict_from_zero_checkpoint(str(path), tag=tag)
+    else:
+        model_file = tag_dir / "mp_rank_00_model_states.pt"
+        if not model_file.is_file():
+            raise CheckpointError(f"{tag_dir} has neither ZeRO optimizer shards nor {model_file.name}")
+        state = torch.load(model_file, map_location="cpu", weights_only=False)["module"]
+    shapes = parameter_shapes(config)
+    missing = [name for name in shapes if name not in state]
+    if missing:
+        raise CheckpointError(f"{tag_dir}: the checkpoint lacks {missing[:3]} of the model in {TRAIN_STATE_FILE}")
+    for name, shape in shapes.items():
+        if tuple(state[name].shape) != tuple(shape):
+            raise CheckpointError(f"{tag_dir}: {name} has shape {list(state[name].shape)}, the model config "
+                                  f"expects {list(shape)}")
+    return DeepSpeedCheckpoint(config, {name: state[name] for name in shapes}, dtype, tag, path)

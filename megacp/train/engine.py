@@ -1,0 +1,210 @@
+"""A megacp model inside a DeepSpeed engine: the settings read from the DeepSpeed config, the
+engine built with megacp's mpu, one optimizer step over CP-sharded micro-batches, and saving.
+
+DeepSpeed owns the optimizer, the LR schedule, gradient clipping and accumulation, bf16 and ZeRO
+(all from the user's DeepSpeed JSON). megacp's mpu (:class:`~megacp.parallel.mpu.DeepSpeedMPU`)
+names CP as DeepSpeed's sequence-parallel dimension, so DeepSpeed all-reduces gradients over the
+DP x CP ranks and divides by the DP size: the CP ranks' gradients are summed and the DP replicas'
+averaged, which makes :func:`~megacp.train.loss.lm_loss` (each CP rank's share of the batch's
+mean token loss) exact. The model is trained through ``engine.module``'s
+:meth:`~megacp.models.llama.CausalLM.hidden_states` (the loss applies the LM head chunk by chunk),
+so the engine's forward wrapper, which ZeRO 3 needs for gathering parameters, is not used: ZeRO 3
+is refused.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megacp.config import ConfigError
+from megacp.parallel.mpu import DeepSpeedMPU
+from megacp.parallel.state import ParallelState
+from megacp.train.batch import shard_batch
+from megacp.train.data import PackedSequence
+from megacp.train.loss import lm_loss, logged_loss
+
+ZERO_STAGES = (0, 1, 2)
+"""ZeRO stages megacp trains with."""
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """What megacp reads from the DeepSpeed config (DeepSpeed itself reads the rest).
+
+    Attributes:
+        dtype: of the model parameters: ``torch.bfloat16`` when ``bf16.enabled``, else fp32.
+        zero_stage: ``zero_optimization.stage``.
+    """
+
+    dtype: torch.dtype
+    zero_stage: int
+
+
+def _section(raw: Mapping[str, Any], key: str) -> Mapping[str, Any]:
+    value = raw.get(key, {})
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{key}: expected an object, got {value!r}")
+    return value
+
+
+def _check_optimizer(raw: Mapping[str, Any]) -> None:
+    from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS
+
+    optimizer = _section(raw, "optimizer")
+    name = optimizer.get("type")
+    if name is None:
+        raise ConfigError('optimizer.type: missing; the DeepSpeed config must name the optimizer, e.g. '
+                          '"optimizer": {"type": "AdamW", "params": {"lr": 1e-5}}')
+    candidate = getattr(torch.optim, name, None) if isinstance(name, str) else None
+    known = isinstance(name, str) and (name.lower() in DEEPSPEED_OPTIMIZERS or (
+        isinstance(candidate, type) and issubclass(candidate, torch.optim.Optimizer)))
+    if not known:
+        raise ConfigError(f"optimizer.type: got {name!r}; allowed values: one of DeepSpeed's "
+                          f"({', '.join(DEEPSPEED_OPTIMIZERS)}) or a torch.optim class name")
+    if not isinstance(optimizer.get("params", {}), Mapping):
+        raise ConfigError(f"optimizer.params: expected an object, got {optimizer['params']!r}")
+
+
+def read_settings(raw: Mapping[str, Any]) -> TrainSettings:
+    """Check the training parts of the DeepSpeed config ``raw`` that megacp depends on (no process
+    group needed).
+
+    Raises:
+        ConfigError: fp16 is enabled (refused: use bf16), the ZeRO stage is not one of
+            :data:`ZERO_STAGES` (stage 3 is refused: see the module docstring), or the optimizer
+            is missing or unknown.
+    """
+    if _section(raw, "fp16").get("enabled", False) is True:
+        raise ConfigError("fp16.enabled: fp16 training (loss scaling) is not supported; "
+                          'use "bf16": {"enabled": true} or fp32')
+    bf16 = _section(raw, "bf16") if "bf16" in raw else _section(raw, "bfloat16")
+    enabled = bf16.get("enabled", False)
+    if not isinstance(enabled, bool):
+        raise ConfigError(f"bf16.enabled: got {enabled!r}; allowed values: true, false")
+    stage = _section(raw, "zero_optimization").get("stage", 0)
+    if stage == 3:
+        raise ConfigError("zero_optimization.stage: 3 is not supported (megacp's loss calls the model's "
+                          "hidden_states and LM head outside the engine's forward, where ZeRO 3 would "
+                          "gather partitioned parameters); allowed values: 0, 1, 2")
+    if type(stage) is not int or stage not in ZERO_STAGES:
+        raise ConfigError(f"zero_optimization.stage: got {stage!r}; allowed values: 0, 1, 2")
+    _check_optimizer(raw)
+    return TrainSettings(dtype=torch.bfloat16 if enabled else torch.float32, zero_stage=stage)
+
+
+def check_batch_config(raw: Mapping[str, Any], state: ParallelState) -> int:
+    """Let DeepSpeed check the batch sizes of ``raw`` against the mesh (``train_batch_size`` =
+    micro-batch x accumulation x DP size) and parse the rest of its config, without building an
+    engine. Needs the process group (:func:`megacp.initialize`). Returns the micro-batch size
+    (packed sequences per micro-batch and DP replica).
+
+    Raises:
+        ConfigError: DeepSpeed rejects the config (its first message line).
+    """
+    import deepspeed
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    deepspeed.init_distributed(dist_backend=state.backend)
+    try:
+        return DeepSpeedConfig(dict(raw), mpu=DeepSpeedMPU(state)).train_micro_batch_size_per_gpu
+    except (AssertionError, ValueError, TypeError, KeyError) as err:
+        lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+        raise ConfigError(f"DeepSpeed rejects the config: {lines[0] if lines else type(err).__name__}") from None
+
+
+def mark_tensor_parallel(model: torch.nn.Module, tp_size: int) -> None:
+    """Tag the parameters that TP splits over its ranks with ``tensor_model_parallel = True``
+    (the Megatron attribute DeepSpeed reads), so that DeepSpeed's gradient norm counts each of
+    their parts once per TP rank and the replicated ones once (on TP rank 0)."""
+    if tp_size == 1:
+        return
+    from megacp.checkpoint.tp import is_replicated
+
+    for name, param in model.named_parameters():
+        param.tensor_model_parallel = not is_replicated(name)
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """One optimizer step: ``loss`` (CP = 1's mean token loss, averaged over the micro-batches and
+    the DP replicas), ``tokens`` (all DP replicas), ``seconds`` (wall clock), ``lr``."""
+
+    loss: float
+    tokens: int
+    seconds: float
+    lr: float
+
+
+class Trainer:
+    """A megacp :class:`~megacp.models.llama.CausalLM` (CP attention swapped in) trained by a
+    DeepSpeed engine.
+
+    Args:
+        model: the model, in training mode, its parameters in ``settings.dtype``.
+        config: the whole DeepSpeed config dict (megacp's sections included; DeepSpeed ignores them).
+        state: the mesh; its CP group must be the one the model's CP attention uses.
+        settings: from :func:`read_settings`.
+        load_balance: the CP sharding of the batches (``context_parallel.load_balance``).
+    """
+
+    def __init__(self, model: torch.nn.Module, config: Mapping[str, Any], state: ParallelState,
+                 settings: TrainSettings, *, load_balance: bool = True) -> None:
+        import deepspeed
+
+        mark_tensor_parallel(model, state.size("tp"))
+        params = [p for p in model.parameters() if p.requires_grad]
+        self.engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=dict(config),
+                                               mpu=DeepSpeedMPU(state))
+        self.state, self.settings, self.load_balance = state, settings, load_balance
+        self.cp_group = state.group("cp")
+        self.dp_group = state.group("dp")
+        self.steps_done = 0
+
+    @property
+    def module(self) -> torch.nn.Module:
+        """The trained model (the engine's module)."""
+        return self.engine.module
+
+    def step(self, batches: Iterator[PackedSequence]) -> StepResult:
+        """One optimizer step over ``gradient_accumulation_steps`` micro-batches from ``batches``
+        (this DP replica's; every CP rank of the replica passes the same ones)."""
+        device = self.state.device
+        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        start = time.perf_counter()
+        losses, tokens = [], 0
+        lr = float(self.engine.optimizer.param_groups[0]["lr"])  # what this step's update uses
+        for _ in range(self.engine.gradient_accumulation_steps()):
+            batch = next(batches)
+            shard = shard_batch(batch.input_ids, cu_seqlens=batch.cu_seqlens, cp_size=self.state.size("cp"),
+                                cp_rank=self.state.rank_in("cp"), load_balance=self.load_balance)
+            loss = lm_loss(self.module, shard)
+            self.engine.backward(loss)
+            self.engine.step()
+            losses.append(logged_loss(loss, cp_group=self.cp_group, dp_group=self.dp_group))
+            tokens += batch.input_ids.numel()
+        sync()
+        self.steps_done += 1
+        return StepResult(loss=sum(losses) / len(losses), tokens=tokens * self.state.size("dp"),
+                          seconds=time.perf_counter() - start, lr=lr)
+
+    def save(self, directory: str | Path, *, model_config: Any, tokenizer: Any) -> str:
+        """``engine.save_checkpoint(directory)`` (tag ``step<N>``, ZeRO shards included), plus, from
+        global rank 0, the model description and tokenizer files that
+        :func:`~megacp.checkpoint.deepspeed.read_deepspeed_checkpoint` needs. Collective; returns
+        the tag."""
+        from megacp.checkpoint.deepspeed import write_train_state
+
+        tag = f"step{self.steps_done}"
+        self.engine.save_checkpoint(str(directory), tag=tag)
+        if dist.get_rank() == 0:
+            write_train_state(directory, model_config=model_config, dtype=self.settings.dtype,
+                              tp_size=self.state.size("tp"), zero_stage=self.settings.zero_stage, tag=tag,
+                              tokenizer=tokenizer)
+        dist.barrier()
+        return tag
