@@ -4,7 +4,7 @@
 # NUM_GPUS / CONFIG override the defaults
 # (NUM_GPUS must be a multiple of 4 for this config; the rest becomes data parallel).
 set -euo pipefail
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 export PYTHONPATH="${ROOT}${PYTHONPATH:+:${PYTHONPATH}}"
 # NVLink multicast (NVLS) stays off, as in scripts/run_main_job.sh.
 export NCCL_NVLS_ENABLE="${NCCL_NVLS_ENABLE:-0}" TORCH_SYMM_MEM_DISABLE_MULTICAST="${TORCH_SYMM_MEM_DISABLE_MULTICAST:-1}"

@@ -3,7 +3,7 @@
 # accelerator when deepspeed is installed, torchrun otherwise.
 # Extra arguments go to `python -m megacp.generate`. NPROC / CONFIG / MASTER_PORT override the defaults.
 set -euo pipefail
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 export PYTHONPATH="${ROOT}${PYTHONPATH:+:${PYTHONPATH}}"
 CONFIG="${CONFIG:-${ROOT}/configs/cpu_demo.json}"
 NPROC="${NPROC:-2}"
