@@ -21,7 +21,7 @@ env ``MEGACP_ATTN_BACKEND``, read once by :func:`megacp.initialize` and handed t
 ``"auto"`` tries cuDNN then flash for fp16/bf16 CUDA tensors and falls back to the next backend
 for shapes a kernel refuses (the refusal is remembered per dtype, batch dimension, heads, head dim
 and mask, not per length; an out-of-memory error is raised, not taken for a refusal); fp32 and CPU
-tensors use the reference path. Every kernel's LSE is natural log, fp32 (checked on H200, see ../shared/GPU_NOTES.md).
+tensors use the reference path. Every kernel's LSE is natural log, fp32 (checked on H200, see docs/GPU_FACTS.md).
 """
 
 from __future__ import annotations
@@ -218,7 +218,7 @@ def _reference(
             s = s * corr + p.sum(dim=-1)
             acc = acc * corr.unsqueeze(-1) + p @ vf[:, :, j0:j1]
             m = m_new
-        seen = s > 0
+        seen = s != 0  # rows that see no key (or only -inf scores) have s = 0; NaN rows stay NaN
         ob = torch.where(seen.unsqueeze(-1), acc / torch.where(seen, s, 1.0).unsqueeze(-1), 0.0)
         lb = torch.where(seen, finite_or_zero(m) + torch.log(s), float("-inf"))
         out[i0:i1] = ob.permute(2, 0, 1, 3).reshape(i1 - i0, hq, d).to(q.dtype)
