@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,7 +16,7 @@ import megacp
 from megacp import ConfigError, ParallelLayout, ParallelState
 from megacp.parallel.layout import GROUP_KINDS
 from megacp.parallel.mpu import DeepSpeedMPU
-from tests.distributed import run_distributed
+from tests.distributed import free_port, run_distributed
 
 # (world size, megacp config dict or a layout to build directly) -> expected layout
 MESHES = [
@@ -261,3 +264,34 @@ def test_ring_transport_selection_on_gloo() -> None:
         assert out["seen"] == [(rank - s) % 3 for s in range(3)] and out["block_kept"]
         assert out["pairs"] == [(s, (4, 2), float((rank - s) % 3), 10.0 + (rank - s) % 3) for s in range(3)]
         assert "one shape, dtype and device" in out["bad_pair"]
+
+
+_FREEZE = """
+import os, sys, time
+import torch, torch.distributed as dist
+import megacp
+state = megacp.initialize({"runtime": {"timeout_minutes": 0.05}})
+if state.rank == 1:
+    time.sleep(120)  # frozen: alive, never joins the collective
+t0 = time.monotonic()
+try:
+    dist.all_reduce(torch.ones(1))
+except RuntimeError as err:
+    print(f"rank 0 gave up after {time.monotonic() - t0:.1f} s: {err}", flush=True)
+    os._exit(3)  # no process-group teardown: it would wait for the frozen peer
+"""
+
+
+def test_a_frozen_rank_ends_the_collective_after_the_configured_timeout() -> None:
+    """runtime.timeout_minutes reaches the process group: 3 s, not gloo's 30-minute default."""
+    env = dict(os.environ, WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, "-c", _FREEZE], env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    try:
+        out, err = procs[0].communicate(timeout=90)
+    finally:
+        procs[1].kill()
+        procs[1].communicate()
+    assert procs[0].returncode == 3, err[-2000:]
+    seconds = float(out.split("gave up after ")[1].split(" s")[0])
+    assert 2.5 < seconds < 30 and "Timed out" in out, out
