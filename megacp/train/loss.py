@@ -12,18 +12,19 @@ averaged over DP. The objective is therefore the mean over DP replicas of each s
 mean token loss; :func:`logged_loss` reports that number.
 
 The LM head never produces the logits of a whole shard at once: the final hidden states are
-taken ``chunk_tokens`` rows at a time, each chunk's logits (``[chunk, V]``, upcast to fp32) and
-cross-entropy computed under ``torch.utils.checkpoint``, so only one chunk's logits live at a time
-in forward and in backward (the head's matmul runs again in backward: one extra ``2·T·V·H``).
+taken ``chunk_tokens`` rows at a time, and each chunk's logits (``[chunk, V]``, fp32) give its loss
+and, under autograd, at once its gradients (:func:`chunked_cross_entropy`), so only one chunk's
+logits live at a time and the head's matmul never runs twice.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
 
 from megacp.layers.attention import DotProductAttention
 from megacp.layers.cp_attention import CPDotProductAttention
@@ -35,29 +36,62 @@ DEFAULT_CHUNK_TOKENS = 4096
 """Rows of hidden states whose logits are materialised at once."""
 
 
-def _cross_entropy_sum(hidden: Tensor, weight: Tensor, labels: Tensor) -> Tensor:
-    """Summed cross-entropy of ``labels`` [n] (-100 ignored) under logits ``hidden @ weight.T``
-    (hidden [n, H], weight [V, H]); fp32 scalar."""
-    logits = F.linear(hidden, weight).float()
-    return F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
+class _LinearCrossEntropy(torch.autograd.Function):
+    """Summed cross-entropy of ``hidden @ weight.T`` whose gradients are made in the forward, chunk
+    by chunk: a chunk's fp32 logits become its softmax in place, minus one at the label, and give
+    the chunk's ``d hidden`` and its share of ``d weight`` before the next chunk is computed. So
+    the head costs its three matmuls (``6·T·V·H``) with one chunk of logits alive, and the backward
+    only scales the saved gradients by the incoming one."""
+
+    @staticmethod
+    def forward(ctx: Any, hidden: Tensor, weight: Tensor, labels: Tensor, chunk_tokens: int, grads: bool) -> Tensor:
+        want_h, want_w = grads and ctx.needs_input_grad[0], grads and ctx.needs_input_grad[1]
+        acc_dtype = torch.promote_types(hidden.dtype, torch.float32)
+        total = torch.zeros((), dtype=acc_dtype, device=hidden.device)
+        dh = torch.empty_like(hidden) if want_h else None
+        dw = torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device) if want_w else None
+        for i0 in range(0, hidden.shape[0], chunk_tokens):
+            h, y = hidden[i0:i0 + chunk_tokens], labels[i0:i0 + chunk_tokens]
+            logits = F.linear(h, weight).to(acc_dtype)  # [c, V]
+            valid = y != IGNORE_INDEX
+            target = y.clamp_min(0).unsqueeze(1)
+            lse = torch.logsumexp(logits, dim=-1)
+            total += ((lse - logits.gather(1, target).squeeze(1)) * valid).sum()
+            if want_h or want_w:
+                grad = logits.sub_(lse.unsqueeze(1)).exp_()  # softmax, in place
+                grad.scatter_add_(1, target, -valid.unsqueeze(1).to(acc_dtype))
+                grad.mul_(valid.unsqueeze(1))
+                grad = grad.to(h.dtype)
+                if want_h:
+                    dh[i0:i0 + chunk_tokens] = grad @ weight
+                if want_w:
+                    dw += grad.t() @ h
+            del logits
+        ctx.save_for_backward(*(x for x in (dh, dw) if x is not None))
+        ctx.have = (want_h, want_w)
+        ctx.weight_dtype = weight.dtype
+        return total
+
+    @staticmethod
+    def backward(ctx: Any, grad_total: Tensor) -> tuple:
+        want_h, want_w = ctx.have
+        saved = iter(ctx.saved_tensors)
+        dh = next(saved) * grad_total if want_h else None  # stays in the hidden states' dtype
+        dw = (next(saved) * grad_total).to(ctx.weight_dtype) if want_w else None
+        return dh, dw, None, None, None
 
 
 def chunked_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> Tensor:
-    """Summed cross-entropy of the logits ``hidden [n, H] @ weight [V, H].T`` against ``labels``
-    ``[n]`` (-100 ignored), ``chunk_tokens`` rows at a time; differentiable, fp32 scalar.
-
-    Under autograd each chunk runs through ``torch.utils.checkpoint``: its logits are freed after
-    the chunk and recomputed in backward.
+    """Summed cross-entropy (natural log) of the logits ``hidden [n, H] @ weight [V, H].T`` against
+    ``labels [n]`` (-100 ignored), ``chunk_tokens`` rows of logits (fp32, or fp64 for fp64 inputs) at
+    a time; differentiable scalar in that dtype. Under autograd the gradients are computed with the
+    loss (one pass over the chunks, no recompute); ``d weight`` is accumulated over the chunks in
+    that dtype.
     """
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
-    recompute = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    total = None
-    for h, y in zip(hidden.split(chunk_tokens), labels.split(chunk_tokens)):
-        part = checkpoint(_cross_entropy_sum, h, weight, y, use_reentrant=False) if recompute else \
-            _cross_entropy_sum(h, weight, y)
-        total = part if total is None else total + part
-    return total
+    grads = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    return _LinearCrossEntropy.apply(hidden, weight, labels, chunk_tokens, grads)
 
 
 def _attention_step(model: nn.Module, plan: ShardPlan) -> CPStep | None:
