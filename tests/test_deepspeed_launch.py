@@ -95,9 +95,9 @@ def test_plain_process_and_bad_config_is_one_line(tmp_path: Path) -> None:
     assert "Traceback" not in result.stdout
 
 
-@pytest.mark.parametrize("script", sorted(p.name for p in (ROOT / "scripts").glob("launch_*.sh")))
+@pytest.mark.parametrize("script", sorted(p.name for p in (ROOT / "scripts" / "launch").glob("generate_*.sh")))
 def test_launch_scripts_parse(script: str) -> None:
-    path = ROOT / "scripts" / script
+    path = ROOT / "scripts" / "launch" / script
     assert os.access(path, os.X_OK), f"{script} is not executable"
     subprocess.run(["bash", "-n", str(path)], check=True)
     text = path.read_text()
