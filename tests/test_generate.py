@@ -169,16 +169,16 @@ def test_smollm2_gguf_cp2_matches_transformers() -> None:
 
 
 def test_sampling_is_seeded_and_top_p_keeps_the_nucleus() -> None:
-    from megacp.generate import SamplingParams, _sample
+    from megacp.generate import SamplingParams, sample
 
     logits = torch.tensor([[0.0, 3.0, 2.9, -1.0], [1.0, 0.0, 0.0, 5.0]])
-    draw = lambda p: [_sample(logits, p, torch.Generator().manual_seed(p.seed)).tolist() for _ in range(2)]  # noqa: E731
+    draw = lambda p: [sample(logits, p, torch.Generator().manual_seed(p.seed)).tolist() for _ in range(2)]  # noqa: E731
     hot = SamplingParams(temperature=1.0, seed=3)
     assert draw(hot)[0] == draw(hot)[1]  # same seed, same tokens (on every rank)
-    assert _sample(logits, SamplingParams(), torch.Generator()).tolist() == [1, 3]  # greedy
+    assert sample(logits, SamplingParams(), torch.Generator()).tolist() == [1, 3]  # greedy
     nucleus = SamplingParams(temperature=1.0, top_p=0.01, seed=1)
     assert all(d == [1, 3] for d in draw(nucleus))  # only the top token survives p = 0.01
-    picks = {tuple(_sample(logits, SamplingParams(temperature=5.0, seed=s), torch.Generator().manual_seed(s)).tolist())
+    picks = {tuple(sample(logits, SamplingParams(temperature=5.0, seed=s), torch.Generator().manual_seed(s)).tolist())
              for s in range(20)}
     assert len(picks) > 1  # a high temperature does sample
     with pytest.raises(ValueError, match="top_p"):
@@ -187,11 +187,11 @@ def test_sampling_is_seeded_and_top_p_keeps_the_nucleus() -> None:
 
 @pytest.mark.parametrize("content", ["5", '{"a": 1}', "[[1, 2], 3]", "[]", "[[]]", "[1, -2]", "[1, true]", "[1,"])
 def test_bad_prompt_ids_get_one_clear_error(content: str, tmp_path: Path) -> None:
-    from megacp.generate import _load_prompts, parse_args
+    from megacp.generate.cli import UsageError, _load_prompts, parse_args
 
     path = tmp_path / "ids.json"
     path.write_text(content)
-    with pytest.raises(SystemExit, match="--prompt-ids"):
+    with pytest.raises(UsageError, match="--prompt-ids"):
         _load_prompts(parse_args(["--prompt-ids", str(path)]), None)
     path.write_text("[[1, 2], [3]]")
     assert _load_prompts(parse_args(["--prompt-ids", str(path)]), None) == ([[1, 2], [3]], True)
@@ -222,3 +222,15 @@ def test_config_error_is_one_line_from_one_rank_under_torchrun(config: str, env:
     lines = [line for f in worker_err for line in f.read_text().splitlines() if line.strip()]
     assert lines == [f"megacp.generate: {path}: {message}" if not env else f"megacp.generate: {message}"]
     assert "exitcode: 2" in result.stderr
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--max-new-tokens", "0"], "megacp.generate: max_new_tokens must be >= 1, got 0"),
+    (["--top-p", "0"], "megacp.generate: top_p must be in (0, 1], got 0.0"),
+    (["--output", "/nonexistent-dir/out.json"], "megacp.generate: --output /nonexistent-dir/out.json: the directory does not exist"),
+])
+def test_bad_arguments_fail_before_anything_loads(argv: list[str], message: str, capsys) -> None:
+    from megacp.generate import main
+
+    assert main(["--model", "/never/loaded", *argv]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [message]
