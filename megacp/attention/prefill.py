@@ -16,6 +16,7 @@ from torch import Tensor
 
 from megacp.attention.pass_kv import KVBlock, ring_pass_kv
 from megacp.attention.pass_q import ring_pass_q
+from megacp.attention.preconditions import agree, check_inputs
 from megacp.attention.strategy import STRATEGIES, Choice, choose_strategy, hardware_for
 from megacp.parallel.ring import Ring
 from megacp.placement import ShardPlan, seq_lengths
@@ -117,6 +118,22 @@ def cp_prefill(
     return out.to(q.dtype)
 
 
+def _input_error(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor | Sequence[int] | None) -> tuple[str | None, list[int] | None]:
+    """``(what is wrong with cp_attention's inputs or None, the sequence lengths or None)``."""
+    if q.dim() != 3 or k.shape != v.shape or k.dim() != 3 or k.shape[0] != q.shape[0]:
+        return (f"cp_attention expects q [T,Hq,D] and k, v [T,Hkv,D] with the same T; got {tuple(q.shape)}, "
+                f"{tuple(k.shape)}, {tuple(v.shape)}"), None
+    try:
+        lens = [q.shape[0]] if cu_seqlens is None else seq_lengths(cu_seqlens, q.shape[0])
+    except ValueError as exc:
+        return str(exc), None
+    error = check_inputs(q, k, v, "cp_attention")
+    if error is None and torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
+        error = ("cp_attention computes without autograd (its output is gathered from every rank); inputs that "
+                 "require grad need megacp.attention.ring_attention on this rank's shard, or the CP layer")
+    return error, lens
+
+
 def cp_attention(
     q: Tensor,
     k: Tensor,
@@ -140,16 +157,21 @@ def cp_attention(
             transport or window size); ``None`` = the whole world (world of one without init).
         cu_seqlens: int32 ``[B+1]`` sequence boundaries (default: one sequence).
 
+    Every rank must pass the same inputs and options: a difference in shapes, dtypes, lengths or
+    options (or an input refused on one rank) is one ``ValueError`` on every rank, found by one small
+    all-gather before any other work (:func:`~megacp.attention.preconditions.agree`). The output
+    carries no autograd graph: inputs that require gradients are refused (training runs
+    :func:`~megacp.attention.training.ring_attention` on each rank's shard, or the CP layer).
+
     Returns:
         ``[T, Hq, D]``, the full output, on every rank.
     """
-    if q.dim() != 3 or k.shape != v.shape or k.dim() != 3 or k.shape[0] != q.shape[0]:
-        raise ValueError(
-            f"cp_attention expects q [T,Hq,D] and k, v [T,Hkv,D] with the same T; got {tuple(q.shape)}, "
-            f"{tuple(k.shape)}, {tuple(v.shape)}"
-        )
-    lens = [q.shape[0]] if cu_seqlens is None else seq_lengths(cu_seqlens, q.shape[0])
     ring = group if isinstance(group, Ring) else Ring(group) if dist.is_initialized() else None
+    error, lens = _input_error(q, k, v, cu_seqlens)
+    fields = [("q shape", tuple(q.shape)), ("k shape", tuple(k.shape)), ("v shape", tuple(v.shape)),
+              ("dtypes of q, k, v", (str(q.dtype), str(k.dtype), str(v.dtype))), ("sequence lengths", lens),
+              ("strategy", strategy), ("load_balance", load_balance), ("scale", scale), ("backend", backend)]
+    agree(ring, fields, device=q.device, what="cp_attention", local_error=error)
     n, r = (ring.size, ring.rank) if ring else (1, 0)
     plan = ShardPlan([0] * len(lens), lens, n, r, load_balance=load_balance)
     idx = plan.local_index().to(q.device)

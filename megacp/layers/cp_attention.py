@@ -18,9 +18,10 @@ from torch import Tensor
 
 from megacp.attention.training import ring_attention
 from megacp.attention.decode import allgather_decode
+from megacp.attention.preconditions import agree, check_inputs
 from megacp.attention.prefill import build_kv_block, cp_prefill
 from megacp.layers.attention import DotProductAttention, check_dropout, check_format, from_thd, to_thd
-from megacp.layers.step import CPStep
+from megacp.layers.step import CPStep, step_fields
 from megacp.parallel.ring import Ring
 from megacp.placement import ShardPlan, seq_lengths
 
@@ -28,6 +29,19 @@ from megacp.placement import ShardPlan, seq_lengths
 def _check_causal(attn_mask_type: str) -> None:
     if "causal" not in attn_mask_type:
         raise ValueError(f"CP attention needs a causal mask, got attn_mask_type={attn_mask_type!r}")
+
+
+def _step_error(step: CPStep, q: Tensor, training: bool) -> str | None:
+    """What this rank's inputs lack for ``step`` (found before any collective), or ``None``."""
+    plan = step.plan
+    if training and step.cache is not None:
+        return ("the CP layer computes gradients only without a KV cache (training); run cached prefill and "
+                "decode under torch.no_grad() or torch.inference_mode()")
+    if step.replicated and q.shape[0] != plan.num_requests:
+        return f"a decode step of {plan.num_requests} requests needs one query token each on every CP rank; got {q.shape[0]}"
+    if not step.replicated and q.shape[0] != plan.num_local():
+        return f"CP rank {plan.rank} got {q.shape[0]} tokens but the step's plan gives it {plan.num_local()}"
+    return None
 
 
 class CPDotProductAttention(DotProductAttention):
@@ -90,9 +104,21 @@ class CPDotProductAttention(DotProductAttention):
             raise ValueError("attention_mask tensors are not supported under CP: delimit sequences with cu_seqlens")
         check_dropout(self)
         q, k, v = (to_thd(x, fmt) for x in (query_layer, key_layer, value_layer))
-        step = inference_params if inference_params is not None else self._cacheless_step(q, fmt, query_layer, cu_seqlens_q)
-        if not isinstance(step, CPStep):
-            raise TypeError(f"inference_params must be a megacp CPStep, got {type(step).__name__}")
+        if inference_params is not None and not isinstance(inference_params, CPStep):
+            raise TypeError(f"inference_params must be a megacp CPStep, got {type(inference_params).__name__}")
+        error, step = check_inputs(q, k, v, "CP attention"), inference_params
+        if step is None:
+            try:
+                step = self._cacheless_step(q, fmt, query_layer, cu_seqlens_q)
+            except ValueError as exc:  # raised on every rank by the agreement below
+                error = error or str(exc)
+        training = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
+        backend = (step.backend if step else None) or self.backend
+        if step is None:  # raises on every rank (this one's error is set)
+            agree(self.ring, step_fields(None, q, k, v, scale=self.softmax_scale, backend=backend, training=training),
+                  device=q.device, what="CP attention step", local_error=error)
+        step.agree(q, k, v, scale=self.softmax_scale, backend=backend, training=training,
+                   local_error=error or _step_error(step, q, training))
         out = self._decode(step, q, k, v) if step.replicated else self._prefill(step, q, k, v)
         return from_thd(out, query_layer, fmt)
 
@@ -135,10 +161,6 @@ class CPDotProductAttention(DotProductAttention):
 
     def _decode(self, step: CPStep, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         plan, cache, slots, layer = step.plan, step.cache, step.slots, self._layer
-        if q.shape[0] != plan.num_requests:
-            raise ValueError(
-                f"a decode step of {plan.num_requests} requests needs one query token each on every CP rank; got {q.shape[0]}"
-            )
         owned = plan.local_index().to(k.device)
         cache.write(layer, slots, plan, k[owned], v[owned])
         lens = [plan.prefix_counts[plan.rank][i] + lay.num_new for i, lay in enumerate(plan.q_layout(plan.rank))]

@@ -13,6 +13,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from megacp.attention.preconditions import agree
 from megacp.attention.prefill import resolve_strategy, strategy_name
 from megacp.attention.strategy import Choice
 from megacp.kv_cache import ShardedKVCache
@@ -46,6 +47,7 @@ class CPStep:
     backend: str | None = None
     calibration_dir: str | None = None
     choice: Choice | str | None = field(default=None, init=False)
+    agreed: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
         if self.decode not in DECODE_STRATEGIES:
@@ -104,7 +106,44 @@ class CPStep:
                                            self.ring.group if self.ring else None, cache_dir=self.calibration_dir)
         return strategy_name(self.choice)
 
+    def agree(self, q: Tensor, k: Tensor, v: Tensor, *, scale: float | None, backend: str | None,
+              training: bool, local_error: str | None = None) -> None:
+        """Check once per step (at the first layer's call) that every CP rank runs this step with the
+        same plan, options, head shapes and dtypes (:func:`step_fields`, one small all-gather), and
+        raise ``local_error`` (this rank's verdict on its inputs) on every rank: ``ValueError``."""
+        if self.agreed:
+            if local_error is not None:
+                raise ValueError(local_error)
+            return
+        agree(self.ring, step_fields(self, q, k, v, scale=scale, backend=backend, training=training),
+              device=q.device, what="CP attention step", local_error=local_error)
+        self.agreed = True
+
     def commit(self) -> None:
         """Advance the KV cache bookkeeping once every layer has run."""
         if self.cache is not None:
             self.cache.commit(self.slots, self.plan)
+
+
+def step_fields(step: CPStep | None, q: Tensor, k: Tensor, v: Tensor, *, scale: float | None, backend: str | None,
+                training: bool) -> list[tuple[str, object]]:
+    """What every CP rank of a step must agree on (``step=None``: this rank could not build its step;
+    the step's fields are then ``None``). Local token counts are not among them: they differ by rank."""
+    plan = step.plan if step is not None else None
+    return [
+        ("CP size", plan.cp_size if plan else None),
+        ("new tokens per request", plan.new if plan else None),
+        ("cached tokens per request", plan.cached if plan else None),
+        ("cached tokens held by each rank", plan.prefix_counts if plan else None),
+        ("load_balance", plan.load_balance if plan else None),
+        ("KV cache", step.cache is not None if step else None),
+        ("prefill strategy", step.strategy if step else None),
+        ("decode strategy", step.decode if step else None),
+        ("attention backend", backend),
+        ("softmax_scale", scale),
+        ("autograd (training)", training),
+        ("q heads and head dim", tuple(q.shape[1:])),
+        ("k heads and head dim", tuple(k.shape[1:])),
+        ("v heads and head dim", tuple(v.shape[1:])),
+        ("dtypes of q, k, v", (str(q.dtype), str(k.dtype), str(v.dtype))),
+    ]
