@@ -48,8 +48,9 @@ import torch.distributed as dist
 ROOT = Path(__file__).resolve().parent.parent
 """The repository root."""
 
-_PRELOAD = ["torch", "torch.distributed", "pytest", "tests.distributed"]
-"""Imported once by the forkserver; every worker is forked from that state."""
+_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "pytest", "tests.distributed"]
+"""Imported once by the forkserver; every worker is forked from that state (``torch._dynamo``:
+every ``torch.optim`` optimizer imports it on construction, seconds per process)."""
 
 _WARM = ("megacp.parallel.state", "megacp.parallel.mpu")
 """megacp modules most workers import (pydantic costs ~0.35 s per process), imported when this
