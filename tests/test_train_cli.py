@@ -2,7 +2,8 @@
 
 * Under the ``deepspeed`` launcher (2 gloo processes, CP = 2, ZeRO 1, fp32) it trains a tiny Llama
   on a tiny corpus, saves a DeepSpeed checkpoint, and ``tools/convert_checkpoint.py`` turns that into
-  a Hugging Face directory and a megacp checkpoint: transformers' logits from the first equal
+  a Hugging Face directory and a megacp checkpoint (the converter runs in this process; its
+  script is tested in tests/test_checkpoint.py): transformers' logits from the first equal
   megacp's from the DeepSpeed checkpoint's weights, and megacp loads the second (as
   ``megacp.generate --model`` does).
 * Bad arguments or config end with one stderr line and exit status 2 before anything is loaded:
@@ -82,7 +83,8 @@ def _megacp_logits(weights: dict[str, torch.Tensor], model_config, ids: torch.Te
 
 
 @pytest.mark.slow
-def test_deepspeed_launcher_trains_saves_and_converts(tiny: tuple[Path, Path], tmp_path: Path) -> None:
+def test_deepspeed_launcher_trains_saves_and_converts(tiny: tuple[Path, Path], tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("deepspeed", reason="DeepSpeed not installed: its launcher cannot run")
     deepspeed = shutil.which("deepspeed")
     assert deepspeed is not None, "deepspeed is importable but its launcher is not on PATH"
@@ -108,12 +110,13 @@ def test_deepspeed_launcher_trains_saves_and_converts(tiny: tuple[Path, Path], t
     _, initial = load_hf_state_dict(model_dir)
     assert rel_err(trained.tensors["embedding.weight"], initial["embedding.weight"]) > 1e-6  # it trained
 
+    from megacp.checkpoint.convert import main as convert
+
     hf_dir, megacp_dir = tmp_path / "hf", tmp_path / "megacp"
     for command, output in (("deepspeed-to-hf", hf_dir), ("deepspeed-to-megacp", megacp_dir)):
-        convert = _run([sys.executable, "tools/convert_checkpoint.py", command, "--input", str(save),
-                        "--output", str(output)])
-        assert convert.returncode == 0, convert.stderr[-3000:]
-        assert convert.stdout.count("\n") == 1 and f"{command}: wrote" in convert.stdout
+        assert convert([command, "--input", str(save), "--output", str(output)]) == 0
+        out = capsys.readouterr().out
+        assert out.count("\n") == 1 and f"{command}: wrote" in out
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

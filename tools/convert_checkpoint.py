@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Convert checkpoints: Hugging Face / GGUF -> megacp (TP-sharded), megacp -> Hugging Face, reshard.
+"""Convert checkpoints: Hugging Face / GGUF -> megacp (TP-sharded), megacp -> Hugging Face, reshard,
+DeepSpeed checkpoints of ``python -m megacp.train`` -> megacp / Hugging Face.
 
 Run ``python tools/convert_checkpoint.py --help``; the implementation is
 :mod:`megacp.checkpoint.convert`.

@@ -6,6 +6,10 @@ Subcommands::
     gguf-to-megacp --input FILE.gguf --output DIR [--tp N] [--dtype D] [--force]
     megacp-to-hf   --input DIR       --output HF_DIR [--force]
     reshard        --input DIR       --output DIR --tp M [--force]
+    deepspeed-to-megacp --input DS_DIR --output DIR    [--tag T] [--tp N] [--dtype D] [--force]
+    deepspeed-to-hf     --input DS_DIR --output HF_DIR [--tag T] [--dtype D] [--force]
+
+(``DS_DIR``: a ``python -m megacp.train --save`` directory, ZeRO shards included.)
 
 Each streams tensors from input to output with a progress bar and ends with one summary line on
 stdout. Bad input ends with one ``error: ...`` line on stderr and exit status 2; the output is
@@ -115,6 +119,32 @@ def _reshard(args: argparse.Namespace) -> WriteSummary:
             )
 
 
+def _deepspeed_dtype(args: argparse.Namespace, trained: torch.dtype) -> torch.dtype:
+    return dtype_from_name(args.dtype) if args.dtype else trained
+
+
+def _deepspeed_to_megacp(args: argparse.Namespace) -> WriteSummary:
+    from megacp.checkpoint.deepspeed import read_deepspeed_checkpoint
+
+    check_output_dir(args.output, force=args.force)
+    source = read_deepspeed_checkpoint(args.input, args.tag)
+    check_tp_size(source.config, args.tp)
+    with _progress(source.tensors.items(), len(source.tensors), "deepspeed-to-megacp") as stream:
+        return save_megacp_checkpoint(args.output, source.config, stream, dtype=_deepspeed_dtype(args, source.dtype),
+                                      tp_size=args.tp, tokenizer=source.path, force=args.force)
+
+
+def _deepspeed_to_hf(args: argparse.Namespace) -> WriteSummary:
+    from megacp.checkpoint.deepspeed import read_deepspeed_checkpoint
+
+    check_output_dir(args.output, force=args.force)
+    source = read_deepspeed_checkpoint(args.input, args.tag)
+    tensors = megacp_to_hf(source.config, source.tensors.__getitem__, source.tensors)
+    with _progress(tensors, len(hf_parameter_shapes(source.config)), "deepspeed-to-hf") as stream:
+        return save_hf_checkpoint(args.output, source.config, stream, dtype=_deepspeed_dtype(args, source.dtype),
+                                  tokenizer=source.path, force=args.force)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the converter."""
     parser = argparse.ArgumentParser(
@@ -147,6 +177,17 @@ def build_parser() -> argparse.ArgumentParser:
     sub = command("reshard", "megacp checkpoint -> megacp checkpoint with another TP size", _reshard,
                   "megacp checkpoint directory", "megacp checkpoint directory to create")
     sub.add_argument("--tp", type=int, required=True, help="new tensor-parallel size")
+    ds_input = "DeepSpeed checkpoint directory written by python -m megacp.train --save"
+    ds_dtype = dtype_help % "the dtype it was trained in"
+    sub = command("deepspeed-to-megacp", "megacp.train DeepSpeed checkpoint (ZeRO shards merged) -> megacp checkpoint",
+                  _deepspeed_to_megacp, ds_input, "megacp checkpoint directory to create")
+    sub.add_argument("--tag", help="checkpoint tag (default: the one DeepSpeed's 'latest' file names)")
+    sub.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default: 1)")
+    sub.add_argument("--dtype", choices=list(DTYPES), help=ds_dtype)
+    sub = command("deepspeed-to-hf", "megacp.train DeepSpeed checkpoint (ZeRO shards merged) -> Hugging Face directory",
+                  _deepspeed_to_hf, ds_input, "Hugging Face directory to create")
+    sub.add_argument("--tag", help="checkpoint tag (default: the one DeepSpeed's 'latest' file names)")
+    sub.add_argument("--dtype", choices=list(DTYPES), help=ds_dtype)
     return parser
 
 

@@ -138,4 +138,4 @@ def read_deepspeed_checkpoint(directory: str | os.PathLike[str], tag: str | None
         if tuple(state[name].shape) != tuple(shape):
             raise CheckpointError(f"{tag_dir}: {name} has shape {list(state[name].shape)}, the model config "
                                   f"expects {list(shape)}")
-    return DeepSpeedCheckpoint(config, {name: state[name] for name in shapes}, dtype, tag, path)
+    return DeepSpeedCheckpoint(config, {name: state[name].detach() for name in shapes}, dtype, tag, path)

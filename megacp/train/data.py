@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import sysconfig
 import tokenize
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -36,6 +37,9 @@ from torch import Tensor
 
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py")
 """Files of a plain directory corpus that are read as text (besides ``.jsonl``)."""
+
+_INSTALLED_PACKAGE_DIRS = ("site-packages", "dist-packages")
+"""Directories below the standard library that hold installed packages, not the library."""
 
 _DATASETS_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
 """Files ``datasets.save_to_disk`` writes into a dataset (or dataset dict) directory."""
@@ -73,10 +77,11 @@ def stdlib_sources() -> list[CorpusSource]:
     """The default corpus: every ``.py`` file of the standard library, sorted (installed
     packages under ``site-packages``/``dist-packages`` excluded)."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(
-        f for f in root.rglob("*.py")
-        if f.is_file() and not {"site-packages", "dist-packages"} & set(f.relative_to(root).parts)
-    )
+    files = []
+    for directory, subdirs, names in os.walk(root):
+        subdirs[:] = [d for d in subdirs if d not in _INSTALLED_PACKAGE_DIRS]  # not walked at all
+        files.extend(Path(directory) / name for name in names if name.endswith(".py"))
+    files.sort()
     if not files:
         raise CorpusError(f"the default corpus is empty: no .py files under {root}; pass --corpus")
     return [CorpusSource(f, "python") for f in files]

@@ -1,0 +1,94 @@
+"""Training corpora (:mod:`megacp.train.data`): sources, packing with document boundaries, the
+data-parallel split. In-process, no tokenizer model needed (a character tokenizer stands in)."""
+
+from __future__ import annotations
+
+import json
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch
+
+from megacp.train.data import (
+    CorpusBatches,
+    CorpusError,
+    concat_sequences,
+    pack_documents,
+    read_documents,
+    resolve_corpus,
+    stdlib_sources,
+)
+
+EOS = 0
+
+
+class CharTokenizer:
+    """``ord(c)`` per character (a stand-in with the Hugging Face call signature)."""
+
+    def __call__(self, text: str, add_special_tokens: bool = True, verbose: bool = True) -> dict:
+        return {"input_ids": [ord(c) for c in text]}
+
+
+def test_pack_documents_marks_boundaries_and_splits_long_documents() -> None:
+    docs = [[1, 2, 3], [4], [5, 6, 7, 8, 9, 10, 11], [12, 13]]
+    packed = list(pack_documents(docs, 5))
+    assert [s.input_ids.tolist() for s in packed] == [[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]]  # the tail waits for more
+    assert [s.cu_seqlens.tolist() for s in packed] == [[0, 3, 4, 5], [0, 5]]
+    assert all(s.cu_seqlens.dtype == torch.int32 and s.input_ids.dtype == torch.long for s in packed)
+    joined = concat_sequences(packed)
+    assert joined.input_ids.tolist() == list(range(1, 11)) and joined.cu_seqlens.tolist() == [0, 3, 4, 5, 10]
+    with pytest.raises(ValueError, match="seq_len must be >= 1"):
+        next(pack_documents(docs, 0))
+
+
+def test_sources_documents_and_dp_split(tmp_path: Path) -> None:
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "a.txt").write_text("abc")
+    (tmp_path / "b.jsonl").write_text(json.dumps({"text": "de"}) + "\n\n" + json.dumps({"text": ""}) + "\n")
+    (tmp_path / "skip.bin").write_bytes(b"\xff\xfe")
+    sources = resolve_corpus([tmp_path])
+    assert [(s.path.name, s.kind) for s in sources] == [("b.jsonl", "jsonl"), ("a.txt", "text")]
+    assert [d for s in sources for d in read_documents(s)] == ["de", "", "abc"]
+    # the stream: d e EOS a b c EOS, repeated; 3-token sequences, replica r of 2 takes sequences r, r+2, ...
+    stream = [ord("d"), ord("e"), EOS, ord("a"), ord("b"), ord("c"), EOS] * 6
+    seqs = [stream[i: i + 3] for i in range(0, len(stream) - 2, 3)]
+    for rank in (0, 1):
+        batches = CorpusBatches(sources, CharTokenizer(), eos_id=EOS, seq_len=3, micro_batch=2, dp_size=2, dp_rank=rank)
+        first, second = next(batches), next(batches)
+        assert first.input_ids.tolist() == seqs[rank] + seqs[rank + 2]
+        assert second.input_ids.tolist() == seqs[rank + 4] + seqs[rank + 6]
+    assert first.cu_seqlens.tolist()[0] == 0 and first.cu_seqlens.tolist()[-1] == 6
+
+
+def test_corpus_errors(tmp_path: Path) -> None:
+    with pytest.raises(CorpusError, match="does not exist"):
+        resolve_corpus([tmp_path / "absent"])
+    with pytest.raises(CorpusError, match="has no .txt"):
+        resolve_corpus([tmp_path])
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"body": "x"}\n')
+    with pytest.raises(CorpusError, match=r'bad.jsonl:1: expected an object with a string "text" field'):
+        list(read_documents(resolve_corpus([bad])[0]))
+    (tmp_path / "dataset_info.json").write_text("{}")
+    try:
+        import datasets  # noqa: F401
+    except ImportError:
+        with pytest.raises(CorpusError, match="datasets package is not installed"):
+            resolve_corpus([tmp_path])
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    batches = CorpusBatches(resolve_corpus([empty]), CharTokenizer(), eos_id=EOS, seq_len=4, micro_batch=1,
+                            dp_size=1, dp_rank=0)
+    with pytest.raises(CorpusError, match="has no text to train on"):
+        next(batches)
+
+
+def test_default_corpus_is_the_standard_library() -> None:
+    sources = stdlib_sources()
+    root = Path(sysconfig.get_paths()["stdlib"])
+    names = {s.path.relative_to(root).as_posix() for s in sources}
+    assert "os.py" in names and "json/__init__.py" in names
+    assert not any("site-packages" in n for n in names)
+    os_source = next(s for s in sources if s.path == root / "os.py")
+    assert "def makedirs(" in next(read_documents(os_source))
