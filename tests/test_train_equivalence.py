@@ -16,6 +16,8 @@ moves every weight by about 1/num_valid_tokens (a few percent).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 
@@ -34,8 +36,17 @@ LENGTHS = [[11, 3, 1, 17], [29], [5, 2, 9, 8], [2], [13, 13, 4]]
 by it; ``[2]`` leaves CP rank 2 of 3 without a token."""
 
 
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    """This process computes with one thread, as the ranks do (tiny ops: threads only add waiting)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _config(tied: bool) -> ModelConfig:
-    return ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+    return ModelConfig(vocab_size=80, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                        num_kv_heads=2, max_position_embeddings=64, tie_word_embeddings=tied)
 
 
@@ -62,7 +73,7 @@ def _batch(step: int, cp_edges: tuple[int, ...] = (2, 3)) -> tuple[torch.Tensor,
     g = torch.Generator().manual_seed(1000 + step)
     lengths = LENGTHS[step % len(LENGTHS)]
     total = sum(lengths)
-    ids = torch.randint(0, 64, (total,), generator=g)
+    ids = torch.randint(0, 80, (total,), generator=g)
     labels = torch.where(torch.rand(total, generator=g) < 0.2, IGNORE_INDEX, ids)
     for n in cp_edges:
         edge = -(-lengths[0] // (2 * n))  # first position of rank 1's chunk of document 0
@@ -123,13 +134,8 @@ _REFERENCE: dict[bool, tuple] = {}
 def _reference(tied: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
     """CP = 1 in this process: the losses and final parameters (computed once per config)."""
     if tied not in _REFERENCE:
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)  # as the ranks run (tiny ops; a busy machine makes threads 10x slower)
-        try:
-            model = _model(_config(tied))
-            losses, _, _ = _train(model, 1, 0, None)
-        finally:
-            torch.set_num_threads(threads)
+        model = _model(_config(tied))
+        losses, _, _ = _train(model, 1, 0, None)
         _REFERENCE[tied] = losses, {n: p.detach() for n, p in model.state_dict().items()}
     return _REFERENCE[tied]
 
@@ -160,3 +166,68 @@ def test_cp_training_equals_single_process(cp: int, tp: int, tied: bool) -> None
             norm_err = float((got - want).norm() / want.norm())
             assert norm_err <= RTOL and rel_err(got, want) <= ELEMENT_RTOL, (name, norm_err, rel_err(got, want))
     assert rel_err(ref_params["layers.0.layernorm_mlp.fc2_weight"], _model(cfg).state_dict()["layers.0.layernorm_mlp.fc2_weight"]) > 1e-2
+
+
+# ------------------------------------------------------------------------- the loss, one process
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_chunked_loss_equals_full_logits_cross_entropy(tied: bool) -> None:
+    ids, labels, cu = _batch(0)
+    shard = shard_batch(ids, labels, cu_seqlens=cu, cp_size=1, cp_rank=0)
+    model = _model(_config(tied))
+    logits = model(shard.input_ids, shard.position_ids, cu_seqlens=shard.cu_seqlens)
+    torch.nn.functional.cross_entropy(logits, shard.labels).backward()  # mean over the valid labels
+    want = _grads(model)
+    vocab = model.cfg.vocab_size
+    for chunk in (1, 7, 4096):
+        model.zero_grad()
+        saved: list[tuple[int, ...]] = []
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            saved.append(tuple(t.shape))
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = lm_loss(model, shard, chunk_tokens=chunk)
+        # what backward keeps outside the checkpointed chunks: no logits (the only [., V] tensors;
+        # V = 80 is no other width of the model), not even one chunk's
+        assert saved and not [s for s in saved if s[-1:] == (vocab,)], (chunk, saved)
+        loss.backward()
+        assert rel_err(loss.detach(), torch.nn.functional.cross_entropy(logits, shard.labels).detach()) <= 1e-6
+        for name, grad in _grads(model).items():
+            assert rel_err(grad, want[name]) <= 1e-5, (chunk, name)
+
+
+def test_loss_without_valid_labels_is_zero() -> None:
+    model = _model(_config(True))
+    shard = shard_batch(torch.arange(5), torch.full((5,), IGNORE_INDEX), cp_size=1, cp_rank=0)
+    loss = lm_loss(model, shard)
+    loss.backward()
+    assert shard.num_valid_tokens == 0 and float(loss.detach()) == 0.0
+    assert all(float(p.grad.abs().max()) == 0.0 for p in model.parameters())
+
+
+def test_loss_refuses_bad_input() -> None:
+    model = _model(_config(True))
+    with pytest.raises(ValueError, match=r"input_ids must be in \[0, 80\)"):
+        lm_loss(model, shard_batch(torch.tensor([1, 80, 2]), cp_size=1, cp_rank=0))
+    with pytest.raises(ValueError, match="labels must be < 80"):
+        lm_loss(model, shard_batch(torch.tensor([1, 2, 3]), torch.tensor([0, 90, 1]), cp_size=1, cp_rank=0))
+    with pytest.raises(ValueError, match="the model has local attention: call megacp.swap_attention"):
+        lm_loss(model, shard_batch(torch.arange(8), cp_size=2, cp_rank=0))
+    with pytest.raises(ValueError, match="chunk_tokens must be >= 1"):
+        lm_loss(model, shard_batch(torch.arange(8), cp_size=1, cp_rank=0), chunk_tokens=0)
+
+
+def _logged_worker(rank: int, world_size: int) -> float:
+    from megacp.parallel.layout import ParallelLayout
+    from megacp.parallel.state import ParallelState
+
+    state = ParallelState.build(ParallelLayout(dp=2, cp=2))
+    return logged_loss(torch.tensor(float(rank + 1)), cp_group=state.group("cp"), dp_group=state.group("dp"))
+
+
+def test_logged_loss_sums_over_cp_and_averages_over_dp() -> None:
+    # ranks (dp, cp): 0 = (0, 0), 1 = (0, 1), 2 = (1, 0), 3 = (1, 1); losses 1, 2, 3, 4
+    assert run_distributed(_logged_worker, 4) == [5.0] * 4  # ((1 + 2) + (3 + 4)) / 2
