@@ -67,14 +67,15 @@ def _sdpa_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.T
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    forced = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION, None: SDPBackend.MATH}[kernel]
+    kernels = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION, None: SDPBackend.MATH}
     q, k, v = (x.detach().clone().requires_grad_() for x in (q, k, v))
     outs, s = [], 0
-    with sdpa_kernel(forced):
-        for n in lens:
-            qs, ks, vs = (x[s:s + n].unsqueeze(0).transpose(1, 2) for x in (q, k, v))  # [1, H, n, D]
+    for n in lens:
+        qs, ks, vs = (x[s:s + n].unsqueeze(0).transpose(1, 2) for x in (q, k, v))  # [1, H, n, D]
+        # SDPA's cuDNN refuses some short documents; those take flash, as SDPA's own choice would
+        with sdpa_kernel([kernels[kernel], SDPBackend.FLASH_ATTENTION] if kernel else [kernels[None]], set_priority=True):
             outs.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True).transpose(1, 2)[0])
-            s += n
+        s += n
     torch.autograd.backward(torch.cat(outs), dout)
     return q.grad, k.grad, v.grad
 

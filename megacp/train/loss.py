@@ -38,8 +38,9 @@ DEFAULT_CHUNK_TOKENS = 4096
 
 class _LinearCrossEntropy(torch.autograd.Function):
     """Summed cross-entropy of ``hidden @ weight.T`` whose gradients are made in the forward, chunk
-    by chunk: a chunk's fp32 logits become its softmax in place, minus one at the label, and give
-    the chunk's ``d hidden`` and its share of ``d weight`` before the next chunk is computed. So
+    by chunk: a chunk's fp32 log-probabilities become its softmax in place, minus one at the label,
+    masked and cast in one pass, and give the chunk's ``d hidden`` and its share of ``d weight``
+    before the next chunk is computed (four passes over a chunk's fp32 logits in all). So
     the head costs its three matmuls (``6·T·V·H``) with one chunk of logits alive, and the backward
     only scales the saved gradients by the incoming one."""
 
@@ -52,21 +53,19 @@ class _LinearCrossEntropy(torch.autograd.Function):
         dw = torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device) if want_w else None
         for i0 in range(0, hidden.shape[0], chunk_tokens):
             h, y = hidden[i0:i0 + chunk_tokens], labels[i0:i0 + chunk_tokens]
-            logits = F.linear(h, weight).to(acc_dtype)  # [c, V]
-            valid = y != IGNORE_INDEX
-            target = y.clamp_min(0).unsqueeze(1)
-            lse = torch.logsumexp(logits, dim=-1)
-            total += ((lse - logits.gather(1, target).squeeze(1)) * valid).sum()
+            logp = torch.log_softmax(F.linear(h, weight), dim=-1, dtype=acc_dtype)  # [c, V]
+            keep = (y != IGNORE_INDEX).unsqueeze(1)
+            valid, target = keep.to(acc_dtype), y.clamp_min(0).unsqueeze(1)
+            total -= torch.where(keep, logp.gather(1, target), 0).sum()
             if want_h or want_w:
-                grad = logits.sub_(lse.unsqueeze(1)).exp_()  # softmax, in place
-                grad.scatter_add_(1, target, -valid.unsqueeze(1).to(acc_dtype))
-                grad.mul_(valid.unsqueeze(1))
-                grad = grad.to(h.dtype)
+                prob = logp.exp_()  # softmax, in place
+                prob.scatter_add_(1, target, -valid)
+                grad = torch.mul(prob, valid, out=torch.empty_like(prob, dtype=h.dtype))  # masked and cast in one pass
                 if want_h:
-                    dh[i0:i0 + chunk_tokens] = grad @ weight
+                    torch.mm(grad, weight, out=dh[i0:i0 + chunk_tokens])
                 if want_w:
-                    dw += grad.t() @ h
-            del logits
+                    dw = grad.t() @ h if dw is None else dw.addmm_(grad.t(), h)
+            del logp
         ctx.save_for_backward(*(x for x in (dh, dw) if x is not None))
         ctx.have = (want_h, want_w)
         ctx.weight_dtype = weight.dtype
