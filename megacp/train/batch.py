@@ -3,7 +3,8 @@
 A packed batch is ``T`` tokens of ``B`` documents back to back, delimited by ``cu_seqlens``
 (``[B+1]``). Labels are given unshifted (aligned with the inputs, as Hugging Face takes them;
 ``-100`` = ignored) and shifted *per document before sharding*: the target of token ``i`` is
-label ``i+1`` of the same document, the last token of each document gets ``-100``. Shifting after
+label ``i+1`` of the same document, the last token of each document gets ``-100`` (a loss mask is
+expressed the same way: ``-100`` where a token's label must not count). Shifting after
 sharding would lose the target of every token whose successor sits on another rank (the last
 token of each of a rank's chunks).
 
@@ -61,17 +62,17 @@ def shift_labels(labels: Tensor, lengths: Sequence[int]) -> Tensor:
 
     ``labels`` ``[T]`` int64 (``T = sum(lengths)``) -> ``[T]`` int64.
     """
-    out = torch.full_like(labels, IGNORE_INDEX)
-    start = 0
-    for n in lengths:
-        out[start : start + n - 1] = labels[start + 1 : start + n]
-        start += n
+    out = labels.roll(-1)
+    ends = torch.tensor(lengths, device=labels.device).cumsum(0) - 1
+    out[ends] = IGNORE_INDEX
     return out
 
 
 def document_positions(lengths: Sequence[int], device: torch.device | str | None = None) -> Tensor:
     """Offsets inside each document: ``[0..n0-1, 0..n1-1, ...]`` (``[sum(lengths)]`` int64)."""
-    return torch.cat([torch.arange(n, dtype=torch.long, device=device) for n in lengths])
+    counts = torch.tensor(lengths, dtype=torch.long, device=device)
+    starts = counts.cumsum(0) - counts
+    return torch.arange(int(counts.sum()), device=device) - starts.repeat_interleave(counts)
 
 
 def _token_tensor(name: str, x: Tensor, total: int | None) -> Tensor:
