@@ -88,6 +88,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         raise UsageError(f"--save {args.save}: exists and is not a directory")
     if args.model is not None and not Path(args.model).exists():
         raise UsageError(f"--model {args.model} does not exist")
+    if args.backend == "te":
+        from megacp.models.te_model import te_import_error
+
+        if not torch.cuda.is_available() or te_import_error() is not None:
+            raise UsageError(f"--backend te needs CUDA and Transformer Engine: {te_import_error() or 'no CUDA device'}")
     return args
 
 

@@ -98,6 +98,24 @@ def read_settings(raw: Mapping[str, Any]) -> TrainSettings:
     return TrainSettings(dtype=torch.bfloat16 if enabled else torch.float32, zero_stage=stage)
 
 
+def _deepspeed(state: ParallelState) -> Any:
+    """The ``deepspeed`` module, prepared for ``state``'s device.
+
+    On CPU, DeepSpeed's communication backend JIT-compiles a shared-memory all-reduce op
+    (``deepspeed_shm_comm``: about a minute and a C++ compiler on a machine's first run) when it
+    wraps the process group; only its inference all-reduce uses that op (training collectives go
+    through ``torch.distributed``), so it is marked unavailable for training.
+    """
+    import deepspeed
+
+    if state.device.type == "cpu":
+        import deepspeed.ops
+        from deepspeed.ops.op_builder.cpu.comm import ShareMemCommBuilder
+
+        deepspeed.ops.__compatible_ops__[ShareMemCommBuilder.NAME] = False
+    return deepspeed
+
+
 def check_batch_config(raw: Mapping[str, Any], state: ParallelState) -> int:
     """Let DeepSpeed check the batch sizes of ``raw`` against the mesh (``train_batch_size`` =
     micro-batch x accumulation x DP size) and parse the rest of its config, without building an
@@ -107,10 +125,9 @@ def check_batch_config(raw: Mapping[str, Any], state: ParallelState) -> int:
     Raises:
         ConfigError: DeepSpeed rejects the config (its first message line).
     """
-    import deepspeed
     from deepspeed.runtime.config import DeepSpeedConfig
 
-    deepspeed.init_distributed(dist_backend=state.backend)
+    _deepspeed(state).init_distributed(dist_backend=state.backend)
     try:
         return DeepSpeedConfig(dict(raw), mpu=DeepSpeedMPU(state)).train_micro_batch_size_per_gpu
     except (AssertionError, ValueError, TypeError, KeyError) as err:
@@ -155,11 +172,9 @@ class Trainer:
 
     def __init__(self, model: torch.nn.Module, config: Mapping[str, Any], state: ParallelState,
                  settings: TrainSettings, *, load_balance: bool = True) -> None:
-        import deepspeed
-
         mark_tensor_parallel(model, state.size("tp"))
         params = [p for p in model.parameters() if p.requires_grad]
-        self.engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=dict(config),
+        self.engine, *_ = _deepspeed(state).initialize(model=model, model_parameters=params, config=dict(config),
                                                mpu=DeepSpeedMPU(state))
         self.state, self.settings, self.load_balance = state, settings, load_balance
         self.cp_group = state.group("cp")
