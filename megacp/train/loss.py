@@ -36,6 +36,19 @@ DEFAULT_CHUNK_TOKENS = 4096
 """Rows of hidden states whose logits are materialised at once."""
 
 
+def _add_matmul(acc: Tensor, a: Tensor, b: Tensor) -> None:
+    """``acc += a @ b`` with the product accumulated in ``acc``'s dtype (fp32 for bf16/fp16 ``a``,
+    ``b``: a per-chunk product rounded to bf16 would lose precision against one full matmul). On
+    CUDA cuBLAS writes the fp32 product of the bf16 inputs straight into ``acc`` (``addmm``'s
+    ``out_dtype``); elsewhere the inputs are upcast (``addmm`` there takes one dtype only)."""
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b)
+    elif acc.is_cuda:
+        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+    else:
+        acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     """Summed cross-entropy of ``hidden @ weight.T`` whose gradients are made in the forward, chunk
     by chunk: a chunk's fp32 log-probabilities become its softmax in place, minus one at the label,
@@ -64,7 +77,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 if want_h:
                     torch.mm(grad, weight, out=dh[i0:i0 + chunk_tokens])
                 if want_w:
-                    dw = grad.t() @ h if dw is None else dw.addmm_(grad.t(), h)
+                    _add_matmul(dw, grad.t(), h)
             del logp
         ctx.save_for_backward(*(x for x in (dh, dw) if x is not None))
         ctx.have = (want_h, want_w)
