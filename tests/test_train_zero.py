@@ -1,7 +1,8 @@
 """megacp's DeepSpeed trainer (:class:`megacp.train.engine.Trainer`) on 2 real gloo processes
-(CP = 2, fp32): ZeRO 0, 1 and 2 give the per-step losses and final weights of plain PyTorch
+(fp32): at CP = 2, ZeRO 0, 1 and 2 give the per-step losses and final weights of plain PyTorch
 training on one process (CP = 1, ``torch.optim.AdamW``, the same gradient clipping and
-accumulation), on packed documents of ragged lengths.
+accumulation), on packed documents of ragged lengths; so does TP = 2 under ZeRO 1 (DeepSpeed's
+gradient norm for clipping counts each TP part once and each replicated weight once).
 
 The engines are built in one pair of processes, one after the other (DeepSpeed's import and the
 first optimizer, which imports ``torch._dynamo``, cost seconds per process).
@@ -48,15 +49,34 @@ def _batches() -> list:
     return packed[: STEPS * GRAD_ACCUM]
 
 
-def _model() -> torch.nn.Module:
+def _model(tp_group: torch.distributed.ProcessGroup | None = None) -> torch.nn.Module:
+    """The seeded model, or this TP rank's shard of it."""
+    from megacp.checkpoint.tp import shard_tensor
     from megacp.models import CausalLM
 
     torch.manual_seed(0)
-    return CausalLM(CFG, dtype=torch.float32).train()
+    full = CausalLM(CFG, dtype=torch.float32).train()
+    if tp_group is None:
+        return full
+    tp, rank = torch.distributed.get_world_size(tp_group), torch.distributed.get_rank(tp_group)
+    model = CausalLM(CFG, tp_group, dtype=torch.float32).train()
+    model.load_state_dict({n: shard_tensor(CFG, n, t, rank, tp).clone() for n, t in full.state_dict().items()})
+    return model
 
 
-def _flat(model: torch.nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().flatten() for p in model.parameters()])
+def _flat(model: torch.nn.Module, tp_group: torch.distributed.ProcessGroup | None = None) -> torch.Tensor:
+    """All weights, flattened (TP parts merged into full tensors)."""
+    if tp_group is None:
+        return torch.cat([p.detach().flatten() for p in model.parameters()])
+    from megacp.checkpoint.tp import merge_shards
+
+    tp = torch.distributed.get_world_size(tp_group)
+    full = []
+    for name, p in model.named_parameters():
+        parts = [torch.empty_like(p) for _ in range(tp)]
+        torch.distributed.all_gather(parts, p.detach().contiguous(), group=tp_group)
+        full.append(merge_shards(CFG, name, parts).flatten())
+    return torch.cat(full)
 
 
 def _plain_torch() -> tuple[list[float], torch.Tensor]:
@@ -97,19 +117,25 @@ def _zero_stages(rank: int, world_size: int) -> dict:
         trainer = Trainer(model, config, state, read_settings(config))
         batches = iter(_batches())
         out[stage] = ([trainer.step(batches).loss for _ in range(STEPS)], _flat(trainer.module))
+    tp_config = {**_ds_config(1), "context_parallel": {"size": 1}, "tensor_model_parallel": {"size": 2}}
+    tp_state = megacp.initialize(tp_config)
+    tp_group = tp_state.group("tp")
+    trainer = Trainer(_model(tp_group), tp_config, tp_state, read_settings(tp_config))
+    batches = iter(_batches())
+    out["tp2"] = ([trainer.step(batches).loss for _ in range(STEPS)], _flat(trainer.module, tp_group))
     if rank == 0:
         out["torch"] = _plain_torch()
     return out
 
 
 @pytest.mark.slow
-def test_zero_stages_train_like_plain_torch() -> None:
+def test_zero_stages_and_tp_train_like_plain_torch() -> None:
     pytest.importorskip("deepspeed", reason="DeepSpeed not installed")
     results = run_distributed(_zero_stages, 2, timeout=300.0)
     ref_losses, ref_weights = results[0]["torch"]
     assert ref_losses[-1] < ref_losses[0]  # it learns
     for out in results:
-        for stage in (0, 1, 2):
-            losses, weights = out[stage]
-            assert losses == pytest.approx(ref_losses, rel=1e-5), f"ZeRO {stage}"
-            assert rel_err(weights, ref_weights) < 1e-5, f"ZeRO {stage}"
+        for run in (0, 1, 2, "tp2"):
+            losses, weights = out[run]
+            assert losses == pytest.approx(ref_losses, rel=1e-5), f"ZeRO {run}"
+            assert rel_err(weights, ref_weights) < 1e-5, f"ZeRO {run}"
