@@ -168,6 +168,31 @@ def test_cp_training_equals_single_process(cp: int, tp: int, tied: bool) -> None
     assert rel_err(ref_params["layers.0.layernorm_mlp.fc2_weight"], _model(cfg).state_dict()["layers.0.layernorm_mlp.fc2_weight"]) > 1e-2
 
 
+def _contiguous_worker(rank: int, world_size: int) -> tuple[float, dict[str, torch.Tensor]]:
+    from megacp import swap_attention
+
+    model = _model(_config(True))
+    swap_attention(model)
+    ids, labels, cu = _batch(0)
+    loss = lm_loss(model, shard_batch(ids, labels, cu_seqlens=cu, cp_size=world_size, cp_rank=rank, load_balance=False))
+    loss.backward()
+    for p in model.parameters():
+        torch.distributed.all_reduce(p.grad)
+    return logged_loss(loss, cp_group=torch.distributed.group.WORLD), _grads(model)
+
+
+def test_contiguous_sharding_trains_like_single_process() -> None:
+    """``load_balance=False`` shards (N contiguous chunks) reach the CP layer through the loss's step."""
+    model = _model(_config(True))
+    ids, labels, cu = _batch(0)
+    loss = lm_loss(model, shard_batch(ids, labels, cu_seqlens=cu, cp_size=1, cp_rank=0))
+    loss.backward()
+    for got_loss, grads in run_distributed(_contiguous_worker, 2):
+        assert abs(got_loss - float(loss.detach())) <= RTOL * float(loss.detach())
+        for name, grad in _grads(model).items():
+            assert rel_err(grads[name], grad) <= RTOL, name
+
+
 # ------------------------------------------------------------------------- the loss, one process
 
 
