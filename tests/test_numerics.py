@@ -14,9 +14,9 @@ import torch.nn.functional as F
 from tests.distributed import run_distributed
 from tests.reference import packed_causal
 
-BF16_LENS = [700, 300]
+BF16_LENS = [333, 179]
 HQ, HKV, D = 8, 2, 64
-BF16_SEEDS = (1, 2)
+BF16_SEEDS = (1,)
 
 
 def _subgroups(world: int) -> dict[int, object]:
@@ -49,9 +49,9 @@ def test_bf16_error_does_not_grow_with_cp_size() -> None:
     """RMS error against fp64 attention of the same bf16 inputs, divided by the error of single-process
     bf16 attention (megacp's reference path, fp32 math rounded once, as torch's CPU SDPA), per CP
     size. Each partial is rounded to bf16 once (as GPU kernels do) and the merges run in fp32, so the
-    ratio is about 1.2 and nearly flat in N for both strategies (measured 1.14 / 1.18 / 1.20 at
-    N = 2 / 3 / 4; 1.26 at N = 8). Merging into a bf16 running output gave 1.39 / 1.70 / 1.88
-    (2.36 at N = 8) for pass-KV."""
+    ratio is about 1.2 and nearly flat in N for both strategies (these inputs: 1.17 / 1.20 / 1.23 at
+    N = 2 / 3 / 4; 1.26 at N = 8 on 1000 tokens). Merging into a bf16 running output, as pass-KV did,
+    gave 1.39 / 1.70 / 1.88 (2.36 at N = 8)."""
     from megacp.attention.partial import partial_attention
 
     inputs, refs, singles = [], [], []
