@@ -7,6 +7,10 @@ runs instead. The KV cache, the sharding plan and the
 strategies arrive through ``inference_params`` (a :class:`~megacp.layers.step.CPStep`). Without
 one, the inputs are taken to be this rank's load-balanced shard of whole sequences whose full
 lengths ``cu_seqlens_q`` gives (Transformer Engine's CP convention), prefilled without a cache.
+
+Before any other collective, the CP ranks agree on the step (plan, options, head shapes, dtypes and
+each rank's verdict on its inputs; :meth:`CPStep.agree`): once per :class:`CPStep`, at its first
+layer, or at every call without ``inference_params``. A mismatch is one ``ValueError`` on every rank.
 """
 
 from __future__ import annotations
