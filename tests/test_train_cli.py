@@ -208,3 +208,21 @@ def test_deepspeed_rejection_is_one_line_under_torchrun(tiny: tuple[Path, Path],
     assert lines[0].startswith("megacp.train: error: DeepSpeed rejects the config: ")
     assert "train_batch_size" in lines[0]
     assert result.stderr.count("exitcode  : 2") == 2
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in (ROOT / "configs").glob("train_*.json")))
+def test_shipped_training_configs_parse(name: str) -> None:
+    """megacp's sections, megacp.train's checks and DeepSpeed's own parser accept every shipped
+    training config (the GPU ones included: no process group needed)."""
+    pytest.importorskip("deepspeed", reason="DeepSpeed not installed")
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    from megacp.config import load_config
+    from megacp.train.engine import read_settings
+
+    config = load_config(ROOT / "configs" / f"{name}.json")
+    settings = read_settings(config.deepspeed)
+    parsed = DeepSpeedConfig(dict(config.deepspeed))
+    assert parsed.zero_optimization_stage == settings.zero_stage
+    assert parsed.optimizer_name == "adamw" and parsed.gradient_clipping > 0
+    assert settings.dtype == (torch.float32 if "cpu" in name else torch.bfloat16)
