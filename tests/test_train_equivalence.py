@@ -9,9 +9,10 @@ loss is its token-loss sum over the whole group's valid-token count).
 Tolerances: losses 1e-5 relative; parameters 1e-5 relative in norm (``||got - want|| / ||want||``)
 and 1e-4 in their worst element (relative to the tensor's largest). AdamW divides each gradient
 element by its own running RMS, so an element whose gradient is near zero amplifies fp32 rounding:
-CP = 1 against itself with only the LM head's chunking changed ends 20 steps 8.9e-6 apart in its
-worst element (one of 1024 ``query_weight`` entries; 1.1e-6 in norm). A lost or doubled token
-moves every weight by about 1/num_valid_tokens (a few percent).
+CP = 1 in fp32 ends the 20 steps 1.2e-5 (worst element) and 1.1e-6 (norm) away from the same run
+in fp64; CP 2 / 3 / 2x2 end 1.1e-5 / 3.6e-5 / 5.8e-6 (worst element) and 6.6e-7 / 2.2e-6 / 4.1e-7
+(norm) away from CP = 1. A lost or doubled token moves every weight by about 1/num_valid_tokens
+(a few percent).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 
 from megacp.models import CausalLM, ModelConfig
 from megacp.train.batch import IGNORE_INDEX, shard_batch
-from megacp.train.loss import chunked_cross_entropy, logged_loss, lm_loss
+from megacp.train.loss import chunked_cross_entropy, lm_loss, logged_loss
 from tests.distributed import run_distributed
 from tests.reference import rel_err
 
@@ -209,7 +210,7 @@ def test_chunked_loss_equals_full_logits_cross_entropy(tied: bool) -> None:
         model.zero_grad()
         saved: list[tuple[int, ...]] = []
 
-        def pack(t: torch.Tensor) -> torch.Tensor:
+        def pack(t: torch.Tensor, saved: list[tuple[int, ...]] = saved) -> torch.Tensor:
             saved.append(tuple(t.shape))
             return t
 

@@ -310,7 +310,7 @@ class CausalLM(nn.Module):
         for name, param in self.named_parameters():
             if name.startswith("layers.") and not self._owns_layers:
                 continue
-            if name.endswith("norm_weight") or name.endswith("norm.weight"):
+            if name.endswith(("norm_weight", "norm.weight")):
                 param.fill_(1.0)
             elif param.dim() == 1:
                 param.zero_()
