@@ -14,7 +14,9 @@ mean token loss; :func:`logged_loss` reports that number.
 The LM head never produces the logits of a whole shard at once: the final hidden states are
 taken ``chunk_tokens`` rows at a time, and each chunk's logits (``[chunk, V]``, fp32) give its loss
 and, under autograd, at once its gradients (:func:`chunked_cross_entropy`), so only one chunk's
-logits live at a time and the head's matmul never runs twice.
+logits live at a time and the head's matmul never runs twice. What it keeps from the forward to
+the backward instead is those gradients: ``d hidden`` ``[n_local, H]`` in the hidden states' dtype
+and ``d weight`` ``[V, H]`` in fp32.
 """
 
 from __future__ import annotations
