@@ -139,3 +139,26 @@ def test_zero_stages_and_tp_train_like_plain_torch() -> None:
             losses, weights = out[run]
             assert losses == pytest.approx(ref_losses, rel=1e-5), f"ZeRO {run}"
             assert rel_err(weights, ref_weights) < 1e-5, f"ZeRO {run}"
+
+
+def _bf16_on_gpu(rank: int, world_size: int) -> dict:
+    import megacp
+    from megacp.train.engine import Trainer, read_settings
+
+    config = {**_ds_config(1), "bf16": {"enabled": True}, "context_parallel": {"size": 1}}
+    state = megacp.initialize(config)
+    settings = read_settings(config)
+    model = _model().to(device=state.device, dtype=settings.dtype)
+    trainer = Trainer(model, config, state, settings)
+    batches = iter(_batches())
+    return {"losses": [trainer.step(batches).loss for _ in range(STEPS)], "dtype": str(next(model.parameters()).dtype)}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 training under DeepSpeed runs on a CUDA GPU")
+def test_bf16_zero1_on_one_gpu_tracks_fp32() -> None:
+    """One GPU, bf16 from the DeepSpeed config, ZeRO 1 (fp32 master weights): the per-step losses
+    follow plain fp32 training within bf16 rounding."""
+    pytest.importorskip("deepspeed", reason="DeepSpeed not installed")
+    out = run_distributed(_bf16_on_gpu, 1, backend="nccl", timeout=300.0)[0]
+    assert out["dtype"] == "torch.bfloat16"
+    assert out["losses"] == pytest.approx(_plain_torch()[0], rel=2e-2)
