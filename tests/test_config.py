@@ -19,7 +19,12 @@ SHIPPED = {
     "cp2_tp2.json": (4, ParallelLayout(cp=2, tp=2)),
     "cp2_tp2_dp2_ep.json": (8, ParallelLayout(cp=2, tp=2, dp=2)),
     "cpu_demo.json": (2, ParallelLayout(cp=2)),
+    "train_cp1.json": (1, ParallelLayout()),
+    "train_cp2.json": (2, ParallelLayout(cp=2)),
+    "train_cp2_zero2.json": (2, ParallelLayout(cp=2)),
+    "train_cpu_cp2.json": (2, ParallelLayout(cp=2)),
 }
+CPU_CONFIGS = ("cpu_demo.json", "train_cpu_cp2.json")  # fp32 on CPU: bf16 off
 
 
 def error_of(source: object) -> str:
@@ -247,7 +252,8 @@ def test_shipped_configs(name: str) -> None:
     cfg = load_config(CONFIGS / name)
     assert ParallelLayout.from_config(cfg, world) == layout
     raw = json.loads((CONFIGS / name).read_text())
-    assert raw["bf16"]["enabled"] is (name != "cpu_demo.json")
+    assert raw["bf16"]["enabled"] is (name not in CPU_CONFIGS)
+    assert cfg.dtype_name == (None if name in CPU_CONFIGS else "bfloat16")
     assert cfg.deepspeed == raw
 
 
