@@ -9,7 +9,7 @@ Shape: 32 Q / 8 KV heads, head dim 128, bf16; batch 1 and 8; KV length 128K and 
 * single: ``partial_attention(q [B,1,Hq,D], k [B,L,Hkv,D], v, backend=B)`` for B in cuDNN, flash, on
   rank 0 alone (the others wait); the best is T1.
 * megacp: each rank holds L/N tokens of every request, ``allgather_decode(q [B,Hq,D], (k_local, v_local),
-  Ring(group), backend=B)``; eager, and captured once in a CUDA graph then replayed.
+  ParallelState.ring(), backend=B)``; eager, and captured once in a CUDA graph then replayed.
 * all-gather alone: ``Ring.all_gather`` of the packed (out, LSE) states of the batch
   (``B·(Hq·D·2 + Hq·4)`` bytes per rank), eager and in a graph.
 
@@ -293,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
         rep.skip("cuda_graph", "CUDA graphs need CUDA")
     elif args.no_graph:
         rep.skip("cuda_graph", "--no-graph")
-    run = DecodeRun(ctx, args, rep, timing, ctx.cuda and not args.no_graph, Ring(ctx.group) if n > 1 else None)
+    run = DecodeRun(ctx, args, rep, timing, ctx.cuda and not args.no_graph, ctx.state.ring())
     for b in args.batch_list:
         for length in args.length_list:
             ctx.log(f"\n=== B = {b}, L = {bh.size_label(length)} per request "

@@ -6,7 +6,8 @@ measured in one run on the same GPUs.
 
 Both ranks run the CP=2 prefill (pass-KV ring, sharded KV cache) of the same prompt and the first
 token; then rank 0 alone runs the same model at CP=1. Prints TTFT of each, the ratio CP2/CP1
-(ideal 0.5) and writes ``--json``.
+(ideal 0.5) and writes ``--json`` (``meta``: the environment and the megacp sources digest,
+``results``: one row per prompt length).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 
 import torch
 import torch.distributed as dist
@@ -22,7 +24,7 @@ import megacp
 from megacp.config import add_launcher_args
 from megacp.generate import Generator, SamplingParams
 from megacp.models import build_model
-from megacp.parallel.ring import Ring
+from scripts.bench import harness as bh
 from scripts.perf_model import LLAMA3_8B
 
 
@@ -42,11 +44,13 @@ def main() -> None:
     megacp.swap_attention(model, state, strategy=args.strategy)
     shape = dict(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
                  device=dev, dtype=torch.bfloat16, strategy=args.strategy)
-    cp2 = Generator(model, ring=Ring(state.group("cp")), **shape)
+    cp2 = Generator(model, ring=state.ring(), **shape)
     cp1 = Generator(model, ring=None, **shape)
     one = SamplingParams(max_new_tokens=1)
     g = torch.Generator().manual_seed(1)
-    rows = []
+    ctx = bh.Ctx(state, torch.bfloat16)
+    rep = bh.Report(ctx, args.json, {**bh.env_info(ctx), "kind": "ttft", "model": "Llama-3-8B shape, random weights",
+                                     "layers": args.layers, "strategy": args.strategy, "argv": sys.argv})
     warm = torch.randint(0, cfg.vocab_size, (4096,), generator=g).tolist()
     cp2.generate([warm], one)
     if rank == 0:
@@ -67,17 +71,14 @@ def main() -> None:
             row["ratio"] = round(row["cp2_ttft_s"] / row["cp1_ttft_s"], 3)
             row["same_first_token"] = r1.tokens == r2.tokens
             print(json.dumps(row), flush=True)
-            rows.append(row)
+            rep.result(row)
         dist.barrier()
         torch.cuda.empty_cache()
     if rank == 0:
         print(f"TTFT, Llama-3-8B shape ({args.layers} layers), bf16, {torch.cuda.get_device_name(dev)}")
         print(f"{'seqlen':>8} {'CP1 s':>8} {'CP2 s':>8} {'CP2/CP1':>8}  strategy")
-        for r in rows:
+        for r in rep.data["results"]:
             print(f"{r['seqlen']:>8} {r['cp1_ttft_s']:>8.3f} {r['cp2_ttft_s']:>8.3f} {r['ratio']:>8.3f}  {r['strategy']}")
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(rows, f, indent=1)
     dist.destroy_process_group()
 
 

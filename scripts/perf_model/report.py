@@ -15,7 +15,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from scripts import perf_model as pm
-from scripts.perf_model.validation import PREFILL_RUN, TTFT_RUN
+from scripts.perf_model.validation import PREFILL_RUN, TTFT_RUN, ttft_rows
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -161,7 +161,7 @@ def plot(path: Path, results: Path) -> None:
         return
     pre = json.loads((results / PREFILL_RUN).read_text())
     measured = {r["seqlen"]: r["efficiency"] for r in pre["results"] if r["method"] == "megacp_pass_kv"}
-    gen = json.loads((results / TTFT_RUN).read_text())
+    gen = ttft_rows(json.loads((results / TTFT_RUN).read_text()))
     cps = CP_SIZES[1:]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5))
     colors = dict(zip(LENGTHS, ("tab:blue", "tab:orange", "tab:green")))

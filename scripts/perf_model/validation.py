@@ -24,6 +24,12 @@ TTFT_RUN = "ttft/h200x2_llama3_8b_torchrun.json"
 """The TTFT run of the Llama-3-8B shape, CP=1 and CP=2 (``scripts/bench/generate.py``)."""
 
 
+def ttft_rows(data: dict | list) -> list[dict]:
+    """The rows of a ``scripts/bench/generate.py`` JSON: ``data["results"]``; the recorded TTFT runs
+    predate its ``meta`` and are the bare list of rows."""
+    return data["results"] if isinstance(data, dict) else data
+
+
 @dataclass(frozen=True)
 class Check:
     """One measured number next to the model's prediction.
@@ -55,7 +61,7 @@ def validate(m: Machine, results_dir: str | Path) -> list[Check]:
     root = Path(results_dir)
     pre = json.loads((root / PREFILL_RUN).read_text())
     dec = json.loads((root / DECODE_RUN).read_text())
-    gen = json.loads((root / TTFT_RUN).read_text())
+    gen = ttft_rows(json.loads((root / TTFT_RUN).read_text()))
     meta = pre["meta"]
     shape = AttnShape(meta["heads"], meta["kv_heads"], meta["head_dim"], 2)
     n = meta["cp_size"]
