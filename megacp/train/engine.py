@@ -7,9 +7,9 @@ names CP as DeepSpeed's sequence-parallel dimension, so DeepSpeed all-reduces gr
 DP x CP ranks and divides by the DP size: the CP ranks' gradients are summed and the DP replicas'
 averaged, which makes :func:`~megacp.train.loss.lm_loss` (each CP rank's share of the batch's
 mean token loss) exact. The model is trained through ``engine.module``'s
-:meth:`~megacp.models.llama.CausalLM.hidden_states` (the loss applies the LM head chunk by chunk),
-so the engine's forward wrapper, which ZeRO 3 needs for gathering parameters, is not used: ZeRO 3
-is refused.
+:meth:`~megacp.models.llama.CausalLM.hidden_states`, and the loss applies the LM head matrix
+itself, chunk by chunk, outside any module's forward: ZeRO 3, which gathers a partitioned
+parameter only around the forward of the module that owns it, is refused.
 """
 
 from __future__ import annotations
@@ -89,9 +89,9 @@ def read_settings(raw: Mapping[str, Any]) -> TrainSettings:
         raise ConfigError(f"bf16.enabled: got {enabled!r}; allowed values: true, false")
     stage = _section(raw, "zero_optimization").get("stage", 0)
     if stage == 3:
-        raise ConfigError("zero_optimization.stage: 3 is not supported (megacp's loss calls the model's "
-                          "hidden_states and LM head outside the engine's forward, where ZeRO 3 would "
-                          "gather partitioned parameters); allowed values: 0, 1, 2")
+        raise ConfigError("zero_optimization.stage: 3 is not supported (megacp's loss reads the LM head "
+                          "matrix outside any module's forward, where ZeRO 3 keeps it partitioned); "
+                          "allowed values: 0, 1, 2")
     if type(stage) is not int or stage not in ZERO_STAGES:
         raise ConfigError(f"zero_optimization.stage: got {stage!r}; allowed values: 0, 1, 2")
     _check_optimizer(raw)
