@@ -42,10 +42,10 @@ def _add_matmul(acc: Tensor, a: Tensor, b: Tensor) -> None:
     """``acc += a @ b`` with the product accumulated in ``acc``'s dtype (fp32 for bf16/fp16 ``a``,
     ``b``: a per-chunk product rounded to bf16 would lose precision against one full matmul). On
     CUDA cuBLAS writes the fp32 product of the bf16 inputs straight into ``acc`` (``addmm``'s
-    ``out_dtype``); elsewhere the inputs are upcast (``addmm`` there takes one dtype only)."""
+    ``out_dtype``, where torch has it); elsewhere the inputs are upcast (``addmm`` there takes one dtype only)."""
     if a.dtype == acc.dtype:
         acc.addmm_(a, b)
-    elif acc.is_cuda:
+    elif acc.is_cuda and hasattr(torch.ops.aten.addmm, "dtype_out"):  # the out_dtype overload (recent torch)
         torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
     else:
         acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
