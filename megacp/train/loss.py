@@ -47,6 +47,8 @@ def _add_matmul(acc: Tensor, a: Tensor, b: Tensor) -> None:
         acc.addmm_(a, b)
     elif acc.is_cuda and hasattr(torch.ops.aten.addmm, "dtype_out"):  # the out_dtype overload (recent torch)
         torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+    elif acc.is_cuda:  # no such overload: the chunk's product is rounded once, then added in fp32
+        acc += a @ b
     else:
         acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
 
