@@ -192,7 +192,7 @@ def test_bad_input_is_one_line(case: str, expected: str, tiny: tuple[Path, Path]
 @pytest.mark.slow
 def test_deepspeed_rejection_is_one_line_under_torchrun(tiny: tuple[Path, Path], tmp_path: Path) -> None:
     """A batch size that does not fit the mesh (DeepSpeed's own check, after the process group
-    exists): rank 0 prints one line, rank 1 nothing, both exit 2, nothing is loaded."""
+    exists): rank 0 prints one line, rank 1 nothing, exit status 2, nothing is loaded."""
     pytest.importorskip("deepspeed", reason="DeepSpeed not installed")
     model_dir, corpus = tiny
     logs = tmp_path / "logs"
@@ -207,7 +207,7 @@ def test_deepspeed_rejection_is_one_line_under_torchrun(tiny: tuple[Path, Path],
     assert len(lines) == 1 and errors[1].strip() == "", errors
     assert lines[0].startswith("megacp.train: error: DeepSpeed rejects the config: ")
     assert "train_batch_size" in lines[0]
-    assert result.stderr.count("exitcode  : 2") == 2
+    assert "exitcode  : 2" in result.stderr  # the root cause; torchrun may stop the other rank first
 
 
 @pytest.mark.parametrize("name", sorted(p.stem for p in (ROOT / "configs").glob("train_*.json")))
