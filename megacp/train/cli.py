@@ -122,18 +122,13 @@ def _eos_id(tokenizer: Any, model_config: Any) -> int:
     raise UsageError("the model's tokenizer has no EOS token to separate the packed documents")
 
 
-def _peak_memory_mib(device: torch.device) -> float:
-    from megacp.generate import _peak_memory_mb
-
-    return _peak_memory_mb(device)
-
-
 def run(args: argparse.Namespace) -> int:
     """The training job (after :func:`parse_args`); collective over all ranks."""
     from tqdm import tqdm
 
     import megacp
     from megacp.checkpoint import load_model
+    from megacp.generate import _peak_memory_mb as peak_memory_mib  # CUDA allocator peak, or max RSS on CPU
     from megacp.train.data import CorpusBatches, resolve_corpus
     from megacp.train.engine import Trainer, check_batch_config, read_settings
 
@@ -172,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         for step in range(1, args.steps + 1):
             result = trainer.step(batches)
-            peak = _peak_memory_mib(state.device)
+            peak = peak_memory_mib(state.device)
             losses.append(result.loss)
             if step > 1 or args.steps == 1:  # the first step pays for warm-up: left out of the rate
                 tokens, seconds = tokens + result.tokens, seconds + result.seconds
@@ -188,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
         bar.close()
         if metrics is not None:
             metrics.close()
-    peak = torch.tensor([_peak_memory_mib(state.device)], device=state.device)
+    peak = torch.tensor([peak_memory_mib(state.device)], device=state.device)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     saved = ""
     if args.save:
