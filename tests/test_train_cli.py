@@ -70,7 +70,7 @@ def _env() -> dict[str, str]:
 
 
 def _run(command: list[str], **kwargs) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(command, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S, **kwargs)
+    return subprocess.run(command, check=False, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S, **kwargs)
 
 
 def _megacp_logits(weights: dict[str, torch.Tensor], model_config, ids: torch.Tensor) -> torch.Tensor:

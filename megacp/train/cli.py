@@ -21,11 +21,13 @@ one line on rank 0's stderr and exit status 2.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NoReturn, Sequence
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -161,10 +163,11 @@ def run(args: argparse.Namespace) -> int:
               f"ZeRO {settings.zero_stage}, model {Path(model_path).name}, {args.seq_len} tokens per sequence, "
               f"{micro_batch} per micro-batch, {trainer.engine.gradient_accumulation_steps()} micro-batches per step",
               flush=True)
-    metrics = open(args.metrics, "w", encoding="utf-8") if rank0 and args.metrics else None
-    bar = tqdm(total=args.steps, unit="step", desc=f"train {layout}", disable=not rank0 or args.quiet)
     losses, tokens, seconds = [], 0, 0.0
-    try:
+    with contextlib.ExitStack() as stack:
+        metrics = stack.enter_context(open(args.metrics, "w", encoding="utf-8")) if rank0 and args.metrics else None
+        bar = stack.enter_context(tqdm(total=args.steps, unit="step", desc=f"train {layout}",
+                                       disable=not rank0 or args.quiet))
         for step in range(1, args.steps + 1):
             result = trainer.step(batches)
             peak = peak_memory_mib(state.device)
@@ -179,10 +182,6 @@ def run(args: argparse.Namespace) -> int:
                                           "seconds": round(result.seconds, 4), "tokens_per_s": round(rate, 1),
                                           "peak_memory_mib": round(peak, 1)}) + "\n")
                 metrics.flush()
-    finally:
-        bar.close()
-        if metrics is not None:
-            metrics.close()
     peak = torch.tensor([peak_memory_mib(state.device)], device=state.device)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     saved = ""
