@@ -16,7 +16,8 @@ taken ``chunk_tokens`` rows at a time, and each chunk's logits (``[chunk, V]``, 
 and, under autograd, at once its gradients (:func:`chunked_cross_entropy`), so only one chunk's
 logits live at a time and the head's matmul never runs twice. What it keeps from the forward to
 the backward instead is those gradients: ``d hidden`` ``[n_local, H]`` in the hidden states' dtype
-and ``d weight`` ``[V, H]`` in fp32.
+and ``d weight`` ``[V, H]`` (fp32 when the shard spans several chunks; one chunk's single matmul
+gives it in the weight's dtype, rounded once as autograd's would be).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from megacp.layers.step import CPStep
 from megacp.placement import ShardPlan
 from megacp.train.batch import IGNORE_INDEX, TrainShard
 
-DEFAULT_CHUNK_TOKENS = 4096
+DEFAULT_CHUNK_TOKENS = 8192
 """Rows of hidden states whose logits are materialised at once."""
 
 
@@ -67,7 +68,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
         acc_dtype = torch.promote_types(hidden.dtype, torch.float32)
         total = torch.zeros((), dtype=acc_dtype, device=hidden.device)
         dh = torch.empty_like(hidden) if want_h else None
-        dw = torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device) if want_w else None
+        # one chunk: its single matmul gives d weight with one rounding, as autograd would; more
+        # chunks add up in an fp32 accumulator
+        one_chunk = hidden.shape[0] <= chunk_tokens
+        dw = torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device) if want_w and not one_chunk else None
         for i0 in range(0, hidden.shape[0], chunk_tokens):
             h, y = hidden[i0:i0 + chunk_tokens], labels[i0:i0 + chunk_tokens]
             logp = torch.log_softmax(F.linear(h, weight), dim=-1, dtype=acc_dtype)  # [c, V]
@@ -81,7 +85,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 if want_h:
                     torch.mm(grad, weight, out=dh[i0:i0 + chunk_tokens])
                 if want_w:
-                    _add_matmul(dw, grad.t(), h)
+                    if one_chunk:
+                        dw = grad.t() @ h
+                    else:
+                        _add_matmul(dw, grad.t(), h)
             del logp
         ctx.save_for_backward(*(x for x in (dh, dw) if x is not None))
         ctx.have = (want_h, want_w)
@@ -101,8 +108,8 @@ def chunked_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, chunk_
     """Summed cross-entropy (natural log) of the logits ``hidden [n, H] @ weight [V, H].T`` against
     ``labels [n]`` (-100 ignored), ``chunk_tokens`` rows of logits (fp32, or fp64 for fp64 inputs) at
     a time; differentiable scalar in that dtype. Under autograd the gradients are computed with the
-    loss (one pass over the chunks, no recompute); ``d weight`` is accumulated over the chunks in
-    that dtype.
+    loss (one pass over the chunks, no recompute); ``d weight`` is accumulated over several chunks
+    in that dtype (one chunk: a single matmul in the weight's dtype).
     """
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
