@@ -13,6 +13,8 @@ import torch
 from torch import Tensor, nn
 
 from megacp.attention.partial import partial_attention
+from megacp.attention.training import ring_attention
+from megacp.placement import ShardPlan, seq_lengths
 
 QKV_FORMATS = ("thd", "bshd", "sbhd")
 MASK_TYPES = ("causal", "no_mask", "padding_causal", "padding")
@@ -123,6 +125,18 @@ class DotProductAttention(nn.Module):
             raise ValueError("attention_mask tensors are not supported: delimit sequences with cu_seqlens")
         check_dropout(self)
         causal = "causal" in mask
+        if causal and torch.is_grad_enabled() and any(x.requires_grad for x in (query_layer, key_layer, value_layer)):
+            # training: the CP = 1 ring, whose backward takes the fused kernels fed the final out/LSE
+            # with the exact path for shapes a kernel refuses (a kernel's own autograd has no fallback)
+            q, k, v = (to_thd(x, fmt) for x in (query_layer, key_layer, value_layer))
+            if fmt == "thd":
+                lens = [q.shape[0]] if cu_seqlens_q is None else seq_lengths(cu_seqlens_q, q.shape[0])
+            else:
+                b, s = (query_layer.shape[0], query_layer.shape[1]) if fmt == "bshd" else query_layer.shape[1::-1]
+                lens = [s] * b
+            plan = ShardPlan([0] * len(lens), lens, 1, 0)
+            out = ring_attention(q, k, v, plan, None, scale=self.softmax_scale, backend=self.backend)
+            return from_thd(out, query_layer, fmt)
         if fmt == "thd":
             bounds = [0, query_layer.shape[0]] if cu_seqlens_q is None else cu_seqlens_q.tolist()
             outs = [

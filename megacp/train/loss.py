@@ -90,6 +90,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     else:
                         _add_matmul(dw, grad.t(), h)
             del logp
+        if want_w and dw is None:  # no rows at all (a CP rank without tokens in this step)
+            dw = torch.zeros_like(weight)
         ctx.save_for_backward(*(x for x in (dh, dw) if x is not None))
         ctx.have = (want_h, want_w)
         ctx.weight_dtype = weight.dtype
