@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
             holder = None
             try:
                 step, holder = megacp_step(ctx.state, cfg, ids) if method == "megacp" else hf_step(cfg, ids)
-                module = holder.module if method == "megacp" else holder.module
+                module = holder.module
                 params = sum(x.numel() for x in module.parameters())
                 sec, peak = time_steps(step, args.warmup, args.steps)
                 row = {"method": method, "seqlen": s, "layers": cfg.num_layers, "params": params, "step_s": sec,
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(row)
             except Exception as exc:  # noqa: BLE001 - a method that cannot run is recorded, the rest go on
                 rep.error(method, exc, seqlen=s)
-            del holder
+            step = holder = None  # the trainer and its closure go before the next method is built
             gc.collect()
             torch.cuda.empty_cache()
     by = {(r["method"], r["seqlen"]): r for r in rows}
