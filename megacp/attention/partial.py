@@ -27,7 +27,7 @@ tensors use the reference path. Every kernel's LSE is natural log, fp32 (checked
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Callable, TypeVar
 
 import torch
 from torch import Tensor
@@ -37,11 +37,42 @@ from megacp.attention.merge import finite_or_zero, merge_states
 BACKENDS = ("auto", "cudnn", "flash", "reference")
 _KERNEL_ORDER = ("cudnn", "flash")
 _refused: set[tuple] = set()
+_R = TypeVar("_R")
 
 
-def default_backend() -> str:
-    """The backend of a call that names none: ``"auto"``."""
-    return "auto"
+def resolve_backend(backend: str | None) -> str:
+    """``backend`` checked against :data:`BACKENDS` (``None``: ``"auto"``, the backend of a call
+    that names none). Raises ``ValueError`` naming the allowed values."""
+    backend = backend or "auto"
+    if backend not in BACKENDS:
+        raise ValueError(f"attention backend {backend!r} is not one of {', '.join(BACKENDS)}")
+    return backend
+
+
+def kernels_apply(x: Tensor) -> bool:
+    """Whether ``"auto"`` tries the fused kernels for tensors like ``x`` (fp16/bf16 on CUDA)."""
+    return x.is_cuda and x.dtype in (torch.float16, torch.bfloat16)
+
+
+def first_kernel(backend: str, shape_class: tuple, call: Callable[[str], _R], refused: set[tuple]) -> _R | None:
+    """``call(name)`` for the kernels ``backend`` names: one forced kernel, or for ``"auto"`` cuDNN
+    then flash. Under ``"auto"`` a kernel that raises ``RuntimeError`` (a refused shape) is
+    remembered in ``refused`` with ``shape_class`` (never the lengths: they change every step) and
+    the next is tried; a forced kernel's error is raised, and so is an out-of-memory error (no
+    fallback would fit either). Returns ``None`` when every kernel refused."""
+    for name in _KERNEL_ORDER if backend == "auto" else (backend,):
+        key = (name, *shape_class)
+        if backend == "auto" and key in refused:
+            continue
+        try:
+            return call(name)
+        except torch.OutOfMemoryError:
+            raise
+        except RuntimeError:
+            if backend != "auto":
+                raise
+            refused.add(key)
+    return None
 
 
 def empty_state(*shape: int, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor]:
@@ -70,26 +101,15 @@ def partial_attention(
     lq, hq, d = q.shape[-3:]
     lk = k.shape[-3]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    backend = backend or default_backend()
-    if backend not in BACKENDS:
-        raise ValueError(f"attention backend {backend!r} is not one of {', '.join(BACKENDS)}")
+    backend = resolve_backend(backend)
     if lq == 0 or lk == 0 or q.numel() == 0:
         return empty_state(*q.shape, dtype=q.dtype, device=q.device)
-    if backend == "reference" or (backend == "auto" and not _kernels_apply(q)):
+    if backend == "reference" or (backend == "auto" and not kernels_apply(q)):
         return _reference_batched(q, k, v, causal=causal, scale=scale)
-    candidates = _KERNEL_ORDER if backend == "auto" else (backend,)
-    for name in candidates:
-        key = (name, q.dtype, q.dim(), hq, k.shape[-2], d, causal)  # not the lengths: they change every step
-        if backend == "auto" and key in _refused:
-            continue
-        try:
-            return _kernel_attention(_KERNELS[name], q, k, v, causal=causal, scale=scale)
-        except torch.OutOfMemoryError:  # not a refusal of the shape: no fallback would fit either
-            raise
-        except RuntimeError:
-            if backend != "auto":
-                raise
-            _refused.add(key)
+    res = first_kernel(backend, (q.dtype, q.dim(), hq, k.shape[-2], d, causal),
+                       lambda name: _kernel_attention(_KERNELS[name], q, k, v, causal=causal, scale=scale), _refused)
+    if res is not None:
+        return res
     return _reference_batched(q, k, v, causal=causal, scale=scale)
 
 
@@ -106,10 +126,6 @@ def _check_shapes(q: Tensor, k: Tensor, v: Tensor) -> None:
         )
     if q.dtype != k.dtype or k.dtype != v.dtype:
         raise ValueError(f"partial_attention dtype mismatch: q {q.dtype}, k {k.dtype}, v {v.dtype}")
-
-
-def _kernels_apply(q: Tensor) -> bool:
-    return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
 
 
 # --------------------------------------------------------------------------- fused kernels

@@ -36,10 +36,9 @@ import torch
 from torch import Tensor
 
 from megacp.attention.merge import finite_or_zero
-from megacp.attention.partial import BACKENDS, default_backend, heads_first, hidden_by_causal_mask
+from megacp.attention.partial import first_kernel, heads_first, hidden_by_causal_mask, kernels_apply, resolve_backend
 
 Grads = tuple[Tensor, Tensor, Tensor]
-_KERNEL_ORDER = ("cudnn", "flash")
 _refused: set[tuple] = set()
 """Shape classes a kernel refused under ``"auto"`` (per process, like the forward's: a property of
 the installed kernels, not of any job)."""
@@ -63,26 +62,17 @@ def partial_attention_backward(
     """
     d = q.shape[-1]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    backend = backend or default_backend()
-    if backend not in BACKENDS:
-        raise ValueError(f"attention backend {backend!r} is not one of {', '.join(BACKENDS)}")
+    backend = resolve_backend(backend)
     if q.shape[0] == 0 or k.shape[0] == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    if backend == "reference" or (backend == "auto" and not (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16))):
+    if backend == "reference" or (backend == "auto" and not kernels_apply(q)):
         return reference_backward(q, k, v, out, lse, dout, causal=causal, scale=scale)
     dout = dout.contiguous()
-    for name in _KERNEL_ORDER if backend == "auto" else (backend,):
-        key = (name, q.dtype, q.shape[1], k.shape[1], d, causal)
-        if (backend == "auto" and key in _refused):
-            continue
-        try:
-            return _kernel_backward(_KERNELS[name], q, k, v, out, lse, dout, causal=causal, scale=scale)
-        except torch.OutOfMemoryError:  # not a refusal of the shape: no fallback would fit either
-            raise
-        except RuntimeError:
-            if backend != "auto":
-                raise
-            _refused.add(key)
+    res = first_kernel(backend, (q.dtype, q.shape[1], k.shape[1], d, causal),
+                       lambda name: _kernel_backward(_KERNELS[name], q, k, v, out, lse, dout, causal=causal, scale=scale),
+                       _refused)
+    if res is not None:
+        return res
     return reference_backward(q, k, v, out, lse, dout, causal=causal, scale=scale)
 
 
