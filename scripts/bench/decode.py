@@ -259,14 +259,7 @@ class DecodeRun:
                                               ("max_abs", "max|err|", ".3e"), ("noise_max_abs", "noise", ".3e"),
                                               ("ok", "ok", "")],
                            title="CP decode output vs single GPU (noise = flash vs cuDNN)")
-        if ctx.rank == 0:
-            for sk in self.rep.data["skipped"]:
-                print(f"skipped: {sk['method']}: {sk['reason']}")
-            for er in self.rep.data["errors"]:
-                print(f"error: {er['method']} (B={er.get('batch')}, L={er.get('kv_len')}): {er['error'][:300]}")
-            if a.json:
-                print(f"JSON: {a.json}")
-            print("decode check: " + ("FAIL" if self.check_fail else "ok" if a.check else "not run"), flush=True)
+        self.rep.print_summary("decode", checked=a.check, failed=self.check_fail, where=("batch", "kv_len"))
 
 
 def main(argv: list[str] | None = None) -> int:

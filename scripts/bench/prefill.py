@@ -346,14 +346,7 @@ class PrefillRun:
                                               ("noise_max_abs", "noise", ".3e"), ("ratio_to_noise", "x noise", ".2f"),
                                               ("ok", "ok", "")],
                            title="Outputs vs single-GPU (noise = flash vs cuDNN on one GPU)")
-        if ctx.rank == 0:
-            for sk in self.rep.data["skipped"]:
-                print(f"skipped: {sk['method']}: {sk['reason']}")
-            for er in self.rep.data["errors"]:
-                print(f"error: {er['method']} (S={er.get('seqlen')}): {er['error'][:300]}")
-            if a.json:
-                print(f"JSON: {a.json}")
-            print("megacp check: " + ("FAIL" if self.megacp_fail else "ok" if a.check else "not run"), flush=True)
+        self.rep.print_summary("megacp", checked=a.check, failed=self.megacp_fail, where=("seqlen",))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -108,6 +108,20 @@ class Report:
         self.data["meta"].setdefault("notes", {})[key] = value
         self.save()
 
+    def print_summary(self, check: str, *, checked: bool, failed: bool, where: tuple[str, ...]) -> None:
+        """Rank 0 prints the skipped methods, the errors (with their ``where`` fields), the JSON path
+        and the verdict line ``"<check> check: ok|FAIL|not run"``."""
+        if self.ctx.rank != 0:
+            return
+        for sk in self.data["skipped"]:
+            print(f"skipped: {sk['method']}: {sk['reason']}")
+        for er in self.data["errors"]:
+            at = ", ".join(f"{k}={er.get(k)}" for k in where)
+            print(f"error: {er['method']} ({at}): {er['error'][:300]}")
+        if self.path:
+            print(f"JSON: {self.path}")
+        print(f"{check} check: " + ("FAIL" if failed else "ok" if checked else "not run"), flush=True)
+
 
 def fmt(x: Any, spec: str = ".3f") -> str:
     """A table cell: ``-`` for None, floats with ``spec`` (non-finite as text), the rest as ``str``."""
