@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.distributed import run_distributed
-from tests.reference import naive_attention, packed_causal, rel_err
+from tests.reference import packed_causal, rel_err, session_step_reference
 
 HQ, HKV, D = 8, 2, 16
 LENS = [37, 3, 64, 1, 5]  # ragged: not divisible by 2N, shorter than 2N, single tokens
@@ -59,15 +59,7 @@ def _cached_session(rank: int, n: int, strategy: str) -> dict[str, float]:
         idx = step.token_index()
         out = layer(q[idx], k[idx], v[idx], qkv_format="thd", inference_params=step)
         step.commit()
-        refs, s = [], 0
-        for slot, t in zip(step_slots, new):
-            p = hist_k[slot].shape[0]
-            hist_k[slot] = torch.cat([hist_k[slot], k[s : s + t]])
-            hist_v[slot] = torch.cat([hist_v[slot], v[s : s + t]])
-            pos = torch.arange(p + t)
-            refs.append(naive_attention(q[s : s + t], hist_k[slot], hist_v[slot], q_positions=pos[p:], k_positions=pos))
-            s += t
-        ref = torch.cat(refs)[idx]
+        ref = session_step_reference(q, k, v, step_slots, new, hist_k, hist_v)[idx]
         worst = max(worst, rel_err(out.view(-1, HQ, D), ref))
     # placement: each rank holds exactly the positions the bookkeeping rule gives
     placement_ok = True

@@ -18,7 +18,6 @@ the case (its tensor seed and parameters) so that it can be replayed alone.
 
 from __future__ import annotations
 
-import math
 import os
 from typing import Any
 
@@ -28,7 +27,7 @@ from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 
 from tests.distributed import run_distributed
-from tests.reference import naive_attention, rel_err
+from tests.reference import naive_attention, rel_err, session_step_reference
 
 SEED = int(os.environ.get("MEGACP_PROPERTY_SEED", "20261201"))
 CASES_PER_N = {1: 90, 2: 170, 3: 130, 4: 130}
@@ -82,14 +81,6 @@ def draw_cases(n: int, count: int, base_seed: int = SEED) -> list[Case]:
     return cases
 
 
-def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
-               scale: float | None) -> torch.Tensor:
-    """Float64 attention with ``softmax_scale`` (the reference divides by sqrt(D): rescale q)."""
-    if scale is not None:
-        q = q.double() * (scale * math.sqrt(q.shape[-1]))
-    return naive_attention(q, k, v, q_positions=q_pos, k_positions=k_pos)
-
-
 def _packed(case: Case, n: int) -> float:
     from megacp.attention import cp_attention
 
@@ -103,7 +94,8 @@ def _packed(case: Case, n: int) -> float:
     refs, s = [], 0
     for length in lens:
         pos = torch.arange(length)
-        refs.append(_reference(q[s:s + length], k[s:s + length], v[s:s + length], pos, pos, case["scale"]))
+        refs.append(naive_attention(q[s:s + length], k[s:s + length], v[s:s + length], q_positions=pos,
+                                    k_positions=pos, scale=case["scale"]))
         s += length
     return rel_err(out, torch.cat(refs))
 
@@ -133,15 +125,8 @@ def _session(case: Case, n: int, rank: int, ring: Any) -> float:
         idx = step.token_index()
         out = layer(q[idx], k[idx], v[idx], qkv_format="thd", inference_params=step).view(-1, hq, d)
         step.commit()
-        refs, s = [], 0
-        for slot, t in zip(step_slots, new):
-            p = hist_k[slot].shape[0]
-            hist_k[slot] = torch.cat([hist_k[slot], k[s:s + t]])
-            hist_v[slot] = torch.cat([hist_v[slot], v[s:s + t]])
-            pos = torch.arange(p + t)
-            refs.append(_reference(q[s:s + t], hist_k[slot], hist_v[slot], pos[p:], pos, case["scale"]))
-            s += t
-        worst = max(worst, rel_err(out, torch.cat(refs)[idx]))
+        ref = session_step_reference(q, k, v, step_slots, new, hist_k, hist_v, case["scale"])
+        worst = max(worst, rel_err(out, ref[idx]))
     return worst
 
 
