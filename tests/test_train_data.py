@@ -12,6 +12,7 @@ import torch
 
 from megacp.train.data import (
     CorpusBatches,
+    Prefetcher,
     CorpusError,
     concat_sequences,
     pack_documents,
@@ -82,6 +83,33 @@ def test_corpus_errors(tmp_path: Path) -> None:
                             dp_size=1, dp_rank=0)
     with pytest.raises(CorpusError, match="has no text to train on"):
         next(batches)
+
+
+def test_prefetcher_keeps_order_and_raises_where_the_source_fails(tmp_path: Path) -> None:
+    sources = [tmp_path / f"{i}.txt" for i in range(3)]
+    for i, path in enumerate(sources):
+        path.write_text("abcdefg"[: 2 + i])
+    direct = CorpusBatches(resolve_corpus(sources), CharTokenizer(), eos_id=EOS, seq_len=3, micro_batch=1,
+                           dp_size=1, dp_rank=0)
+    with Prefetcher(CorpusBatches(resolve_corpus(sources), CharTokenizer(), eos_id=EOS, seq_len=3, micro_batch=1,
+                                  dp_size=1, dp_rank=0), depth=2) as ahead:
+        for _ in range(7):  # past the end of the corpus: it is read again
+            a, b = next(direct), next(ahead)
+            assert a.input_ids.tolist() == b.input_ids.tolist() and a.cu_seqlens.tolist() == b.cu_seqlens.tolist()
+
+    def failing():
+        yield 1
+        raise CorpusError("bad.jsonl:2: not JSON")
+
+    with Prefetcher(failing()) as ahead:
+        assert next(ahead) == 1
+        for _ in range(2):
+            with pytest.raises(CorpusError, match="bad.jsonl:2"):
+                next(ahead)
+    with Prefetcher(iter([1, 2])) as ahead:
+        assert list(ahead) == [1, 2]
+    with pytest.raises(ValueError, match="depth must be >= 1"):
+        Prefetcher(iter([]), depth=0)
 
 
 def test_default_corpus_is_the_standard_library() -> None:

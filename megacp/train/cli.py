@@ -131,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
     import megacp
     from megacp.checkpoint import load_model
     from megacp.generate import _peak_memory_mb as peak_memory_mib  # CUDA allocator peak, or max RSS on CPU
-    from megacp.train.data import CorpusBatches, resolve_corpus
+    from megacp.train.data import CorpusBatches, Prefetcher, resolve_corpus
     from megacp.train.engine import Trainer, check_batch_config, read_settings
 
     if not torch.cuda.is_available():  # before DeepSpeed is imported: gloo on CPU, as megacp.initialize
@@ -153,8 +153,6 @@ def run(args: argparse.Namespace) -> int:
     megacp.swap_attention(model, state, strategy="pass_kv")
     model.activation_checkpointing = args.activation_checkpointing
     model.train()
-    batches = CorpusBatches(sources, tokenizer, eos_id=_eos_id(tokenizer, model_config), seq_len=args.seq_len,
-                            micro_batch=micro_batch, dp_size=state.size("dp"), dp_rank=state.rank_in("dp"))
     trainer = Trainer(model, config.deepspeed, state, settings, load_balance=config.context_parallel.load_balance)
 
     layout = f"CP={state.size('cp')} TP={state.size('tp')} DP={state.size('dp')}"
@@ -166,6 +164,9 @@ def run(args: argparse.Namespace) -> int:
     losses, tokens, seconds = [], 0, 0.0
     with contextlib.ExitStack() as stack:
         metrics = stack.enter_context(open(args.metrics, "w", encoding="utf-8")) if rank0 and args.metrics else None
+        batches = stack.enter_context(Prefetcher(CorpusBatches(
+            sources, tokenizer, eos_id=_eos_id(tokenizer, model_config), seq_len=args.seq_len, micro_batch=micro_batch,
+            dp_size=state.size("dp"), dp_rank=state.rank_in("dp"))))
         bar = stack.enter_context(tqdm(total=args.steps, unit="step", desc=f"train {layout}",
                                        disable=not rank0 or args.quiet))
         for step in range(1, args.steps + 1):

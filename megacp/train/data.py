@@ -25,12 +25,14 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import queue
 import sysconfig
+import threading
 import tokenize
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import torch
 from torch import Tensor
@@ -254,3 +256,68 @@ class CorpusBatches:
 
     def __next__(self) -> PackedSequence:
         return concat_sequences([next(self._sequences) for _ in range(self.micro_batch)])
+
+
+T = TypeVar("T")
+_END = object()
+"""Put by :class:`Prefetcher`'s thread after the last item."""
+
+
+class Prefetcher(Generic[T]):
+    """The items of ``source``, produced up to ``depth`` ahead on a background thread.
+
+    Reading and tokenising the next sequences then overlaps the training step (the GPU kernels and
+    the host's waits on them) instead of adding to it. Items come out in order; an exception of
+    ``source`` (a bad JSONL line, say) is raised by the ``next`` call that reaches it. Use as a
+    context manager (or call :meth:`close`): the thread stops at its next item.
+    """
+
+    def __init__(self, source: Iterator[T], depth: int = 4) -> None:
+        if depth < 1:
+            raise ValueError(f"depth must be >= 1, got {depth}")
+        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._fill, args=(source,), name="megacp-prefetch", daemon=True)
+        self._thread.start()
+
+    def _put(self, item: Any) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _fill(self, source: Iterator[T]) -> None:
+        try:
+            for item in source:
+                if not self._put((item, None)):
+                    return
+            self._put((_END, None))
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer, raised there
+            self._put((None, exc))
+
+    def __iter__(self) -> Prefetcher[T]:
+        return self
+
+    def __next__(self) -> T:
+        item, exc = self._queue.get()
+        if exc is not None:
+            self._queue.put((None, exc))  # every later call raises it too
+            raise exc
+        if item is _END:
+            self._queue.put((_END, None))
+            raise StopIteration
+        return item
+
+    def close(self) -> None:
+        """Stop the thread (it finishes the item it is producing) and wait for it."""
+        self._stop.set()
+        self._thread.join()
+
+    def __enter__(self) -> Prefetcher[T]:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

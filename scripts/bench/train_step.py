@@ -106,6 +106,21 @@ def hf_step(cfg: ModelConfig, ids: torch.Tensor) -> tuple[Callable[[], None], ob
     return step, engine
 
 
+def measure(ctx: bh.Ctx, cfg: ModelConfig, method: str, ids: torch.Tensor, args: argparse.Namespace) -> dict:
+    """One method at one length: build, time, and destroy its DeepSpeed engine (whatever happens)."""
+    step, holder = megacp_step(ctx.state, cfg, ids) if method == "megacp" else hf_step(cfg, ids)
+    engine = holder.engine if method == "megacp" else holder
+    try:
+        params = sum(x.numel() for x in engine.module.parameters())
+        sec, peak = time_steps(step, args.warmup, args.steps)
+    finally:
+        engine.destroy()
+    s = ids.numel()
+    return {"method": method, "seqlen": s, "layers": cfg.num_layers, "params": params, "step_s": sec,
+            "tokens_per_s": s / sec, "mfu": model_flops(cfg, params, s) / sec / (args.peak_tflops * 1e12),
+            "peak_gib": peak}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--seq-lens", type=bh.parse_sizes, default=bh.parse_sizes("8K,16K,32K"))
@@ -133,21 +148,13 @@ def main(argv: list[str] | None = None) -> int:
     for method in args.methods:
         for s in args.seq_lens:
             ids = torch.randint(0, cfg.vocab_size, (s,), generator=g, device="cuda")
-            holder = None
             try:
-                step, holder = megacp_step(ctx.state, cfg, ids) if method == "megacp" else hf_step(cfg, ids)
-                module = holder.module
-                params = sum(x.numel() for x in module.parameters())
-                sec, peak = time_steps(step, args.warmup, args.steps)
-                row = {"method": method, "seqlen": s, "layers": cfg.num_layers, "params": params, "step_s": sec,
-                       "tokens_per_s": s / sec, "mfu": model_flops(cfg, params, s) / sec / (args.peak_tflops * 1e12),
-                       "peak_gib": peak}
+                row = measure(ctx, cfg, method, ids, args)
                 rep.result(row)
                 rows.append(row)
             except Exception as exc:  # noqa: BLE001 - a method that cannot run is recorded, the rest go on
                 rep.error(method, exc, seqlen=s)
-            step = holder = None  # the trainer and its closure go before the next method is built
-            gc.collect()
+            gc.collect()  # the last engine (model, optimizer) is gone before the next one is built
             torch.cuda.empty_cache()
     by = {(r["method"], r["seqlen"]): r for r in rows}
     for r in rows:
