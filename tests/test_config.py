@@ -115,8 +115,6 @@ def test_frozen() -> None:
          "tensor_model_paralel: unknown top-level key; did you mean tensor_model_parallel?"),
         ({"pipeline_model_parallel": {"size": 2}},
          "pipeline_model_parallel.size: got 2; no megacp model has pipeline stages; allowed values: 1"),
-        ({"expert_model_parallel": {"size": 4}},
-         "expert_model_parallel.size: got 4; no megacp model has expert layers; allowed values: 1"),
         ({"context_parallel": {"size": float("inf")}},
          "context_parallel.size: got inf; allowed values: an integer >= 1"),
         ({"runtime": {"timeout_minutes": 0}},

@@ -19,20 +19,20 @@ divide by P). Each forward:
    which combine them with their routing weights.
 
 All ranks of the EP group call the same collectives in every MoE layer (a rank without tokens sends
-and receives nothing). With P = 1 the same code runs without collectives. The all-to-alls are
-differentiable (:func:`all_to_all`): the gradient of an exchange is the reverse exchange.
+and receives nothing). With P = 1 the same code runs without collectives, and trains like any other
+layer (every rank holds every expert; DeepSpeed reduces expert gradients over DP x CP like the rest).
+Sharded experts (P > 1) serve inference only: a forward under autograd raises, because DeepSpeed
+would all-reduce the gradients of different experts over DP x CP.
 
 Tensor parallelism inside the EP group: megacp's EP group spans the ``dp x tp`` ranks of a cell (or
-``dp x cp x tp``), and the ranks of one TP group hold *identical* tokens. Each TP rank therefore
-dispatches only its share of the tokens (rank t of a TP group of size S takes rows
-``tensor_split(T, S)[t]``), so every token copy reaches its expert exactly once. The per-copy expert
+``dp x cp x tp``), and the ranks of one TP group hold *identical* tokens. With P > 1 each TP rank
+therefore dispatches only its share of the tokens (rank t of a TP group of size S takes rows
+``tensor_split(T, S)[t]``), so every token copy reaches its expert exactly once; the per-copy expert
 outputs [T_t, k, H] of the shares are put back together by a sum over the TP group of zero-padded
-[T, k, H] tensors (:func:`~megacp.models.ops.reduce_from_tp`; adding zeros is exact), and every
-TP rank then combines all T tokens with the routing weights of its own (replicated) router. In
-backward the input of the dispatch takes :func:`~megacp.models.ops.copy_to_tp`, so every TP rank
-gets the full gradient of the router and of the residual stream, and each expert weight gets the
-gradient of each token copy once. The shared expert is TP-sharded like the dense MLP; routed experts
-are never split by TP (each lives whole on one EP rank).
+[T, k, H] tensors (adding zeros is exact), and every TP rank combines all T tokens with the routing
+weights of its own (replicated) router. With P = 1 every TP rank runs every token through its own
+copy of all experts. The shared expert is TP-sharded like the dense MLP; routed experts are never
+split by TP (each lives whole on one EP rank).
 
 Per-rank expert load: :attr:`MoEMLP.expert_tokens` counts the token copies each local expert has
 processed (cumulative, int64 on CPU); each forward logs this rank's counts at DEBUG level.
@@ -72,35 +72,12 @@ def local_experts(num_experts: int, ep_size: int) -> int:
     return num_experts // ep_size
 
 
-class _AllToAll(torch.autograd.Function):
-    """``all_to_all_single`` with split sizes; backward sends the gradients back the reverse way."""
-
-    @staticmethod
-    def forward(
-        ctx: Any, x: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup
-    ) -> torch.Tensor:
-        ctx.send, ctx.recv, ctx.group = send, recv, group
-        return _exchange(x, send, recv, group)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        return _exchange(grad.contiguous(), ctx.recv, ctx.send, ctx.group), None, None, None
-
-
-def _exchange(x: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup) -> torch.Tensor:
+def all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup) -> torch.Tensor:
+    """Send rows ``x[sum(send[:p]) : sum(send[:p+1])]`` to rank p of ``group``; return the
+    ``sum(recv)`` rows received, source by source (``all_to_all_single`` with split sizes)."""
     out = x.new_empty(sum(recv), *x.shape[1:])
     dist.all_to_all_single(out, x.contiguous(), output_split_sizes=recv, input_split_sizes=send, group=group)
     return out
-
-
-def all_to_all(
-    x: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup
-) -> torch.Tensor:
-    """Send rows ``x[sum(send[:p]) : sum(send[:p+1])]`` to rank p of ``group``; return the
-    ``sum(recv)`` rows received, source by source. Differentiable in ``x``."""
-    if torch.is_grad_enabled() and x.requires_grad:
-        return _AllToAll.apply(x, send, recv, group)
-    return _exchange(x, send, recv, group)
 
 
 class MoEMLP(nn.Module):
@@ -155,15 +132,25 @@ class MoEMLP(nn.Module):
         return weights, experts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """[T, H] -> [T, H]."""
+        """[T, H] -> [T, H].
+
+        Raises:
+            RuntimeError: under autograd with the experts sharded (EP > 1), which training does not
+                support.
+        """
+        if self.ep_size > 1 and torch.is_grad_enabled() and self.router_weight.requires_grad:
+            raise RuntimeError(
+                f"training with experts sharded over expert_model_parallel.size={self.ep_size} ranks is not "
+                "supported (only inference); train with expert_model_parallel.size null (every rank holds every expert)"
+            )
         h = rms_norm(x, self.layer_norm_weight, self.eps)
         weights, experts = self.route(h)
         tp = tp_world_size(self.tp_group)
-        if tp == 1:
+        if self.ep_size == 1 or tp == 1:
             y = self._dispatch(h, experts)
         else:  # this TP rank's share of the (identical) tokens; see the module docstring
             rows = torch.tensor_split(torch.arange(h.shape[0], device=h.device), tp)[dist.get_rank(self.tp_group)]
-            y_share = self._dispatch(copy_to_tp(h, self.tp_group)[rows], experts[rows])
+            y_share = self._dispatch(h[rows], experts[rows])
             y = reduce_from_tp(
                 h.new_zeros(h.shape[0], self.top_k, h.shape[1]).index_copy(0, rows, y_share), self.tp_group
             )
