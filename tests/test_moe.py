@@ -1,0 +1,185 @@
+"""Mixture-of-experts models (Mixtral, Qwen2-MoE) with experts sharded over megacp's EP groups.
+
+Generation at CP 1/2 x EP 1/2 (EP over dp, over dp x cp, and over tp) equals transformers' greedy
+tokens on a ragged batch, whole and chunked prefill; the all-to-all dispatch delivers every token
+copy to the rank that owns its expert (counts against transformers' own router top-k); checkpoints
+convert HF -> megacp -> HF bit for bit; bad sizes get one clear line.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.distributed import run_distributed
+from tests.hf_models import make_hf_model
+from tests.test_generate import hf_greedy
+
+MOE_KINDS = ("mixtral", "qwen2_moe")
+NEW_TOKENS = 5
+PROMPT_LENS = (29, 7, 18)  # a ragged batch
+CHUNK = 8  # chunked prefill: later chunks attend a sharded cache
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(5)
+    return [torch.randint(3, 256, (n,), generator=g).tolist() for n in PROMPT_LENS]
+
+
+def _router_counts(hf: torch.nn.Module, prompts: list[list[int]]) -> list[list[int]]:
+    """Token copies per expert of each MoE layer over all prompts, from transformers' router logits."""
+    totals = None
+    for prompt in prompts:
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt]), output_router_logits=True).router_logits
+        k = hf.config.num_experts_per_tok
+        counts = [torch.bincount(torch.topk(torch.softmax(layer.float(), -1), k, -1).indices.reshape(-1),
+                                 minlength=layer.shape[-1]) for layer in logits]
+        totals = counts if totals is None else [a + b for a, b in zip(totals, counts)]
+    return [t.tolist() for t in totals]
+
+
+@pytest.fixture(scope="module")
+def moe_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    """kind -> checkpoint dir, transformers' greedy tokens and router counts of the prompts."""
+    out = {}
+    for kind in MOE_KINDS:
+        directory = tmp_path_factory.mktemp(kind)
+        hf = make_hf_model(kind, directory)
+        out[kind] = dict(path=str(directory), tokens=hf_greedy(hf, _prompts(), NEW_TOKENS),
+                         counts=_router_counts(hf, _prompts()))
+    return out
+
+
+def _generate(rank: int, world: int, paths: list[str], prompts: list[list[int]], new: int, config: dict) -> dict:
+    """Per model: greedy tokens (whole and chunked prefill) and, for one prefill of the whole batch,
+    this rank's first expert and token copies per local expert of each MoE layer."""
+    import megacp
+    from megacp.checkpoint import load_model
+    from megacp.generate import Generator, SamplingParams
+    from megacp.models.build import expert_parallel_group
+    from megacp.models.moe import MoEMLP
+    from megacp.parallel.ring import Ring
+
+    state = megacp.initialize(config)
+    ring = Ring(state.group("cp")) if state.size("cp") > 1 else None
+    tp = state.size("tp")
+    out = {}
+    for path in paths:
+        model, cfg, _ = load_model(path, dtype=torch.float32, device="cpu", tp_group=state.group("tp") if tp > 1 else None,
+                                   ep_group=expert_parallel_group(state))
+        megacp.swap_attention(model, state)
+        moe = [m for m in model.modules() if isinstance(m, MoEMLP)]
+
+        def run(chunk: int, tokens: int) -> list[list[int]]:
+            gen = Generator(model, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads // tp, head_dim=cfg.head_dim,
+                            ring=ring, device=torch.device("cpu"), dtype=torch.float32, prefill_chunk=chunk)
+            return gen.generate(prompts, SamplingParams(max_new_tokens=tokens)).tokens
+
+        whole, chunked = run(0, new), run(CHUNK, new)
+        for m in moe:
+            m.expert_tokens.zero_()
+        run(0, 1)  # one prefill step, no decode
+        out[path] = dict(whole=whole, chunked=chunked, first=moe[0].first_expert,
+                         counts=[m.expert_tokens.tolist() for m in moe])
+    return out
+
+
+CASES = {
+    # name: (world size, megacp config sections, ranks that hold the same tokens)
+    "cp1_ep1": (1, {}, 1),
+    "cp2_ep1": (2, {"context_parallel": {"size": 2}}, 1),
+    "cp1_ep2": (2, {"expert_model_parallel": {"size": 2}}, 2),
+    "cp2_ep2": (4, {"context_parallel": {"size": 2}, "expert_model_parallel": {"size": 2}}, 2),
+    "cp2_ep4_include_cp": (4, {"context_parallel": {"size": 2}, "expert_model_parallel": {"size": 4, "include_cp": True}}, 2),
+    "cp2_tp2_ep2": (4, {"context_parallel": {"size": 2}, "tensor_model_parallel": {"size": 2},
+                        "expert_model_parallel": {"size": 2}}, 1),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_generation_equals_transformers_and_dispatch_reaches_owners(case: str, moe_models: dict) -> None:
+    world, config, replicas = CASES[case]
+    paths = [moe_models[k]["path"] for k in MOE_KINDS]
+    results = run_distributed(_generate, world, paths, _prompts(), NEW_TOKENS, config, timeout=300)
+    ep = config.get("expert_model_parallel", {}).get("size") or 1
+    for kind, path in zip(MOE_KINDS, paths):
+        expected = moe_models[kind]
+        for rank_result in results:
+            got = rank_result[path]
+            assert got["whole"] == expected["tokens"], (case, kind, "whole")
+            assert got["chunked"] == expected["tokens"], (case, kind, "chunked")
+        # Each rank counts only the experts it owns; summed over the owners of each expert, the copies
+        # equal the router's top-k over the whole batch, once per replica of the batch.
+        local = 4 // ep
+        assert sorted({r[path]["first"] for r in results}) == list(range(0, 4, local)), (case, kind)
+        received = [[0] * 4 for _ in expected["counts"]]
+        for rank_result in results:
+            got = rank_result[path]
+            for layer, counts in enumerate(got["counts"]):
+                assert len(counts) == local
+                for j, c in enumerate(counts):
+                    received[layer][got["first"] + j] += c
+        assert received == [[replicas * c for c in layer] for layer in expected["counts"]], (case, kind)
+
+
+# --------------------------------------------------------------------------- checkpoints, errors
+
+
+def test_hf_to_megacp_to_hf_round_trip_is_exact(moe_models: dict, tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    from megacp.checkpoint.convert import main
+
+    for kind in MOE_KINDS:
+        source = Path(moe_models[kind]["path"])
+        assert main(["hf-to-megacp", "--input", str(source), "--output", str(tmp_path / kind), "--tp", "2"]) == 0
+        assert main(["megacp-to-hf", "--input", str(tmp_path / kind), "--output", str(tmp_path / f"{kind}_hf")]) == 0
+        before, after = load_file(source / "model.safetensors"), load_file(tmp_path / f"{kind}_hf" / "model.safetensors")
+        assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before), kind
+        config = json.loads((tmp_path / f"{kind}_hf" / "config.json").read_text())
+        original = json.loads((source / "config.json").read_text())
+        keys = ("num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
+                "shared_expert_intermediate_size", "norm_topk_prob", "mlp_only_layers", "decoder_sparse_step")
+        assert {k: config[k] for k in keys if k in original} == {k: original[k] for k in keys if k in original}
+
+
+def test_bad_expert_parallel_sizes_get_one_clear_line(moe_models: dict) -> None:
+    from megacp.checkpoint import CheckpointError
+    from megacp.checkpoint.hf import open_hf_checkpoint
+    from megacp.checkpoint.tp import check_ep_rank
+    from megacp.models import ModelConfig
+
+    with open_hf_checkpoint(moe_models["mixtral"]["path"]) as checkpoint:
+        mixtral = checkpoint.config
+    with pytest.raises(CheckpointError, match=r"^num_experts=4 is not divisible by the expert-parallel size 3$"):
+        check_ep_rank(mixtral, 0, 3)
+    dense = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=1)
+    with pytest.raises(CheckpointError, match=r"^expert_model_parallel.size: got 2; the llama model has no expert "
+                                              r"layers; allowed values: 1 or null$"):
+        check_ep_rank(dense, 0, 2)
+
+
+def _train_step_refused(rank: int, world: int, path: str) -> str:
+    import megacp
+    from megacp.checkpoint import load_model
+    from megacp.models.build import expert_parallel_group
+
+    state = megacp.initialize({"expert_model_parallel": {"size": 2}})
+    model, _, _ = load_model(path, dtype=torch.float32, device="cpu", ep_group=expert_parallel_group(state))
+    try:
+        model.hidden_states(torch.tensor([3, 4, 5]), torch.arange(3))
+    except RuntimeError as err:
+        return str(err)
+    return "no error"
+
+
+def test_training_with_sharded_experts_is_refused(moe_models: dict) -> None:
+    for message in run_distributed(_train_step_refused, 2, moe_models["mixtral"]["path"]):
+        assert message == (
+            "training with experts sharded over expert_model_parallel.size=2 ranks is not supported (only "
+            "inference); train with expert_model_parallel.size null (every rank holds every expert)"
+        )
