@@ -147,6 +147,28 @@ def test_hf_to_megacp_to_hf_round_trip_is_exact(moe_models: dict, tmp_path: Path
         assert {k: config[k] for k in keys if k in original} == {k: original[k] for k in keys if k in original}
 
 
+def test_gguf_mixture_of_experts_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    import gguf
+    import numpy as np
+
+    from megacp.checkpoint.convert import main
+
+    writer = gguf.GGUFWriter(str(tmp_path / "mixtral.gguf"), "llama")
+    writer.add_block_count(1)
+    writer.add_expert_count(4)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert main(["gguf-to-megacp", "--input", str(tmp_path / "mixtral.gguf"), "--output", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err == (
+        "error: GGUF mixture-of-experts models (llama, 4 experts) are not supported; "
+        "convert the Hugging Face checkpoint instead\n"
+    )
+    assert not (tmp_path / "out").exists()
+
+
 def test_bad_expert_parallel_sizes_get_one_clear_line(moe_models: dict) -> None:
     from megacp.checkpoint import CheckpointError
     from megacp.checkpoint.hf import open_hf_checkpoint
@@ -183,3 +205,33 @@ def test_training_with_sharded_experts_is_refused(moe_models: dict) -> None:
             "training with experts sharded over expert_model_parallel.size=2 ranks is not supported (only "
             "inference); train with expert_model_parallel.size null (every rank holds every expert)"
         )
+
+
+def _expert_groups(rank: int, world: int, config: dict) -> dict:
+    import torch.distributed as dist
+
+    import megacp
+    from megacp.parallel.mpu import DeepSpeedMPU
+
+    mpu = DeepSpeedMPU(megacp.initialize(config))
+    out = {}
+    for prefix in ("expert_parallel", "expert_data_parallel"):
+        group = getattr(mpu, f"get_{prefix}_group")()
+        members = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(members, torch.tensor([rank]), group=group)
+        out[prefix] = (getattr(mpu, f"get_{prefix}_world_size")(), getattr(mpu, f"get_{prefix}_rank")(),
+                       [int(m) for m in members])
+    return out
+
+
+@pytest.mark.parametrize("include_cp", [False, True])
+def test_mpu_expert_groups_dp2_cp2(include_cp: bool) -> None:
+    """rank = dp·2 + cp: experts are sharded over dp (or dp x cp); the cp ranks (or nobody) hold the same ones."""
+    config = {"context_parallel": {"size": 2}, "expert_model_parallel": {"size": 4 if include_cp else 2,
+                                                                         "include_cp": include_cp}}
+    for rank, out in enumerate(run_distributed(_expert_groups, 4, config)):
+        dp, cp = divmod(rank, 2)
+        if include_cp:
+            assert out == {"expert_parallel": (4, rank, [0, 1, 2, 3]), "expert_data_parallel": (1, 0, [rank])}
+        else:
+            assert out == {"expert_parallel": (2, dp, [cp, cp + 2]), "expert_data_parallel": (2, cp, [2 * dp, 2 * dp + 1])}
