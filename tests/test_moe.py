@@ -44,12 +44,17 @@ def _router_counts(hf: torch.nn.Module, prompts: list[list[int]]) -> list[list[i
 
 @pytest.fixture(scope="module")
 def moe_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
-    """kind -> checkpoint dir, transformers' greedy tokens and router counts of the prompts."""
+    """kind -> checkpoint dir, the same as a megacp checkpoint of TP size 2, transformers' greedy
+    tokens and router counts of the prompts."""
+    from megacp.checkpoint.convert import main
+
     out = {}
     for kind in MOE_KINDS:
         directory = tmp_path_factory.mktemp(kind)
         hf = make_hf_model(kind, directory)
-        out[kind] = dict(path=str(directory), tokens=hf_greedy(hf, _prompts(), NEW_TOKENS),
+        megacp_dir = tmp_path_factory.mktemp(f"{kind}_megacp_tp2") / "checkpoint"
+        assert main(["hf-to-megacp", "--input", str(directory), "--output", str(megacp_dir), "--tp", "2"]) == 0
+        out[kind] = dict(path=str(directory), megacp_path=str(megacp_dir), tokens=hf_greedy(hf, _prompts(), NEW_TOKENS),
                          counts=_router_counts(hf, _prompts()))
     return out
 
@@ -89,7 +94,8 @@ def _generate(rank: int, world: int, paths: list[str], prompts: list[list[int]],
 
 
 CASES = {
-    # name: (world size, megacp config sections, ranks that hold the same tokens)
+    # name: (world size, megacp config sections, ranks that hold the same tokens); the TP case loads
+    # the TP-sharded megacp checkpoints, the others the Hugging Face directories
     "cp1_ep1": (1, {}, 1),
     "cp2_ep1": (2, {"context_parallel": {"size": 2}}, 1),
     "cp1_ep2": (2, {"expert_model_parallel": {"size": 2}}, 2),
@@ -103,7 +109,7 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_generation_equals_transformers_and_dispatch_reaches_owners(case: str, moe_models: dict) -> None:
     world, config, replicas = CASES[case]
-    paths = [moe_models[k]["path"] for k in MOE_KINDS]
+    paths = [moe_models[k]["megacp_path" if "tensor_model_parallel" in config else "path"] for k in MOE_KINDS]
     results = run_distributed(_generate, world, paths, _prompts(), NEW_TOKENS, config, timeout=300)
     ep = config.get("expert_model_parallel", {}).get("size") or 1
     for kind, path in zip(MOE_KINDS, paths):
@@ -134,10 +140,9 @@ def test_hf_to_megacp_to_hf_round_trip_is_exact(moe_models: dict, tmp_path: Path
 
     from megacp.checkpoint.convert import main
 
-    for kind in MOE_KINDS:
+    for kind in MOE_KINDS:  # the megacp checkpoint (TP size 2) was converted from the HF one by the fixture
         source = Path(moe_models[kind]["path"])
-        assert main(["hf-to-megacp", "--input", str(source), "--output", str(tmp_path / kind), "--tp", "2"]) == 0
-        assert main(["megacp-to-hf", "--input", str(tmp_path / kind), "--output", str(tmp_path / f"{kind}_hf")]) == 0
+        assert main(["megacp-to-hf", "--input", moe_models[kind]["megacp_path"], "--output", str(tmp_path / f"{kind}_hf")]) == 0
         before, after = load_file(source / "model.safetensors"), load_file(tmp_path / f"{kind}_hf" / "model.safetensors")
         assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before), kind
         config = json.loads((tmp_path / f"{kind}_hf" / "config.json").read_text())
