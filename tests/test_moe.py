@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed import run_distributed
+from tests.distributed import ROOT, run_distributed
 from tests.hf_models import make_hf_model
 from tests.test_generate import hf_greedy
 
@@ -99,7 +99,7 @@ CASES = {
     "cp1_ep1": (1, {}, 1),
     "cp2_ep1": (2, {"context_parallel": {"size": 2}}, 1),
     "cp1_ep2": (2, {"expert_model_parallel": {"size": 2}}, 2),
-    "cp2_ep2": (4, {"context_parallel": {"size": 2}, "expert_model_parallel": {"size": 2}}, 2),
+    "cp2_ep2": (4, json.loads((ROOT / "configs" / "cp2_ep2_moe.json").read_text()), 2),  # the shipped config
     "cp2_ep4_include_cp": (4, {"context_parallel": {"size": 2}, "expert_model_parallel": {"size": 4, "include_cp": True}}, 2),
     "cp2_tp2_ep2": (4, {"context_parallel": {"size": 2}, "tensor_model_parallel": {"size": 2},
                         "expert_model_parallel": {"size": 2}}, 1),
