@@ -240,3 +240,58 @@ def test_mpu_expert_groups_dp2_cp2(include_cp: bool) -> None:
             assert out == {"expert_parallel": (4, rank, [0, 1, 2, 3]), "expert_data_parallel": (1, 0, [rank])}
         else:
             assert out == {"expert_parallel": (2, dp, [cp, cp + 2]), "expert_data_parallel": (2, cp, [2 * dp, 2 * dp + 1])}
+
+
+# --------------------------------------------------------------------------------------- training
+
+
+def _moe_config() -> "ModelConfig":
+    """Qwen2-MoE without Q/K/V bias: a key bias's exact gradient is 0 (it shifts all of a query's
+    scores alike), and AdamW would turn its rounding noise into CP-dependent updates."""
+    from megacp.models import ModelConfig
+
+    return ModelConfig(architecture="qwen2_moe", vocab_size=80, hidden_size=32, intermediate_size=64, num_layers=3,
+                       num_heads=4, num_kv_heads=2, max_position_embeddings=64, num_experts=4,
+                       num_experts_per_tok=2, moe_intermediate_size=24, norm_topk_prob=False,
+                       shared_expert_intermediate_size=40, mlp_only_layers=[1])
+
+
+def _train_worker(rank: int, world: int, cp: int, tp: int) -> dict:
+    from megacp import swap_attention
+    from megacp.parallel.layout import ParallelLayout
+    from megacp.parallel.state import ParallelState
+    from tests.test_train_equivalence import _model, _train
+
+    state = ParallelState.build(ParallelLayout(cp=cp, tp=tp))
+    model = _model(_moe_config(), state.group("tp") if tp > 1 else None)
+    swap_attention(model, state)
+    losses, _, first = _train(model, cp, state.rank_in("cp"), state.group("cp"), check_recompute=True)
+    return dict(losses=losses, first=first, tp_rank=state.rank_in("tp"),
+                params={n: p.detach() for n, p in model.state_dict().items()})
+
+
+@pytest.mark.parametrize(("cp", "tp"), [(2, 1), (2, 2)], ids=["cp2", "cp2xtp2"])
+def test_moe_training_under_cp_equals_single_process(cp: int, tp: int) -> None:
+    """20 AdamW steps (router, experts and shared expert included) at CP 2 (x TP 2, every rank
+    holding every expert) give CP = 1's losses and parameters (tolerances of test_train_equivalence)."""
+    from megacp.checkpoint.tp import is_replicated, merge_shards
+    from tests.reference import rel_err
+    from tests.test_train_equivalence import ELEMENT_RTOL, RTOL, _model, _train
+
+    torch.set_num_threads(1)
+    reference = _model(_moe_config())
+    ref_losses, _, _ = _train(reference, 1, 0, None)
+    results = run_distributed(_train_worker, cp * tp, cp, tp, timeout=300)
+    for res in results:
+        assert rel_err(torch.tensor(res["losses"], dtype=torch.float64),
+                       torch.tensor(ref_losses, dtype=torch.float64)) <= RTOL, (res["losses"], ref_losses)
+    group = sorted(results[:tp], key=lambda r: r["tp_rank"])  # the TP ranks of CP rank 0
+    for name, grad in group[0]["first"].items():
+        if is_replicated(name):  # router and experts too: one full gradient on every TP rank
+            assert all(rel_err(other["first"][name], grad) <= 1e-6 for other in group[1:]), name
+    for name, want in reference.state_dict().items():
+        got = merge_shards(_moe_config(), name, [r["params"][name] for r in group])
+        norm_err = float((got - want).norm() / want.norm())
+        assert norm_err <= RTOL and rel_err(got, want) <= ELEMENT_RTOL, (name, norm_err, rel_err(got, want))
+    start = _model(_moe_config()).state_dict()
+    assert rel_err(reference.state_dict()["layers.0.moe.router_weight"], start["layers.0.moe.router_weight"]) > 1e-2
