@@ -341,7 +341,7 @@ def hf_to_megacp(
     hf_shapes = hf_parameter_shapes(cfg)
     for name, shape in shapes.items():
         parts = [_checked(source, get(source), hf_shapes[source]) for source in hf_names_of(name, cfg)]
-        yield name, parts[0] if len(parts) == 1 else torch.cat(parts).view(shape)
+        yield name, (parts[0] if len(parts) == 1 else torch.cat(parts)).view(shape)
 
 
 def megacp_to_hf(

@@ -1,5 +1,6 @@
 """Building a :class:`CausalLM` from a :class:`ModelConfig`, with torch or Transformer Engine
-layers (random weights, or a ``meta`` skeleton for a loader to fill)."""
+layers (random weights, or a ``meta`` skeleton for a loader to fill), and the expert-parallel group
+an MoE model's experts are sharded over."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ from megacp.models.config import ModelConfig
 from megacp.models.llama import CausalLM
 from megacp.models.moe import ep_world_size, local_experts
 from megacp.models.ops import tp_world_size
-from megacp.parallel.state import ParallelState
 from megacp.models.te_model import build_te_model, te_import_error
+from megacp.parallel.state import ParallelState
 
 Backend = Literal["auto", "torch", "te"]
 MODEL_BUILDERS = ("auto", "torch", "te")
