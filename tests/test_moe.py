@@ -20,12 +20,12 @@ from tests.test_generate import hf_greedy
 
 MOE_KINDS = ("mixtral", "qwen2_moe")
 NEW_TOKENS = 5
-PROMPT_LENS = (29, 7, 18)  # a ragged batch
+PROMPT_LENS = (29, 1, 18)  # a ragged batch; alone, the 1-token prompt leaves CP rank 1 without tokens
 CHUNK = 8  # chunked prefill: later chunks attend a sharded cache
 
 
 def _prompts() -> list[list[int]]:
-    g = torch.Generator().manual_seed(5)
+    g = torch.Generator().manual_seed(6)  # no greedy EOS (transformers suppresses it below min_new_tokens)
     return [torch.randint(3, 256, (n,), generator=g).tolist() for n in PROMPT_LENS]
 
 
@@ -60,8 +60,9 @@ def moe_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
 
 
 def _generate(rank: int, world: int, paths: list[str], prompts: list[list[int]], new: int, config: dict) -> dict:
-    """Per model: greedy tokens (whole and chunked prefill) and, for one prefill of the whole batch,
-    this rank's first expert and token copies per local expert of each MoE layer."""
+    """Per model: greedy tokens (whole and chunked prefill, and of the 1-token prompt alone) and, for
+    one prefill of the whole batch, this rank's first expert and token copies per local expert of
+    each MoE layer."""
     import megacp
     from megacp.checkpoint import load_model
     from megacp.generate import Generator, SamplingParams
@@ -79,16 +80,16 @@ def _generate(rank: int, world: int, paths: list[str], prompts: list[list[int]],
         megacp.swap_attention(model, state)
         moe = [m for m in model.modules() if isinstance(m, MoEMLP)]
 
-        def run(chunk: int, tokens: int) -> list[list[int]]:
+        def run(chunk: int, tokens: int, batch: list[list[int]] = prompts) -> list[list[int]]:
             gen = Generator(model, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads // tp, head_dim=cfg.head_dim,
                             ring=ring, device=torch.device("cpu"), dtype=torch.float32, prefill_chunk=chunk)
-            return gen.generate(prompts, SamplingParams(max_new_tokens=tokens)).tokens
+            return gen.generate(batch, SamplingParams(max_new_tokens=tokens)).tokens
 
-        whole, chunked = run(0, new), run(CHUNK, new)
+        whole, chunked, alone = run(0, new), run(CHUNK, new), run(0, new, prompts[1:2])
         for m in moe:
             m.expert_tokens.zero_()
         run(0, 1)  # one prefill step, no decode
-        out[path] = dict(whole=whole, chunked=chunked, first=moe[0].first_expert,
+        out[path] = dict(whole=whole, chunked=chunked, alone=alone, first=moe[0].first_expert,
                          counts=[m.expert_tokens.tolist() for m in moe])
     return out
 
@@ -118,6 +119,7 @@ def test_generation_equals_transformers_and_dispatch_reaches_owners(case: str, m
             got = rank_result[path]
             assert got["whole"] == expected["tokens"], (case, kind, "whole")
             assert got["chunked"] == expected["tokens"], (case, kind, "chunked")
+            assert got["alone"] == expected["tokens"][1:2], (case, kind, "alone")
         # Each rank counts only the experts it owns; summed over the owners of each expert, the copies
         # equal the router's top-k over the whole batch, once per replica of the batch.
         local = 4 // ep

@@ -182,7 +182,7 @@ class MoEMLP(nn.Module):
         out = self._run_experts(received, recv_per_expert)
         if self.ep_size > 1:
             out = all_to_all(out, recv_split, send_split, self.ep_group)
-        return torch.empty_like(out).index_copy(0, order, out).view(t, k, -1)
+        return torch.empty_like(out).index_copy(0, order, out).view(t, k, h.shape[1])
 
     def _run_experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """This rank's experts applied to ``rows`` [R, H], which arrive source by source, each
