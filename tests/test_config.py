@@ -16,6 +16,7 @@ CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 SHIPPED = {
     "cp2.json": (2, ParallelLayout(cp=2)),
     "cp4.json": (4, ParallelLayout(cp=4)),
+    "cp2_ep2_moe.json": (4, ParallelLayout(cp=2, dp=2)),
     "cp2_tp2.json": (4, ParallelLayout(cp=2, tp=2)),
     "cp2_tp2_dp2_ep.json": (8, ParallelLayout(cp=2, tp=2, dp=2)),
     "cpu_demo.json": (2, ParallelLayout(cp=2)),
