@@ -3,7 +3,9 @@
 Generation at CP 1/2 x EP 1/2 (EP over dp, over dp x cp, and over tp) equals transformers' greedy
 tokens on a ragged batch, whole and chunked prefill; the all-to-all dispatch delivers every token
 copy to the rank that owns its expert (counts against transformers' own router top-k); checkpoints
-convert HF -> megacp -> HF bit for bit; bad sizes get one clear line.
+convert HF -> megacp -> HF bit for bit; the mpu names the expert groups; training with every expert on
+every rank under CP (x TP) equals CP = 1; sharded-expert training, GGUF MoE files and bad sizes get
+one clear line.
 """
 
 from __future__ import annotations
