@@ -21,9 +21,10 @@ error instead of being silently ignored.
 The data-parallel size is not configured: it is what the world size leaves
 (:meth:`megacp.parallel.ParallelLayout.from_config`). Sizes of a dimension that no megacp code
 uses are refused rather than ignored: no megacp model has pipeline stages
-(``pipeline_model_parallel.size`` must be 1) or expert layers (``expert_model_parallel.size`` may
-only be 1 or null; ``include_cp`` still decides which ranks ``ParallelState.group("ep")`` holds for
-a caller's own expert layers).
+(``pipeline_model_parallel.size`` must be 1). ``expert_model_parallel.size`` > 1 shards the experts
+of a mixture-of-experts model over ``ParallelState.group("ep")`` (``include_cp`` decides which ranks
+it holds; the size must equal that group's); null keeps every expert on every rank, and a dense
+model refuses a size > 1 when it is built (:func:`megacp.models.build.check_ep_size`).
 
 The ``runtime`` section holds the knobs of the running job; :func:`with_env_overrides` applies the
 environment variables ``MEGACP_ATTN_BACKEND``, ``MEGACP_RING_TRANSPORT``, ``MEGACP_PEER_WINDOW_MB``
@@ -128,9 +129,9 @@ class ExpertModelParallelConfig(_Section):
     """``expert_model_parallel``: the expert-parallel group.
 
     Attributes:
-        size: expected EP group size, checked against the mesh by
-            :meth:`megacp.parallel.ParallelLayout.from_config`
-            (``None``: not checked).
+        size: the EP group size, checked against the mesh by
+            :meth:`megacp.parallel.ParallelLayout.from_config`; > 1 shards the experts of an MoE
+            model over the group (``None``: every rank holds every expert).
         include_cp: the EP group spans ``dp x cp x tp`` ranks instead of ``dp x tp``.
     """
 
@@ -158,7 +159,6 @@ ENV_OVERRIDES: dict[str, str] = {
 
 _UNUSED_SIZES: dict[str, str] = {
     "pipeline_model_parallel": "no megacp model has pipeline stages",
-    "expert_model_parallel": "no megacp model has expert layers",
 }
 """Sections whose ``size`` must be 1 (or null), and why."""
 

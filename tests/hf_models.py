@@ -2,7 +2,9 @@
 
 Every kind is small (hidden 64, 2-3 layers, 4 query / 2 KV heads, vocab 256) and covers one
 feature megacp must reproduce: Llama 3.1 ``llama3`` RoPE scaling, Qwen2 Q/K/V bias, Mistral with an
-explicit ``head_dim`` (NH*D != H) and no sliding window, and tied embeddings. Weights are drawn
+explicit ``head_dim`` (NH*D != H) and no sliding window, tied embeddings, and the mixture-of-experts
+Mixtral (4 experts, top-2) and Qwen2-MoE (4 experts, top-2 without renormalisation, a shared
+expert, a dense middle layer). Weights are drawn
 large enough (std 0.1, norms around 1, non-zero biases) that attention is far from uniform, so a
 wrong RoPE position or a misplaced tensor changes the logits visibly.
 """
@@ -64,6 +66,19 @@ KINDS: dict[str, tuple[str, str, dict[str, Any]]] = {
         "LlamaConfig",
         dict(num_hidden_layers=2, tie_word_embeddings=True,
              rope_parameters=dict(rope_type="linear", rope_theta=10000.0, factor=2.0)),
+    ),
+    "mixtral": (
+        "MixtralForCausalLM",
+        "MixtralConfig",
+        dict(num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2, sliding_window=None,
+             rope_parameters=dict(rope_type="default", rope_theta=10000.0)),
+    ),
+    "qwen2_moe": (
+        "Qwen2MoeForCausalLM",
+        "Qwen2MoeConfig",
+        dict(num_hidden_layers=3, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+             shared_expert_intermediate_size=80, mlp_only_layers=[1], norm_topk_prob=False,
+             use_sliding_window=False, rope_parameters=dict(rope_type="default", rope_theta=10000.0)),
     ),
 }
 

@@ -121,7 +121,8 @@ def test_initialize_from_path_and_errors(tmp_path: Path) -> None:
         assert out["errors"] == {
             "cp3": "context_parallel.size x tensor_model_parallel.size x pipeline_model_parallel.size "
                    "= 3 x 1 x 1 = 3 does not divide the world size 4; allowed: sizes whose product divides 4",
-            "ep": "expert_model_parallel.size: got 3; no megacp model has expert layers; allowed values: 1",
+            "ep": "expert_model_parallel.size: 3 does not match the expert-parallel group of "
+                  "ext_dp1 x dp4 x pp1 x cp1 x tp1 = 4 ranks (dp x tp = 4 ranks); allowed value: 4",
             "backend": "torch.distributed is already initialised with backend 'gloo', not 'nccl'",
             "build": "layout ext_dp1 x dp1 x pp1 x cp8 x tp1 = 8 ranks needs 8 ranks, but the world size is 4",
         }

@@ -9,6 +9,9 @@ as for Hugging Face checkpoints.
 llama.cpp's converter reorders the rows of each Q and K head of ``llama`` models so that the two
 rotary halves interleave (row ``2j + half`` holds Hugging Face row ``half * D/2 + j``); the reader
 undoes that per head (query heads for Q, KV heads for K). ``qwen2`` files are stored unpermuted.
+
+Mixture-of-experts files (``llama`` with ``expert_count``, i.e. Mixtral; ``qwen2moe``) are refused:
+load their Hugging Face checkpoints.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from megacp.checkpoint.hf import hf_to_megacp
 from megacp.models.config import ModelConfig
 
 _ARCHITECTURES = ("llama", "qwen2")
+_MOE_ARCHITECTURES = ("qwen2moe", "qwen3moe", "mixtral")  # llama.cpp files Mixtral as llama + expert_count
 # GGUF name inside ``blk.{i}.`` -> Hugging Face name inside ``model.layers.{i}.``.
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -89,6 +93,12 @@ def load_gguf(
 def config_from_gguf(reader: GGUFReader) -> ModelConfig:
     """The :class:`ModelConfig` described by a GGUF file's metadata."""
     arch = _field(reader, "general.architecture")
+    experts = _field(reader, f"{arch}.expert_count", 0)
+    if arch in _MOE_ARCHITECTURES or experts:
+        raise CheckpointError(
+            f"GGUF mixture-of-experts models ({arch}, {experts} experts) are not supported; "
+            "convert the Hugging Face checkpoint instead"
+        )
     if arch not in _ARCHITECTURES:
         raise CheckpointError(
             f"unsupported GGUF architecture {arch!r}; supported: {', '.join(_ARCHITECTURES)}"

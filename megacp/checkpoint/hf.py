@@ -1,7 +1,11 @@
 """Hugging Face checkpoints: config translation, name mapping, streaming reader and writer.
 
 Supported models are ``LlamaForCausalLM`` (Llama 2/3/3.1, SmolLM), ``MistralForCausalLM`` (without
-a sliding window shorter than the context) and ``Qwen2ForCausalLM`` (Q/K/V bias). Both config
+a sliding window shorter than the context), ``Qwen2ForCausalLM`` (Q/K/V bias) and the
+mixture-of-experts ``MixtralForCausalLM`` and ``Qwen2MoeForCausalLM`` (shared expert, dense
+``mlp_only_layers``), whose experts are stored one tensor per expert and projection, as transformers
+saves them (``block_sparse_moe.experts.{e}.w1/w2/w3`` and ``mlp.experts.{e}.gate_proj/up_proj/down_proj``);
+megacp stacks them over the experts (:mod:`megacp.models.moe`). Both config
 styles occur in the wild and are read: transformers 4 (``rope_theta`` + ``rope_scaling``) and
 transformers 5 (``rope_parameters`` holding ``rope_theta``); :func:`config_to_hf` writes both.
 
@@ -13,6 +17,7 @@ holds more than a couple of tensors of the model.
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -29,10 +34,16 @@ from megacp.checkpoint.tokenizer_files import TokenizerSource, write_tokenizer
 from megacp.models.config import ModelConfig
 from megacp.models.schema import parameter_shapes
 
-_HF_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_HF_CLASSES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+}
 _ARCH_OF_CLASS = {cls: arch for arch, cls in _HF_CLASSES.items()}
 # The transformers defaults of ``max_position_embeddings`` when a config.json omits it.
-_DEFAULT_MAX_POSITIONS = {"llama": 2048, "mistral": 131072, "qwen2": 32768}
+_DEFAULT_MAX_POSITIONS = {"llama": 2048, "mistral": 131072, "qwen2": 32768, "mixtral": 131072, "qwen2_moe": 32768}
 _ROPE_PARAMETERS = {
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
     "linear": ("factor",),
@@ -52,6 +63,26 @@ _LAYER_NAMES = {
     "layernorm_mlp.layer_norm_weight": ("post_attention_layernorm.weight",),
     "layernorm_mlp.fc1_weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
     "layernorm_mlp.fc2_weight": ("mlp.down_proj.weight",),
+}
+# megacp MoE name suffix inside ``layers.{i}.moe.`` -> Hugging Face suffixes inside
+# ``model.layers.{i}.`` per architecture; ``{e}`` runs over the experts (expert-major, then the listed
+# projections), and the parts are stacked along dim 0 and viewed as the megacp shape.
+_MOE_NAMES = {
+    "mixtral": {
+        "layer_norm_weight": ("post_attention_layernorm.weight",),
+        "router_weight": ("block_sparse_moe.gate.weight",),
+        "expert_fc1_weight": ("block_sparse_moe.experts.{e}.w1.weight", "block_sparse_moe.experts.{e}.w3.weight"),
+        "expert_fc2_weight": ("block_sparse_moe.experts.{e}.w2.weight",),
+    },
+    "qwen2_moe": {
+        "layer_norm_weight": ("post_attention_layernorm.weight",),
+        "router_weight": ("mlp.gate.weight",),
+        "expert_fc1_weight": ("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight"),
+        "expert_fc2_weight": ("mlp.experts.{e}.down_proj.weight",),
+        "shared_fc1_weight": ("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight"),
+        "shared_fc2_weight": ("mlp.shared_expert.down_proj.weight",),
+        "shared_gate_weight": ("mlp.shared_expert_gate.weight",),
+    },
 }
 _GLOBAL_NAMES = {
     "embedding.weight": ("model.embed_tokens.weight",),
@@ -77,7 +108,7 @@ def config_from_hf(hf_config: dict[str, Any]) -> ModelConfig:
         raise CheckpointError(f"hidden_act={hf_config['hidden_act']!r} is not supported (only 'silu')")
     if hf_config.get("mlp_bias"):
         raise CheckpointError("mlp_bias=true is not supported: megacp's MLP has no bias")
-    if arch != "qwen2" and hf_config.get("attention_bias"):
+    if arch not in ("qwen2", "qwen2_moe") and hf_config.get("attention_bias"):
         raise CheckpointError(
             f"attention_bias=true is not supported for {arch} (it adds an o_proj bias megacp lacks)"
         )
@@ -85,6 +116,7 @@ def config_from_hf(hf_config: dict[str, Any]) -> ModelConfig:
     max_positions = hf_config.get("max_position_embeddings") or _DEFAULT_MAX_POSITIONS[arch]
     _check_sliding_window(arch, hf_config, max_positions)
     rope_theta, rope_scaling = _rope_from_hf(hf_config)
+    moe = _moe_from_hf(arch, hf_config)
     try:
         return ModelConfig(
             architecture=arch,
@@ -99,10 +131,11 @@ def config_from_hf(hf_config: dict[str, Any]) -> ModelConfig:
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=max_positions,
-            attention_bias=arch == "qwen2",
+            attention_bias=arch == "qwen2" or (arch == "qwen2_moe" and bool(hf_config.get("qkv_bias", True))),
             tie_word_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
             bos_token_id=hf_config.get("bos_token_id"),
             eos_token_id=hf_config.get("eos_token_id"),
+            **moe,
         )
     except (ValueError, TypeError) as err:
         raise CheckpointError(f"invalid Hugging Face config: {err}") from None
@@ -139,11 +172,50 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     }
     if cfg.architecture == "llama":
         hf_config.update(attention_bias=False, mlp_bias=False)
-    elif cfg.architecture == "mistral":
+    elif cfg.architecture in ("mistral", "mixtral"):
         hf_config["sliding_window"] = None
     else:
         hf_config.update(use_sliding_window=False, sliding_window=None)
+    if cfg.architecture == "mixtral":
+        hf_config.update(num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
+                         router_jitter_noise=0.0)
+    elif cfg.architecture == "qwen2_moe":
+        hf_config.update(
+            num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
+            moe_intermediate_size=cfg.moe_intermediate_size, norm_topk_prob=cfg.norm_topk_prob,
+            shared_expert_intermediate_size=cfg.shared_expert_intermediate_size,
+            decoder_sparse_step=cfg.decoder_sparse_step, mlp_only_layers=list(cfg.mlp_only_layers),
+            qkv_bias=cfg.attention_bias,
+        )
     return hf_config
+
+
+def _moe_from_hf(arch: str, hf_config: dict[str, Any]) -> dict[str, Any]:
+    """The :class:`ModelConfig` expert fields of a Mixtral or Qwen2-MoE config (none for dense ones)."""
+    if arch == "mixtral":
+        if hf_config.get("router_jitter_noise"):
+            raise CheckpointError(
+                f"router_jitter_noise={hf_config['router_jitter_noise']} is not supported (only 0)"
+            )
+        return dict(
+            num_experts=_required(hf_config, "num_local_experts"),
+            num_experts_per_tok=_required(hf_config, "num_experts_per_tok"),
+            norm_topk_prob=True,
+        )
+    if arch == "qwen2_moe":
+        mlp_only = hf_config.get("mlp_only_layers") or []
+        if not isinstance(mlp_only, list) or any(type(i) is not int for i in mlp_only):
+            raise CheckpointError(f"the Hugging Face config's 'mlp_only_layers' must list layer indices, got {mlp_only!r}")
+        return dict(
+            num_experts=_required(hf_config, "num_experts"),
+            num_experts_per_tok=_required(hf_config, "num_experts_per_tok"),
+            moe_intermediate_size=_required(hf_config, "moe_intermediate_size"),
+            norm_topk_prob=bool(hf_config.get("norm_topk_prob", False)),
+            shared_expert_intermediate_size=_required(hf_config, "shared_expert_intermediate_size"),
+            decoder_sparse_step=hf_config.get("decoder_sparse_step", 1),
+            mlp_only_layers=list(mlp_only),
+        )
+    return {}
 
 
 def _architecture(hf_config: dict[str, Any]) -> str:
@@ -176,7 +248,9 @@ def _required(hf_config: dict[str, Any], key: str) -> int:
 def _check_sliding_window(arch: str, hf_config: dict[str, Any], max_positions: int) -> None:
     # transformers' MistralConfig defaults to a 4096-token window when config.json omits the key.
     window = hf_config.get("sliding_window", 4096 if arch == "mistral" else None)
-    uses_window = arch == "mistral" or (arch == "qwen2" and hf_config.get("use_sliding_window"))
+    uses_window = arch in ("mistral", "mixtral") or (
+        arch in ("qwen2", "qwen2_moe") and hf_config.get("use_sliding_window")
+    )
     if uses_window and window is not None and window < max_positions:
         raise CheckpointError(
             f"sliding_window={window} is smaller than max_position_embeddings={max_positions}: "
@@ -214,23 +288,36 @@ def _rope_from_hf(hf_config: dict[str, Any]) -> tuple[float, dict[str, Any] | No
 # --------------------------------------------------------------------------------- name mapping
 
 
-def hf_names_of(megacp_name: str) -> tuple[str, ...]:
-    """The Hugging Face tensor names that make up one megacp tensor (two for ``fc1_weight``)."""
+def hf_names_of(megacp_name: str, cfg: ModelConfig | None = None) -> tuple[str, ...]:
+    """The Hugging Face tensor names that make up one megacp tensor, in stacking order (two for
+    ``fc1_weight``; per expert for the expert tensors of an MoE layer, which need ``cfg``)."""
     if megacp_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[megacp_name]
     prefix, index, suffix = (megacp_name.split(".", 2) + ["", ""])[:3]
+    if prefix == "layers" and index.isdigit() and suffix.startswith("moe.") and cfg is not None:
+        parts = _MOE_NAMES.get(cfg.architecture, {}).get(suffix[len("moe."):])
+        if parts is not None:
+            experts = range(cfg.num_experts) if "{e}" in parts[0] else [0]
+            return tuple(f"model.layers.{index}.{part.format(e=e)}" for e in experts for part in parts)
     if prefix != "layers" or not index.isdigit() or suffix not in _LAYER_NAMES:
         raise CheckpointError(f"{megacp_name!r} is not a megacp parameter name")
     return tuple(f"model.layers.{index}.{part}" for part in _LAYER_NAMES[suffix])
+
+
+def _part_shape(shape: tuple[int, ...], parts: int) -> tuple[int, ...]:
+    """The shape of each of ``parts`` Hugging Face tensors stacked into a megacp tensor of ``shape``."""
+    if parts == 1 and len(shape) < 3:
+        return shape
+    return (math.prod(shape[:-1]) // parts, shape[-1])
 
 
 def hf_parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every Hugging Face tensor of ``cfg`` with its shape, in megacp's canonical order."""
     shapes: dict[str, tuple[int, ...]] = {}
     for name, shape in parameter_shapes(cfg).items():
-        sources = hf_names_of(name)
+        sources = hf_names_of(name, cfg)
         for source in sources:
-            shapes[source] = (shape[0] // len(sources), *shape[1:])
+            shapes[source] = _part_shape(shape, len(sources))
     return shapes
 
 
@@ -252,15 +339,16 @@ def hf_to_megacp(
     shapes = parameter_shapes(cfg)
     _check_names(cfg, shapes, set(names), hf=True)
     hf_shapes = hf_parameter_shapes(cfg)
-    for name in shapes:
-        parts = [_checked(source, get(source), hf_shapes[source]) for source in hf_names_of(name)]
-        yield name, parts[0] if len(parts) == 1 else torch.cat(parts)
+    for name, shape in shapes.items():
+        parts = [_checked(source, get(source), hf_shapes[source]) for source in hf_names_of(name, cfg)]
+        yield name, (parts[0] if len(parts) == 1 else torch.cat(parts)).view(shape)
 
 
 def megacp_to_hf(
     cfg: ModelConfig, get: Getter, names: Iterable[str]
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Stream the Hugging Face tensors of a megacp checkpoint (``fc1`` is split into gate and up).
+    """Stream the Hugging Face tensors of a megacp checkpoint (``fc1`` is split into gate and up,
+    stacked expert tensors into one tensor per expert).
 
     ``names`` are the megacp names present; Transformer Engine ``_extra_state`` entries are ignored.
 
@@ -270,19 +358,19 @@ def megacp_to_hf(
     shapes = parameter_shapes(cfg)
     _check_names(cfg, shapes, set(names), hf=False)
     for name, shape in shapes.items():
-        targets = hf_names_of(name)
+        targets = hf_names_of(name, cfg)
         tensor = _checked(name, get(name), shape)
-        if len(targets) == 1:
+        if len(targets) == 1 and len(shape) < 3:
             yield targets[0], tensor
         else:
-            for target, part in zip(targets, tensor.chunk(len(targets))):
+            for target, part in zip(targets, tensor.reshape(-1, shape[-1]).chunk(len(targets))):
                 yield target, part.clone()
 
 
 def _check_names(
     cfg: ModelConfig, shapes: dict[str, tuple[int, ...]], present: set[str], *, hf: bool
 ) -> None:
-    expected = [source for name in shapes for source in hf_names_of(name)] if hf else list(shapes)
+    expected = [source for name in shapes for source in hf_names_of(name, cfg)] if hf else list(shapes)
     missing = [name for name in expected if name not in present]
     if missing:
         raise CheckpointError(_first_of("missing", missing))
@@ -290,7 +378,7 @@ def _check_names(
     if unexpected:
         features = (", tied embeddings" if cfg.tie_word_embeddings else "") + (
             ", Q/K/V bias" if cfg.attention_bias else ""
-        )
+        ) + (f", {cfg.num_experts} experts" if cfg.num_experts else "")
         raise CheckpointError(
             f"{_first_of('unexpected', unexpected)}: not part of a {cfg.architecture} model with "
             f"{cfg.num_layers} layers{features}"

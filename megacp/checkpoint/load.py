@@ -24,8 +24,8 @@ from megacp.checkpoint.errors import CheckpointError
 from megacp.checkpoint.hf import hf_to_megacp, open_hf_checkpoint
 from megacp.checkpoint.megacp_format import MANIFEST, load_megacp_checkpoint
 from megacp.checkpoint.tokenizer_files import TokenizerSource
-from megacp.checkpoint.tp import check_tp_size, shard_tensor
-from megacp.models.build import Backend, build_model, resolve_backend, tp_rank_and_size
+from megacp.checkpoint.tp import check_ep_rank, check_tp_size, shard_experts, shard_tensor
+from megacp.models.build import Backend, build_model, ep_rank_and_size, resolve_backend, tp_rank_and_size
 from megacp.models.config import ModelConfig
 from megacp.models.llama import CausalLM
 
@@ -42,6 +42,7 @@ def load_model(
     dtype: torch.dtype,
     device: Any,
     tp_group: ProcessGroup | None = None,
+    ep_group: ProcessGroup | None = None,
     backend: Backend = "auto",
 ) -> tuple[CausalLM, ModelConfig, TokenizerSource]:
     """Load a model for inference from a Hugging Face directory, a megacp checkpoint or a GGUF file.
@@ -51,6 +52,8 @@ def load_model(
             with ``megacp_checkpoint.json`` (megacp, any stored TP size), or a ``.gguf`` file.
         dtype / device: of the parameters.
         tp_group: this rank's tensor-parallel group (weights are sharded for its rank).
+        ep_group: this rank's expert-parallel group: an MoE model keeps only its rank's experts
+            (:func:`~megacp.models.build.expert_parallel_group`); a dense model refuses a size > 1.
         backend: see :func:`resolve_backend`.
 
     Returns:
@@ -59,12 +62,13 @@ def load_model(
         :func:`~megacp.checkpoint.gguf.load_gguf` builds from a GGUF file's vocabulary, or ``None``.
 
     Raises:
-        CheckpointError: the path is none of the above, or its contents are invalid.
+        CheckpointError: the path is none of the above, its contents are invalid, or the model
+            cannot be split over ``tp_group`` / ``ep_group``.
     """
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"{path} does not exist")
-    build = dict(dtype=dtype, device=device, backend=backend, tp_group=tp_group)
+    build = dict(dtype=dtype, device=device, backend=backend, tp_group=tp_group, ep_group=ep_group)
     if path.is_file() and path.suffix == ".gguf":
         from megacp.checkpoint.gguf import load_gguf  # needs the optional `gguf` package
 
@@ -111,20 +115,26 @@ def _load(
     device: Any,
     backend: Backend,
     tp_group: ProcessGroup | None,
+    ep_group: ProcessGroup | None,
 ) -> CausalLM:
     """Build the model of ``cfg`` and fill it from ``tensors`` (megacp names), in eval mode.
 
     Args:
         tensors: full tensors (``sharded=False``; this rank's part is cut out of each as it
-            arrives) or this TP rank's parts already (``sharded=True``).
+            arrives) or this TP rank's parts already (``sharded=True``); either way the routed
+            experts are cut to this EP rank's as they arrive.
 
     Raises:
         CheckpointError: a parameter is missing (TE ``_extra_state`` aside) or a name is unexpected.
     """
     tp_rank, tp_size = tp_rank_and_size(tp_group)
+    ep_rank, ep_size = ep_rank_and_size(ep_group)
     check_tp_size(cfg, tp_size)
+    check_ep_rank(cfg, ep_rank, ep_size)
     if not sharded and tp_size > 1:
         tensors = ((name, shard_tensor(cfg, name, t, tp_rank, tp_size)) for name, t in tensors)
+    if ep_size > 1:
+        tensors = ((name, shard_experts(name, t, ep_rank, ep_size)) for name, t in tensors)
     if resolve_backend(cfg, device, backend) == "te":
         # TE modules allocate on the device themselves: copy into them one tensor at a time.
         model = build_model(cfg, dtype=dtype, device=device, backend="te", tp_group=tp_group)
@@ -150,7 +160,7 @@ def _load(
             name: t.to(device=device, dtype=dtype, copy=True, memory_format=torch.contiguous_format)
             for name, t in tensors
         }
-        model = build_model(cfg, dtype=dtype, device="meta", backend="torch", tp_group=tp_group)
+        model = build_model(cfg, dtype=dtype, device="meta", backend="torch", tp_group=tp_group, ep_group=ep_group)
         result = model.load_state_dict(state, strict=False, assign=True)
         missing, unexpected = result.missing_keys, result.unexpected_keys
     missing = [name for name in missing if not name.endswith("_extra_state")]

@@ -8,6 +8,10 @@ Rules, by parameter (rank r of t holds the r-th of t equal parts):
   rank r holds ``[gate_r; up_r]`` (a local SwiGLU stays gate-then-up).
 * ``proj.weight`` and ``fc2_weight``: columns (input features), matching the heads / MLP rows above.
 * norms, ``embedding.weight``, ``lm_head.weight``: replicated.
+* MoE layers: ``moe.shared_fc1_weight`` like ``fc1``, ``moe.shared_fc2_weight`` by columns; the router,
+  the shared-expert gate and the routed experts are replicated over TP (a TP shard file holds every
+  expert). Routed experts are split by *expert-parallel* rank instead, when a model is loaded
+  (:func:`shard_experts`): EP rank e of P holds experts ``[e*E/P, (e+1)*E/P)``.
 """
 
 from __future__ import annotations
@@ -17,26 +21,33 @@ from collections.abc import Sequence
 import torch
 
 from megacp.checkpoint.errors import CheckpointError
+from megacp.models.build import check_ep_size
 from megacp.models.config import ModelConfig
 
-_REPLICATED = ("layer_norm_weight", "embedding.weight", "final_norm.weight", "lm_head.weight")
+_EXPERTS = ("moe.expert_fc1_weight", "moe.expert_fc2_weight")
+_REPLICATED = (
+    "layer_norm_weight", "embedding.weight", "final_norm.weight", "lm_head.weight",
+    "moe.router_weight", "moe.shared_gate_weight", *_EXPERTS,
+)
 # Split by output features: query rows by query heads, key/value rows by KV heads.
 _ROWS = tuple(
     f"layernorm_qkv.{proj}_{kind}" for proj in ("query", "key", "value") for kind in ("weight", "bias")
 )
-_FC1 = "layernorm_mlp.fc1_weight"
-_COLUMNS = ("self_attention.proj.weight", "layernorm_mlp.fc2_weight")
+_FC1 = ("layernorm_mlp.fc1_weight", "moe.shared_fc1_weight")
+_COLUMNS = ("self_attention.proj.weight", "layernorm_mlp.fc2_weight", "moe.shared_fc2_weight")
 
 
 def check_tp_size(cfg: ModelConfig, tp_size: int) -> None:
-    """Raise :class:`CheckpointError` unless heads, KV heads and the MLP width divide by ``tp_size``."""
+    """Raise :class:`CheckpointError` unless heads, KV heads and the dense MLP and shared-expert
+    widths divide by ``tp_size``."""
     if tp_size < 1:
         raise CheckpointError(f"tensor-parallel size must be >= 1, got {tp_size}")
-    for key, count in (
-        ("num_heads", cfg.num_heads),
-        ("num_kv_heads", cfg.num_kv_heads),
-        ("intermediate_size", cfg.intermediate_size),
-    ):
+    counts = [("num_heads", cfg.num_heads), ("num_kv_heads", cfg.num_kv_heads)]
+    if cfg.has_dense_layers:
+        counts.append(("intermediate_size", cfg.intermediate_size))
+    if cfg.num_experts:
+        counts.append(("shared_expert_intermediate_size", cfg.shared_expert_intermediate_size))
+    for key, count in counts:
         if count % tp_size:
             raise CheckpointError(f"{key}={count} is not divisible by tensor-parallel size {tp_size}")
 
@@ -117,3 +128,22 @@ def shard_shape(
     if rule in ("rows", "fc1"):
         return (shape[0] // tp_size, *shape[1:])
     return tuple(shape)
+
+
+def check_ep_rank(cfg: ModelConfig, ep_rank: int, ep_size: int) -> None:
+    """Raise :class:`CheckpointError` unless the experts of ``cfg`` split over ``ep_size`` ranks (a
+    dense model: only 1) and ``0 <= ep_rank < ep_size``."""
+    try:
+        check_ep_size(cfg, ep_size)
+    except ValueError as err:
+        raise CheckpointError(str(err)) from None
+    if not 0 <= ep_rank < ep_size:
+        raise CheckpointError(f"expert-parallel rank {ep_rank} is outside [0, {ep_size})")
+
+
+def shard_experts(name: str, tensor: torch.Tensor, ep_rank: int, ep_size: int) -> torch.Tensor:
+    """The experts of the full stacked expert tensor ``name`` [E, ...] held by EP rank ``ep_rank``
+    of ``ep_size`` (a view); any other tensor is returned as given."""
+    if ep_size == 1 or not name.endswith(_EXPERTS):
+        return tensor
+    return tensor.chunk(ep_size, dim=0)[ep_rank]

@@ -1,8 +1,8 @@
 """The architecture description shared by models, checkpoints and generation.
 
 One :class:`ModelConfig` describes every member of the Llama family megacp runs: Llama 2/3/3.1
-(``llama3`` rope scaling), Mistral (no sliding window), Qwen2 (QKV bias) and SmolLM-style tied
-embeddings. It is a plain dataclass so that it serialises to JSON in megacp checkpoints.
+(``llama3`` rope scaling), Mistral (no sliding window), Qwen2 (QKV bias), SmolLM-style tied
+embeddings, and the mixture-of-experts members Mixtral and Qwen2-MoE (``num_experts > 0``). It is a plain dataclass so that it serialises to JSON in megacp checkpoints.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-ARCHITECTURES = ("llama", "mistral", "qwen2")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "mixtral", "qwen2_moe")
 
 
 @dataclass
@@ -36,6 +36,15 @@ class ModelConfig:
         attention_bias: Q/K/V projections carry a bias (Qwen2).
         tie_word_embeddings: the LM head reuses the embedding matrix (no ``lm_head.weight``).
         bos_token_id / eos_token_id: special tokens (``eos_token_id`` may list several).
+        num_experts: routed experts E of each MoE layer (0: a dense model).
+        num_experts_per_tok: experts k each token is routed to (top-k of the router's softmax).
+        moe_intermediate_size: SwiGLU inner width of one expert (``intermediate_size`` unless given).
+        norm_topk_prob: the k routing weights are renormalised to sum to 1 (always for Mixtral).
+        shared_expert_intermediate_size: width of the always-on shared expert whose output is
+            scaled by a sigmoid gate (Qwen2-MoE; 0: none).
+        decoder_sparse_step / mlp_only_layers: layer i (0-based) is an MoE layer when
+            ``(i + 1) % decoder_sparse_step == 0`` and i is not in ``mlp_only_layers`` (Qwen2-MoE's
+            rule; every layer for Mixtral); other layers have the dense MLP of ``intermediate_size``.
         extra: free-form metadata saved and loaded with a megacp checkpoint's config; megacp
             itself reads none of it (every saved manifest has the key, so it stays).
     """
@@ -56,6 +65,13 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int | None = None
+    norm_topk_prob: bool = True
+    shared_expert_intermediate_size: int = 0
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list[int] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -71,6 +87,29 @@ class ModelConfig:
                 f"ModelConfig.num_heads={self.num_heads} is not a multiple of "
                 f"num_kv_heads={self.num_kv_heads}"
             )
+
+        if self.num_experts < 0 or (self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts):
+            raise ValueError(
+                f"ModelConfig.num_experts_per_tok={self.num_experts_per_tok} must be in [1, "
+                f"num_experts={self.num_experts}]"
+            )
+        if self.decoder_sparse_step < 1:
+            raise ValueError(f"ModelConfig.decoder_sparse_step={self.decoder_sparse_step} must be >= 1")
+        if self.num_experts and self.moe_intermediate_size is None:
+            self.moe_intermediate_size = self.intermediate_size
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether decoder layer ``index`` (0-based) has routed experts instead of the dense MLP."""
+        return (
+            self.num_experts > 0
+            and (index + 1) % self.decoder_sparse_step == 0
+            and index not in self.mlp_only_layers
+        )
+
+    @property
+    def has_dense_layers(self) -> bool:
+        """Whether any decoder layer has the dense MLP of ``intermediate_size``."""
+        return not all(self.is_moe_layer(i) for i in range(self.num_layers))
 
     @property
     def eos_token_ids(self) -> list[int]:

@@ -1,4 +1,5 @@
-"""A Llama-family decoder (Llama 2/3/3.1, Mistral, Qwen2, tied-embedding SmolLM) in pure torch.
+"""A Llama-family decoder (Llama 2/3/3.1, Mistral, Qwen2, tied-embedding SmolLM, and the
+mixture-of-experts Mixtral and Qwen2-MoE) in pure torch.
 
 Parameter names follow Transformer Engine's ``TransformerLayer`` (``fuse_qkv_params=False``,
 RMSNorm, SwiGLU), so checkpoints are interchangeable with TE-built models
@@ -13,6 +14,7 @@ RMSNorm, SwiGLU), so checkpoints are interchangeable with TE-built models
     layers.{i}.layernorm_mlp.layer_norm_weight                     [H]
     layers.{i}.layernorm_mlp.fc1_weight                            [2F, H]  (gate rows, then up)
     layers.{i}.layernorm_mlp.fc2_weight                            [H, F]
+    layers.{i}.moe.*   instead of layernorm_mlp in an MoE layer    (:class:`~megacp.models.moe.MoEMLP`)
     final_norm.weight                                              [H]
     lm_head.weight                                                 [V, H]  (absent when tied)
 
@@ -47,77 +49,9 @@ from torch.utils.checkpoint import checkpoint
 
 from megacp.layers.attention import DotProductAttention
 from megacp.models.config import ModelConfig
+from megacp.models.moe import MoEMLP
+from megacp.models.ops import copy_to_tp, reduce_from_tp, rms_norm, swiglu, tp_shard, tp_world_size
 from megacp.models.rope import RotaryEmbedding, apply_rotary
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm of ``x`` [..., H] with ``weight`` [H], Hugging Face numerics.
-
-    The statistics are taken in fp32, the normalised activations are cast back to ``x.dtype``
-    and only then multiplied by the weight. ``F.rms_norm`` without a weight computes exactly that
-    cast (bitwise equal to the fp32 formula) in one fused kernel on CUDA, forward and backward.
-    """
-    return weight * F.rms_norm(x, (x.shape[-1],), None, eps)
-
-
-def tp_world_size(tp_group: dist.ProcessGroup | None) -> int:
-    """Size of the tensor-parallel group (1 without one)."""
-    return 1 if tp_group is None else dist.get_world_size(tp_group)
-
-
-def _tp_shard(total: int, tp_size: int, what: str) -> int:
-    if total % tp_size:
-        raise ValueError(f"{what}={total} is not divisible by the tensor-parallel size {tp_size}")
-    return total // tp_size
-
-
-class _CopyToTP(torch.autograd.Function):
-    """Forward identity; backward all-reduce (sum) of the gradient over the TP group."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, tp_group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.tp_group = tp_group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.tp_group)
-        return grad, None
-
-
-class _ReduceFromTP(torch.autograd.Function):
-    """Forward all-reduce (sum) over the TP group, in place; backward identity."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, tp_group: dist.ProcessGroup) -> torch.Tensor:
-        dist.all_reduce(x, group=tp_group)
-        ctx.mark_dirty(x)
-        return x
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad, None
-
-
-def copy_to_tp(x: torch.Tensor, tp_group: dist.ProcessGroup | None) -> torch.Tensor:
-    """The replicated input ``x`` of a column-parallel projection: unchanged, but its gradient is
-    summed over the TP group in backward (each rank's projection sees only its own output
-    columns). Identity for t = 1 and without autograd."""
-    if tp_world_size(tp_group) == 1 or not (torch.is_grad_enabled() and x.requires_grad):
-        return x
-    return _CopyToTP.apply(x, tp_group)
-
-
-def reduce_from_tp(x: torch.Tensor, tp_group: dist.ProcessGroup | None) -> torch.Tensor:
-    """Sum the row-parallel partial results ``x`` over the TP group (in place; identity for t = 1);
-    the gradient passes through unchanged (every rank's partial result feeds the same sum)."""
-    if tp_world_size(tp_group) == 1:
-        return x
-    if torch.is_grad_enabled() and x.requires_grad:
-        return _ReduceFromTP.apply(x, tp_group)
-    dist.all_reduce(x, group=tp_group)
-    return x
 
 
 def _param(*shape: int, dtype: torch.dtype | None, device: Any) -> nn.Parameter:
@@ -182,8 +116,8 @@ class SelfAttention(nn.Module):
         super().__init__()
         tp = tp_world_size(tp_group)
         self.tp_group = tp_group
-        self.num_heads = _tp_shard(cfg.num_heads, tp, "num_heads")
-        self.num_kv_heads = _tp_shard(cfg.num_kv_heads, tp, "num_kv_heads")
+        self.num_heads = tp_shard(cfg.num_heads, tp, "num_heads")
+        self.num_kv_heads = tp_shard(cfg.num_kv_heads, tp, "num_kv_heads")
         self.head_dim = cfg.head_dim
         self.layernorm_qkv = LayerNormQKV(
             cfg.hidden_size, self.num_heads, self.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps,
@@ -230,7 +164,7 @@ class LayerNormMLP(nn.Module):
         *, dtype: torch.dtype | None = None, device: Any = None,
     ):
         super().__init__()
-        ffn = _tp_shard(cfg.intermediate_size, tp_world_size(tp_group), "intermediate_size")
+        ffn = tp_shard(cfg.intermediate_size, tp_world_size(tp_group), "intermediate_size")
         self.tp_group = tp_group
         self.eps = cfg.rms_norm_eps
         self.layer_norm_weight = _param(cfg.hidden_size, dtype=dtype, device=device)
@@ -240,20 +174,25 @@ class LayerNormMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[T, H] -> [T, H]."""
         x = copy_to_tp(rms_norm(x, self.layer_norm_weight, self.eps), self.tp_group)
-        gate, up = F.linear(x, self.fc1_weight).chunk(2, dim=-1)
-        return reduce_from_tp(F.linear(F.silu(gate) * up, self.fc2_weight), self.tp_group)
+        return reduce_from_tp(swiglu(x, self.fc1_weight, self.fc2_weight), self.tp_group)
 
 
 class DecoderLayer(nn.Module):
-    """One pre-norm transformer layer: ``x + self_attention(x)``, then ``+ layernorm_mlp(.)``."""
+    """One pre-norm transformer layer: ``x + self_attention(x)``, then ``+ layernorm_mlp(.)`` (a dense
+    layer) or ``+ moe(.)`` (an MoE layer of ``cfg``, :class:`~megacp.models.moe.MoEMLP`, its experts
+    sharded over ``ep_group``)."""
 
     def __init__(
         self, cfg: ModelConfig, layer_number: int, tp_group: dist.ProcessGroup | None = None,
-        *, dtype: torch.dtype | None = None, device: Any = None,
+        ep_group: dist.ProcessGroup | None = None, *, dtype: torch.dtype | None = None, device: Any = None,
     ):
         super().__init__()
         self.self_attention = SelfAttention(cfg, layer_number, tp_group, dtype=dtype, device=device)
-        self.layernorm_mlp = LayerNormMLP(cfg, tp_group, dtype=dtype, device=device)
+        if cfg.is_moe_layer(layer_number - 1):
+            self.moe = MoEMLP(cfg, tp_group, ep_group, dtype=dtype, device=device)
+        else:
+            self.layernorm_mlp = LayerNormMLP(cfg, tp_group, dtype=dtype, device=device)
+        self.mlp_name = "moe" if cfg.is_moe_layer(layer_number - 1) else "layernorm_mlp"
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: torch.Tensor,
@@ -261,7 +200,7 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         """x [T, H], cos/sin [T, D] (RoPE at each token's global position), cu_seqlens [B+1] int32 -> [T, H]."""
         x = x + self.self_attention(x, cos, sin, cu_seqlens, inference_params)
-        return x + self.layernorm_mlp(x)
+        return x + getattr(self, self.mlp_name)(x)
 
 
 class CausalLM(nn.Module):
@@ -270,6 +209,8 @@ class CausalLM(nn.Module):
     Args:
         cfg: the architecture.
         tp_group: optional tensor-parallel group (parameter shapes are then per rank).
+        ep_group: optional expert-parallel group of an MoE model: each rank holds its share of
+            every MoE layer's experts (:mod:`megacp.models.moe`).
         dtype / device: where the parameters are created (``device="meta"`` for a skeleton that
             :meth:`~torch.nn.Module.load_state_dict` fills with ``assign=True``).
         layers: the decoder layers to use instead of :class:`DecoderLayer` (the TE backend passes
@@ -282,8 +223,8 @@ class CausalLM(nn.Module):
 
     def __init__(
         self, cfg: ModelConfig, tp_group: dist.ProcessGroup | None = None,
-        *, dtype: torch.dtype | None = None, device: Any = None, layers: nn.ModuleList | None = None,
-        activation_checkpointing: bool = False,
+        ep_group: dist.ProcessGroup | None = None, *, dtype: torch.dtype | None = None, device: Any = None,
+        layers: nn.ModuleList | None = None, activation_checkpointing: bool = False,
     ):
         super().__init__()
         self.cfg = cfg
@@ -291,7 +232,7 @@ class CausalLM(nn.Module):
         self.embedding = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
         self.rotary = RotaryEmbedding(cfg)
         self.layers = layers if layers is not None else nn.ModuleList(
-            DecoderLayer(cfg, i + 1, tp_group, dtype=dtype, device=device) for i in range(cfg.num_layers)
+            DecoderLayer(cfg, i + 1, tp_group, ep_group, dtype=dtype, device=device) for i in range(cfg.num_layers)
         )
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, device=device)
         self.lm_head = None

@@ -47,7 +47,8 @@ from torch import nn
 
 from megacp.layers.attention import DotProductAttention
 from megacp.models.config import ModelConfig
-from megacp.models.llama import CausalLM, tp_world_size
+from megacp.models.llama import CausalLM
+from megacp.models.ops import tp_world_size
 from megacp.models.rope import apply_rotary
 
 try:
@@ -70,6 +71,11 @@ def check_te_supported(cfg: ModelConfig) -> None:
         raise ValueError(
             f"backend='te' cannot build {cfg.architecture} with attention_bias=True (Q/K/V bias): "
             "te.TransformerLayer(bias=True) would also add proj/fc1/fc2 biases; use backend='torch'"
+        )
+    if cfg.num_experts:
+        raise ValueError(
+            f"backend='te' cannot build {cfg.architecture}: te.TransformerLayer has no expert layers; "
+            "use backend='torch'"
         )
 
 

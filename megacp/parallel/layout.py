@@ -21,6 +21,9 @@ Group kinds (each group's ranks ascending, groups ordered by their smallest rank
 ``ep``     all ``dp x tp`` ranks of one ``(ext_dp, pp, cp)`` cell: the rank array permuted to
            ``(ext_dp, pp, cp, dp, tp)`` and flattened over the last two axes. With
            ``ep_includes_cp`` it is all ``dp x cp x tp`` ranks of one ``(ext_dp, pp)`` cell.
+``edp``    expert data parallel: the ranks that hold the same experts (the same index in their
+           ``ep`` groups), i.e. the ``cp`` ranks of one ``(ext_dp, dp, pp, tp)`` cell; a single rank
+           with ``ep_includes_cp``. Expert gradients would be reduced over it.
 ``mp``     all ``pp x tp`` ranks of one ``(ext_dp, dp, cp)`` cell: every rank that holds a
            different shard of the weights (Megatron's and DeepSpeed's "model parallel" group).
 """
@@ -43,9 +46,11 @@ GROUP_AXES: dict[str, tuple[str, ...]] = {
     "dp": ("dp",),
     "dp_cp": ("dp", "cp"),
     "ep": ("dp", "tp"),
+    "edp": ("cp",),
     "mp": ("pp", "tp"),
 }
-"""For each group kind, the axes whose coordinates vary inside one group (``ep`` without CP)."""
+"""For each group kind, the axes whose coordinates vary inside one group (``ep`` and ``edp`` without
+``ep_includes_cp``)."""
 
 GROUP_KINDS: tuple[str, ...] = tuple(GROUP_AXES)
 """Every group kind, in the fixed order in which process groups are created."""
@@ -201,6 +206,8 @@ class ParallelLayout:
             raise ValueError(f"unknown group kind {name!r}; kinds are {list(GROUP_KINDS)}")
         if name == "ep" and self.ep_includes_cp:
             return ("dp", "cp", "tp")
+        if name == "edp" and self.ep_includes_cp:
+            return ()
         return GROUP_AXES[name]
 
     def groups(self, name: str) -> list[list[int]]:

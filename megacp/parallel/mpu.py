@@ -14,10 +14,18 @@ DeepSpeed name                 megacp kind  DeepSpeed uses it for
 ``slice_parallel``             ``tp``       the same, under DeepSpeed's pipeline-grid names
 ``pipeline_model_parallel``    ``pp``       pipeline size/rank
 ``pipe_parallel``              ``pp``       the same, under DeepSpeed's pipeline-grid names
+``expert_parallel``            ``ep``       the ranks an MoE layer's experts are sharded over
+``expert_data_parallel``       ``edp``      the ranks holding the same experts
 =============================  ===========  =================================================
 
 ``model_parallel`` is the ``tp x pp`` group (every rank holding a different shard of the
 weights), as in Megatron and DeepSpeed's own pipeline grid; it equals ``tp`` when ``pp == 1``.
+
+DeepSpeed 0.19 itself never asks an mpu for expert groups: its own MoE layers build theirs
+(``deepspeed.utils.groups``). The expert getters describe megacp's EP mesh for a trainer; megacp's
+sharded experts (``expert_model_parallel.size`` > 1) serve inference only
+(:mod:`megacp.models.moe`), so in training every rank holds every expert and DeepSpeed reduces
+their gradients over DP x CP like every other weight.
 
 The class deliberately has no ``initialize_sequence_parallel`` method: DeepSpeed takes an mpu
 that has one for Megatron-DeepSpeed's sequence-parallel mpu and then ignores its data- and
@@ -126,3 +134,22 @@ class DeepSpeedMPU:
 
     def get_pipe_parallel_rank(self) -> int:
         return self.get_pipeline_model_parallel_rank()
+
+    # -- expert parallel: ep, and the ranks holding the same experts: edp ------------------------
+    def get_expert_parallel_group(self) -> dist.ProcessGroup:
+        return self.state.group("ep")
+
+    def get_expert_parallel_world_size(self) -> int:
+        return self.state.size("ep")
+
+    def get_expert_parallel_rank(self) -> int:
+        return self.state.rank_in("ep")
+
+    def get_expert_data_parallel_group(self) -> dist.ProcessGroup:
+        return self.state.group("edp")
+
+    def get_expert_data_parallel_world_size(self) -> int:
+        return self.state.size("edp")
+
+    def get_expert_data_parallel_rank(self) -> int:
+        return self.state.rank_in("edp")

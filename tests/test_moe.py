@@ -1,0 +1,301 @@
+"""Mixture-of-experts models (Mixtral, Qwen2-MoE) with experts sharded over megacp's EP groups.
+
+Generation at CP 1/2 x EP 1/2 (EP over dp, over dp x cp, and over tp) equals transformers' greedy
+tokens on a ragged batch, whole and chunked prefill; the all-to-all dispatch delivers every token
+copy to the rank that owns its expert (counts against transformers' own router top-k); checkpoints
+convert HF -> megacp -> HF bit for bit; the mpu names the expert groups; training with every expert on
+every rank under CP (x TP) equals CP = 1; sharded-expert training, GGUF MoE files and bad sizes get
+one clear line.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.distributed import ROOT, run_distributed
+from tests.hf_models import make_hf_model
+from tests.test_generate import hf_greedy
+
+MOE_KINDS = ("mixtral", "qwen2_moe")
+NEW_TOKENS = 5
+PROMPT_LENS = (29, 1, 18)  # a ragged batch; alone, the 1-token prompt leaves CP rank 1 without tokens
+CHUNK = 8  # chunked prefill: later chunks attend a sharded cache
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(6)  # no greedy EOS (transformers suppresses it below min_new_tokens)
+    return [torch.randint(3, 256, (n,), generator=g).tolist() for n in PROMPT_LENS]
+
+
+def _router_counts(hf: torch.nn.Module, prompts: list[list[int]]) -> list[list[int]]:
+    """Token copies per expert of each MoE layer over all prompts, from transformers' router logits."""
+    totals = None
+    for prompt in prompts:
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt]), output_router_logits=True).router_logits
+        k = hf.config.num_experts_per_tok
+        counts = [torch.bincount(torch.topk(torch.softmax(layer.float(), -1), k, -1).indices.reshape(-1),
+                                 minlength=layer.shape[-1]) for layer in logits]
+        totals = counts if totals is None else [a + b for a, b in zip(totals, counts)]
+    return [t.tolist() for t in totals]
+
+
+@pytest.fixture(scope="module")
+def moe_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    """kind -> checkpoint dir, the same as a megacp checkpoint of TP size 2, transformers' greedy
+    tokens and router counts of the prompts."""
+    from megacp.checkpoint.convert import main
+
+    out = {}
+    for kind in MOE_KINDS:
+        directory = tmp_path_factory.mktemp(kind)
+        hf = make_hf_model(kind, directory)
+        megacp_dir = tmp_path_factory.mktemp(f"{kind}_megacp_tp2") / "checkpoint"
+        assert main(["hf-to-megacp", "--input", str(directory), "--output", str(megacp_dir), "--tp", "2"]) == 0
+        out[kind] = dict(path=str(directory), megacp_path=str(megacp_dir), tokens=hf_greedy(hf, _prompts(), NEW_TOKENS),
+                         counts=_router_counts(hf, _prompts()))
+    return out
+
+
+def _generate(rank: int, world: int, paths: list[str], prompts: list[list[int]], new: int, config: dict) -> dict:
+    """Per model: greedy tokens (whole and chunked prefill, and of the 1-token prompt alone) and, for
+    one prefill of the whole batch, this rank's first expert and token copies per local expert of
+    each MoE layer."""
+    import megacp
+    from megacp.checkpoint import load_model
+    from megacp.generate import Generator, SamplingParams
+    from megacp.models.build import expert_parallel_group
+    from megacp.models.moe import MoEMLP
+    from megacp.parallel.ring import Ring
+
+    state = megacp.initialize(config)
+    ring = Ring(state.group("cp")) if state.size("cp") > 1 else None
+    tp = state.size("tp")
+    out = {}
+    for path in paths:
+        model, cfg, _ = load_model(path, dtype=torch.float32, device="cpu", tp_group=state.group("tp") if tp > 1 else None,
+                                   ep_group=expert_parallel_group(state))
+        megacp.swap_attention(model, state)
+        moe = [m for m in model.modules() if isinstance(m, MoEMLP)]
+
+        def run(chunk: int, tokens: int, batch: list[list[int]] = prompts) -> list[list[int]]:
+            gen = Generator(model, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads // tp, head_dim=cfg.head_dim,
+                            ring=ring, device=torch.device("cpu"), dtype=torch.float32, prefill_chunk=chunk)
+            return gen.generate(batch, SamplingParams(max_new_tokens=tokens)).tokens
+
+        whole, chunked, alone = run(0, new), run(CHUNK, new), run(0, new, prompts[1:2])
+        for m in moe:
+            m.expert_tokens.zero_()
+        run(0, 1)  # one prefill step, no decode
+        out[path] = dict(whole=whole, chunked=chunked, alone=alone, first=moe[0].first_expert,
+                         counts=[m.expert_tokens.tolist() for m in moe])
+    return out
+
+
+CASES = {
+    # name: (world size, megacp config sections, ranks that hold the same tokens); the TP case loads
+    # the TP-sharded megacp checkpoints, the others the Hugging Face directories
+    "cp1_ep1": (1, {}, 1),
+    "cp2_ep1": (2, {"context_parallel": {"size": 2}}, 1),
+    "cp1_ep2": (2, {"expert_model_parallel": {"size": 2}}, 2),
+    "cp2_ep2": (4, json.loads((ROOT / "configs" / "cp2_ep2_moe.json").read_text()), 2),  # the shipped config
+    "cp2_ep4_include_cp": (4, {"context_parallel": {"size": 2}, "expert_model_parallel": {"size": 4, "include_cp": True}}, 2),
+    "cp2_tp2_ep2": (4, {"context_parallel": {"size": 2}, "tensor_model_parallel": {"size": 2},
+                        "expert_model_parallel": {"size": 2}}, 1),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_generation_equals_transformers_and_dispatch_reaches_owners(case: str, moe_models: dict) -> None:
+    world, config, replicas = CASES[case]
+    paths = [moe_models[k]["megacp_path" if "tensor_model_parallel" in config else "path"] for k in MOE_KINDS]
+    results = run_distributed(_generate, world, paths, _prompts(), NEW_TOKENS, config, timeout=300)
+    ep = config.get("expert_model_parallel", {}).get("size") or 1
+    for kind, path in zip(MOE_KINDS, paths):
+        expected = moe_models[kind]
+        for rank_result in results:
+            got = rank_result[path]
+            assert got["whole"] == expected["tokens"], (case, kind, "whole")
+            assert got["chunked"] == expected["tokens"], (case, kind, "chunked")
+            assert got["alone"] == expected["tokens"][1:2], (case, kind, "alone")
+        # Each rank counts only the experts it owns; summed over the owners of each expert, the copies
+        # equal the router's top-k over the whole batch, once per replica of the batch.
+        local = 4 // ep
+        assert sorted({r[path]["first"] for r in results}) == list(range(0, 4, local)), (case, kind)
+        received = [[0] * 4 for _ in expected["counts"]]
+        for rank_result in results:
+            got = rank_result[path]
+            for layer, counts in enumerate(got["counts"]):
+                assert len(counts) == local
+                for j, c in enumerate(counts):
+                    received[layer][got["first"] + j] += c
+        assert received == [[replicas * c for c in layer] for layer in expected["counts"]], (case, kind)
+
+
+# --------------------------------------------------------------------------- checkpoints, errors
+
+
+def test_hf_to_megacp_to_hf_round_trip_is_exact(moe_models: dict, tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    from megacp.checkpoint.convert import main
+
+    for kind in MOE_KINDS:  # the megacp checkpoint (TP size 2) was converted from the HF one by the fixture
+        source = Path(moe_models[kind]["path"])
+        assert main(["megacp-to-hf", "--input", moe_models[kind]["megacp_path"], "--output", str(tmp_path / f"{kind}_hf")]) == 0
+        before, after = load_file(source / "model.safetensors"), load_file(tmp_path / f"{kind}_hf" / "model.safetensors")
+        assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before), kind
+        config = json.loads((tmp_path / f"{kind}_hf" / "config.json").read_text())
+        original = json.loads((source / "config.json").read_text())
+        keys = ("num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
+                "shared_expert_intermediate_size", "norm_topk_prob", "mlp_only_layers", "decoder_sparse_step")
+        assert {k: config[k] for k in keys if k in original} == {k: original[k] for k in keys if k in original}
+
+
+def test_gguf_mixture_of_experts_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    import gguf
+    import numpy as np
+
+    from megacp.checkpoint.convert import main
+
+    writer = gguf.GGUFWriter(str(tmp_path / "mixtral.gguf"), "llama")
+    writer.add_block_count(1)
+    writer.add_expert_count(4)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert main(["gguf-to-megacp", "--input", str(tmp_path / "mixtral.gguf"), "--output", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err == (
+        "error: GGUF mixture-of-experts models (llama, 4 experts) are not supported; "
+        "convert the Hugging Face checkpoint instead\n"
+    )
+    assert not (tmp_path / "out").exists()
+
+
+def test_bad_expert_parallel_sizes_get_one_clear_line(moe_models: dict) -> None:
+    from megacp.checkpoint import CheckpointError
+    from megacp.checkpoint.hf import open_hf_checkpoint
+    from megacp.checkpoint.tp import check_ep_rank
+    from megacp.models import ModelConfig
+
+    with open_hf_checkpoint(moe_models["mixtral"]["path"]) as checkpoint:
+        mixtral = checkpoint.config
+    with pytest.raises(CheckpointError, match=r"^num_experts=4 is not divisible by the expert-parallel size 3$"):
+        check_ep_rank(mixtral, 0, 3)
+    dense = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=1)
+    with pytest.raises(CheckpointError, match=r"^expert_model_parallel.size: got 2; the llama model has no expert "
+                                              r"layers; allowed values: 1 or null$"):
+        check_ep_rank(dense, 0, 2)
+
+
+def _train_step_refused(rank: int, world: int, path: str) -> str:
+    import megacp
+    from megacp.checkpoint import load_model
+    from megacp.models.build import expert_parallel_group
+
+    state = megacp.initialize({"expert_model_parallel": {"size": 2}})
+    model, _, _ = load_model(path, dtype=torch.float32, device="cpu", ep_group=expert_parallel_group(state))
+    try:
+        model.hidden_states(torch.tensor([3, 4, 5]), torch.arange(3))
+    except RuntimeError as err:
+        return str(err)
+    return "no error"
+
+
+def test_training_with_sharded_experts_is_refused(moe_models: dict) -> None:
+    for message in run_distributed(_train_step_refused, 2, moe_models["mixtral"]["path"]):
+        assert message == (
+            "training with experts sharded over expert_model_parallel.size=2 ranks is not supported (only "
+            "inference); train with expert_model_parallel.size null (every rank holds every expert)"
+        )
+
+
+def _expert_groups(rank: int, world: int, config: dict) -> dict:
+    import torch.distributed as dist
+
+    import megacp
+    from megacp.parallel.mpu import DeepSpeedMPU
+
+    mpu = DeepSpeedMPU(megacp.initialize(config))
+    out = {}
+    for prefix in ("expert_parallel", "expert_data_parallel"):
+        group = getattr(mpu, f"get_{prefix}_group")()
+        members = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(members, torch.tensor([rank]), group=group)
+        out[prefix] = (getattr(mpu, f"get_{prefix}_world_size")(), getattr(mpu, f"get_{prefix}_rank")(),
+                       [int(m) for m in members])
+    return out
+
+
+@pytest.mark.parametrize("include_cp", [False, True])
+def test_mpu_expert_groups_dp2_cp2(include_cp: bool) -> None:
+    """rank = dp·2 + cp: experts are sharded over dp (or dp x cp); the cp ranks (or nobody) hold the same ones."""
+    config = {"context_parallel": {"size": 2}, "expert_model_parallel": {"size": 4 if include_cp else 2,
+                                                                         "include_cp": include_cp}}
+    for rank, out in enumerate(run_distributed(_expert_groups, 4, config)):
+        dp, cp = divmod(rank, 2)
+        if include_cp:
+            assert out == {"expert_parallel": (4, rank, [0, 1, 2, 3]), "expert_data_parallel": (1, 0, [rank])}
+        else:
+            assert out == {"expert_parallel": (2, dp, [cp, cp + 2]), "expert_data_parallel": (2, cp, [2 * dp, 2 * dp + 1])}
+
+
+# --------------------------------------------------------------------------------------- training
+
+
+def _moe_config() -> "ModelConfig":
+    """Qwen2-MoE without Q/K/V bias: a key bias's exact gradient is 0 (it shifts all of a query's
+    scores alike), and AdamW would turn its rounding noise into CP-dependent updates."""
+    from megacp.models import ModelConfig
+
+    return ModelConfig(architecture="qwen2_moe", vocab_size=80, hidden_size=32, intermediate_size=64, num_layers=3,
+                       num_heads=4, num_kv_heads=2, max_position_embeddings=64, num_experts=4,
+                       num_experts_per_tok=2, moe_intermediate_size=24, norm_topk_prob=False,
+                       shared_expert_intermediate_size=40, mlp_only_layers=[1])
+
+
+def _train_worker(rank: int, world: int, cp: int, tp: int) -> dict:
+    from megacp import swap_attention
+    from megacp.parallel.layout import ParallelLayout
+    from megacp.parallel.state import ParallelState
+    from tests.test_train_equivalence import _model, _train
+
+    state = ParallelState.build(ParallelLayout(cp=cp, tp=tp))
+    model = _model(_moe_config(), state.group("tp") if tp > 1 else None)
+    swap_attention(model, state)
+    losses, _, first = _train(model, cp, state.rank_in("cp"), state.group("cp"), check_recompute=True)
+    return dict(losses=losses, first=first, tp_rank=state.rank_in("tp"),
+                params={n: p.detach() for n, p in model.state_dict().items()})
+
+
+@pytest.mark.parametrize(("cp", "tp"), [(2, 1), (2, 2)], ids=["cp2", "cp2xtp2"])
+def test_moe_training_under_cp_equals_single_process(cp: int, tp: int) -> None:
+    """20 AdamW steps (router, experts and shared expert included) at CP 2 (x TP 2, every rank
+    holding every expert) give CP = 1's losses and parameters (tolerances of test_train_equivalence)."""
+    from megacp.checkpoint.tp import is_replicated, merge_shards
+    from tests.reference import rel_err
+    from tests.test_train_equivalence import ELEMENT_RTOL, RTOL, _model, _train
+
+    torch.set_num_threads(1)
+    reference = _model(_moe_config())
+    ref_losses, _, _ = _train(reference, 1, 0, None)
+    results = run_distributed(_train_worker, cp * tp, cp, tp, timeout=300)
+    for res in results:
+        assert rel_err(torch.tensor(res["losses"], dtype=torch.float64),
+                       torch.tensor(ref_losses, dtype=torch.float64)) <= RTOL, (res["losses"], ref_losses)
+    group = sorted(results[:tp], key=lambda r: r["tp_rank"])  # the TP ranks of CP rank 0
+    for name, grad in group[0]["first"].items():
+        if is_replicated(name):  # router and experts too: one full gradient on every TP rank
+            assert all(rel_err(other["first"][name], grad) <= 1e-6 for other in group[1:]), name
+    for name, want in reference.state_dict().items():
+        got = merge_shards(_moe_config(), name, [r["params"][name] for r in group])
+        norm_err = float((got - want).norm() / want.norm())
+        assert norm_err <= RTOL and rel_err(got, want) <= ELEMENT_RTOL, (name, norm_err, rel_err(got, want))
+    start = _model(_moe_config()).state_dict()
+    assert rel_err(reference.state_dict()["layers.0.moe.router_weight"], start["layers.0.moe.router_weight"]) > 1e-2
