@@ -35,6 +35,7 @@ from megacp.generate.loop import _peak_memory_mb
 from megacp.generate.outputs import TextStream, chat_ids
 from megacp.generate.requests import check_context, check_prompt, check_text, read_model_config
 from megacp.generate.sampling import SamplingParams
+from megacp.models.config import ModelConfig
 from megacp.parallel import initialize
 
 DEFAULT_PROMPT = "Explain context parallelism for long-context LLM inference in two sentences."
@@ -147,6 +148,21 @@ def _prompt_ids(path: str) -> tuple[list[list[int]], bool]:
     return prompts, nested
 
 
+def check_model_limits(cfg: ModelConfig, params: SamplingParams, prompt_ids: list[list[int]] | None) -> None:
+    """What the model's config alone can refuse before its weights load: ``max_tokens`` beyond
+    its context, token ids outside its vocabulary, a prompt that does not fit its context.
+
+    Raises:
+        UsageError: the first problem, in one line.
+    """
+    try:
+        check_context(cfg, 1, params.max_tokens, "a prompt")
+        for i, p in enumerate(prompt_ids or ()):
+            check_prompt(cfg, p, params.max_tokens, f"--prompt-ids prompt {i}")
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+
+
 def _set_threads() -> None:
     """On CPU, share the cores among the local ranks unless ``OMP_NUM_THREADS`` says otherwise."""
     if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
@@ -174,11 +190,9 @@ def _run(args: argparse.Namespace) -> int:
     state = initialize(args.deepspeed_config)
     model_path = args.model or default_model_path()
     cfg = read_model_config(model_path)
+    if cfg is not None:
+        check_model_limits(cfg, params, prompt_ids)
     try:
-        if cfg is not None:  # before the weights load: what the model's config alone can tell
-            check_context(cfg, 1, params.max_tokens, "a prompt")
-            for i, p in enumerate(prompt_ids or ()):
-                check_prompt(cfg, p, params.max_tokens, f"--prompt-ids prompt {i}")
         llm = LLM(model_path, dtype=args.dtype, strategy=args.strategy, prefill_chunk=args.prefill_chunk,
                   calibrate=args.calibrate, state=state, verbose=not args.quiet)
         if prompt_ids is None and llm.tokenizer is None:

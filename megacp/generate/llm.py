@@ -224,7 +224,8 @@ class LLM:
         except CacheCapacityError:
             raise CacheCapacityError(f"all {self.max_sessions} sessions are open; close one or raise "
                                      "LLM(max_sessions=...)") from None
-        return Session(self.generator, self._session_cache, slot, self.model_config, self.tokenizer)
+        return Session(self.generator, self._session_cache, slot, self.model_config, self.tokenizer,
+                       self.max_session_tokens)
 
 
 def _load_tokenizer(source: Any) -> Any:

@@ -66,4 +66,9 @@ def check_text(text: str, what: str = "prompt") -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as err:
-        raise ValueError(f"{what} is not valid UTF-8 (byte {err.object[err.start:err.end]!r} at {err.start})") from None
+        bad = err.object[err.start:err.end]
+        try:
+            shown = " ".join(f"0x{b:02x}" for b in bad.encode("utf-8", "surrogateescape"))
+        except UnicodeEncodeError:
+            shown = repr(bad)
+        raise ValueError(f"{what} is not valid UTF-8 (byte {shown} at character {err.start})") from None

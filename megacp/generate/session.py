@@ -15,7 +15,7 @@ from megacp.generate.loop import Generator
 from megacp.generate.outputs import GenerationOutput, chat_ids, complete, with_eos
 from megacp.generate.requests import check_context, check_prompt, check_text
 from megacp.generate.sampling import SamplingParams
-from megacp.kv_cache import ShardedKVCache
+from megacp.kv_cache import CacheCapacityError, ShardedKVCache
 from megacp.models.config import ModelConfig
 
 
@@ -27,8 +27,10 @@ class Session:
     """
 
     def __init__(self, gen: Generator, cache: ShardedKVCache, slot: int, model_config: ModelConfig,
-                 tokenizer: Any) -> None:
+                 tokenizer: Any, max_tokens: int) -> None:
         self._gen, self._cache, self._slot, self._cfg, self._tokenizer = gen, cache, slot, model_config, tokenizer
+        self.max_tokens = max_tokens
+        """Tokens the session may hold in all (``LLM(max_session_tokens=...)``)."""
         self._history: list[int] = []
         self.closed = False
         self.last_report: dict[str, Any] = {}
@@ -46,7 +48,8 @@ class Session:
         Raises:
             ValueError: the session is closed, the turn is empty, out of the vocabulary, not valid
                 UTF-8, or the conversation would outgrow the model's context.
-            CacheCapacityError: it would outgrow this session's cache slot on some CP rank.
+            CacheCapacityError: it would hold more than :attr:`max_tokens` tokens, or outgrow its
+                cache slot on some CP rank.
             Both before any work.
         """
         if self.closed:
@@ -60,6 +63,11 @@ class Session:
         turn = list(turn)
         check_prompt(self._cfg, turn, params.max_tokens, "turn")
         check_context(self._cfg, len(self._history) + len(turn), params.max_tokens, "the conversation")
+        total = len(self._history) + len(turn) + params.max_tokens
+        if total > self.max_tokens:
+            raise CacheCapacityError(f"the session would hold {len(self._history)} + {len(turn)} (turn) + "
+                                     f"{params.max_tokens} (max_tokens) = {total} tokens, more than its "
+                                     f"{self.max_tokens} (LLM(max_session_tokens=...))")
         pending = self._history[self._cache.length(self._slot):] + turn
         self._cache.check_room(self._slot, self._gen.steps(len(pending), params.max_tokens))
         outs, self.last_report = complete(self._gen, self._cache, [self._slot], [pending], params, self._tokenizer,
