@@ -119,3 +119,39 @@ def test_session_capacity_errors_are_clear_and_come_before_any_work(tiny) -> Non
         "all 1 sessions are open; close one or raise LLM(max_sessions=...)",
         "True",
     ]
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_check_room_predicts_the_steps_that_fit(n: int) -> None:
+    """``check_room`` on a request's future steps raises exactly when planning those steps one by
+    one would (prefill chunks and turns of any length, then decode steps), on every rank."""
+    from megacp.kv_cache import CacheCapacityError, ShardedKVCache
+
+    g = torch.Generator().manual_seed(n)
+    outcomes = set()
+    for trial in range(40):
+        steps = [int(x) for x in torch.randint(1, 12, (int(torch.randint(1, 6, (1,), generator=g)),), generator=g)]
+        steps += [1] * int(torch.randint(0, 6, (1,), generator=g))
+        capacity = int(torch.randint(2, 12, (1,), generator=g))
+        for rank in range(n):
+            cache = ShardedKVCache(num_layers=1, num_kv_heads=1, head_dim=1, max_requests=1, capacity=capacity,
+                                   cp_size=n, cp_rank=rank)
+            slot = cache.allocate()
+            try:
+                cache.check_room(slot, steps)
+                predicted = None
+            except CacheCapacityError as err:
+                predicted = str(err)
+            try:
+                for t in steps:
+                    cache.commit([slot], cache.plan([slot], [t]))
+                fits = True
+            except CacheCapacityError:
+                fits = False
+            assert fits == (predicted is None), (steps, capacity, rank, predicted)
+            outcomes.add(fits)
+    assert outcomes == {True, False}
+    with pytest.raises(CacheCapacityError, match=r"^20 tokens in all would need 10 KV cache rows on CP rank 0, "
+                                                 r"which holds 8 per request"):
+        cache = ShardedKVCache(num_layers=1, num_kv_heads=1, head_dim=1, max_requests=1, capacity=8, cp_size=2)
+        cache.check_room(cache.allocate(), [20])

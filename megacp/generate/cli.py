@@ -32,7 +32,7 @@ from megacp.checkpoint.dtypes import DTYPES
 from megacp.config import add_launcher_args
 from megacp.generate.llm import LLM, default_model_path
 from megacp.generate.loop import _peak_memory_mb
-from megacp.generate.outputs import TextStream, chat_ids
+from megacp.generate.outputs import TextStream, chat_ids, stop_string_check
 from megacp.generate.requests import check_context, check_prompt, check_text, read_model_config
 from megacp.generate.sampling import SamplingParams
 from megacp.models.config import ModelConfig
@@ -192,29 +192,31 @@ def _run(args: argparse.Namespace) -> int:
     cfg = read_model_config(model_path)
     if cfg is not None:
         check_model_limits(cfg, params, prompt_ids)
-    try:
-        llm = LLM(model_path, dtype=args.dtype, strategy=args.strategy, prefill_chunk=args.prefill_chunk,
-                  calibrate=args.calibrate, state=state, verbose=not args.quiet)
+    llm = LLM(model_path, dtype=args.dtype, strategy=args.strategy, prefill_chunk=args.prefill_chunk,
+              calibrate=args.calibrate, state=state, verbose=not args.quiet)
+    try:  # what only the loaded tokenizer can tell, before any prefill
         if prompt_ids is None and llm.tokenizer is None:
             raise UsageError("--prompt needs a model with a tokenizer; use --prompt-ids otherwise")
-        texts = args.prompt or [DEFAULT_PROMPT]
+        stop_string_check(llm.tokenizer, params)
         prompts = prompt_ids or [chat_ids(llm.tokenizer, [{"role": "user", "content": t}]) if args.chat
-                                 else llm.token_ids(t) for t in texts]
-        rank0 = state.rank == 0
-        stream = rank0 and not args.quiet and llm.tokenizer is not None and len(prompts) == 1
-        if rank0 and not args.quiet:
-            print(f"megacp: CP={state.size('cp')} TP={state.size('tp')} on {state.device} ({state.backend}), "
-                  f"prompt tokens {[len(p) for p in prompts]}, prefilling...", flush=True)
-        text = TextStream(llm.tokenizer, params.stop) if stream else None
-        streamed: list[int] = []
-
-        def on_token(i: int, tok: int) -> None:
-            streamed.append(tok)
-            print(text.piece(streamed, False), end="", flush=True)
-
-        outputs = llm.generate(prompts, params, on_token=on_token if stream else None, progress=rank0 and not args.quiet)
-    except ValueError as err:  # a prompt the model cannot take (checked before any prefill)
+                                 else llm.token_ids(t) for t in args.prompt or [DEFAULT_PROMPT]]
+        for i, p in enumerate(prompts):
+            check_prompt(llm.model_config, p, params.max_tokens, f"prompt {i}")
+    except ValueError as err:
         raise UsageError(str(err)) from None
+    rank0 = state.rank == 0
+    stream = rank0 and not args.quiet and llm.tokenizer is not None and len(prompts) == 1
+    if rank0 and not args.quiet:
+        print(f"megacp: CP={state.size('cp')} TP={state.size('tp')} on {state.device} ({state.backend}), "
+              f"prompt tokens {[len(p) for p in prompts]}, prefilling...", flush=True)
+    text = TextStream(llm.tokenizer, params.stop) if stream else None
+    streamed: list[int] = []
+
+    def on_token(i: int, tok: int) -> None:
+        streamed.append(tok)
+        print(text.piece(streamed, False), end="", flush=True)
+
+    outputs = llm.generate(prompts, params, on_token=on_token if stream else None, progress=rank0 and not args.quiet)
     _report(args, llm, outputs, text, nested)
     dist.barrier()
     dist.destroy_process_group()
