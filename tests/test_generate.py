@@ -33,11 +33,13 @@ def _prompts(seed: int = 3) -> list[list[int]]:
     return [torch.randint(3, 256, (n,), generator=g).tolist() for n in PROMPT_LENS]
 
 
-def hf_greedy(model, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-    """transformers' own generate, one prompt at a time, stop tokens off."""
+def hf_greedy(model, prompts: list[list[int]], new_tokens: int, **options) -> list[list[int]]:
+    """transformers' own generate, one prompt at a time, stop tokens off (``options``: more
+    ``GenerationConfig`` fields)."""
     from transformers import GenerationConfig
 
-    cfg = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    cfg = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+                           **options)
     outs = []
     for p in prompts:
         ids = torch.tensor([p])

@@ -63,11 +63,13 @@ def _llm_body(rank: int, n: int, path: str, prompts: list[list[int]], ref_text: 
     cut = llm.generate("hello world", SamplingParams(max_tokens=NEW, ignore_eos=True, stop=[stop]))[0]
     pieces = list(llm.stream("hello world", SamplingParams(max_tokens=NEW, ignore_eos=True, stop=[stop])))
     chat = llm.chat([{"role": "user", "content": "hi"}], greedy)[0]
+    penalised = llm.generate(prompts, SamplingParams(max_tokens=NEW, ignore_eos=True, repetition_penalty=1.5))
     return dict(tokens=[o.token_ids for o in outs], reasons=[o.finish_reason for o in outs],
                 ttft=[o.ttft_s for o in outs], rates=[o.decode_tokens_per_s for o in outs],
                 stopped=(stopped.token_ids, stopped.finish_reason, stop_at), text=(text.text, text.token_ids),
                 cut=(cut.text, cut.finish_reason, stop), pieces=[(p.token_id, p.text, p.finish_reason) for p in pieces],
-                chat=(chat.prompt_token_ids, chat.token_ids), report=llm.last_report)
+                chat=(chat.prompt_token_ids, chat.token_ids), report=llm.last_report,
+                penalised=[o.token_ids for o in penalised])
 
 
 @pytest.mark.parametrize("n", [1, 2, 3])
@@ -88,6 +90,8 @@ def test_llm_generate_equals_transformers(n: int, tiny) -> None:
                                    return_dict=True)["input_ids"]
     assert tok.decode(chat) == "U:hi.A:"
     chat_ref = hf_greedy(hf, [list(chat)], NEW)[0]
+    penalised = hf_greedy(hf, prompts, NEW, repetition_penalty=1.5)
+    assert penalised != expected  # the penalty changes the greedy choice somewhere
     for got in run_distributed(_llm_body, n, path, prompts, ref_text, timeout=300):
         assert got["tokens"] == expected
         assert got["reasons"] == ["length"] * 3 and all(t > 0 for t in got["ttft"]) and all(r > 0 for r in got["rates"])
@@ -100,6 +104,7 @@ def test_llm_generate_equals_transformers(n: int, tiny) -> None:
         assert [p[0] for p in got["pieces"]] == hello_ref[: len(got["pieces"])]
         assert got["chat"] == (list(chat), chat_ref)
         assert got["report"]["cp_size"] == n
+        assert got["penalised"] == penalised
 
 
 def test_sampling_params_validate_each_value() -> None:
