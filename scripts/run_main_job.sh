@@ -11,7 +11,11 @@ PY=${PYTHON:-python3}
 SITE=$($PY -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 STAMP="$SITE/megacp-setup.stamp"
 WANT=$(cat setup.py scripts/setup_env.sh | sha256sum | cut -d' ' -f1)
-ready() { [ "$(cat "$STAMP" 2>/dev/null)" = "$WANT" ] && $PY -c 'import megacp' 2>/dev/null; }
+ready() {  # the stamp matches and megacp imports from this checkout
+  [ "$(cat "$STAMP" 2>/dev/null)" = "$WANT" ] &&
+    $PY -c 'import os, sys, megacp; sys.exit(not os.path.realpath(megacp.__file__).startswith(sys.argv[1] + os.sep))' \
+      "$(pwd -P)" 2>/dev/null
+}
 if ! ready; then
   exec 9>"${TMPDIR:-/tmp}/megacp-setup-$(id -u).lock"
   flock 9
