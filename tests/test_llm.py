@@ -64,12 +64,18 @@ def _llm_body(rank: int, n: int, path: str, prompts: list[list[int]], ref_text: 
     pieces = list(llm.stream("hello world", SamplingParams(max_tokens=NEW, ignore_eos=True, stop=[stop])))
     chat = llm.chat([{"role": "user", "content": "hi"}], greedy)[0]
     penalised = llm.generate(prompts, SamplingParams(max_tokens=NEW, ignore_eos=True, repetition_penalty=1.5))
+    with llm.session() as session:  # the chat template applied to the whole conversation, only the new part sent
+        messages = [{"role": "user", "content": "hi"}]
+        first = session.chat(messages, greedy)
+        messages += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "more"}]
+        second = session.chat(messages, greedy)
+        conversation = (session.history, first.token_ids, second.prompt_token_ids, second.token_ids)
     return dict(tokens=[o.token_ids for o in outs], reasons=[o.finish_reason for o in outs],
                 ttft=[o.ttft_s for o in outs], rates=[o.decode_tokens_per_s for o in outs],
                 stopped=(stopped.token_ids, stopped.finish_reason, stop_at), text=(text.text, text.token_ids),
                 cut=(cut.text, cut.finish_reason, stop), pieces=[(p.token_id, p.text, p.finish_reason) for p in pieces],
                 chat=(chat.prompt_token_ids, chat.token_ids), report=llm.last_report,
-                penalised=[o.token_ids for o in penalised])
+                penalised=[o.token_ids for o in penalised], conversation=conversation)
 
 
 @pytest.mark.parametrize("n", [1, 2, 3])
@@ -91,6 +97,11 @@ def test_llm_generate_equals_transformers(n: int, tiny) -> None:
     assert tok.decode(chat) == "U:hi.A:"
     chat_ref = hf_greedy(hf, [list(chat)], NEW)[0]
     penalised = hf_greedy(hf, prompts, NEW, repetition_penalty=1.5)
+    turn2 = tok.apply_chat_template([{"role": "user", "content": "hi"}, {"role": "assistant", "content": tok.decode(
+        chat_ref, skip_special_tokens=True)}, {"role": "user", "content": "more"}], add_generation_prompt=True,
+        tokenize=True, return_dict=True)["input_ids"]
+    assert turn2[: len(chat) + NEW] == list(chat) + chat_ref  # the reply re-tokenizes to the generated ids
+    turn2_ref = hf_greedy(hf, [list(turn2)], NEW)[0]
     assert penalised != expected  # the penalty changes the greedy choice somewhere
     for got in run_distributed(_llm_body, n, path, prompts, ref_text, timeout=300):
         assert got["tokens"] == expected
@@ -105,6 +116,9 @@ def test_llm_generate_equals_transformers(n: int, tiny) -> None:
         assert got["chat"] == (list(chat), chat_ref)
         assert got["report"]["cp_size"] == n
         assert got["penalised"] == penalised
+        history, first, sent, second = got["conversation"]
+        assert first == chat_ref and sent == turn2[len(chat) + NEW:] and second == turn2_ref
+        assert history == list(turn2) + turn2_ref
 
 
 def test_sampling_params_validate_each_value() -> None:

@@ -43,7 +43,8 @@ class Session:
 
     def send(self, turn: str | Sequence[int], sampling: SamplingParams | None = None,
              on_token: Callable[[int, int], None] | None = None) -> GenerationOutput:
-        """Add ``turn`` (text, or token ids) to the conversation and generate the reply.
+        """Add ``turn`` (text, or token ids) to the conversation and generate the reply. Text is
+        tokenized with the tokenizer's special tokens (e.g. BOS) only as the first turn.
 
         Raises:
             ValueError: the session is closed, the turn is empty, out of the vocabulary, not valid
