@@ -7,6 +7,7 @@ Public entry points:
   DeepSpeed config.
 * :func:`swap_attention` — replace a model's attention modules by CP attention layers.
 * :class:`ModelConfig` — a Llama-family model's hyper-parameters.
+* :class:`LLM`, :class:`SamplingParams` — load a model and generate (sessions: :meth:`LLM.session`).
 
 Subpackages, bottom layer first (each imports only the ones before it): ``config``, ``parallel``,
 ``placement``, ``kv_cache``, ``attention``, ``layers``, ``models``, then ``checkpoint``,
@@ -14,6 +15,8 @@ Subpackages, bottom layer first (each imports only the ones before it): ``config
 """
 
 from megacp.config import ConfigError, MegacpConfig, load_config
+from megacp.generate.llm import LLM
+from megacp.generate.sampling import SamplingParams
 from megacp.layers.swap import swap_attention
 from megacp.models.config import ModelConfig
 from megacp.parallel import ParallelLayout, ParallelState, initialize
@@ -22,10 +25,12 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ConfigError",
+    "LLM",
     "MegacpConfig",
     "ModelConfig",
     "ParallelLayout",
     "ParallelState",
+    "SamplingParams",
     "__version__",
     "initialize",
     "load_config",

@@ -20,7 +20,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from megacp.placement import ShardPlan
+from megacp.placement import ShardPlan, shard_ranges
 
 
 class CacheCapacityError(RuntimeError):
@@ -104,6 +104,22 @@ class ShardedKVCache:
         """Tokens of the request held by ``rank`` (default: this rank)."""
         self._check_slot(slot)
         return self._held[slot][self.cp_rank if rank is None else rank]
+
+    def check_room(self, slot: int, steps: Sequence[int]) -> None:
+        """Raise :class:`CacheCapacityError` unless the request in ``slot`` can take ``steps`` (its
+        new-token counts, step by step: prefill chunks, then 1 per decode step) on every CP rank."""
+        self._check_slot(slot)
+        held, pos = list(self._held[slot]), self.length(slot)
+        for t in steps:
+            for j in range(self.cp_size):
+                held[j] += sum(b - a for a, b in shard_ranges(pos, t, self.cp_size, j, load_balance=self.load_balance))
+            pos += t
+        worst = max(range(self.cp_size), key=held.__getitem__)
+        if held[worst] > self.capacity:
+            raise CacheCapacityError(
+                f"{pos} tokens in all would need {held[worst]} KV cache rows on CP rank {worst}, which holds "
+                f"{self.capacity} per request; raise the cache capacity or the CP size"
+            )
 
     # ------------------------------------------------------------------ steps
     def plan(self, slots: Sequence[int], new_tokens: Sequence[int]) -> ShardPlan:

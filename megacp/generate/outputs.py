@@ -1,0 +1,126 @@
+"""What a request returns (:class:`GenerationOutput`) and the text side of generation: stop strings,
+the model's end-of-sequence tokens, detokenised text and streamed text pieces."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from megacp.generate.loop import GenerationResult, Generator
+from megacp.generate.sampling import SamplingParams
+from megacp.kv_cache import ShardedKVCache
+
+
+@dataclass
+class GenerationOutput:
+    """One request's result.
+
+    Attributes:
+        prompt_token_ids: the tokens prefilled for it (for a session turn: the turn's new tokens).
+        token_ids: the generated tokens (a stop token or the tokens of a stop string included).
+        text: their text (special tokens skipped, cut before a stop string), ``None`` without a tokenizer.
+        finish_reason: ``"stop"`` (a stop token or string) or ``"length"`` (``max_tokens`` reached).
+        ttft_s: seconds from the start of the request to its first token.
+        decode_tokens_per_s: tokens after the first per second (``None`` for a single token).
+    """
+
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str
+    ttft_s: float
+    decode_tokens_per_s: float | None
+
+
+def with_eos(params: SamplingParams, eos_token_ids: Sequence[int]) -> SamplingParams:
+    """``params`` with the model's end-of-sequence tokens among its stop tokens (unless ``ignore_eos``)."""
+    if params.ignore_eos:
+        return params
+    extra = tuple(t for t in eos_token_ids if t not in params.stop_token_ids)
+    return dataclasses.replace(params, stop_token_ids=(*params.stop_token_ids, *extra))
+
+
+def decode(tokenizer: Any, tokens: Sequence[int]) -> str:
+    """``tokens`` as text, special tokens skipped."""
+    return tokenizer.decode(list(tokens), skip_special_tokens=True)
+
+
+def cut_at_stop(text: str, stop: Sequence[str]) -> tuple[str, bool]:
+    """``text`` up to its first stop string, and whether one occurs."""
+    hits = [i for i in (text.find(s) for s in stop) if i >= 0]
+    return (text[: min(hits)], True) if hits else (text, False)
+
+
+def stop_string_check(tokenizer: Any, params: SamplingParams) -> Callable[[list[int]], bool] | None:
+    """A check of generated tokens for ``params.stop`` strings (``None`` without stop strings).
+
+    Raises:
+        ValueError: stop strings without a tokenizer.
+    """
+    if not params.stop:
+        return None
+    if tokenizer is None:
+        raise ValueError("stop strings need a model with a tokenizer; use stop_token_ids instead")
+    return lambda tokens: cut_at_stop(decode(tokenizer, tokens), params.stop)[1]
+
+
+def outputs_of(result: GenerationResult, prompts: Sequence[Sequence[int]], tokenizer: Any,
+               params: SamplingParams) -> list[GenerationOutput]:
+    """One :class:`GenerationOutput` per request of ``result``."""
+    return [
+        GenerationOutput(list(p), toks, None if tokenizer is None else cut_at_stop(decode(tokenizer, toks), params.stop)[0],
+                         reason, ttft, rate)
+        for p, toks, reason, ttft, rate in zip(prompts, result.tokens, result.finish_reasons, result.ttft_s,
+                                               result.decode_tokens_per_s)
+    ]
+
+
+class TextStream:
+    """Incremental text of one request's tokens: :meth:`piece` returns the text not returned yet,
+    holding back a tail that could still turn into a stop string (released when the request ends)."""
+
+    def __init__(self, tokenizer: Any, stop: Sequence[str]) -> None:
+        self.tokenizer, self.stop = tokenizer, tuple(stop)
+        self.hold = max((len(s) for s in self.stop), default=1) - 1
+        self.sent = 0
+
+    def piece(self, tokens: Sequence[int], finished: bool) -> str:
+        text, stopped = cut_at_stop(decode(self.tokenizer, tokens), self.stop)
+        end = len(text) if finished or stopped else max(self.sent, len(text) - self.hold)
+        if not finished and not stopped and text.endswith("\ufffd"):  # an incomplete UTF-8 character
+            end = min(end, len(text) - 1)
+        out, self.sent = text[self.sent: end], max(self.sent, end)
+        return out
+
+
+def chat_ids(tokenizer: Any, messages: Sequence[dict[str, str]]) -> list[int]:
+    """The token ids of ``messages`` (``[{"role": ..., "content": ...}, ...]``) through the
+    tokenizer's chat template, ending with the prompt of the assistant's reply.
+
+    Raises:
+        ValueError: no tokenizer, or no chat template.
+    """
+    if tokenizer is None:
+        raise ValueError("chat needs a model with a tokenizer")
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("the model's tokenizer has no chat template")
+    ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True, return_dict=True)
+    return list(ids["input_ids"])
+
+
+def complete(gen: Generator, cache: ShardedKVCache, slots: Sequence[int], prompts: Sequence[Sequence[int]],
+             params: SamplingParams, tokenizer: Any, *, context: Sequence[Sequence[int]] | None = None,
+             on_token: Callable[[int, int], None] | None = None,
+             progress: bool = False) -> tuple[list[GenerationOutput], dict[str, Any]]:
+    """Run ``prompts`` on ``slots`` of ``cache`` to the end (``params`` already holding the stop
+    tokens; see :func:`with_eos`); return one :class:`GenerationOutput` per prompt and the batch
+    report (:attr:`GenerationResult.report`). ``on_token(i, token)`` sees every generated token."""
+    run = gen.start(cache, slots, prompts, params, context=context, stopped=stop_string_check(tokenizer, params),
+                    progress=progress)
+    for i, tok in run:
+        if on_token is not None:
+            on_token(i, tok)
+    result = run.result()
+    return outputs_of(result, prompts, tokenizer, params), result.report

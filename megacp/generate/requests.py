@@ -1,0 +1,74 @@
+"""Checks of a generation request against the model, cheap enough to run before any weight loads.
+
+:func:`read_model_config` reads only a checkpoint's config (a GGUF file's metadata, a megacp
+manifest, a Hugging Face ``config.json``); :func:`check_prompt` and :func:`check_text` raise one
+``ValueError`` line naming the problem.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Sequence
+
+from megacp.models.config import ModelConfig
+
+
+def read_model_config(path: str | os.PathLike[str]) -> ModelConfig | None:
+    """The :class:`ModelConfig` of the checkpoint at ``path`` without loading weights, or ``None``
+    when ``path`` is no checkpoint (:func:`megacp.checkpoint.load_model` then says why).
+
+    Raises:
+        CheckpointError: the checkpoint's config is invalid.
+    """
+    from megacp.checkpoint import open_hf_checkpoint, open_megacp_checkpoint
+    from megacp.checkpoint.megacp_format import MANIFEST
+
+    path = Path(path)
+    if path.is_file() and path.suffix == ".gguf":
+        from megacp.checkpoint.gguf import GGUFReader, config_from_gguf
+
+        try:
+            reader = GGUFReader(path)
+        except Exception:  # corrupt or truncated: load_model reports it
+            return None
+        return config_from_gguf(reader)
+    if (path / MANIFEST).is_file():
+        with open_megacp_checkpoint(path) as checkpoint:
+            return checkpoint.config
+    if (path / "config.json").is_file():
+        with open_hf_checkpoint(path) as checkpoint:
+            return checkpoint.config
+    return None
+
+
+def check_prompt(cfg: ModelConfig, prompt: Sequence[int], max_tokens: int, what: str = "prompt") -> None:
+    """Raise ``ValueError`` unless ``prompt`` is non-empty, in the vocabulary, and ``prompt`` plus
+    ``max_tokens`` new tokens fit the model's context (``max_position_embeddings``)."""
+    if len(prompt) == 0:
+        raise ValueError(f"{what} is empty; it needs at least one token")
+    bad = next((t for t in prompt if not 0 <= t < cfg.vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"{what}: token id {bad} is outside the model's vocabulary [0, {cfg.vocab_size})")
+    check_context(cfg, len(prompt), max_tokens, what)
+
+
+def check_context(cfg: ModelConfig, tokens: int, max_tokens: int, what: str = "prompt") -> None:
+    """Raise ``ValueError`` unless ``tokens`` plus ``max_tokens`` fit the model's context."""
+    if tokens + max_tokens > cfg.max_position_embeddings:
+        raise ValueError(f"{what} of {tokens} tokens + max_tokens {max_tokens} exceeds the model's context of "
+                         f"{cfg.max_position_embeddings} tokens (max_position_embeddings)")
+
+
+def check_text(text: str, what: str = "prompt") -> None:
+    """Raise ``ValueError`` unless ``text`` is valid Unicode (no undecodable bytes smuggled in as
+    surrogates, as a non-UTF-8 command-line argument arrives)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        bad = err.object[err.start:err.end]
+        try:
+            shown = " ".join(f"0x{b:02x}" for b in bad.encode("utf-8", "surrogateescape"))
+        except UnicodeEncodeError:
+            shown = repr(bad)
+        raise ValueError(f"{what} is not valid UTF-8 (byte {shown} at character {err.start})") from None

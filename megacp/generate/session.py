@@ -1,0 +1,109 @@
+"""A conversation on the persistent CP-sharded KV cache: each turn prefills only its new tokens on
+top of everything cached (a ring prefill whose strategy follows the usual rule: under ``auto`` a
+short turn over a long cache goes pass-Q), then decodes; prompt and generated tokens stay cached.
+
+The last generated token of a turn has not been through the model yet: it is prefilled with the
+next turn. Several sessions share one cache, one request slot each.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Sequence
+
+from megacp.generate.loop import Generator
+from megacp.generate.outputs import GenerationOutput, chat_ids, complete, with_eos
+from megacp.generate.requests import check_context, check_prompt, check_text
+from megacp.generate.sampling import SamplingParams
+from megacp.kv_cache import CacheCapacityError, ShardedKVCache
+from megacp.models.config import ModelConfig
+
+
+class Session:
+    """One conversation's slot of a shared cache (make it with :meth:`megacp.LLM.session`).
+
+    Every CP rank must call the same methods with the same arguments. Use it as a context manager
+    or call :meth:`close` to give its slot back.
+    """
+
+    def __init__(self, gen: Generator, cache: ShardedKVCache, slot: int, model_config: ModelConfig,
+                 tokenizer: Any, max_tokens: int) -> None:
+        self._gen, self._cache, self._slot, self._cfg, self._tokenizer = gen, cache, slot, model_config, tokenizer
+        self.max_tokens = max_tokens
+        """Tokens the session may hold in all (``LLM(max_session_tokens=...)``)."""
+        self._history: list[int] = []
+        self.closed = False
+        self.last_report: dict[str, Any] = {}
+        """The report of the latest turn (its prefill strategies, TTFT, decode rate)."""
+
+    @property
+    def history(self) -> list[int]:
+        """Every token of the conversation so far: turns and generated tokens, in order."""
+        return list(self._history)
+
+    def send(self, turn: str | Sequence[int], sampling: SamplingParams | None = None,
+             on_token: Callable[[int, int], None] | None = None) -> GenerationOutput:
+        """Add ``turn`` (text, or token ids) to the conversation and generate the reply. Text is
+        tokenized with the tokenizer's special tokens (e.g. BOS) only as the first turn.
+
+        Raises:
+            ValueError: the session is closed, the turn is empty, out of the vocabulary, not valid
+                UTF-8, or the conversation would outgrow the model's context.
+            CacheCapacityError: it would hold more than :attr:`max_tokens` tokens, or outgrow its
+                cache slot on some CP rank.
+            Both before any work.
+        """
+        if self.closed:
+            raise ValueError("this session is closed")
+        params = with_eos(sampling or SamplingParams(), self._cfg.eos_token_ids)
+        if isinstance(turn, str):
+            check_text(turn, "turn")
+            if self._tokenizer is None:
+                raise ValueError("a text turn needs a model with a tokenizer; send token ids instead")
+            turn = self._tokenizer(turn, add_special_tokens=not self._history)["input_ids"]
+        turn = list(turn)
+        check_prompt(self._cfg, turn, params.max_tokens, "turn")
+        check_context(self._cfg, len(self._history) + len(turn), params.max_tokens, "the conversation")
+        total = len(self._history) + len(turn) + params.max_tokens
+        if total > self.max_tokens:
+            raise CacheCapacityError(f"the session would hold {len(self._history)} + {len(turn)} (turn) + "
+                                     f"{params.max_tokens} (max_tokens) = {total} tokens, more than its "
+                                     f"{self.max_tokens} (LLM(max_session_tokens=...))")
+        pending = self._history[self._cache.length(self._slot):] + turn
+        self._cache.check_room(self._slot, self._gen.steps(len(pending), params.max_tokens))
+        outs, self.last_report = complete(self._gen, self._cache, [self._slot], [pending], params, self._tokenizer,
+                                          context=[self._history + turn], on_token=on_token)
+        out = outs[0]
+        self._history += turn + out.token_ids
+        out.prompt_token_ids = turn
+        return out
+
+    def chat(self, messages: Sequence[dict[str, str]], sampling: SamplingParams | None = None,
+             on_token: Callable[[int, int], None] | None = None) -> GenerationOutput:
+        """Continue the conversation ``messages`` (all of it so far, ending with the new user
+        message): the chat template is applied to the whole conversation and only the tokens after
+        the cached history are sent.
+
+        Raises:
+            ValueError: the templated conversation does not start with this session's history
+                (e.g. an earlier reply was edited).
+        """
+        ids = chat_ids(self._tokenizer, messages)
+        n = len(self._history)
+        if ids[:n] != self._history:
+            at = next((i for i, (a, b) in enumerate(zip(ids, self._history)) if a != b), min(n, len(ids)))
+            raise ValueError(f"the conversation does not continue this session: its tokens differ from the "
+                             f"cached history at token {at} of {n}")
+        return self.send(ids[n:], sampling, on_token)
+
+    def close(self) -> None:
+        """Free the session's cache slot (idempotent)."""
+        if not self.closed:
+            self.closed = True
+            self._cache.free(self._slot)
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
