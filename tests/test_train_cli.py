@@ -167,6 +167,7 @@ def _config(tmp_path: Path, name: str, **changes) -> str:
         ("optimizer", "optimizer.type: got 'Adamm'; allowed values: one of DeepSpeed's"),
         ("no_optimizer", "optimizer.type: missing"),
         ("cp_key", "context_parallel.sise: unknown key"),
+        ("ep", "expert_model_parallel.size 2: training with experts sharded over EP ranks is not supported"),
     ],
 )
 def test_bad_input_is_one_line(case: str, expected: str, tiny: tuple[Path, Path], tmp_path: Path,
@@ -185,6 +186,7 @@ def test_bad_input_is_one_line(case: str, expected: str, tiny: tuple[Path, Path]
         "optimizer": base[:4] + ["--deepspeed_config", _config(tmp_path, "optimizer", optimizer={"type": "Adamm"})],
         "no_optimizer": base[:4] + ["--deepspeed_config", _config(tmp_path, "no_optimizer", optimizer={})],
         "cp_key": base[:4] + ["--deepspeed_config", _config(tmp_path, "cp_key", context_parallel={"sise": 2})],
+        "ep": base[:4] + ["--deepspeed_config", _config(tmp_path, "ep", expert_model_parallel={"size": 2})],
     }[case]
     assert expected in _main_error(argv, capsys)
 

@@ -26,6 +26,7 @@ from megacp.generate.sampling import SamplingParams
 from megacp.generate.session import Session
 from megacp.kv_cache import CacheCapacityError
 from megacp.layers.swap import swap_attention
+from megacp.models.build import expert_parallel_group
 from megacp.parallel import ParallelState, initialize
 
 Prompt = Union[str, Sequence[int]]
@@ -116,7 +117,8 @@ class LLM:
                   f"CP={self.state.size('cp')} TP={tp} ...", flush=True)
         try:
             net, self.model_config, tok_source = load_model(
-                self.model_path, dtype=self.dtype, device=device, tp_group=self.state.group("tp") if tp > 1 else None)
+                self.model_path, dtype=self.dtype, device=device, tp_group=self.state.group("tp") if tp > 1 else None,
+                ep_group=expert_parallel_group(self.state))
         except CheckpointError as e:  # a bad path or checkpoint, or one this TP size cannot split
             raise CheckpointError(f"cannot load {self.model_path}: {e}") from None
         swap_attention(net, self.state, strategy=strategy)

@@ -101,10 +101,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def _default_model() -> str:
     from megacp.generate import default_model_path
 
-    try:
-        return default_model_path()
-    except SystemExit as err:  # the package is missing: its message, as our one line
-        raise UsageError(str(err)) from None
+    return default_model_path()  # CheckpointError (one line) when the package is missing
 
 
 def _tokenizer(source: Any) -> Any:
@@ -138,6 +135,9 @@ def run(args: argparse.Namespace) -> int:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     config = load_config(args.deepspeed_config)
     settings = read_settings(config.deepspeed)
+    if (config.expert_model_parallel.size or 1) > 1:
+        raise UsageError(f"expert_model_parallel.size {config.expert_model_parallel.size}: training with experts sharded "
+                         "over EP ranks is not supported; set it to 1 (every rank then holds every expert)")
     sources = resolve_corpus(args.corpus)
     model_path = args.model or _default_model()
     state = megacp.initialize(config)
