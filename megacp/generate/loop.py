@@ -119,17 +119,30 @@ class Generator:
         last: list[Tensor | None] = [None] * len(prompts)
         strategies = []
         bar = tqdm(total=sum(len(p) for p in prompts), unit="tok", desc=f"prefill CP={self.cp_size}", disable=not progress)
-        while todo := [i for i, p in enumerate(prompts) if done[i] < len(p)]:  # each request advances <= chunk
-            new = [min(chunk, len(prompts[i]) - done[i]) for i in todo]
-            step = CPStep.begin(cache, [slots[i] for i in todo], new, self.ring, **self.step_kw)
-            ids = torch.tensor([t for i, k in zip(todo, new) for t in prompts[i][done[i]: done[i] + k]])
-            logits = self._forward(step, ids)
-            strategies.append("allgather_decode" if step.replicated else strategy_name(step.choice))
-            for row, (i, k) in enumerate(zip(todo, new)):
-                done[i] += k
-                last[i] = logits[row]
-            bar.update(sum(new))
-        bar.close()
+        layers = list(getattr(self.model, "layers", [])) if progress else []
+        moved = [0, 0]  # tokens prefilled before this step, tokens of this step
+
+        def advance(index: int) -> None:  # the bar moves as each decoder layer is through (host order)
+            bar.update(moved[0] + moved[1] * (index + 1) // len(layers) - bar.n)
+
+        hooks = [layer.register_forward_hook(lambda *_, i=i: advance(i)) for i, layer in enumerate(layers)]
+        try:
+            while todo := [i for i, p in enumerate(prompts) if done[i] < len(p)]:  # each request advances <= chunk
+                new = [min(chunk, len(prompts[i]) - done[i]) for i in todo]
+                moved[1] = sum(new)
+                step = CPStep.begin(cache, [slots[i] for i in todo], new, self.ring, **self.step_kw)
+                ids = torch.tensor([t for i, k in zip(todo, new) for t in prompts[i][done[i]: done[i] + k]])
+                logits = self._forward(step, ids)
+                strategies.append("allgather_decode" if step.replicated else strategy_name(step.choice))
+                for row, (i, k) in enumerate(zip(todo, new)):
+                    done[i] += k
+                    last[i] = logits[row]
+                moved[0] += moved[1]
+                bar.update(moved[0] - bar.n)
+        finally:
+            for hook in hooks:
+                hook.remove()
+            bar.close()
         return torch.stack(last), strategies
 
     def start(self, cache: ShardedKVCache, slots: Sequence[int], prompts: Sequence[Sequence[int]],
