@@ -20,10 +20,12 @@ process or of a process group, never a setting:
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import importlib.util
 import os
-from collections.abc import Mapping
+import time
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -60,6 +62,7 @@ class ParallelState:
         device: torch.device,
         groups: Mapping[str, ProcessGroup],
         ranks: Mapping[str, tuple[int, ...]],
+        owned: Sequence[ProcessGroup] = (),
     ) -> None:
         self.layout = layout
         self.config = config
@@ -68,6 +71,7 @@ class ParallelState:
         self.device = device
         self._groups = dict(groups)
         self._ranks = dict(ranks)
+        self._owned = list(owned)
         self._ring: Ring | None = None
 
     @classmethod
@@ -98,10 +102,13 @@ class ParallelState:
         created: dict[tuple[int, ...], ProcessGroup] = {tuple(range(world_size)): dist.group.WORLD}
         groups: dict[str, ProcessGroup] = {}
         ranks: dict[str, tuple[int, ...]] = {}
+        owned: list[ProcessGroup] = []
         for kind in GROUP_KINDS:
             for members in map(tuple, layout.groups(kind)):
                 if members not in created:
                     created[members] = dist.new_group(list(members))
+                    if rank in members:
+                        owned.append(created[members])
                 if rank in members:
                     groups[kind], ranks[kind] = created[members], members
         backend = str(dist.get_backend())
@@ -109,7 +116,17 @@ class ParallelState:
             device = torch.device("cuda", torch.cuda.current_device())
         else:
             device = torch.device("cpu")
-        return cls(layout, config, rank, backend, device, groups, ranks)
+        return cls(layout, config, rank, backend, device, groups, ranks, owned)
+
+    def close(self) -> None:
+        """Destroy the process groups :meth:`build` created for this rank, newest first (the default
+        group stays; :func:`shutdown` ends it). A group's queued work completes first (gloo drains
+        its queue and joins its threads). Idempotent; the state must not be used afterwards."""
+        self._ring = None
+        if not dist.is_initialized():  # the default group's end destroyed every group
+            self._owned.clear()
+        while self._owned:
+            dist.destroy_process_group(self._owned.pop())
 
     def _kind(self, name: str) -> str:
         if name not in self._groups:
@@ -176,6 +193,7 @@ def initialize(
     The environment variables of :data:`megacp.config.ENV_OVERRIDES` override the config's
     ``runtime`` section; they are read here, once, and validated before any process group exists.
     Every collective of a process group this creates times out after ``runtime.timeout_minutes``.
+    :func:`shutdown` is registered to run at interpreter exit.
 
     Args:
         config: ``None`` (all ranks form one CP group), a path of a DeepSpeed JSON/hjson file, its
@@ -188,6 +206,8 @@ def initialize(
         ValueError: ``backend`` differs from that of an already initialised process group.
     """
     cfg = with_env_overrides(load_config({} if config is None else config), os.environ)
+    atexit.unregister(shutdown)  # registered once, however often initialize runs
+    atexit.register(shutdown)
     if dist.is_initialized():
         current = str(dist.get_backend())
         if backend is not None and backend != current:
@@ -201,6 +221,30 @@ def initialize(
         cfg = cfg.model_copy(update={"context_parallel": cfg.context_parallel.model_copy(update={"size": world_size})})
         return ParallelState.build(layout, cfg)
     return ParallelState.build(ParallelLayout.from_config(cfg, world_size), cfg)
+
+
+def shutdown() -> None:
+    """End this process's ``torch.distributed`` work: destroy the default process group and with it
+    every group (queued work completes first; gloo joins its worker threads). Idempotent.
+
+    :func:`initialize` registers it to run at interpreter exit, also when an exception ends the
+    program: a gloo group left to interpreter teardown can abort the process (SIGABRT) after its
+    output is complete — its worker thread releases a finished collective's tensors, which takes
+    the GIL, and a thread that takes the GIL while the interpreter finalizes is ended by
+    ``pthread_exit``, which unwinds through a ``noexcept`` destructor into ``std::terminate``.
+    """
+    if not dist.is_initialized():
+        return
+    gloo = str(dist.get_backend()) == "gloo"
+    dist.destroy_process_group()
+    if gloo:
+        time.sleep(_GIL_HANDOFF_S)
+
+
+_GIL_HANDOFF_S = 0.05
+"""How long :func:`shutdown` releases the GIL after destroying gloo groups, so that their worker
+threads release the tensors of finished collectives before the interpreter finalizes (the threads
+themselves stay until the last Python reference to their group goes)."""
 
 
 def _init_process_group(backend: str, timeout: datetime.timedelta) -> None:
