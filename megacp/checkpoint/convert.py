@@ -12,14 +12,16 @@ Subcommands::
 (``DS_DIR``: a ``python -m megacp.train --save`` directory, ZeRO shards included.)
 
 Each streams tensors from input to output with a progress bar and ends with one summary line on
-stdout. Bad input ends with one ``error: ...`` line on stderr and exit status 2; the output is
-written into a staging directory that is renamed into place only on success, so nothing is left
-behind on error.
+stdout. Bad input, a full disk or a read-only destination ends with one ``error: ...`` line on
+stderr and exit status 2; the output is written into a staging directory that is renamed into place
+only on success, so nothing is left behind on error, Ctrl-C (status 130) or SIGTERM (143); the
+leftovers of a writer killed outright are removed by the next write into the same directory.
 """
 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -191,15 +193,37 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class Terminated(BaseException):
+    """SIGTERM, raised where the program runs so that a half-written output is removed as on Ctrl-C."""
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise Terminated()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the converter; returns the exit status (0, or 2 on bad input)."""
+    """Run the converter; returns the exit status: 0, 2 on bad input (an unreadable input or an
+    output the destination cannot take included), 130 on Ctrl-C, 143 on SIGTERM (the output is
+    left untouched in the last three cases)."""
     args = build_parser().parse_args(argv)
     start = time.perf_counter()
+    previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         summary = args.run(args)
     except CheckpointError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except OSError as err:  # reading the input; errors of the output are CheckpointErrors
+        print(f"error: {err.filename or args.input}: {err.strerror or err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"error: interrupted; {args.output} was not written", file=sys.stderr)
+        return 130
+    except Terminated:
+        print(f"error: terminated (SIGTERM); {args.output} was not written", file=sys.stderr)
+        return 128 + signal.SIGTERM
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     seconds = time.perf_counter() - start
     print(
         f"{args.command}: wrote {summary.tensors} tensors, {summary.bytes:,} bytes "
