@@ -124,9 +124,13 @@ def test_config_styles_and_round_trip(hf_dirs: dict) -> None:
         ({"hidden_size": None}, "no 'hidden_size'"),
         ({"num_attention_heads": "9"}, "'num_attention_heads' must be a positive integer, got '9'"),
         ({"attention_bias": True}, "o_proj bias"),
+        ({"rope_parameters": {"rope_type": "default", "rope_theta": -1.0}}, r"rope_theta=-1.0 must be a finite number > 0"),
+        ({"max_position_embeddings": 0}, "max_position_embeddings=0 must be an integer > 0"),
+        ({"rms_norm_eps": 0.0}, "rms_norm_eps=0.0 must be a finite number > 0"),
+        ({"eos_token_id": [2, 256]}, "eos_token_id 256 is not a token id of the vocabulary of 256"),
     ],
     ids=["arch", "sliding-window", "mistral-default-window", "rope-type", "rope-params", "act", "missing-key", "non-int-size",
-         "llama-bias"],
+         "llama-bias", "negative-theta", "zero-positions", "zero-eps", "eos-outside-vocab"],
 )
 def test_config_errors(hf_dirs: dict, change: dict, message: str) -> None:
     hf_config = json.loads((hf_dirs["llama3"][0] / "config.json").read_text())
@@ -565,3 +569,50 @@ def test_full_disk_and_read_only_destination(hf_dirs: dict, tmp_path: Path, caps
         assert _listing(read_only) == set()
     finally:
         read_only.chmod(0o755)
+
+
+# ------------------------------------------------------------------------------ manifest and weights
+
+
+def test_manifest_checksum_values_and_non_finite_weights(hf_dirs: dict, tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture) -> None:
+    """An edited manifest fails its checksum; a manifest whose checksum matches but whose values no
+    model runs with is refused by value; a NaN weight is refused on load and on conversion, naming
+    the tensor, unless allowed."""
+    from megacp.checkpoint import load_model
+    from megacp.checkpoint.megacp_format import manifest_sha256
+
+    source, model = hf_dirs["llama3"]
+    out = tmp_path / "mc"
+    assert main(["hf-to-megacp", "--input", str(source), "--output", str(out)]) == 0
+    manifest = json.loads((out / MANIFEST).read_text())
+    original = (out / MANIFEST).read_text()
+    edited = {**manifest, "model_config": {**manifest["model_config"], "rope_theta": 20000.0}}
+    (out / MANIFEST).write_text(json.dumps(edited))
+    with pytest.raises(CheckpointError, match="manifest checksum mismatch: the manifest was edited or is corrupt"):
+        open_megacp_checkpoint(out)
+    for change, message in (({"rms_norm_eps": -1e-6}, "rms_norm_eps=-1e-06 must be a finite number > 0"),
+                            ({"rope_theta": 0.0}, "rope_theta=0.0 must be a finite number > 0"),
+                            ({"max_position_embeddings": 0}, "max_position_embeddings=0 must be an integer > 0"),
+                            ({"eos_token_id": 999}, "eos_token_id 999 is not a token id of the vocabulary of 256")):
+        bad = {**manifest, "model_config": {**manifest["model_config"], **change}}
+        bad["manifest_sha256"] = manifest_sha256(bad)
+        (out / MANIFEST).write_text(json.dumps(bad))
+        with pytest.raises(CheckpointError, match=f"{MANIFEST}: {message}"):
+            open_megacp_checkpoint(out)
+    (out / MANIFEST).write_text(original)
+
+    poisoned = _copy_hf(source, tmp_path / "nan")
+    state = load_file(poisoned / "model.safetensors")
+    state["model.layers.1.self_attn.k_proj.weight"][3, 5] = float("nan")
+    save_file(state, poisoned / "model.safetensors", metadata={"format": "pt"})
+    message = (f"tensor 'layers.1.self_attention.layernorm_qkv.key_weight' in {poisoned} holds 1 non-finite value(s) "
+               "(NaN/inf); allow_non_finite=True (--allow-non-finite) loads it anyway")
+    with pytest.raises(CheckpointError) as err:
+        load_model(poisoned, dtype=torch.float32, device="cpu")
+    assert str(err.value) == message
+    loaded, _, _ = load_model(poisoned, dtype=torch.float32, device="cpu", allow_non_finite=True)
+    assert sum(int(p.isnan().sum()) for p in loaded.parameters()) == 1
+    _expect_error(capsys, ["hf-to-megacp", "--input", str(poisoned), "--output", str(tmp_path / "x")],
+                  message, tmp_path)
+    assert main(["hf-to-megacp", "--input", str(poisoned), "--output", str(tmp_path / "x"), "--allow-non-finite"]) == 0

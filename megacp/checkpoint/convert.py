@@ -9,7 +9,8 @@ Subcommands::
     deepspeed-to-megacp --input DS_DIR --output DIR    [--tag T] [--tp N] [--dtype D] [--force]
     deepspeed-to-hf     --input DS_DIR --output HF_DIR [--tag T] [--dtype D] [--force]
 
-(``DS_DIR``: a ``python -m megacp.train --save`` directory, ZeRO shards included.)
+(``DS_DIR``: a ``python -m megacp.train --save`` directory, ZeRO shards included. Every subcommand
+takes ``--allow-non-finite``: without it a tensor holding NaN or inf is refused.)
 
 Each streams tensors from input to output with a progress bar and ends with one summary line on
 stdout. Bad input, a full disk or a read-only destination ends with one ``error: ...`` line on
@@ -44,6 +45,7 @@ from megacp.checkpoint.megacp_format import open_megacp_checkpoint, save_megacp_
 from megacp.checkpoint.safetensors_io import WriteSummary
 from megacp.checkpoint.staging import check_output_dir
 from megacp.checkpoint.tp import check_tp_size
+from megacp.checkpoint.values import check_finite
 from megacp.models.schema import parameter_shapes
 
 Command = Callable[[argparse.Namespace], WriteSummary]
@@ -51,11 +53,14 @@ Command = Callable[[argparse.Namespace], WriteSummary]
 
 @contextmanager
 def _progress(
-    tensors: Iterable[tuple[str, torch.Tensor]], total: int, desc: str
+    tensors: Iterable[tuple[str, torch.Tensor]], total: int, args: argparse.Namespace
 ) -> Iterator[Iterable[tuple[str, torch.Tensor]]]:
     """A tqdm bar over a tensor stream (shown only on a terminal), closed even on error so that
-    an error line starts on a fresh line."""
-    with tqdm(tensors, total=total, desc=desc, unit="tensor", disable=None) as bar:
+    an error line starts on a fresh line; a non-finite tensor is refused unless
+    ``--allow-non-finite``."""
+    if not args.allow_non_finite:
+        tensors = ((name, check_finite(name, t, args.input)) for name, t in tensors)
+    with tqdm(tensors, total=total, desc=args.command, unit="tensor", disable=None) as bar:
         yield bar
 
 
@@ -69,7 +74,7 @@ def _hf_to_megacp(args: argparse.Namespace) -> WriteSummary:
         else:
             dtype = dtype_from_name(args.dtype)
         tensors = hf_to_megacp(cfg, source.get, source.names)
-        with _progress(tensors, len(parameter_shapes(cfg)), "hf-to-megacp") as stream:
+        with _progress(tensors, len(parameter_shapes(cfg)), args) as stream:
             return save_megacp_checkpoint(
                 args.output,
                 cfg,
@@ -88,7 +93,7 @@ def _gguf_to_megacp(args: argparse.Namespace) -> WriteSummary:
     cfg, tensors, tokenizer = load_gguf(args.input)
     check_tp_size(cfg, args.tp)
     dtype = dtype_from_name(args.dtype or "float32")
-    with _progress(tensors, len(parameter_shapes(cfg)), "gguf-to-megacp") as stream:
+    with _progress(tensors, len(parameter_shapes(cfg)), args) as stream:
         return save_megacp_checkpoint(
             args.output, cfg, stream, dtype=dtype, tp_size=args.tp, tokenizer=tokenizer, force=args.force
         )
@@ -99,7 +104,7 @@ def _megacp_to_hf(args: argparse.Namespace) -> WriteSummary:
     with open_megacp_checkpoint(args.input) as source:
         cfg = source.config
         tensors = megacp_to_hf(cfg, source.get, source.names)
-        with _progress(tensors, len(hf_parameter_shapes(cfg)), "megacp-to-hf") as stream:
+        with _progress(tensors, len(hf_parameter_shapes(cfg)), args) as stream:
             return save_hf_checkpoint(
                 args.output, cfg, stream, dtype=source.dtype, tokenizer=source.path, force=args.force
             )
@@ -109,7 +114,7 @@ def _reshard(args: argparse.Namespace) -> WriteSummary:
     check_output_dir(args.output, force=args.force)
     with open_megacp_checkpoint(args.input) as source:
         check_tp_size(source.config, args.tp)
-        with _progress(source.iter_tensors(), len(source.names), "reshard") as stream:
+        with _progress(source.iter_tensors(), len(source.names), args) as stream:
             return save_megacp_checkpoint(
                 args.output,
                 source.config,
@@ -131,7 +136,7 @@ def _deepspeed_to_megacp(args: argparse.Namespace) -> WriteSummary:
     check_output_dir(args.output, force=args.force)
     source = read_deepspeed_checkpoint(args.input, args.tag)
     check_tp_size(source.config, args.tp)
-    with _progress(source.tensors.items(), len(source.tensors), "deepspeed-to-megacp") as stream:
+    with _progress(source.tensors.items(), len(source.tensors), args) as stream:
         return save_megacp_checkpoint(args.output, source.config, stream, dtype=_deepspeed_dtype(args, source.dtype),
                                       tp_size=args.tp, tokenizer=source.path, force=args.force)
 
@@ -142,7 +147,7 @@ def _deepspeed_to_hf(args: argparse.Namespace) -> WriteSummary:
     check_output_dir(args.output, force=args.force)
     source = read_deepspeed_checkpoint(args.input, args.tag)
     tensors = megacp_to_hf(source.config, source.tensors.__getitem__, source.tensors)
-    with _progress(tensors, len(hf_parameter_shapes(source.config)), "deepspeed-to-hf") as stream:
+    with _progress(tensors, len(hf_parameter_shapes(source.config)), args) as stream:
         return save_hf_checkpoint(args.output, source.config, stream, dtype=_deepspeed_dtype(args, source.dtype),
                                   tokenizer=source.path, force=args.force)
 
@@ -162,6 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--input", required=True, help=input_help)
         sub.add_argument("--output", required=True, help=output_help)
         sub.add_argument("--force", action="store_true", help="replace an existing output checkpoint")
+        sub.add_argument("--allow-non-finite", action="store_true", help="convert tensors holding NaN or inf")
         sub.set_defaults(run=run)
         return sub
 

@@ -25,6 +25,7 @@ from megacp.checkpoint.hf import hf_to_megacp, open_hf_checkpoint
 from megacp.checkpoint.megacp_format import MANIFEST, load_megacp_checkpoint
 from megacp.checkpoint.tokenizer_files import TokenizerSource
 from megacp.checkpoint.tp import check_tp_size, shard_tensor
+from megacp.checkpoint.values import check_finite, check_model_values
 from megacp.models.build import Backend, build_model, resolve_backend, tp_rank_and_size
 from megacp.models.config import ModelConfig
 from megacp.models.llama import CausalLM
@@ -43,6 +44,7 @@ def load_model(
     device: Any,
     tp_group: ProcessGroup | None = None,
     backend: Backend = "auto",
+    allow_non_finite: bool = False,
 ) -> tuple[CausalLM, ModelConfig, TokenizerSource]:
     """Load a model for inference from a Hugging Face directory, a megacp checkpoint or a GGUF file.
 
@@ -52,6 +54,7 @@ def load_model(
         dtype / device: of the parameters.
         tp_group: this rank's tensor-parallel group (weights are sharded for its rank).
         backend: see :func:`resolve_backend`.
+        allow_non_finite: load weights that hold NaN or inf (refused by default).
 
     Returns:
         ``(model in eval mode, config, tokenizer)``: the tokenizer is the checkpoint directory (as
@@ -59,12 +62,14 @@ def load_model(
         :func:`~megacp.checkpoint.gguf.load_gguf` builds from a GGUF file's vocabulary, or ``None``.
 
     Raises:
-        CheckpointError: the path is none of the above, or its contents are invalid.
+        CheckpointError: the path is none of the above, or its contents are invalid (a config value
+            out of range, a weight holding NaN or inf without ``allow_non_finite``: one line naming it).
     """
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"{path} does not exist")
-    build = dict(dtype=dtype, device=device, backend=backend, tp_group=tp_group)
+    build = dict(dtype=dtype, device=device, backend=backend, tp_group=tp_group,
+                 finite_in=None if allow_non_finite else path)
     if path.is_file() and path.suffix == ".gguf":
         from megacp.checkpoint.gguf import load_gguf  # needs the optional `gguf` package
 
@@ -111,18 +116,23 @@ def _load(
     device: Any,
     backend: Backend,
     tp_group: ProcessGroup | None,
+    finite_in: Path | None,
 ) -> CausalLM:
     """Build the model of ``cfg`` and fill it from ``tensors`` (megacp names), in eval mode.
 
     Args:
         tensors: full tensors (``sharded=False``; this rank's part is cut out of each as it
             arrives) or this TP rank's parts already (``sharded=True``).
+        finite_in: the checkpoint, whose tensors must then be finite (``None``: not checked).
 
     Raises:
         CheckpointError: a parameter is missing (TE ``_extra_state`` aside) or a name is unexpected.
     """
     tp_rank, tp_size = tp_rank_and_size(tp_group)
     check_tp_size(cfg, tp_size)
+    check_model_values(cfg, "the model config")
+    if finite_in is not None:
+        tensors = ((name, check_finite(name, t, finite_in)) for name, t in tensors)
     if not sharded and tp_size > 1:
         tensors = ((name, shard_tensor(cfg, name, t, tp_rank, tp_size)) for name, t in tensors)
     if resolve_backend(cfg, device, backend) == "te":
