@@ -167,3 +167,39 @@ def _abort_at_exit(rank: int, n: int) -> int:
 def test_harness_fails_a_rank_that_aborts_after_returning() -> None:
     with pytest.raises(AssertionError, match=r"rank 1 ---\nreturned its result but then ended with signal SIGABRT"):
         run_distributed(_abort_at_exit, 2)
+
+
+def _stalled_cp_collective(rank: int, n: int) -> tuple[str, float] | None:
+    """cp = 2, dp = 2 with a 3 s timeout: rank 0 enters an all-reduce of its CP group [0, 1] that
+    rank 1 (waiting in a barrier of the whole world) never joins; returns rank 0's error and how
+    long it waited."""
+    import time
+
+    import torch.distributed as dist
+
+    from megacp.config import MegacpConfig
+    from megacp.parallel.layout import ParallelLayout
+    from megacp.parallel.state import ParallelState
+
+    config = MegacpConfig.from_dict({"context_parallel": {"size": 2}, "runtime": {"timeout_minutes": 0.05}})
+    state = ParallelState.build(ParallelLayout(cp=2, dp=2), config)
+    assert state.ranks("cp") == ((0, 1) if rank < 2 else (2, 3))
+    if rank != 0:
+        dist.barrier()  # alive, but not in the CP collective
+        return None
+    start = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(1), group=state.group("cp"))
+        error = "no error"
+    except RuntimeError as exc:
+        error = str(exc).splitlines()[0]
+    waited = time.monotonic() - start
+    dist.barrier()
+    return error, waited
+
+
+def test_cp_group_collective_times_out_after_timeout_minutes() -> None:
+    """The groups ParallelState creates take runtime.timeout_minutes (torch's new_group default is
+    30 min for gloo, 10 for NCCL)."""
+    error, waited = run_distributed(_stalled_cp_collective, 4, timeout=120)[0]
+    assert "Timed out" in error and 2.5 < waited < 30, (error, waited)

@@ -81,7 +81,8 @@ class ParallelState:
         Collective: every rank must call it with the same layout. ``dist.new_group`` is called for
         every group of every kind (:data:`~megacp.parallel.layout.GROUP_KINDS` order, groups by
         smallest rank), except that a group spanning the whole world is ``dist.group.WORLD`` and a
-        rank list already created for an earlier kind is shared, not created twice.
+        rank list already created for an earlier kind is shared, not created twice. Every group it
+        creates times out after ``config.runtime.timeout_minutes``.
 
         Raises:
             RuntimeError: ``torch.distributed`` is not initialised.
@@ -99,6 +100,7 @@ class ParallelState:
                 "expert_model_parallel": {"include_cp": layout.ep_includes_cp},
                 "external_data_parallel": {"size": layout.ext_dp},
             })
+        timeout = datetime.timedelta(minutes=config.runtime.timeout_minutes)  # new_group's default: 10 or 30 min
         created: dict[tuple[int, ...], ProcessGroup] = {tuple(range(world_size)): dist.group.WORLD}
         groups: dict[str, ProcessGroup] = {}
         ranks: dict[str, tuple[int, ...]] = {}
@@ -106,7 +108,7 @@ class ParallelState:
         for kind in GROUP_KINDS:
             for members in map(tuple, layout.groups(kind)):
                 if members not in created:
-                    created[members] = dist.new_group(list(members))
+                    created[members] = dist.new_group(list(members), timeout=timeout)
                     if rank in members:
                         owned.append(created[members])
                 if rank in members:
@@ -252,6 +254,8 @@ def _init_process_group(backend: str, timeout: datetime.timedelta) -> None:
     every collective times out after ``timeout``."""
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        # a collective past the timeout aborts the communicators and ends the process (torchrun's default)
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if launched:
         if backend != "gloo" and importlib.util.find_spec("deepspeed") is not None:
