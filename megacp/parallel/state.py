@@ -227,26 +227,25 @@ def initialize(
 
 def shutdown() -> None:
     """End this process's ``torch.distributed`` work: destroy the default process group and with it
-    every group (queued work completes first; gloo joins its worker threads). Idempotent.
+    every group (if still initialised), then release the GIL for :data:`_GIL_HANDOFF_S` seconds.
+    Idempotent.
 
     :func:`initialize` registers it to run at interpreter exit, also when an exception ends the
-    program: a gloo group left to interpreter teardown can abort the process (SIGABRT) after its
-    output is complete — its worker thread releases a finished collective's tensors, which takes
-    the GIL, and a thread that takes the GIL while the interpreter finalizes is ended by
-    ``pthread_exit``, which unwinds through a ``noexcept`` destructor into ``std::terminate``.
+    program. Why the pause: a gloo group's worker thread releases a finished collective's tensors
+    after the caller's ``wait`` has returned, and releasing a tensor that Python has dropped takes
+    the GIL. Destroying a group does not join those threads while Python still references the group
+    (a :class:`ParallelState`, a ring, a caller's variable). A thread that takes the GIL while the
+    interpreter finalizes is ended by ``pthread_exit``, which unwinds through a ``noexcept``
+    destructor into ``std::terminate``: SIGABRT after the program's work is done. The pause lets
+    such threads take the GIL before finalization starts.
     """
-    if not dist.is_initialized():
-        return
-    gloo = str(dist.get_backend()) == "gloo"
-    dist.destroy_process_group()
-    if gloo:
-        time.sleep(_GIL_HANDOFF_S)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    time.sleep(_GIL_HANDOFF_S)
 
 
 _GIL_HANDOFF_S = 0.05
-"""How long :func:`shutdown` releases the GIL after destroying gloo groups, so that their worker
-threads release the tensors of finished collectives before the interpreter finalizes (the threads
-themselves stay until the last Python reference to their group goes)."""
+"""How long :func:`shutdown` releases the GIL: time for worker threads waiting for it to run."""
 
 
 def _init_process_group(backend: str, timeout: datetime.timedelta) -> None:
