@@ -25,8 +25,8 @@ from megacp.checkpoint.dtypes import dtype_name
 from megacp.checkpoint.errors import CheckpointError
 from megacp.checkpoint.safetensors_io import ClosingContext, SafetensorsWriter, WriteSummary
 from megacp.checkpoint.staging import staged_directory
-from megacp.checkpoint.values import check_model_values
 from megacp.checkpoint.tokenizer_files import TokenizerSource, write_tokenizer
+from megacp.checkpoint.values import check_model_values
 from megacp.models.config import ModelConfig
 from megacp.models.schema import parameter_shapes
 

@@ -74,6 +74,7 @@ def load_model(
         from megacp.checkpoint.gguf import load_gguf  # needs the optional `gguf` package
 
         cfg, tensors, tokenizer = load_gguf(path)
+        check_model_values(cfg, str(path))
         return _load(cfg, tensors, sharded=False, **build), cfg, tokenizer
     if (path / MANIFEST).is_file():
         cfg, shards = load_megacp_checkpoint(path, *tp_rank_and_size(tp_group))
@@ -130,7 +131,6 @@ def _load(
     """
     tp_rank, tp_size = tp_rank_and_size(tp_group)
     check_tp_size(cfg, tp_size)
-    check_model_values(cfg, "the model config")
     if finite_in is not None:
         tensors = ((name, check_finite(name, t, finite_in)) for name, t in tensors)
     if not sharded and tp_size > 1:

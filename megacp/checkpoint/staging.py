@@ -66,7 +66,10 @@ def remove_stale_staging(parent: Path) -> list[Path]:
             continue
         if found["kind"] == "old" and not (parent / found["output"]).exists():
             continue
-        shutil.rmtree(entry)
+        try:
+            shutil.rmtree(entry)
+        except FileNotFoundError:  # another writer removed it first
+            continue
         removed.append(entry)
     return removed
 
@@ -92,7 +95,7 @@ def staged_directory(output_dir: str | os.PathLike[str], *, force: bool = False)
         remove_stale_staging(output.parent)
         staging.mkdir()
     except OSError as err:
-        if err.errno in _WRITE_ERRORS:
+        if err.errno in _WRITE_ERRORS:  # the parent directory refuses
             raise _write_error(output, err) from None
         raise
     try:
@@ -106,9 +109,18 @@ def staged_directory(output_dir: str | os.PathLike[str], *, force: bool = False)
             os.replace(staging, output)
     except BaseException as err:
         shutil.rmtree(staging, ignore_errors=True)
-        if isinstance(err, OSError) and err.errno in _WRITE_ERRORS:
+        if isinstance(err, OSError) and err.errno in _WRITE_ERRORS and _on_destination(err, staging, output):
             raise _write_error(output, err) from None
         raise
+
+
+def _on_destination(err: OSError, staging: Path, output: Path) -> bool:
+    """Whether ``err`` came from writing the checkpoint (no file named, or a path in ``staging`` or
+    ``output``), not from reading an input."""
+    if not err.filename:
+        return True
+    path = Path(os.fsdecode(err.filename))
+    return any(path == root or root in path.parents for root in (staging, output))
 
 
 def _write_error(output: Path, err: OSError) -> CheckpointError:

@@ -122,8 +122,8 @@ class ParallelState:
 
     def close(self) -> None:
         """Destroy the process groups :meth:`build` created for this rank, newest first (the default
-        group stays; :func:`shutdown` ends it). A group's queued work completes first (gloo drains
-        its queue and joins its threads). Idempotent; the state must not be used afterwards."""
+        group stays; :func:`shutdown` ends it). Idempotent; the state's groups and ring must not be
+        used afterwards."""
         self._ring = None
         if not dist.is_initialized():  # the default group's end destroyed every group
             self._owned.clear()
