@@ -21,7 +21,7 @@ imports (transformers, deepspeed) inside the function or in modules only it impo
 On a failing rank, the other ranks get a short grace period to report (peers usually fail
 right after), then are killed; the AssertionError lists every failing rank's traceback. On a
 timeout the hanging ranks' Python stacks are dumped (faulthandler) into the error as well. A rank
-that returned its result must then exit with status 0: an abort at interpreter exit fails the call.
+that returned its result must then exit with status 0: an abort on the way out fails the call.
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ _GRACE_S = 3.0
 
 
 _EXIT_S = 10.0
-"""How long a rank that returned its result may take to exit, at least."""
+"""How long a rank that returned its result may take to exit."""
 
 
 def _context() -> multiprocessing.context.BaseContext:
@@ -193,7 +193,7 @@ def run_distributed(
             for rank in hung:
                 failures[rank] = _hung_report(procs[rank], stack_files[rank], why)
             for rank in results:
-                exit_failure = _exit_report(procs[rank], deadline)
+                exit_failure = _exit_report(procs[rank])
                 if exit_failure is not None:
                     failures[rank] = exit_failure
         finally:
@@ -241,12 +241,10 @@ def _collect(
     return results, failures
 
 
-def _exit_report(proc: multiprocessing.process.BaseProcess, deadline: float) -> str | None:
-    """Why a rank that returned its result did not then exit cleanly (status 0), or ``None``.
-
-    It gets until ``deadline`` (at least :data:`_EXIT_S` seconds) to exit; an abort or a crash at
-    interpreter exit (destructors of process groups, threads still running) fails the call."""
-    proc.join(timeout=max(deadline - time.monotonic(), _EXIT_S))
+def _exit_report(proc: multiprocessing.process.BaseProcess) -> str | None:
+    """Why a rank that returned its result did not then exit with status 0 within :data:`_EXIT_S`
+    seconds (an abort in an exit handler, a signal from a thread still running), or ``None``."""
+    proc.join(timeout=_EXIT_S)
     code = proc.exitcode
     if code == 0:
         return None
