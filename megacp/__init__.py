@@ -2,7 +2,7 @@
 
 Public entry points:
 
-* :class:`ParallelLayout`, :func:`initialize`, :class:`ParallelState` — the process mesh.
+* :class:`ParallelLayout`, :func:`initialize`, :class:`ParallelState`, :func:`shutdown` — the process mesh.
 * :func:`load_config`, :class:`ConfigError`, :class:`MegacpConfig` — megacp's sections of a
   DeepSpeed config.
 * :func:`swap_attention` — replace a model's attention modules by CP attention layers.
@@ -19,7 +19,7 @@ from megacp.generate.llm import LLM
 from megacp.generate.sampling import SamplingParams
 from megacp.layers.swap import swap_attention
 from megacp.models.config import ModelConfig
-from megacp.parallel import ParallelLayout, ParallelState, initialize
+from megacp.parallel import ParallelLayout, ParallelState, initialize, shutdown
 
 __version__ = "0.1.0"
 
@@ -34,5 +34,6 @@ __all__ = [
     "__version__",
     "initialize",
     "load_config",
+    "shutdown",
     "swap_attention",
 ]

@@ -20,7 +20,8 @@ imports (transformers, deepspeed) inside the function or in modules only it impo
 
 On a failing rank, the other ranks get a short grace period to report (peers usually fail
 right after), then are killed; the AssertionError lists every failing rank's traceback. On a
-timeout the hanging ranks' Python stacks are dumped (faulthandler) into the error as well.
+timeout the hanging ranks' Python stacks are dumped (faulthandler) into the error as well. A rank
+that returned its result must then exit with status 0: an abort on the way out fails the call.
 """
 
 from __future__ import annotations
@@ -71,6 +72,10 @@ _warm_imports()
 
 _GRACE_S = 3.0
 """After the first failure, how long the other ranks may still report before being killed."""
+
+
+_EXIT_S = 10.0
+"""How long a rank that returned its result may take to exit."""
 
 
 def _context() -> multiprocessing.context.BaseContext:
@@ -157,8 +162,9 @@ def run_distributed(
         backend: ``torch.distributed`` backend.
 
     Raises:
-        AssertionError: a rank raised, died or did not finish within ``timeout``; the message holds
-            every failing rank's traceback (and the stacks of hanging ranks).
+        AssertionError: a rank raised, died, did not finish within ``timeout``, or returned its
+            result but did not then exit with status 0 (e.g. an abort at interpreter exit); the
+            message holds every failing rank's traceback (and the stacks of hanging ranks).
     """
     context = _context()
     port = free_port()
@@ -186,6 +192,10 @@ def run_distributed(
             )
             for rank in hung:
                 failures[rank] = _hung_report(procs[rank], stack_files[rank], why)
+            for rank in results:
+                exit_failure = _exit_report(procs[rank])
+                if exit_failure is not None:
+                    failures[rank] = exit_failure
         finally:
             for proc in procs:
                 if proc.is_alive():
@@ -229,6 +239,19 @@ def _collect(
         if failures:
             deadline = min(deadline, time.monotonic() + _GRACE_S)
     return results, failures
+
+
+def _exit_report(proc: multiprocessing.process.BaseProcess) -> str | None:
+    """Why a rank that returned its result did not then exit with status 0 within :data:`_EXIT_S`
+    seconds (an abort in an exit handler, a signal from a thread still running), or ``None``."""
+    proc.join(timeout=_EXIT_S)
+    code = proc.exitcode
+    if code == 0:
+        return None
+    if code is None:
+        return "returned its result but did not exit"
+    how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
+    return f"returned its result but then ended with {how} at exit"
 
 
 def _hung_report(proc: multiprocessing.process.BaseProcess, stack_file: str, why: str) -> str:

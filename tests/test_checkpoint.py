@@ -124,9 +124,13 @@ def test_config_styles_and_round_trip(hf_dirs: dict) -> None:
         ({"hidden_size": None}, "no 'hidden_size'"),
         ({"num_attention_heads": "9"}, "'num_attention_heads' must be a positive integer, got '9'"),
         ({"attention_bias": True}, "o_proj bias"),
+        ({"rope_parameters": {"rope_type": "default", "rope_theta": -1.0}}, r"rope_theta=-1.0 must be a finite number > 0"),
+        ({"max_position_embeddings": 0}, "max_position_embeddings=0 must be an integer > 0"),
+        ({"rms_norm_eps": 0.0}, "rms_norm_eps=0.0 must be a finite number > 0"),
+        ({"eos_token_id": [2, 256]}, "eos_token_id 256 is not a token id of the vocabulary of 256"),
     ],
     ids=["arch", "sliding-window", "mistral-default-window", "rope-type", "rope-params", "act", "missing-key", "non-int-size",
-         "llama-bias"],
+         "llama-bias", "negative-theta", "zero-positions", "zero-eps", "eos-outside-vocab"],
 )
 def test_config_errors(hf_dirs: dict, change: dict, message: str) -> None:
     hf_config = json.loads((hf_dirs["llama3"][0] / "config.json").read_text())
@@ -469,3 +473,146 @@ def test_load_model_takes_an_hf_dir_by_model_type_and_names_a_missing_path(hf_di
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     with pytest.raises(CheckpointError, match="does not exist"):
         load_model(tmp_path / "nowhere", dtype=torch.float32, device="cpu")
+
+
+# ------------------------------------------------------------------------------- interrupted writes
+
+_SLOW_WRITER = """
+import sys, time
+from megacp.checkpoint import safetensors_io
+from megacp.checkpoint.convert import main
+write = safetensors_io.SafetensorsWriter.write
+def slow(self, name, tensor):
+    time.sleep(0.05)
+    return write(self, name, tensor)
+safetensors_io.SafetensorsWriter.write = slow
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def _staging_dirs(parent: Path) -> list[Path]:
+    return [path for path in parent.iterdir() if path.name.startswith(".")]
+
+
+def test_killed_writers_leave_nothing_behind(hf_dirs: dict, tmp_path: Path) -> None:
+    """SIGTERM mid-write: one line, status 143, the staging directory removed. ``kill -9`` mid-write
+    leaves it; the next write into the same directory removes it (its writer is gone), but keeps
+    those of a running writer and of another host."""
+    import os
+    import signal
+    import time
+
+    source, _ = hf_dirs["llama3"]
+    parent = tmp_path / "ckpts"
+    parent.mkdir()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    procs = {
+        sig: subprocess.Popen([sys.executable, "-c", _SLOW_WRITER, "hf-to-megacp", "--input", str(source),
+                               "--output", str(parent / f"out_{sig.name}")],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        for sig in (signal.SIGTERM, signal.SIGKILL)
+    }
+    deadline = time.monotonic() + 120
+    while not all(any(d.iterdir()) for d in _staging_dirs(parent)) or len(_staging_dirs(parent)) < 2:
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs.values())
+        time.sleep(0.05)
+    for sig, proc in procs.items():
+        proc.send_signal(sig)
+    term_out, term_err = procs[signal.SIGTERM].communicate(timeout=60)
+    procs[signal.SIGKILL].communicate(timeout=60)
+    assert procs[signal.SIGTERM].returncode == 143 and procs[signal.SIGKILL].returncode == -signal.SIGKILL
+    assert term_err.count("\n") == 1 and "terminated (SIGTERM)" in term_err and "Traceback" not in term_err, term_err
+    left = _staging_dirs(parent)
+    assert [d.name.startswith(".out_SIGKILL.staging-") for d in left] == [True], left
+
+    host = left[0].name.split("-")[2]
+    running = parent / f".x.staging-{os.getppid()}-{host}-{'a' * 12}.tmp"
+    elsewhere = parent / f".x.staging-{procs[signal.SIGKILL].pid}-otherhost-{'b' * 12}.tmp"
+    for directory in (running, elsewhere):
+        directory.mkdir()
+    assert main(["hf-to-megacp", "--input", str(source), "--output", str(parent / "next")]) == 0
+    assert _listing(parent) == {"next", running.name, elsewhere.name}
+
+
+def test_full_disk_and_read_only_destination(hf_dirs: dict, tmp_path: Path, capsys: pytest.CaptureFixture,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """ENOSPC mid-write and a read-only destination: one line naming the output and the reason,
+    status 2, nothing left. (As root chmod does not stop writes: EROFS is then raised by mkdir.)"""
+    import errno
+    import os
+
+    from megacp.checkpoint import safetensors_io
+
+    source, _ = hf_dirs["llama3"]
+    with monkeypatch.context() as patch:
+        def full(self: object, name: str, tensor: torch.Tensor) -> str:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        patch.setattr(safetensors_io.SafetensorsWriter, "write", full)
+        _expect_error(capsys, ["hf-to-megacp", "--input", str(source), "--output", str(tmp_path / "out")],
+                      f"cannot write {tmp_path / 'out'}: No space left on device", tmp_path)
+
+    read_only = tmp_path / "ro"
+    read_only.mkdir()
+    read_only.chmod(0o555)
+    try:
+        if os.access(read_only, os.W_OK):  # root
+            def refuse(self: Path, *args: object, **kwargs: object) -> None:
+                raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(self))
+
+            monkeypatch.setattr(Path, "mkdir", refuse)
+            reason = "Read-only file system"
+        else:
+            reason = "Permission denied"
+        _expect_error(capsys, ["hf-to-megacp", "--input", str(source), "--output", str(read_only / "out")],
+                      f"cannot write {read_only / 'out'}: {reason} ({read_only}/.out.staging-", tmp_path)
+        assert _listing(read_only) == set()
+    finally:
+        read_only.chmod(0o755)
+
+
+# ------------------------------------------------------------------------------ manifest and weights
+
+
+def test_manifest_checksum_values_and_non_finite_weights(hf_dirs: dict, tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture) -> None:
+    """An edited manifest fails its checksum; a manifest whose checksum matches but whose values no
+    model runs with is refused by value; a NaN weight is refused on load and on conversion, naming
+    the tensor, unless allowed."""
+    from megacp.checkpoint import load_model
+    from megacp.checkpoint.megacp_format import manifest_sha256
+
+    source, model = hf_dirs["llama3"]
+    out = tmp_path / "mc"
+    assert main(["hf-to-megacp", "--input", str(source), "--output", str(out)]) == 0
+    manifest = json.loads((out / MANIFEST).read_text())
+    original = (out / MANIFEST).read_text()
+    edited = {**manifest, "model_config": {**manifest["model_config"], "rope_theta": 20000.0}}
+    (out / MANIFEST).write_text(json.dumps(edited))
+    with pytest.raises(CheckpointError, match="manifest checksum mismatch: the manifest was edited or is corrupt"):
+        open_megacp_checkpoint(out)
+    for change, message in (({"rms_norm_eps": -1e-6}, "rms_norm_eps=-1e-06 must be a finite number > 0"),
+                            ({"rope_theta": 0.0}, "rope_theta=0.0 must be a finite number > 0"),
+                            ({"max_position_embeddings": 0}, "max_position_embeddings=0 must be an integer > 0"),
+                            ({"eos_token_id": 999}, "eos_token_id 999 is not a token id of the vocabulary of 256")):
+        bad = {**manifest, "model_config": {**manifest["model_config"], **change}}
+        bad["manifest_sha256"] = manifest_sha256(bad)
+        (out / MANIFEST).write_text(json.dumps(bad))
+        with pytest.raises(CheckpointError, match=f"{MANIFEST}: {message}"):
+            open_megacp_checkpoint(out)
+    (out / MANIFEST).write_text(original)
+
+    poisoned = _copy_hf(source, tmp_path / "nan")
+    state = load_file(poisoned / "model.safetensors")
+    state["model.layers.1.self_attn.k_proj.weight"][3, 5] = float("nan")
+    save_file(state, poisoned / "model.safetensors", metadata={"format": "pt"})
+    message = (f"tensor 'layers.1.self_attention.layernorm_qkv.key_weight' in {poisoned} holds 1 non-finite value(s) "
+               "(NaN/inf); allow_non_finite=True (--allow-non-finite) loads it anyway")
+    with pytest.raises(CheckpointError) as err:
+        load_model(poisoned, dtype=torch.float32, device="cpu")
+    assert str(err.value) == message
+    loaded, _, _ = load_model(poisoned, dtype=torch.float32, device="cpu", allow_non_finite=True)
+    assert sum(int(p.isnan().sum()) for p in loaded.parameters()) == 1
+    _expect_error(capsys, ["hf-to-megacp", "--input", str(poisoned), "--output", str(tmp_path / "x")],
+                  message, tmp_path)
+    assert main(["hf-to-megacp", "--input", str(poisoned), "--output", str(tmp_path / "x"), "--allow-non-finite"]) == 0

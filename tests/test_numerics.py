@@ -106,7 +106,9 @@ def test_bf16_error_does_not_grow_with_cp_size() -> None:
 NAN_LENS = [23, 17]
 NAN_POS = 9  # position of the poisoned element in the first sequence
 NAN_CASES = [("q", math.nan), ("q", math.inf), ("q", -math.inf), ("k", math.nan), ("k", math.inf),
-             ("k", -math.inf), ("v", math.nan), ("scale", math.nan)]
+             ("k", -math.inf), ("v", math.nan), ("scale", math.nan), ("all_scores", -math.inf)]
+"""Where a value goes: one element of q, k or v, the scale, or (``all_scores``) every score of the
+first sequence's rows (every key -inf in one channel where every query is positive)."""
 
 
 def _nan_inputs(where: str, value: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float | None]:
@@ -114,6 +116,9 @@ def _nan_inputs(where: str, value: float) -> tuple[torch.Tensor, torch.Tensor, t
     q, k, v = (torch.randn(sum(NAN_LENS), h, 8, generator=g) for h in (4, 2, 2))
     if where in ("q", "k", "v"):
         {"q": q, "k": k, "v": v}[where][NAN_POS, 1, 3] = value
+    if where == "all_scores":
+        q[:NAN_LENS[0], :, 0] = q[:NAN_LENS[0], :, 0].abs() + 0.1
+        k[:NAN_LENS[0], :, 0] = value
     return q, k, v, (value if where == "scale" else None)
 
 
@@ -184,7 +189,8 @@ def test_nan_and_inf_propagate_as_in_single_process_attention() -> None:
     Rows that cannot see a poisoned key stay finite and exact (SDPA's CPU kernel adds its -inf
     mask to the NaN scores and poisons them too; under CP their keys may sit on other ranks); a
     NaN value may also reach rows that weigh it 0 (0·NaN in the matmul, as in SDPA). Fully masked
-    tiles (LSE -inf) contribute nothing. Decode: only the request holding a NaN key, or with a NaN
+    tiles (LSE -inf) contribute nothing, and so do rows whose every score is -inf: SDPA (torch 2.13,
+    CPU) returns 0 for them, not NaN. Decode: only the request holding a NaN key, or with a NaN
     query, gets NaN rows."""
     outs = run_distributed(_nan_outputs, 3, timeout=240)[0]
     sees = torch.zeros(sum(NAN_LENS), dtype=torch.bool)
@@ -197,7 +203,10 @@ def test_nan_and_inf_propagate_as_in_single_process_attention() -> None:
             for strategy in ("pass_kv", "pass_q"):
                 out = outs[(n, strategy, c)]
                 where = (n, strategy, case)
-                if case[0] in ("q", "scale"):
+                if case[0] == "all_scores":  # SDPA: 0 on rows whose every score is -inf (no NaN)
+                    assert not ref.isnan().any() and (ref[:NAN_LENS[0]] == 0).all(), where
+                    assert torch.allclose(out, ref, atol=1e-5) and not out.isnan().any(), where
+                elif case[0] in ("q", "scale"):
                     assert torch.equal(out.isnan(), ref.isnan()), where
                     assert torch.allclose(out.nan_to_num(0.0), ref.nan_to_num(0.0), atol=1e-5), where
                 else:
@@ -212,3 +221,39 @@ def test_nan_and_inf_propagate_as_in_single_process_attention() -> None:
         clean, nan_query = outs[(n, "decode")]
         assert clean[0].isnan().all() and clean[1].isfinite().all(), n  # request 0 holds the NaN key
         assert nan_query.isnan().all(), n  # request 0's key, request 1's query
+
+
+def test_rows_with_no_visible_key_or_only_neg_inf_scores_match_sdpa() -> None:
+    """One process, megacp's partial attention against SDPA on CPU: a bottom-right causal block with
+    more queries than keys (the first rows see no key) and rows whose every visible score is -inf
+    give out = 0 where SDPA gives 0, with LSE -inf (so a merge weighs them 0); a +inf score gives NaN
+    in both. A partial with LSE -inf merged into another leaves it unchanged, bit for bit."""
+    from megacp.attention.merge import merge_states
+    from megacp.attention.partial import partial_attention
+
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(n, 2, 8, generator=g) for n in (7, 4, 4))
+
+    def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                              attn_mask=mask).transpose(0, 1)
+
+    lower_right = torch.ones(7, 4, dtype=torch.bool).tril(diagonal=4 - 7)  # query i sees keys j <= i - 3
+    out, lse = partial_attention(q, k, v, causal=True, backend="reference")
+    ref = sdpa(q, k, v, lower_right)
+    assert (ref[:3] == 0).all() and (out[:3] == 0).all() and torch.isneginf(lse[:3]).all()
+    assert torch.allclose(out, ref, atol=1e-6) and lse[3:].isfinite().all()
+
+    q_pos, k_neg = q.clone(), k.clone()
+    q_pos[..., 0] = q[..., 0].abs() + 0.1
+    k_neg[..., 0] = -math.inf  # every score -inf
+    out, lse = partial_attention(q_pos, k_neg, v, backend="reference")
+    assert (sdpa(q_pos, k_neg, v, None) == 0).all() and (out == 0).all() and torch.isneginf(lse).all()
+    other_out, other_lse = partial_attention(q_pos, k, v, backend="reference")
+    merged_out, merged_lse = merge_states(out, lse, other_out, other_lse)
+    assert torch.equal(merged_out, other_out) and torch.equal(merged_lse, other_lse)
+
+    k_pos = k.clone()
+    k_pos[1, :, 0] = math.inf  # one +inf score per row: inf - inf in the softmax
+    out, lse = partial_attention(q_pos, k_pos, v, backend="reference")
+    assert sdpa(q_pos, k_pos, v, None).isnan().all() and out.isnan().all() and lse.isnan().all()

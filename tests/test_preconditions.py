@@ -4,6 +4,7 @@ hang, an abort or a silent wrong result; the group stays usable afterwards."""
 
 from __future__ import annotations
 
+import os
 from typing import Any, Callable
 
 import pytest
@@ -117,3 +118,88 @@ def test_cp_layer_mismatch_is_one_error_on_every_rank_once_per_step() -> None:
         assert "differ in new tokens per request" in res["cacheless cu_seqlens"], (rank, res)
         assert "needs fp16, bf16 or fp32 inputs; q is torch.int64" in res["int inputs"], (rank, res)
         assert res["gathers per step"] == 1, res
+
+
+# --------------------------------------------------------------------------- ending cleanly
+
+
+def _close_and_shutdown(rank: int, n: int) -> dict[str, Any]:
+    """A 2-rank CP ring plus a DP group of 1: ``close`` destroys the groups the state created, the
+    default group survives it; ``shutdown`` ends the default group; both are idempotent."""
+    import torch.distributed as dist
+
+    import megacp
+    from megacp.parallel.layout import ParallelLayout
+    from megacp.parallel.state import ParallelState
+
+    state = ParallelState.build(ParallelLayout(cp=2))
+    own = state.group("dp")  # [rank] alone: a group build created
+    before = dist.get_process_group_ranks(own)
+    state.close()
+    state.close()
+    out: dict[str, Any] = {"before": before, "cp is world": state.group("cp") is dist.group.WORLD}
+    try:
+        dist.get_process_group_ranks(own)
+        out["after close"] = "still registered"
+    except (KeyError, RuntimeError, ValueError) as exc:
+        out["after close"] = type(exc).__name__
+    out["world after close"] = float(state.ring().all_gather(torch.ones(1)).sum()) if state.ring() else None
+    megacp.shutdown()
+    megacp.shutdown()
+    out["initialized"] = dist.is_initialized()
+    return out
+
+
+def test_close_and_shutdown_destroy_the_groups() -> None:
+    for rank, res in enumerate(run_distributed(_close_and_shutdown, 2)):
+        assert res == {"before": [rank], "cp is world": True, "after close": "KeyError", "world after close": 2.0,
+                       "initialized": False}, res
+
+
+def _abort_at_exit(rank: int, n: int) -> int:
+    """Return a result, then abort while the process exits (as a gloo worker thread could)."""
+    import multiprocessing.util
+
+    multiprocessing.util.Finalize(None, os.abort, exitpriority=0)
+    return rank
+
+
+def test_harness_fails_a_rank_that_aborts_after_returning() -> None:
+    with pytest.raises(AssertionError, match=r"rank 1 ---\nreturned its result but then ended with signal SIGABRT"):
+        run_distributed(_abort_at_exit, 2)
+
+
+def _stalled_cp_collective(rank: int, n: int) -> tuple[str, float] | None:
+    """cp = 2, dp = 2 with a 3 s timeout: rank 0 enters an all-reduce of its CP group [0, 1] that
+    rank 1 (waiting in a barrier of the whole world) never joins; returns rank 0's error and how
+    long it waited."""
+    import time
+
+    import torch.distributed as dist
+
+    from megacp.config import MegacpConfig
+    from megacp.parallel.layout import ParallelLayout
+    from megacp.parallel.state import ParallelState
+
+    config = MegacpConfig.from_dict({"context_parallel": {"size": 2}, "runtime": {"timeout_minutes": 0.05}})
+    state = ParallelState.build(ParallelLayout(cp=2, dp=2), config)
+    assert state.ranks("cp") == ((0, 1) if rank < 2 else (2, 3))
+    if rank != 0:
+        dist.barrier()  # alive, but not in the CP collective
+        return None
+    start = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(1), group=state.group("cp"))
+        error = "no error"
+    except RuntimeError as exc:
+        error = str(exc).splitlines()[0]
+    waited = time.monotonic() - start
+    dist.barrier()
+    return error, waited
+
+
+def test_cp_group_collective_times_out_after_timeout_minutes() -> None:
+    """The groups ParallelState creates take runtime.timeout_minutes (torch's new_group default is
+    30 min for gloo, 10 for NCCL)."""
+    error, waited = run_distributed(_stalled_cp_collective, 4, timeout=120)[0]
+    assert "Timed out" in error and 2.5 < waited < 30, (error, waited)

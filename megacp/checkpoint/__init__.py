@@ -6,6 +6,7 @@ loading into a model.
 * :mod:`megacp.checkpoint.safetensors_io` — the streaming safetensors writer, tensor checksums.
 * :mod:`megacp.checkpoint.staging` — atomic output directories.
 * :mod:`megacp.checkpoint.tokenizer_files` — tokenizer files that travel with a checkpoint.
+* :mod:`megacp.checkpoint.values` — config values no model runs with, non-finite weights.
 * :mod:`megacp.checkpoint.tp` — splitting and merging megacp tensors for tensor parallelism.
 * :mod:`megacp.checkpoint.megacp_format` — the megacp checkpoint directory (one safetensors file
   per TP rank plus a checksummed manifest).

@@ -9,17 +9,20 @@ Subcommands::
     deepspeed-to-megacp --input DS_DIR --output DIR    [--tag T] [--tp N] [--dtype D] [--force]
     deepspeed-to-hf     --input DS_DIR --output HF_DIR [--tag T] [--dtype D] [--force]
 
-(``DS_DIR``: a ``python -m megacp.train --save`` directory, ZeRO shards included.)
+(``DS_DIR``: a ``python -m megacp.train --save`` directory, ZeRO shards included. Every subcommand
+takes ``--allow-non-finite``: without it a tensor holding NaN or inf is refused.)
 
 Each streams tensors from input to output with a progress bar and ends with one summary line on
-stdout. Bad input ends with one ``error: ...`` line on stderr and exit status 2; the output is
-written into a staging directory that is renamed into place only on success, so nothing is left
-behind on error.
+stdout. Bad input, a full disk or a read-only destination ends with one ``error: ...`` line on
+stderr and exit status 2; the output is written into a staging directory that is renamed into place
+only on success, so nothing is left behind on error, Ctrl-C (status 130) or SIGTERM (143); the
+leftovers of a writer killed outright are removed by the next write into the same directory.
 """
 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -42,6 +45,7 @@ from megacp.checkpoint.megacp_format import open_megacp_checkpoint, save_megacp_
 from megacp.checkpoint.safetensors_io import WriteSummary
 from megacp.checkpoint.staging import check_output_dir
 from megacp.checkpoint.tp import check_tp_size
+from megacp.checkpoint.values import check_finite
 from megacp.models.schema import parameter_shapes
 
 Command = Callable[[argparse.Namespace], WriteSummary]
@@ -49,11 +53,14 @@ Command = Callable[[argparse.Namespace], WriteSummary]
 
 @contextmanager
 def _progress(
-    tensors: Iterable[tuple[str, torch.Tensor]], total: int, desc: str
+    tensors: Iterable[tuple[str, torch.Tensor]], total: int, args: argparse.Namespace
 ) -> Iterator[Iterable[tuple[str, torch.Tensor]]]:
     """A tqdm bar over a tensor stream (shown only on a terminal), closed even on error so that
-    an error line starts on a fresh line."""
-    with tqdm(tensors, total=total, desc=desc, unit="tensor", disable=None) as bar:
+    an error line starts on a fresh line; a non-finite tensor is refused unless
+    ``--allow-non-finite``."""
+    if not args.allow_non_finite:
+        tensors = ((name, check_finite(name, t, args.input)) for name, t in tensors)
+    with tqdm(tensors, total=total, desc=args.command, unit="tensor", disable=None) as bar:
         yield bar
 
 
@@ -67,7 +74,7 @@ def _hf_to_megacp(args: argparse.Namespace) -> WriteSummary:
         else:
             dtype = dtype_from_name(args.dtype)
         tensors = hf_to_megacp(cfg, source.get, source.names)
-        with _progress(tensors, len(parameter_shapes(cfg)), "hf-to-megacp") as stream:
+        with _progress(tensors, len(parameter_shapes(cfg)), args) as stream:
             return save_megacp_checkpoint(
                 args.output,
                 cfg,
@@ -86,7 +93,7 @@ def _gguf_to_megacp(args: argparse.Namespace) -> WriteSummary:
     cfg, tensors, tokenizer = load_gguf(args.input)
     check_tp_size(cfg, args.tp)
     dtype = dtype_from_name(args.dtype or "float32")
-    with _progress(tensors, len(parameter_shapes(cfg)), "gguf-to-megacp") as stream:
+    with _progress(tensors, len(parameter_shapes(cfg)), args) as stream:
         return save_megacp_checkpoint(
             args.output, cfg, stream, dtype=dtype, tp_size=args.tp, tokenizer=tokenizer, force=args.force
         )
@@ -97,7 +104,7 @@ def _megacp_to_hf(args: argparse.Namespace) -> WriteSummary:
     with open_megacp_checkpoint(args.input) as source:
         cfg = source.config
         tensors = megacp_to_hf(cfg, source.get, source.names)
-        with _progress(tensors, len(hf_parameter_shapes(cfg)), "megacp-to-hf") as stream:
+        with _progress(tensors, len(hf_parameter_shapes(cfg)), args) as stream:
             return save_hf_checkpoint(
                 args.output, cfg, stream, dtype=source.dtype, tokenizer=source.path, force=args.force
             )
@@ -107,7 +114,7 @@ def _reshard(args: argparse.Namespace) -> WriteSummary:
     check_output_dir(args.output, force=args.force)
     with open_megacp_checkpoint(args.input) as source:
         check_tp_size(source.config, args.tp)
-        with _progress(source.iter_tensors(), len(source.names), "reshard") as stream:
+        with _progress(source.iter_tensors(), len(source.names), args) as stream:
             return save_megacp_checkpoint(
                 args.output,
                 source.config,
@@ -129,7 +136,7 @@ def _deepspeed_to_megacp(args: argparse.Namespace) -> WriteSummary:
     check_output_dir(args.output, force=args.force)
     source = read_deepspeed_checkpoint(args.input, args.tag)
     check_tp_size(source.config, args.tp)
-    with _progress(source.tensors.items(), len(source.tensors), "deepspeed-to-megacp") as stream:
+    with _progress(source.tensors.items(), len(source.tensors), args) as stream:
         return save_megacp_checkpoint(args.output, source.config, stream, dtype=_deepspeed_dtype(args, source.dtype),
                                       tp_size=args.tp, tokenizer=source.path, force=args.force)
 
@@ -140,7 +147,7 @@ def _deepspeed_to_hf(args: argparse.Namespace) -> WriteSummary:
     check_output_dir(args.output, force=args.force)
     source = read_deepspeed_checkpoint(args.input, args.tag)
     tensors = megacp_to_hf(source.config, source.tensors.__getitem__, source.tensors)
-    with _progress(tensors, len(hf_parameter_shapes(source.config)), "deepspeed-to-hf") as stream:
+    with _progress(tensors, len(hf_parameter_shapes(source.config)), args) as stream:
         return save_hf_checkpoint(args.output, source.config, stream, dtype=_deepspeed_dtype(args, source.dtype),
                                   tokenizer=source.path, force=args.force)
 
@@ -160,6 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--input", required=True, help=input_help)
         sub.add_argument("--output", required=True, help=output_help)
         sub.add_argument("--force", action="store_true", help="replace an existing output checkpoint")
+        sub.add_argument("--allow-non-finite", action="store_true", help="convert tensors holding NaN or inf")
         sub.set_defaults(run=run)
         return sub
 
@@ -191,15 +199,37 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class Terminated(BaseException):
+    """SIGTERM, raised where the program runs so that a half-written output is removed as on Ctrl-C."""
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise Terminated()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the converter; returns the exit status (0, or 2 on bad input)."""
+    """Run the converter; returns the exit status: 0, 2 on bad input (an unreadable input or an
+    output the destination cannot take included), 130 on Ctrl-C, 143 on SIGTERM (the output is
+    left untouched in the last three cases)."""
     args = build_parser().parse_args(argv)
     start = time.perf_counter()
+    previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         summary = args.run(args)
     except CheckpointError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except OSError as err:  # reading the input; errors of the output are CheckpointErrors
+        print(f"error: {err.filename or args.input}: {err.strerror or err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"error: interrupted; {args.output} was not written", file=sys.stderr)
+        return 130
+    except Terminated:
+        print(f"error: terminated (SIGTERM); {args.output} was not written", file=sys.stderr)
+        return 128 + signal.SIGTERM
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     seconds = time.perf_counter() - start
     print(
         f"{args.command}: wrote {summary.tensors} tensors, {summary.bytes:,} bytes "

@@ -31,6 +31,7 @@ from megacp.checkpoint.errors import CheckpointError
 from megacp.checkpoint.safetensors_io import ClosingContext, SafetensorsWriter, WriteSummary
 from megacp.checkpoint.staging import staged_directory
 from megacp.checkpoint.tokenizer_files import TokenizerSource, write_tokenizer
+from megacp.checkpoint.values import check_model_values
 from megacp.models.config import ModelConfig
 from megacp.models.schema import parameter_shapes
 
@@ -101,7 +102,8 @@ def config_from_hf(hf_config: dict[str, Any]) -> ModelConfig:
 
     Raises:
         CheckpointError: the architecture, activation, rope type or sliding window is not supported,
-            or a required key is missing.
+            a required key is missing, or a value is out of range
+            (:func:`~megacp.checkpoint.values.check_model_values`).
     """
     arch = _architecture(hf_config)
     if hf_config.get("hidden_act", "silu") != "silu":
@@ -113,12 +115,13 @@ def config_from_hf(hf_config: dict[str, Any]) -> ModelConfig:
             f"attention_bias=true is not supported for {arch} (it adds an o_proj bias megacp lacks)"
         )
     num_heads = _required(hf_config, "num_attention_heads")
-    max_positions = hf_config.get("max_position_embeddings") or _DEFAULT_MAX_POSITIONS[arch]
+    max_positions = hf_config.get("max_position_embeddings")
+    max_positions = _DEFAULT_MAX_POSITIONS[arch] if max_positions is None else max_positions
     _check_sliding_window(arch, hf_config, max_positions)
     rope_theta, rope_scaling = _rope_from_hf(hf_config)
     moe = _moe_from_hf(arch, hf_config)
     try:
-        return ModelConfig(
+        cfg = ModelConfig(
             architecture=arch,
             vocab_size=_required(hf_config, "vocab_size"),
             hidden_size=_required(hf_config, "hidden_size"),
@@ -139,6 +142,7 @@ def config_from_hf(hf_config: dict[str, Any]) -> ModelConfig:
         )
     except (ValueError, TypeError) as err:
         raise CheckpointError(f"invalid Hugging Face config: {err}") from None
+    return check_model_values(cfg, "the Hugging Face config")
 
 
 def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:

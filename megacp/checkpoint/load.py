@@ -25,6 +25,7 @@ from megacp.checkpoint.hf import hf_to_megacp, open_hf_checkpoint
 from megacp.checkpoint.megacp_format import MANIFEST, load_megacp_checkpoint
 from megacp.checkpoint.tokenizer_files import TokenizerSource
 from megacp.checkpoint.tp import check_ep_rank, check_tp_size, shard_experts, shard_tensor
+from megacp.checkpoint.values import check_finite, check_model_values
 from megacp.models.build import Backend, build_model, ep_rank_and_size, resolve_backend, tp_rank_and_size
 from megacp.models.config import ModelConfig
 from megacp.models.llama import CausalLM
@@ -44,6 +45,7 @@ def load_model(
     tp_group: ProcessGroup | None = None,
     ep_group: ProcessGroup | None = None,
     backend: Backend = "auto",
+    allow_non_finite: bool = False,
 ) -> tuple[CausalLM, ModelConfig, TokenizerSource]:
     """Load a model for inference from a Hugging Face directory, a megacp checkpoint or a GGUF file.
 
@@ -55,6 +57,7 @@ def load_model(
         ep_group: this rank's expert-parallel group: an MoE model keeps only its rank's experts
             (:func:`~megacp.models.build.expert_parallel_group`); a dense model refuses a size > 1.
         backend: see :func:`resolve_backend`.
+        allow_non_finite: load weights that hold NaN or inf (refused by default).
 
     Returns:
         ``(model in eval mode, config, tokenizer)``: the tokenizer is the checkpoint directory (as
@@ -62,17 +65,20 @@ def load_model(
         :func:`~megacp.checkpoint.gguf.load_gguf` builds from a GGUF file's vocabulary, or ``None``.
 
     Raises:
-        CheckpointError: the path is none of the above, its contents are invalid, or the model
-            cannot be split over ``tp_group`` / ``ep_group``.
+        CheckpointError: the path is none of the above, its contents are invalid (a config value
+            out of range, a weight holding NaN or inf without ``allow_non_finite``: one line naming it),
+            or the model cannot be split over ``tp_group`` / ``ep_group``.
     """
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"{path} does not exist")
-    build = dict(dtype=dtype, device=device, backend=backend, tp_group=tp_group, ep_group=ep_group)
+    build = dict(dtype=dtype, device=device, backend=backend, tp_group=tp_group, ep_group=ep_group,
+                 finite_in=None if allow_non_finite else path)
     if path.is_file() and path.suffix == ".gguf":
         from megacp.checkpoint.gguf import load_gguf  # needs the optional `gguf` package
 
         cfg, tensors, tokenizer = load_gguf(path)
+        check_model_values(cfg, str(path))
         return _load(cfg, tensors, sharded=False, **build), cfg, tokenizer
     if (path / MANIFEST).is_file():
         cfg, shards = load_megacp_checkpoint(path, *tp_rank_and_size(tp_group))
@@ -116,6 +122,7 @@ def _load(
     backend: Backend,
     tp_group: ProcessGroup | None,
     ep_group: ProcessGroup | None,
+    finite_in: Path | None,
 ) -> CausalLM:
     """Build the model of ``cfg`` and fill it from ``tensors`` (megacp names), in eval mode.
 
@@ -123,6 +130,7 @@ def _load(
         tensors: full tensors (``sharded=False``; this rank's part is cut out of each as it
             arrives) or this TP rank's parts already (``sharded=True``); either way the routed
             experts are cut to this EP rank's as they arrive.
+        finite_in: the checkpoint, whose tensors must then be finite (``None``: not checked).
 
     Raises:
         CheckpointError: a parameter is missing (TE ``_extra_state`` aside) or a name is unexpected.
@@ -131,6 +139,8 @@ def _load(
     ep_rank, ep_size = ep_rank_and_size(ep_group)
     check_tp_size(cfg, tp_size)
     check_ep_rank(cfg, ep_rank, ep_size)
+    if finite_in is not None:
+        tensors = ((name, check_finite(name, t, finite_in)) for name, t in tensors)
     if not sharded and tp_size > 1:
         tensors = ((name, shard_tensor(cfg, name, t, tp_rank, tp_size)) for name, t in tensors)
     if ep_size > 1:

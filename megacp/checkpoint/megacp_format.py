@@ -17,10 +17,13 @@ The manifest::
      "tensors": {"embedding.weight": {"shape": [V, H],            # the full tensor
                                       "shards": [{"shape": [V, H], "sha256": "..."},   # rank 0
                                                  {"shape": [V, H], "sha256": "..."}]}, # rank 1
-                 ...}}
+                 ...},
+     "manifest_sha256": "..."}             # of every other field (:func:`manifest_sha256`)
 
 Split rules are in :mod:`megacp.checkpoint.tp` (replicated tensors are stored in every rank's file,
-so a rank reads exactly one file). Checksums cover each shard's raw bytes and are verified on load.
+so a rank reads exactly one file). Checksums cover each shard's raw bytes and the manifest itself and
+are verified on load; so are the model config's values
+(:func:`~megacp.checkpoint.values.check_model_values`).
 
 Memory: writers know every tensor's shape before the first byte (from the config), write the
 safetensors header first and then each tensor at its precomputed offset as it arrives, in any
@@ -33,6 +36,7 @@ one rank's shards returns that rank's state dict (the caller asked for it); a re
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Iterable, Iterator
@@ -56,11 +60,19 @@ from megacp.checkpoint.tp import (
     shard_shape,
     shard_tensor,
 )
+from megacp.checkpoint.values import check_model_values
 from megacp.models.config import ModelConfig
 from megacp.models.schema import parameter_shapes
 
 MANIFEST = CHECKPOINT_MARKERS[0]
 FORMAT_VERSION = 1
+
+
+def manifest_sha256(manifest: dict[str, Any]) -> str:
+    """Hex SHA-256 of the manifest's fields other than ``manifest_sha256`` (canonical JSON: sorted
+    keys, no spaces), so that any edit of a value, order aside, changes it."""
+    body = {key: value for key, value in manifest.items() if key != "manifest_sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode("utf-8")).hexdigest()
 
 
 def rank_file_name(tp_rank: int, tp_size: int) -> str:
@@ -96,6 +108,7 @@ def save_megacp_checkpoint(
             Nothing is left behind on error.
     """
     check_tp_size(cfg, tp_size)
+    check_model_values(cfg, "the model config")
     dtype_text = dtype_name(dtype)
     shapes = parameter_shapes(cfg)
     files = [rank_file_name(rank, tp_size) for rank in range(tp_size)]
@@ -140,6 +153,7 @@ def save_megacp_checkpoint(
             "files": files,
             "tensors": entries,
         }
+        manifest["manifest_sha256"] = manifest_sha256(manifest)
         (staging / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
         write_tokenizer(tokenizer, staging)
         total = sum((staging / file_name).stat().st_size for file_name in files)
@@ -172,14 +186,16 @@ class MegacpCheckpoint(ClosingContext):
                     f"{manifest_path}: format {manifest.get('format')!r} version "
                     f"{manifest.get('version')!r} is not megacp version {FORMAT_VERSION}"
                 )
-            self.config = ModelConfig.from_dict(manifest["model_config"])
+            if manifest.get("manifest_sha256") != manifest_sha256(manifest):
+                raise CheckpointError(f"{manifest_path}: manifest checksum mismatch: the manifest was edited or is corrupt")
+            self.config = check_model_values(ModelConfig.from_dict(manifest["model_config"]), str(manifest_path))
             self.dtype = dtype_from_name(manifest["dtype"])
             self.tp_size = int(manifest["tp_size"])
             self._files = [self.path / name for name in manifest["files"]]
             self._entries: dict[str, dict[str, Any]] = manifest["tensors"]
         except CheckpointError:
             raise
-        except (OSError, ValueError, KeyError, TypeError) as err:
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
             raise CheckpointError(f"invalid manifest {manifest_path}: {err!r}") from None
         self._validate()
         self.names = list(parameter_shapes(self.config))

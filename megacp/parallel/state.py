@@ -20,10 +20,12 @@ process or of a process group, never a setting:
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import importlib.util
 import os
-from collections.abc import Mapping
+import time
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -60,6 +62,7 @@ class ParallelState:
         device: torch.device,
         groups: Mapping[str, ProcessGroup],
         ranks: Mapping[str, tuple[int, ...]],
+        owned: Sequence[ProcessGroup] = (),
     ) -> None:
         self.layout = layout
         self.config = config
@@ -68,6 +71,7 @@ class ParallelState:
         self.device = device
         self._groups = dict(groups)
         self._ranks = dict(ranks)
+        self._owned = list(owned)
         self._ring: Ring | None = None
 
     @classmethod
@@ -77,7 +81,8 @@ class ParallelState:
         Collective: every rank must call it with the same layout. ``dist.new_group`` is called for
         every group of every kind (:data:`~megacp.parallel.layout.GROUP_KINDS` order, groups by
         smallest rank), except that a group spanning the whole world is ``dist.group.WORLD`` and a
-        rank list already created for an earlier kind is shared, not created twice.
+        rank list already created for an earlier kind is shared, not created twice. Every group it
+        creates times out after ``config.runtime.timeout_minutes``.
 
         Raises:
             RuntimeError: ``torch.distributed`` is not initialised.
@@ -95,13 +100,17 @@ class ParallelState:
                 "expert_model_parallel": {"include_cp": layout.ep_includes_cp},
                 "external_data_parallel": {"size": layout.ext_dp},
             })
+        timeout = datetime.timedelta(minutes=config.runtime.timeout_minutes)  # new_group's default: 10 or 30 min
         created: dict[tuple[int, ...], ProcessGroup] = {tuple(range(world_size)): dist.group.WORLD}
         groups: dict[str, ProcessGroup] = {}
         ranks: dict[str, tuple[int, ...]] = {}
+        owned: list[ProcessGroup] = []
         for kind in GROUP_KINDS:
             for members in map(tuple, layout.groups(kind)):
                 if members not in created:
-                    created[members] = dist.new_group(list(members))
+                    created[members] = dist.new_group(list(members), timeout=timeout)
+                    if rank in members:
+                        owned.append(created[members])
                 if rank in members:
                     groups[kind], ranks[kind] = created[members], members
         backend = str(dist.get_backend())
@@ -109,7 +118,17 @@ class ParallelState:
             device = torch.device("cuda", torch.cuda.current_device())
         else:
             device = torch.device("cpu")
-        return cls(layout, config, rank, backend, device, groups, ranks)
+        return cls(layout, config, rank, backend, device, groups, ranks, owned)
+
+    def close(self) -> None:
+        """Destroy the process groups :meth:`build` created for this rank, newest first (the default
+        group stays; :func:`shutdown` ends it). Idempotent; the state's groups and ring must not be
+        used afterwards."""
+        self._ring = None
+        if not dist.is_initialized():  # the default group's end destroyed every group
+            self._owned.clear()
+        while self._owned:
+            dist.destroy_process_group(self._owned.pop())
 
     def _kind(self, name: str) -> str:
         if name not in self._groups:
@@ -176,6 +195,7 @@ def initialize(
     The environment variables of :data:`megacp.config.ENV_OVERRIDES` override the config's
     ``runtime`` section; they are read here, once, and validated before any process group exists.
     Every collective of a process group this creates times out after ``runtime.timeout_minutes``.
+    :func:`shutdown` is registered to run at interpreter exit.
 
     Args:
         config: ``None`` (all ranks form one CP group), a path of a DeepSpeed JSON/hjson file, its
@@ -188,6 +208,8 @@ def initialize(
         ValueError: ``backend`` differs from that of an already initialised process group.
     """
     cfg = with_env_overrides(load_config({} if config is None else config), os.environ)
+    atexit.unregister(shutdown)  # registered once, however often initialize runs
+    atexit.register(shutdown)
     if dist.is_initialized():
         current = str(dist.get_backend())
         if backend is not None and backend != current:
@@ -203,11 +225,36 @@ def initialize(
     return ParallelState.build(ParallelLayout.from_config(cfg, world_size), cfg)
 
 
+def shutdown() -> None:
+    """End this process's ``torch.distributed`` work: destroy the default process group and with it
+    every group (if still initialised), then release the GIL for :data:`_GIL_HANDOFF_S` seconds.
+    Idempotent.
+
+    :func:`initialize` registers it to run at interpreter exit, also when an exception ends the
+    program. Why the pause: a gloo group's worker thread releases a finished collective's tensors
+    after the caller's ``wait`` has returned, and releasing a tensor that Python has dropped takes
+    the GIL. Destroying a group does not join those threads while Python still references the group
+    (a :class:`ParallelState`, a ring, a caller's variable). A thread that takes the GIL while the
+    interpreter finalizes is ended by ``pthread_exit``, which unwinds through a ``noexcept``
+    destructor into ``std::terminate``: SIGABRT after the program's work is done. The pause lets
+    such threads take the GIL before finalization starts.
+    """
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    time.sleep(_GIL_HANDOFF_S)
+
+
+_GIL_HANDOFF_S = 0.05
+"""How long :func:`shutdown` releases the GIL: time for worker threads waiting for it to run."""
+
+
 def _init_process_group(backend: str, timeout: datetime.timedelta) -> None:
     """Initialise the default process group from the launcher's environment, or as a world of one;
     every collective times out after ``timeout``."""
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        # a collective past the timeout aborts the communicators and ends the process (torchrun's default)
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if launched:
         if backend != "gloo" and importlib.util.find_spec("deepspeed") is not None:
