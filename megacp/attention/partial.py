@@ -286,7 +286,7 @@ def _flash_varlen_decode(q: Tensor, k: Tensor, v: Tensor, starts: Tensor, used: 
     out, lse = res[0], res[1]
     # the varlen LSE is [B, Hq, 1] (padded layout) or [Hq, total_q] (unpadded layout)
     lse = lse.transpose(0, 1) if lse.dim() == 2 else lse.reshape(b, hq)
-    return out.view(b, hq, -1), lse.float()
+    return out.reshape(b, hq, -1), lse.float()
 
 
 def _masked_decode(q: Tensor, k: Tensor, v: Tensor, starts: Tensor, used: Tensor, capacity: int,

@@ -222,7 +222,6 @@ class Run:
         if self._graph_decode_fits():
             yield from self._graph_steps(next_tok)
             return
-        self.decode_mode = "eager"
         active = list(range(len(self.prompts)))
         while True:
             now = time.perf_counter()
