@@ -3,7 +3,8 @@
 On CPU (gloo), the static step (:class:`~megacp.generate.graph.GraphDecoder` run eagerly: device
 buffers for tokens, positions, lengths and cache rows; no host bookkeeping per token) must equal
 the eager decode step, logits and tokens, at CP = 3 with a rank that holds nothing of a request;
-``LLM(cuda_graphs=True)`` on CPU is refused in one line and the default decodes eagerly. On a
+``LLM(cuda_graphs=True)`` on CPU is refused in one line and the default decodes eagerly; the
+decode benchmark against transformers refuses ``--device cpu`` and copies weights exactly. On a
 CUDA GPU, ``tests/programs/graph_decode_check.py`` checks captured graphs against eager decode.
 """
 
@@ -102,6 +103,29 @@ def test_cli_takes_no_cuda_graphs() -> None:
     from megacp.generate.cli import parse_args
 
     assert parse_args(["--no-cuda-graphs"]).no_cuda_graphs and not parse_args([]).no_cuda_graphs
+
+
+def test_decode_hf_bench_refuses_cpu_and_copies_weights() -> None:
+    """``scripts.bench.decode_hf``: ``--device cpu`` is one line and exit status 2; lengths are capped
+    to the context; the HF copy of a megacp model gives the same logits (fp32, tiny shape)."""
+    from megacp.checkpoint.hf import config_from_hf
+    from megacp.models import build_model
+    from scripts.bench.decode_hf import MODELS, hf_copy, model_lengths
+
+    proc = subprocess.run([sys.executable, "-m", "scripts.bench.decode_hf", "--device", "cpu"], cwd=ROOT,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == "" and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert model_lengths("smollm2", [1024, 8192, 32768], 128) == [1024, 8064]
+    assert model_lengths("llama8b", [1024, 32768], 128) == [1024, 32768]
+    cfg = config_from_hf(dict(MODELS["smollm2"], hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=300))
+    torch.manual_seed(0)
+    model = build_model(cfg, dtype=torch.float32, device="cpu", backend="torch")
+    hf = hf_copy(model, cfg, torch.float32, torch.device("cpu"))
+    ids = torch.randint(0, 300, (12,))
+    with torch.no_grad():
+        ours, theirs = model(ids, torch.arange(12)), hf(ids[None]).logits[0]
+    assert (ours - theirs).abs().max() < 1e-5 * ours.abs().max()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
