@@ -80,6 +80,39 @@ def test_static_step_equals_eager_decode_cp3(tiny: str) -> None:
         assert r["err"] < 1e-5 and r["after"] < 1e-5, r
 
 
+def _run_loop(rank: int, n: int, path: str, prompts: list[list[int]]) -> dict:
+    """Eager decode, then the graph decode loop (its static step run eagerly: CPU), on one LLM."""
+    from megacp import LLM, SamplingParams
+
+    llm = LLM(path, dtype="float32")
+    eager = llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
+    stop = SamplingParams(max_tokens=12, ignore_eos=True, stop_token_ids=[eager[1].token_ids[3]])
+    runs = {}
+    for mode in (False, True):
+        llm.generator.cuda_graphs = mode  # on CPU only a test turns the graph loop on
+        outs = llm.generate(prompts, stop)
+        with llm.session() as chat:
+            turns = [chat.send(prompts[2], stop).token_ids, chat.send(prompts[0], stop).token_ids]
+            history = chat.history
+        runs[mode] = {"tokens": [o.token_ids for o in outs], "finish": [o.finish_reason for o in outs],
+                      "decode": llm.last_report["decode"], "turns": turns, "history": history}
+    return runs
+
+
+def test_graph_decode_loop_equals_eager_cp3(tiny: str) -> None:
+    """The graph decode loop (one-step-late reads, finished requests padded and their extra token
+    dropped, host bookkeeping caught up at the end) at CP = 3: a stop token that ends one request
+    early gives the eager tokens and finish reasons; a session's second turn continues exactly."""
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(3, 256, (k,), generator=g).tolist() for k in (2, 17, 6)]
+    for runs in run_distributed(_run_loop, 3, tiny, prompts, timeout=300):
+        eager, graph = runs[False], runs[True]
+        assert eager["decode"] == "eager" and graph["decode"] == "cuda_graph"
+        assert "stop" in eager["finish"] and "length" in eager["finish"], eager
+        for key in ("tokens", "finish", "turns", "history"):
+            assert graph[key] == eager[key], key
+
+
 def _cpu_llm(rank: int, n: int, path: str) -> dict:
     from megacp import LLM, SamplingParams
 

@@ -121,3 +121,26 @@ class GraphDecoder:
         tokens fed back into the model; the steps it ran after finishing are dropped)."""
         for slot, count in zip(self.slots, fed):
             self.cache.advance_decoded(slot, count)
+
+
+class TokenReader:
+    """Two host buffers that step tokens ``[B]`` int64 are copied into without blocking (pinned
+    memory and an event each on CUDA; a plain copy elsewhere): the host reads one while the next
+    step runs."""
+
+    def __init__(self, batch: int, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.bufs = [torch.empty(batch, dtype=torch.long, pin_memory=self.cuda) for _ in range(2)]
+        self.events = [torch.cuda.Event() for _ in range(2)] if self.cuda else []
+
+    def put(self, i: int, tokens: Tensor) -> None:
+        """Start copying ``tokens`` into buffer ``i`` (after the work queued so far)."""
+        self.bufs[i].copy_(tokens, non_blocking=self.cuda)
+        if self.cuda:
+            self.events[i].record()
+
+    def get(self, i: int) -> list[int]:
+        """Buffer ``i``'s tokens once their copy is done."""
+        if self.cuda:
+            self.events[i].synchronize()
+        return self.bufs[i].tolist()

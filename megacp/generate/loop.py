@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from megacp.generate.graph import GraphDecoder
+from megacp.generate.graph import GraphDecoder, TokenReader
 from megacp.generate.sampling import SamplingParams, sample
 from megacp.kv_cache import CacheCapacityError, ShardedKVCache
 from megacp.layers.step import CPStep
@@ -119,11 +119,12 @@ class Generator:
     def graph_decoder(self, cache: ShardedKVCache, slots: Sequence[int]) -> GraphDecoder:
         """The captured decode step of ``slots`` on ``cache``: the latest one when it was made for
         the same cache and slots (a session's turns, a benchmark's repeats), else a new one (the
-        previous graph is released first)."""
+        previous graph is released first). Off CUDA the same static step runs eagerly."""
         g = self._graph
         if g is None or g.cache is not cache or g.slots != list(slots):
             self._graph = None
-            g = self._graph = GraphDecoder(self.model, cache, slots, self.ring, self.device)
+            g = self._graph = GraphDecoder(self.model, cache, slots, self.ring, self.device,
+                                           capture=self.device.type == "cuda")
         return g
 
     def prefill(self, cache: ShardedKVCache, slots: Sequence[int], prompts: Sequence[Sequence[int]],
@@ -274,8 +275,7 @@ class Run:
         if dec.use_graph and dec.graph is None:  # warm up and capture before the first token is out
             dec.capture()
         self.decode_mode, self.capture_s = "cuda_graph", time.perf_counter() - t0
-        pinned = [torch.empty(b, dtype=torch.long, pin_memory=True) for _ in range(2)]
-        done = [torch.cuda.Event() for _ in range(2)]
+        reader = TokenReader(b, gen.device)
         steps, prev = 0, None
         try:
             now = time.perf_counter()
@@ -287,13 +287,12 @@ class Run:
                 cur = None
                 if steps < self.params.max_tokens - 1 and any(f is None for f in self.finish):
                     cur = steps % 2
-                    pinned[cur].copy_(dec.step(), non_blocking=True)
-                    done[cur].record()
+                    reader.put(cur, dec.step())
                     steps += 1
                 if prev is not None:
-                    done[prev].synchronize()
+                    toks = reader.get(prev)
                     now = time.perf_counter()
-                    for i, tok in enumerate(pinned[prev].tolist()):
+                    for i, tok in enumerate(toks):
                         if self.finish[i] is None:
                             self._emit(i, tok, now)
                             yield i, tok
