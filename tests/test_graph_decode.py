@@ -2,7 +2,8 @@
 
 On CPU (gloo), the static step (:class:`~megacp.generate.graph.GraphDecoder` run eagerly: device
 buffers for tokens, positions, lengths and cache rows; no host bookkeeping per token) must equal
-the eager decode step, logits and tokens, at CP = 3 with a rank that holds nothing of a request;
+the eager decode step, logits and tokens, at CP = 3 with a rank that holds nothing of a request,
+and so must the whole graph decode loop of a run (late reads, padding, stop tokens, sessions);
 ``LLM(cuda_graphs=True)`` on CPU is refused in one line and the default decodes eagerly; the
 decode benchmark against transformers refuses ``--device cpu`` and copies weights exactly. On a
 CUDA GPU, ``tests/programs/graph_decode_check.py`` checks captured graphs against eager decode.
