@@ -105,9 +105,11 @@ class ShardedKVCache:
         self._check_slot(slot)
         return self._held[slot][self.cp_rank if rank is None else rank]
 
-    def check_room(self, slot: int, steps: Sequence[int]) -> None:
+    def check_room(self, slot: int, steps: Sequence[int], spare: int = 0) -> None:
         """Raise :class:`CacheCapacityError` unless the request in ``slot`` can take ``steps`` (its
-        new-token counts, step by step: prefill chunks, then 1 per decode step) on every CP rank."""
+        new-token counts, step by step: prefill chunks, then 1 per decode step) on every CP rank
+        with ``spare`` rows left over on each (a static decode step writes one row past a rank's
+        tokens when it does not own the step's token)."""
         self._check_slot(slot)
         held, pos = list(self._held[slot]), self.length(slot)
         for t in steps:
@@ -115,9 +117,9 @@ class ShardedKVCache:
                 held[j] += sum(b - a for a, b in shard_ranges(pos, t, self.cp_size, j, load_balance=self.load_balance))
             pos += t
         worst = max(range(self.cp_size), key=held.__getitem__)
-        if held[worst] > self.capacity:
+        if held[worst] + spare > self.capacity:
             raise CacheCapacityError(
-                f"{pos} tokens in all would need {held[worst]} KV cache rows on CP rank {worst}, which holds "
+                f"{pos} tokens in all would need {held[worst] + spare} KV cache rows on CP rank {worst}, which holds "
                 f"{self.capacity} per request; raise the cache capacity or the CP size"
             )
 
@@ -179,3 +181,34 @@ class ShardedKVCache:
             for j in range(self.cp_size):
                 self._held[s][j] += sum(b - a for a, b in plan.ranges[j][i])
             self._history[s].append(self._history[s][-1] + plan.new[i])
+
+    # ------------------------------------------------------------------ static decode (device-side)
+    def flat_kv(self, layer: int) -> tuple[Tensor, Tensor]:
+        """Views ``[max_requests * capacity, Hkv, D]`` of ``layer``'s keys and values: slot ``s``'s
+        row ``j`` is row ``s * capacity + j`` (a static decode step indexes rows on the device)."""
+        k, v = self.k[layer], self.v[layer]
+        return k.view(-1, *k.shape[2:]), v.view(-1, *v.shape[2:])
+
+    def decode_state(self, slots: Sequence[int], device: torch.device | str) -> tuple[Tensor, Tensor, Tensor]:
+        """Device tensors a static decode step starts from, for the requests in ``slots``:
+        ``positions [B]`` int64 (each request's next position = its length), ``held [B]`` int32
+        (tokens this rank holds) and ``starts [B]`` int64 (row of each slot's first token in
+        :meth:`flat_kv`)."""
+        for s in slots:
+            self._check_slot(s)
+        return (torch.tensor([self.length(s) for s in slots], dtype=torch.long, device=device),
+                torch.tensor([self.local_length(s) for s in slots], dtype=torch.int32, device=device),
+                torch.tensor([s * self.capacity for s in slots], dtype=torch.long, device=device))
+
+    def advance_decoded(self, slot: int, count: int) -> None:
+        """Host bookkeeping of ``count`` decode steps whose keys and values a static decode step
+        already wrote on the device (one token per step, at position t on rank ``t mod N``)."""
+        self._check_slot(slot)
+        pos, held = self.length(slot), self._held[slot]
+        mine = [t for t in range(pos, pos + count) if t % self.cp_size == self.cp_rank]
+        if mine:
+            start = held[self.cp_rank]
+            self.positions[slot, start : start + len(mine)] = torch.tensor(mine, dtype=torch.long)
+        for t in range(pos, pos + count):
+            held[t % self.cp_size] += 1
+            self._history[slot].append(t + 1)

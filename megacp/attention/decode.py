@@ -5,7 +5,8 @@ tokens of the request it holds (prefill shards + its round-robin share of decode
 tokens is fine), then the partial (out, LSE) of the whole batch travel in **one** all-gather (packed
 into one byte buffer: two collectives would cost twice the latency) and every rank merges the N
 partials exactly. No host synchronisation happens inside, so the step can be captured in a CUDA
-graph when the per-request lengths are fixed.
+graph when the per-request lengths are fixed; :func:`static_decode` reads the lengths from device
+memory, so one captured step serves every token.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 from torch import Tensor
 
 from megacp.attention.merge import merge_stack, pack_states, unpack_states
-from megacp.attention.partial import empty_state, partial_attention
+from megacp.attention.partial import cache_decode_states, empty_state, partial_attention
 from megacp.parallel.ring import Ring
 
 
@@ -69,8 +70,42 @@ def allgather_decode(
         ``[B, Hq, D]`` in ``q.dtype``, identical on every rank.
     """
     out, lse = local_decode_states(q, kv, scale=scale, backend=backend)
+    return merge_over_ring(out, lse, ring, q.dtype, fused_merge=fused_merge)
+
+
+def merge_over_ring(out: Tensor, lse: Tensor, ring: Ring | None, dtype: torch.dtype, *,
+                    fused_merge: bool | None = None) -> Tensor:
+    """Every rank's partial ``(out [B, Hq, D], lse [B, Hq] fp32)`` in one all-gather, merged
+    exactly; returns ``[B, Hq, D]`` in ``dtype``, identical on every rank (``ring`` ``None`` or of
+    size 1: ``out`` itself)."""
     if ring is None or ring.size == 1:
-        return out.to(q.dtype)
-    gathered = ring.all_gather(pack_states(out.to(q.dtype), lse))  # [N, B, bytes]
-    outs, lses = unpack_states(gathered, q.shape[1], q.shape[2], q.dtype)
+        return out.to(dtype)
+    gathered = ring.all_gather(pack_states(out.to(dtype), lse))  # [N, B, bytes]
+    outs, lses = unpack_states(gathered, out.shape[1], out.shape[2], dtype)
     return merge_stack(outs, lses, fused=fused_merge)[0]
+
+
+def static_decode(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    starts: Tensor,
+    used: Tensor,
+    capacity: int,
+    ring: Ring | None,
+    *,
+    scale: float | None = None,
+) -> Tensor:
+    """All-gather decode with every length in device memory (the step a CUDA graph replays).
+
+    Args:
+        q: ``[B, Hq, D]`` (identical on every CP rank); k, v: this rank's packed cache rows
+            ``[R * capacity, Hkv, D]``; starts, used, capacity: each request's first row and the
+            rows it attends over on this rank (:func:`~megacp.attention.partial.cache_decode_states`).
+        ring: the CP ring (``None`` or size 1: local attention only).
+
+    Returns:
+        ``[B, Hq, D]`` in ``q.dtype``, identical on every rank.
+    """
+    out, lse = cache_decode_states(q, k, v, starts, used, capacity, scale=scale)
+    return merge_over_ring(out, lse, ring, q.dtype)

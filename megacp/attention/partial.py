@@ -240,3 +240,67 @@ def _reference(
         out[i0:i1] = ob.permute(2, 0, 1, 3).reshape(i1 - i0, hq, d).to(q.dtype)
         lse[i0:i1] = lb.permute(2, 0, 1).reshape(i1 - i0, hq)
     return out, lse
+
+
+# --------------------------------------------------------------------------- static decode over a cache
+
+
+def cache_decode_states(
+    q: Tensor, k: Tensor, v: Tensor, starts: Tensor, used: Tensor, capacity: int, *, scale: float | None = None,
+) -> tuple[Tensor, Tensor]:
+    """One decode query per request over that request's rows of a packed cache, with the lengths
+    read from device memory (no host synchronisation: a CUDA graph can replay it).
+
+    Args:
+        q: ``[B, Hq, D]`` one query token per request.
+        k, v: ``[R * capacity, Hkv, D]`` the cache's rows; request ``b`` owns rows
+            ``starts[b] .. starts[b] + capacity`` and attends over the first ``used[b]``.
+        starts: ``[B]`` int64, multiples of ``capacity``; used: ``[B]`` int32, in ``[0, capacity]``.
+
+    Kernels: fp16/bf16 CUDA tensors use FlashAttention-2's varlen forward
+    (``aten._flash_attention_forward`` with ``cum_seq_k = starts`` and ``seqused_k = used``: with
+    ``seqused_k`` the kernel reads only each request's start and length); every other case attends
+    over each request's whole ``capacity`` rows in fp32 with the rows past ``used`` masked.
+
+    Returns:
+        ``(out [B, Hq, D] in q.dtype, lse [B, Hq] fp32 natural log)``; a request with ``used = 0``
+        gets ``out = 0``, ``lse = -inf``.
+    """
+    b, hq, d = q.shape
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    if kernels_apply(q):
+        out, lse = _flash_varlen_decode(q, k, v, starts, used, capacity, scale)
+    else:
+        out, lse = _masked_decode(q, k, v, starts, used, capacity, scale)
+    empty = (used == 0).unsqueeze(-1)  # flash gives an empty request lse = +inf
+    return out.masked_fill(empty.unsqueeze(-1), 0), lse.masked_fill(empty, float("-inf"))
+
+
+def _flash_varlen_decode(q: Tensor, k: Tensor, v: Tensor, starts: Tensor, used: Tensor, capacity: int,
+                         scale: float) -> tuple[Tensor, Tensor]:
+    b, hq, _ = q.shape
+    cu_q = torch.arange(b + 1, dtype=torch.int32, device=q.device)
+    cu_k = torch.cat((starts, starts[-1:] + capacity)).to(torch.int32)
+    res = torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, 1, capacity, 0.0, False, False,
+                                                  scale=scale, seqused_k=used)
+    out, lse = res[0], res[1]
+    # the varlen LSE is [B, Hq, 1] (padded layout) or [Hq, total_q] (unpadded layout)
+    lse = lse.transpose(0, 1) if lse.dim() == 2 else lse.reshape(b, hq)
+    return out.reshape(b, hq, -1), lse.float()
+
+
+def _masked_decode(q: Tensor, k: Tensor, v: Tensor, starts: Tensor, used: Tensor, capacity: int,
+                   scale: float) -> tuple[Tensor, Tensor]:
+    b, hq, d = q.shape
+    hkv = k.shape[-2]
+    rows = starts.unsqueeze(1) + torch.arange(capacity, device=q.device)  # [B, C]
+    kb = k.index_select(0, rows.flatten()).view(b, capacity, hkv, d).float()
+    vb = v.index_select(0, rows.flatten()).view(b, capacity, hkv, d).float()
+    qf = q.float().view(b, hkv, hq // hkv, d)
+    scores = torch.einsum("bhgd,bchd->bhgc", qf, kb) * scale
+    hidden = torch.arange(capacity, device=q.device).unsqueeze(0) >= used.unsqueeze(1)  # [B, C]
+    scores = scores.masked_fill(hidden[:, None, None, :], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [B, Hkv, G], -inf where no row is used
+    p = torch.exp(scores - finite_or_zero(lse).unsqueeze(-1))
+    out = torch.einsum("bhgc,bchd->bhgd", p, vb)
+    return out.reshape(b, hq, d).to(q.dtype), lse.reshape(b, hq)

@@ -34,6 +34,9 @@ Prompt = Union[str, Sequence[int]]
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
+MOE_GRAPHS = ("cuda_graphs=True does not support mixture-of-experts models (token routing needs host-side "
+              "counts); pass cuda_graphs=False")
+
 SESSION_SLACK = 48
 """Extra cache rows per rank and session beyond an even split of ``max_session_tokens``: each
 turn's load-balanced sharding may place up to 2 tokens more on one rank than an even share."""
@@ -83,6 +86,10 @@ class LLM:
         calibrate: measure attention FLOP/s and ring bandwidth for ``auto`` (cached per host).
         max_sessions: sessions open at once (their cache is allocated by the first :meth:`session`).
         max_session_tokens: tokens one session may hold (default: the model's context, at most 4096).
+        cuda_graphs: decode greedy requests from a CUDA graph per batch
+            (:class:`~megacp.generate.graph.GraphDecoder`); ``None`` (default): on CUDA for dense
+            models, ``False``: eager decode. ``True`` on a CPU or with a mixture-of-experts model
+            raises ``ValueError``.
         state: an existing :class:`~megacp.parallel.ParallelState` to run on.
         verbose: rank 0 says what it loads.
 
@@ -94,8 +101,8 @@ class LLM:
 
     def __init__(self, model: str | Path | None = None, config: Any = None, dtype: str | torch.dtype | None = None, *,
                  strategy: str | None = None, prefill_chunk: int = 0, calibrate: bool = False, max_sessions: int = 2,
-                 max_session_tokens: int | None = None, state: ParallelState | None = None,
-                 verbose: bool = False) -> None:
+                 max_session_tokens: int | None = None, cuda_graphs: bool | None = None,
+                 state: ParallelState | None = None, verbose: bool = False) -> None:
         if prefill_chunk < 0:
             raise ValueError(f"prefill_chunk must be >= 0 (0 = whole prompt), got {prefill_chunk}")
         if max_sessions < 1:
@@ -112,6 +119,11 @@ class LLM:
         if max_session_tokens is not None and (max_session_tokens < 2 or (ctx and max_session_tokens > ctx)):
             raise ValueError(f"max_session_tokens must be in [2, {ctx}] (the model's context), got {max_session_tokens}")
         device, tp = self.state.device, self.state.size("tp")
+        if cuda_graphs and device.type != "cuda":
+            raise ValueError(f"cuda_graphs=True needs a CUDA GPU; this LLM runs on {device.type} "
+                             "(leave cuda_graphs unset for eager decode)")
+        if cuda_graphs and cfg is not None and cfg.num_experts:
+            raise ValueError(MOE_GRAPHS)
         if verbose and self.state.rank == 0:
             print(f"megacp: loading {Path(self.model_path).name} ({str(self.dtype).replace('torch.', '')}) on {device}, "
                   f"CP={self.state.size('cp')} TP={tp} ...", flush=True)
@@ -131,11 +143,16 @@ class LLM:
             if verbose and self.state.rank == 0:
                 print(f"megacp: calibrated C={hw.flops:.3g} FLOP/s per rank, BW={hw.bandwidth:.3g} B/s", flush=True)
         mc = self.model_config
+        if cuda_graphs and mc.num_experts:
+            raise ValueError(MOE_GRAPHS)
+        if cuda_graphs is None:
+            cuda_graphs = device.type == "cuda" and not mc.num_experts
         self.generator = Generator(
             net, num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads // tp, head_dim=mc.head_dim, ring=ring,
             device=device, dtype=self.dtype, strategy=strategy, prefill_chunk=prefill_chunk,
             backend=None if runtime.attention_backend == "auto" else runtime.attention_backend,
-            load_balance=cp.load_balance, decode=cp.decode, calibration_dir=runtime.calibration_cache_dir)
+            load_balance=cp.load_balance, decode=cp.decode, calibration_dir=runtime.calibration_cache_dir,
+            cuda_graphs=cuda_graphs)
         self.max_sessions = max_sessions
         self.max_session_tokens = max_session_tokens or min(mc.max_position_embeddings, 4096)
         self._session_cache = None

@@ -18,8 +18,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from megacp.generate.graph import GraphDecoder, TokenReader
 from megacp.generate.sampling import SamplingParams, sample
-from megacp.kv_cache import ShardedKVCache
+from megacp.kv_cache import CacheCapacityError, ShardedKVCache
 from megacp.layers.step import CPStep
 
 
@@ -48,20 +49,29 @@ class Generator:
         backend: attention kernel backend (``None``: ``auto``).
         load_balance, decode: the config's ``context_parallel`` choices.
         calibration_dir: where the ``auto`` strategy reads this host's calibration.
+        cuda_graphs: decode greedy requests with :class:`~megacp.generate.graph.GraphDecoder` (a
+            CUDA graph per batch, replayed per token, no host synchronisation per token; needs a
+            CUDA device and, under CP, NCCL). Sampled requests (temperature, repetition penalty),
+            and runs whose cache lacks the one spare row per request the static step writes, decode
+            eagerly; the run's report says which (``"decode"``).
     """
 
     def __init__(self, model: torch.nn.Module, *, num_layers: int, num_kv_heads: int, head_dim: int,
                  ring: Any, device: torch.device, dtype: torch.dtype, strategy: str = "auto",
                  prefill_chunk: int = 0, backend: str | None = None, load_balance: bool = True,
-                 decode: str = "allgather", calibration_dir: str | None = None) -> None:
+                 decode: str = "allgather", calibration_dir: str | None = None, cuda_graphs: bool = False) -> None:
         if prefill_chunk < 0:
             raise ValueError(f"prefill_chunk must be >= 0 (0 = whole prompt), got {prefill_chunk}")
+        if cuda_graphs and device.type != "cuda":
+            raise ValueError(f"cuda_graphs=True needs a CUDA device; this model runs on {device}")
         self.model, self.ring, self.device, self.dtype = model, ring, device, dtype
         self.shape = dict(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim)
         self.strategy, self.prefill_chunk, self.backend, self.load_balance = strategy, prefill_chunk, backend, load_balance
         self.step_kw = dict(strategy=strategy, backend=backend, decode=decode, calibration_dir=calibration_dir)
         self.cp_size = ring.size if ring else 1
         self.cp_rank = ring.rank if ring else 0
+        self.cuda_graphs = cuda_graphs
+        self._graph: GraphDecoder | None = None
 
     def new_cache(self, max_requests: int, capacity: int) -> ShardedKVCache:
         """A KV cache of ``max_requests`` slots holding ``capacity`` tokens each on this rank."""
@@ -105,6 +115,17 @@ class Generator:
         next position) to the requests in ``slots``; return their next-token logits ``[B, V]`` fp32."""
         step = CPStep.begin(cache, slots, [1] * len(slots), self.ring, **self.step_kw)
         return self._forward(step, tokens)
+
+    def graph_decoder(self, cache: ShardedKVCache, slots: Sequence[int]) -> GraphDecoder:
+        """The captured decode step of ``slots`` on ``cache``: the latest one when it was made for
+        the same cache and slots (a session's turns, a benchmark's repeats), else a new one (the
+        previous graph is released first). Off CUDA the same static step runs eagerly."""
+        g = self._graph
+        if g is None or g.cache is not cache or g.slots != list(slots):
+            self._graph = None
+            g = self._graph = GraphDecoder(self.model, cache, slots, self.ring, self.device,
+                                           capture=self.device.type == "cuda")
+        return g
 
     def prefill(self, cache: ShardedKVCache, slots: Sequence[int], prompts: Sequence[Sequence[int]],
                 progress: bool = False) -> tuple[Tensor, list[str]]:
@@ -188,6 +209,8 @@ class Run:
         self.ttft = 0.0
         self.strategies: list[str] = []
         self.decode_s = 0.0
+        self.decode_mode = "eager"
+        self.capture_s = 0.0
 
     def _finished(self, i: int) -> str | None:
         out = self.tokens[i]
@@ -210,16 +233,15 @@ class Run:
         next_tok = sample(logits, params, rng, seen)
         sync()
         self.ttft = time.perf_counter() - t0
+        if self._graph_decode_fits():
+            yield from self._graph_steps(next_tok)
+            return
         active = list(range(len(self.prompts)))
         while True:
             now = time.perf_counter()
             toks = next_tok.tolist()
             for i, tok in zip(active, toks):
-                if not self.tokens[i]:
-                    self.first_at[i] = now
-                self.tokens[i].append(tok)
-                self.last_at[i] = now
-                self.finish[i] = self._finished(i)
+                self._emit(i, tok, now)
                 yield i, tok
             keep = [row for row, i in enumerate(active) if self.finish[i] is None]
             if not keep:
@@ -234,6 +256,65 @@ class Run:
             next_tok = sample(logits, params, rng, seen)
             sync()
             self.decode_s += time.perf_counter() - t1
+
+    def _graph_decode_fits(self) -> bool:
+        """Whether this run decodes from the generator's CUDA graph: greedy, no repetition penalty,
+        and one spare cache row per request on every rank (the static step writes it)."""
+        p = self.params
+        if not (self.gen.cuda_graphs and p.greedy and p.repetition_penalty == 1.0 and p.max_tokens > 1):
+            return False
+        try:
+            for s in self.slots:
+                self.cache.check_room(s, [1] * (p.max_tokens - 1), spare=1)
+        except CacheCapacityError:
+            return False
+        return True
+
+    def _emit(self, i: int, tok: int, now: float) -> None:
+        if not self.tokens[i]:
+            self.first_at[i] = now
+        self.tokens[i].append(tok)
+        self.last_at[i] = now
+        self.finish[i] = self._finished(i)
+
+    def _graph_steps(self, first: Tensor) -> Iterator[tuple[int, int]]:
+        """Decode from the CUDA graph: each step is replayed before the previous step's tokens
+        (copied to pinned memory without blocking) are read, so stop conditions act one step
+        late and a finished request's extra token is dropped; no step runs past ``max_tokens``."""
+        gen, b = self.gen, len(self.slots)
+        t0 = time.perf_counter()
+        dec = gen.graph_decoder(self.cache, self.slots)
+        dec.load(first)
+        if dec.use_graph and dec.graph is None:  # warm up and capture before the first token is out
+            dec.capture()
+        self.decode_mode, self.capture_s = "cuda_graph", time.perf_counter() - t0
+        reader = TokenReader(b, gen.device)
+        steps, prev = 0, None
+        try:
+            now = time.perf_counter()
+            for i, tok in enumerate(first.tolist()):
+                self._emit(i, tok, now)
+                yield i, tok
+            t1 = time.perf_counter()
+            while True:
+                cur = None
+                if steps < self.params.max_tokens - 1 and any(f is None for f in self.finish):
+                    cur = steps % 2
+                    reader.put(cur, dec.step())
+                    steps += 1
+                if prev is not None:
+                    toks = reader.get(prev)
+                    now = time.perf_counter()
+                    for i, tok in enumerate(toks):
+                        if self.finish[i] is None:
+                            self._emit(i, tok, now)
+                            yield i, tok
+                if cur is None:
+                    break
+                prev = cur
+            self.decode_s += time.perf_counter() - t1
+        finally:
+            dec.finish([max(0, len(t) - 1) for t in self.tokens])
 
     def result(self) -> GenerationResult:
         """The outcome once the iteration is over."""
@@ -250,7 +331,10 @@ class Run:
             "ttft_s": round(self.ttft, 4),
             "decode_tokens": decoded,
             "decode_tokens_per_s": round(decoded / self.decode_s, 2) if decoded and self.decode_s > 0 else None,
+            "decode": self.decode_mode,
         }
+        if self.decode_mode == "cuda_graph":
+            report["graph_capture_s"] = round(self.capture_s, 4)
         return GenerationResult(self.tokens, [str(f) for f in self.finish], [self.ttft] * len(self.tokens),
                                 rates, report)
 

@@ -21,11 +21,11 @@ import torch
 from torch import Tensor
 
 from megacp.attention.training import ring_attention
-from megacp.attention.decode import allgather_decode
+from megacp.attention.decode import allgather_decode, static_decode
 from megacp.attention.preconditions import agree, check_inputs
 from megacp.attention.prefill import build_kv_block, cp_prefill
 from megacp.layers.attention import DotProductAttention, check_dropout, check_format, from_thd, to_thd
-from megacp.layers.step import CPStep, step_fields
+from megacp.layers.step import CPStep, StaticDecodeStep, step_fields
 from megacp.parallel.ring import Ring
 from megacp.placement import ShardPlan, seq_lengths
 
@@ -108,8 +108,10 @@ class CPDotProductAttention(DotProductAttention):
             raise ValueError("attention_mask tensors are not supported under CP: delimit sequences with cu_seqlens")
         check_dropout(self)
         q, k, v = (to_thd(x, fmt) for x in (query_layer, key_layer, value_layer))
+        if isinstance(inference_params, StaticDecodeStep):
+            return from_thd(self._static_decode(inference_params, q, k, v), query_layer, fmt)
         if inference_params is not None and not isinstance(inference_params, CPStep):
-            raise TypeError(f"inference_params must be a megacp CPStep, got {type(inference_params).__name__}")
+            raise TypeError(f"inference_params must be a megacp CPStep or StaticDecodeStep, got {type(inference_params).__name__}")
         error, step = check_inputs(q, k, v, "CP attention"), inference_params
         if step is None:
             try:
@@ -174,3 +176,19 @@ class CPDotProductAttention(DotProductAttention):
         else:
             kv = [cache.kv(layer, s, n) for s, n in zip(slots, lens)]
         return allgather_decode(q, kv, step.ring, scale=self.softmax_scale, backend=step.backend or self.backend)
+
+    def _static_decode(self, step: StaticDecodeStep, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """Write the new keys/values at ``step.rows`` and attend with lengths from device memory."""
+        cache, b = step.cache, step.rows.shape[0]
+        error = check_inputs(q, k, v, "CP attention")
+        if error is None and (q.shape[0] != b or k.dtype != cache.k.dtype or tuple(k.shape[1:]) != tuple(cache.k.shape[3:])):
+            error = (f"a static decode step of {b} requests needs q [{b}, Hq, D] and k/v [{b}, "
+                     f"{', '.join(map(str, cache.k.shape[3:]))}] {cache.k.dtype}; got q {tuple(q.shape)}, "
+                     f"k {tuple(k.shape)} {k.dtype}")
+        if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
+            error = error or "a static decode step runs without autograd (torch.inference_mode())"
+        step.agree(q, k, v, scale=self.softmax_scale, local_error=error)
+        kf, vf = cache.flat_kv(self._layer)
+        kf.index_copy_(0, step.rows, k)
+        vf.index_copy_(0, step.rows, v)
+        return static_decode(q, kf, vf, step.starts, step.used, cache.capacity, step.ring, scale=self.softmax_scale)

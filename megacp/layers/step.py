@@ -147,3 +147,41 @@ def step_fields(step: CPStep | None, q: Tensor, k: Tensor, v: Tensor, *, scale: 
         ("v heads and head dim", tuple(v.shape[1:])),
         ("dtypes of q, k, v", (str(q.dtype), str(k.dtype), str(v.dtype))),
     ]
+
+
+@dataclass
+class StaticDecodeStep:
+    """A decode step whose per-request state lives in device tensors (the ``inference_params`` of
+    a step a CUDA graph replays): every request adds one token, every rank computes all of them.
+
+    Attributes:
+        cache: the KV cache; ring: the CP ring (``None`` for CP = 1).
+        rows: ``[B]`` int64, row of :meth:`ShardedKVCache.flat_kv` each request's new key and value
+            go to: the row after this rank's tokens of the request (a rank that does not own the
+            token under round-robin placement writes there too; no read covers that row, and the
+            next owned token overwrites it).
+        starts: ``[B]`` int64, row of each request's first token.
+        used: ``[B]`` int32, rows each request attends over on this rank (its tokens including
+            the new one when this rank owns it).
+    """
+
+    cache: ShardedKVCache
+    ring: Ring | None
+    rows: Tensor
+    starts: Tensor
+    used: Tensor
+    agreed: bool = field(default=False, init=False)
+
+    def agree(self, q: Tensor, k: Tensor, v: Tensor, *, scale: float | None, local_error: str | None) -> None:
+        """At the first layer's first call (eager, before any capture): every CP rank runs the same
+        batch, cache capacity, head shapes and dtypes (one small all-gather); afterwards only
+        ``local_error`` is raised, on this rank."""
+        if self.agreed:
+            if local_error is not None:
+                raise ValueError(local_error)
+            return
+        fields = [("static decode batch", int(self.rows.shape[0])), ("KV cache capacity", self.cache.capacity),
+                  ("softmax_scale", scale), ("q heads and head dim", tuple(q.shape[1:])),
+                  ("k heads and head dim", tuple(k.shape[1:])), ("dtypes of q, k, v", (str(q.dtype), str(k.dtype), str(v.dtype)))]
+        agree(self.ring, fields, device=q.device, what="CP static decode step", local_error=local_error)
+        self.agreed = True

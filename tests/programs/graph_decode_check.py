@@ -1,0 +1,215 @@
+"""CUDA-graph decode against eager decode on the GPU (run by tests/test_graph_decode.py when CUDA
+is available).
+
+    python tests/programs/graph_decode_check.py                      # one GPU, CP = 1
+    torchrun --nproc_per_node 2 tests/programs/graph_decode_check.py # CP = 2 (NCCL collectives in the graph)
+
+Models (random weights): a tiny Llama (2 layers, 4 Q / 2 KV heads, head dim 16) and the SmolLM2-135M
+shape (``scripts.bench.decode_hf.MODELS["smollm2"]``), each in float32 and bfloat16. Per case:
+
+* ``kernel``: :func:`megacp.attention.partial.cache_decode_states` (flash varlen with ``seqused_k``
+  for bf16, the masked fp32 path for fp32) against ``partial_attention`` per request, lengths 0, 1,
+  37 and the whole capacity: out (fp32 1e-5, bf16 3e-2 relative) and LSE (1e-5 / 1e-3 absolute).
+* ``step``: a ragged batch (3, 50, 200 tokens) prefilled into two caches; 64 steps of eager
+  ``Generator.decode_step`` against a captured :class:`~megacp.generate.graph.GraphDecoder` fed
+  the same tokens: logits within fp32 1e-5 (relative to the largest logit) or bf16 3e-2, and the
+  same argmax (bf16: unless the eager top-2 margin is within twice that row's difference).
+* ``generate``: ``LLM(cuda_graphs=True)`` against ``LLM(cuda_graphs=False)``, 72 greedy tokens of
+  the ragged batch, then with a stop token that ends one request early (the one-step lag drops its
+  extra token): identical tokens; the report says ``decode: cuda_graph``.
+* ``session``: two turns of a session on each LLM: identical tokens (the graph of turn 1 replays
+  in turn 2).
+
+Every check prints one ``PASS``/``FAIL``/``WARN`` line (bf16 end-to-end token differences after the
+first are ``WARN``: a near-tie under bf16 noise; the ``step`` check judges bf16). Exceptions are
+printed with the case and check. Ends with ``ALL PASS`` or ``FAILED: n``; exit status 0 / 1.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from scripts.bench.decode_hf import MODELS, hf_copy  # noqa: E402
+
+TINY = dict(MODELS["smollm2"], hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, vocab_size=256, max_position_embeddings=2048)
+PROMPT_LENS = (3, 50, 200)
+STEPS = 64
+NEW = 72
+TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
+
+
+class Checks:
+    """PASS/FAIL/WARN lines (rank 0 prints) and the failure count."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank, self.failed = rank, 0
+
+    def say(self, verdict: str, what: str, detail: str) -> None:
+        self.failed += verdict == "FAIL"
+        if self.rank == 0:
+            print(f"{verdict} {what}: {detail}", flush=True)
+
+    def run(self, what: str, fn: Callable[[], tuple[str, str]]) -> None:
+        try:
+            verdict, detail = fn()
+        except Exception as exc:  # noqa: BLE001 - report and go on with the next check
+            verdict, detail = "FAIL", f"{type(exc).__name__}: {exc}"
+            if self.rank == 0:
+                traceback.print_exc(limit=8)
+        self.say(verdict, what, detail)
+
+
+def prompts(vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in PROMPT_LENS]
+
+
+def check_kernel(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> tuple[str, str]:
+    from megacp.attention.partial import cache_decode_states, partial_attention
+
+    cap, used = 64, [0, 1, 37, 64]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    k = torch.randn(len(used) * cap, kv_heads, head_dim, device="cuda", generator=g).to(dtype)
+    v = torch.randn(len(used) * cap, kv_heads, head_dim, device="cuda", generator=g).to(dtype)
+    q = torch.randn(len(used), heads, head_dim, device="cuda", generator=g).to(dtype)
+    starts = torch.arange(len(used), device="cuda") * cap
+    out, lse = cache_decode_states(q, k, v, starts, torch.tensor(used, dtype=torch.int32, device="cuda"), cap)
+    worst_o = worst_l = 0.0
+    for b, n in enumerate(used):
+        if n == 0:
+            if out[b].abs().max() != 0 or not torch.isneginf(lse[b]).all():
+                return "FAIL", "a request with no rows must give out = 0 and LSE = -inf"
+            continue
+        ro, rl = partial_attention(q[b:b + 1].float(), k[b * cap:b * cap + n].float(), v[b * cap:b * cap + n].float(),
+                                   backend="reference")
+        worst_o = max(worst_o, float((out[b].float() - ro[0]).abs().max() / ro.abs().max()))
+        worst_l = max(worst_l, float((lse[b] - rl[0]).abs().max()))
+    tol, lse_tol = TOL[dtype], 1e-5 if dtype == torch.float32 else 1e-3
+    ok = worst_o <= tol and worst_l <= lse_tol
+    return ("PASS" if ok else "FAIL"), f"out rel err {worst_o:.2e} (tol {tol:g}), LSE abs err {worst_l:.2e} (tol {lse_tol:g})"
+
+
+def check_step(llm: Any, dtype: torch.dtype) -> tuple[str, str]:
+    from megacp.generate.graph import GraphDecoder
+
+    gen = llm.generator
+    ps = prompts(llm.model_config.vocab_size)
+    (eager, se), (static, ss) = (gen.batch_cache(ps, STEPS + 2) for _ in range(2))
+    worst, bad = 0.0, 0
+    with torch.inference_mode():
+        tok = gen.prefill(eager, se, ps)[0].argmax(-1)
+        dec = GraphDecoder(gen.model, static, ss, gen.ring, gen.device)
+        dec.load(gen.prefill(static, ss, ps)[0].argmax(-1))
+        for _ in range(STEPS):
+            ref = gen.decode_step(eager, se, tok)
+            got = dec.step().clone()
+            diff = (dec.logits - ref).abs().amax(-1)
+            worst = max(worst, float(diff.max() / ref.abs().max()))
+            tok = ref.argmax(-1)
+            top2 = ref.topk(2, dim=-1).values
+            for i in torch.nonzero(got != tok).flatten().tolist():
+                near_tie = dtype != torch.float32 and float(top2[i, 0] - top2[i, 1]) <= 2 * float(diff[i])
+                bad += not near_tie
+            dec.tokens.copy_(tok)  # teacher forcing: both sides see the eager token next
+    ok = worst <= TOL[dtype] and bad == 0
+    return ("PASS" if ok else "FAIL"), f"{STEPS} steps, logits rel err {worst:.2e} (tol {TOL[dtype]:g}), {bad} argmax differences"
+
+
+def compare(a: list[list[int]], b: list[list[int]], dtype: torch.dtype) -> tuple[str, str]:
+    if a == b:
+        return "PASS", f"{sum(map(len, a))} tokens identical"
+    first = min((j, i) for i, (x, y) in enumerate(zip(a, b)) for j, (p, q) in enumerate(zip(x + [-1], y + [-2])) if p != q)
+    verdict = "WARN" if dtype != torch.float32 and first[0] > 0 else "FAIL"
+    return verdict, f"request {first[1]} differs from token {first[0]} (lengths {[len(x) for x in a]} vs {[len(x) for x in b]})"
+
+
+def check_generate(graph: Any, eager: Any, dtype: torch.dtype) -> tuple[str, str]:
+    from megacp import SamplingParams
+
+    ps = prompts(graph.model_config.vocab_size)
+    params = SamplingParams(max_tokens=NEW, ignore_eos=True)
+    e = [o.token_ids for o in eager.generate(ps, params)]
+    gr = [o.token_ids for o in graph.generate(ps, params)]
+    if graph.last_report.get("decode") != "cuda_graph" or eager.last_report.get("decode") != "eager":
+        return "FAIL", f"decode modes {graph.last_report.get('decode')} / {eager.last_report.get('decode')}"
+    verdict, detail = compare(e, gr, dtype)
+    stop = SamplingParams(max_tokens=NEW, ignore_eos=True, stop_token_ids=[e[1][5]])
+    e2 = [o.token_ids for o in eager.generate(ps, stop)]
+    g2 = [o.token_ids for o in graph.generate(ps, stop)]
+    v2, d2 = compare(e2, g2, dtype)
+    worst = max((verdict, v2), key=("PASS", "WARN", "FAIL").index)
+    return worst, f"{detail}; with a stop token (lengths {[len(x) for x in e2]}): {d2}"
+
+
+def check_session(graph: Any, eager: Any, dtype: torch.dtype) -> tuple[str, str]:
+    from megacp import SamplingParams
+
+    ps = prompts(graph.model_config.vocab_size)
+    params = SamplingParams(max_tokens=NEW, ignore_eos=True)
+    outs = []
+    for llm in (eager, graph):
+        with llm.session() as chat:
+            outs.append([chat.send(ps[1], params).token_ids, chat.send(ps[0], params).token_ids])
+    return compare(outs[0], outs[1], dtype)
+
+
+def main() -> int:
+    import megacp
+    from megacp import LLM
+
+    if not torch.cuda.is_available():
+        print("SKIP: CUDA graphs need a CUDA GPU", flush=True)
+        return 0
+    state = megacp.initialize()
+    rank = state.rank
+    checks = Checks(rank)
+    root = Path(tempfile.gettempdir()) / f"megacp_graph_check_{os.environ.get('MASTER_PORT', os.getpid())}"
+    for name, spec in (("tiny", TINY), ("smollm2", MODELS["smollm2"])):
+        from megacp.checkpoint.hf import config_from_hf
+        from megacp.models import build_model
+
+        path = root / name
+        if rank == 0 and not path.exists():
+            cfg = config_from_hf(spec)
+            torch.manual_seed(0)
+            model = build_model(cfg, dtype=torch.float32, device="cuda", backend="torch")
+            hf_copy(model, cfg, torch.float32, torch.device("cuda")).save_pretrained(str(path))
+            del model
+        if state.world_size > 1:
+            dist.barrier()
+        for dtype in (torch.float32, torch.bfloat16):
+            case = f"{name} {str(dtype).replace('torch.', '')} CP={state.size('cp')}"
+            try:
+                graph = LLM(str(path), dtype=dtype, cuda_graphs=True, state=state)
+                eager = LLM(str(path), dtype=dtype, cuda_graphs=False, state=state)
+            except Exception as exc:  # noqa: BLE001
+                checks.say("FAIL", f"{case} load", f"{type(exc).__name__}: {exc}")
+                continue
+            mc = graph.model_config
+            checks.run(f"{case} kernel", lambda: check_kernel(dtype, mc.num_heads, mc.num_kv_heads, mc.head_dim))
+            checks.run(f"{case} step", lambda: check_step(graph, dtype))
+            checks.run(f"{case} generate", lambda: check_generate(graph, eager, dtype))
+            checks.run(f"{case} session", lambda: check_session(graph, eager, dtype))
+            del graph, eager
+            torch.cuda.empty_cache()
+    if rank == 0:
+        print("ALL PASS" if checks.failed == 0 else f"FAILED: {checks.failed}", flush=True)
+    if state.world_size > 1:
+        dist.barrier()
+    dist.destroy_process_group()
+    return 1 if checks.failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
