@@ -299,3 +299,128 @@ def test_moe_training_under_cp_equals_single_process(cp: int, tp: int) -> None:
         assert norm_err <= RTOL and rel_err(got, want) <= ELEMENT_RTOL, (name, norm_err, rel_err(got, want))
     start = _model(_moe_config()).state_dict()
     assert rel_err(reference.state_dict()["layers.0.moe.router_weight"], start["layers.0.moe.router_weight"]) > 1e-2
+
+
+# ------------------------------------------------------------- training with experts sharded over EP
+
+EP_STEPS = 20
+EP_LR = 2e-3
+EP_CLIP = 0.05  # small enough that clipping acts on every step
+EP_SEQ_LEN = 24
+EP_RUNS = {
+    # name: (model kind, megacp mesh sections, ZeRO stage, gradient clipping)
+    "zero0": ("qwen2_moe", {"expert_model_parallel": {"size": 2}}, 0, 0.0),
+    "zero1": ("qwen2_moe", {"expert_model_parallel": {"size": 2}}, 1, EP_CLIP),
+    "zero2": ("qwen2_moe", {"expert_model_parallel": {"size": 2}}, 2, EP_CLIP),
+    "zero1_include_cp": ("mixtral", {"expert_model_parallel": {"size": 4, "include_cp": True}}, 1, EP_CLIP),
+}
+
+
+def _ep_model_config(kind: str) -> "ModelConfig":
+    from dataclasses import replace
+
+    cfg = replace(_moe_config(), num_layers=2, mlp_only_layers=[])
+    return cfg if kind == "qwen2_moe" else replace(cfg, architecture="mixtral", norm_topk_prob=True,
+                                                   shared_expert_intermediate_size=0)
+
+
+def _ep_batches() -> list:
+    """``EP_STEPS x 2`` packed sequences of ragged documents: step s gives DP replica d sequence 2s + d."""
+    from megacp.train.data import pack_documents
+
+    g = torch.Generator().manual_seed(11)
+    docs = [torch.randint(0, 80, (int(n),), generator=g).tolist() for n in torch.randint(1, 40, (60,), generator=g)]
+    packed = list(pack_documents(docs, EP_SEQ_LEN))
+    assert len(packed) >= 2 * EP_STEPS
+    return packed[: 2 * EP_STEPS]
+
+
+def _ep_reference(kind: str, clip: float) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One process, every expert, plain ``torch.optim.AdamW``: per step the mean of the two DP
+    replicas' losses is differentiated (DeepSpeed's average over DP), clipped, and stepped."""
+    from megacp.train.batch import shard_batch
+    from megacp.train.loss import lm_loss
+    from tests.test_train_equivalence import _model
+
+    model = _model(_ep_model_config(kind)).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=EP_LR, weight_decay=0.01)
+    batches, losses = _ep_batches(), []
+    for step in range(EP_STEPS):
+        replica = [lm_loss(model, shard_batch(b.input_ids, cu_seqlens=b.cu_seqlens, cp_size=1, cp_rank=0))
+                   for b in batches[2 * step: 2 * step + 2]]
+        loss = sum(replica) / 2
+        loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss.detach()))
+    return losses, {n: p.detach().clone() for n, p in model.state_dict().items()}
+
+
+def _ep_train_worker(rank: int, world: int) -> dict:
+    import os
+
+    os.environ["DS_ACCELERATOR"] = "cpu"  # before DeepSpeed is imported: no accelerator probing
+    import megacp
+    from megacp.checkpoint.tp import shard_experts
+    from megacp.models import CausalLM
+    from megacp.models.build import expert_parallel_group
+    from megacp.train.engine import Trainer, read_settings
+    from tests.test_train_equivalence import _model
+
+    torch.set_num_threads(1)
+    out = {}
+    for name, (kind, mesh, stage, clip) in EP_RUNS.items():
+        config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "gradient_clipping": clip,
+                  "steps_per_print": 10**6, "zero_optimization": {"stage": stage}, "context_parallel": {"size": 2},
+                  "optimizer": {"type": "AdamW", "params": {"lr": EP_LR, "weight_decay": 0.01, "torch_adam": True}},
+                  **mesh}
+        state = megacp.initialize(config)
+        cfg, ep_group = _ep_model_config(kind), expert_parallel_group(state)
+        ep_rank, ep_size = state.rank_in("ep"), state.size("ep")
+        model = CausalLM(cfg, ep_group=ep_group, dtype=torch.float32).train()
+        model.load_state_dict({n: shard_experts(n, t, ep_rank, ep_size).clone() for n, t in _model(cfg).state_dict().items()})
+        megacp.swap_attention(model, state, strategy="pass_kv")
+        trainer = Trainer(model, config, state, read_settings(config))
+        dp = state.rank_in("dp")
+        batches = iter(_ep_batches()[dp::2])
+        losses = [trainer.step(batches).loss for _ in range(EP_STEPS)]
+        out[name] = dict(losses=losses, ep_rank=ep_rank, params={n: p.detach().clone() for n, p in model.state_dict().items()})
+    return out
+
+
+def test_sharded_expert_training_under_deepspeed_equals_single_process() -> None:
+    """20 AdamW steps at CP 2 x DP 2 with the experts sharded over EP (over dp: EP 2, ZeRO 0 / 1 / 2;
+    over dp x cp: EP 4, ZeRO 1), through megacp's Trainer under DeepSpeed, give the losses and the
+    parameters (experts gathered back from their EP ranks; router and shared expert included) of
+    one process holding every expert (fp32, the tolerances of test_train_equivalence: losses 1e-5
+    relative, parameters 1e-5 relative in norm and 1e-4 in their worst element). Clipping (ZeRO 1 / 2)
+    acts on every step, so the gradient norm must count every expert once."""
+    pytest.importorskip("deepspeed", reason="DeepSpeed not installed")
+    from tests.reference import rel_err
+    from tests.test_train_equivalence import ELEMENT_RTOL, RTOL, _model
+
+    torch.set_num_threads(1)
+    results = run_distributed(_ep_train_worker, 4, timeout=300)
+    references, errors = {}, {}
+    for name, (kind, _, _, clip) in EP_RUNS.items():
+        if (kind, clip) not in references:
+            references[kind, clip] = _ep_reference(kind, clip)
+        ref_losses, ref_params = references[kind, clip]
+        owners = {}
+        for res in results:
+            run = res[name]
+            assert run["losses"] == pytest.approx(ref_losses, rel=1e-5), (name, run["losses"], ref_losses)
+            owners.setdefault(run["ep_rank"], run["params"])
+            for n, t in run["params"].items():  # ranks holding the same experts hold the same values
+                assert torch.equal(t, owners[run["ep_rank"]][n]), (name, n)
+        for n, want in ref_params.items():
+            got = torch.cat([owners[e][n] for e in sorted(owners)]) if "expert_fc" in n else owners[0][n]
+            norm_err = float((got - want).norm() / want.norm())
+            errors[name] = max(errors.get(name, 0.0), norm_err)
+            assert norm_err <= RTOL and rel_err(got, want) <= ELEMENT_RTOL, (name, n, norm_err, rel_err(got, want))
+    print("worst parameter error in norm per run:", errors)
+    start = _model(_ep_model_config("qwen2_moe")).state_dict()
+    for n in ("layers.0.moe.router_weight", "layers.0.moe.expert_fc1_weight"):  # the weights moved
+        assert rel_err(references["qwen2_moe", 0.0][1][n], start[n]) > 1e-2, n

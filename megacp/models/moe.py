@@ -21,8 +21,10 @@ divide by P). Each forward:
 All ranks of the EP group call the same collectives in every MoE layer (a rank without tokens sends
 and receives nothing). With P = 1 the same code runs without collectives, and trains like any other
 layer (every rank holds every expert; DeepSpeed reduces expert gradients over DP x CP like the rest).
-Sharded experts (P > 1) serve inference only: a forward under autograd raises, because DeepSpeed
-would all-reduce the gradients of different experts over DP x CP.
+With P > 1 the copies' all-to-alls are differentiable (:func:`all_to_all`: the backward sends the
+gradients back by the reverse all-to-all), so each rank's expert gradients sum the contributions of
+every token copy its experts processed, from every rank of the EP group; reducing them over the
+ranks that hold the same experts is the trainer's part (:mod:`megacp.train.experts`).
 
 Tensor parallelism inside the EP group: megacp's EP group spans the ``dp x tp`` ranks of a cell (or
 ``dp x cp x tp``), and the ranks of one TP group hold *identical* tokens. With P > 1 each TP rank
@@ -72,12 +74,33 @@ def local_experts(num_experts: int, ep_size: int) -> int:
     return num_experts // ep_size
 
 
-def all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup) -> torch.Tensor:
-    """Send rows ``x[sum(send[:p]) : sum(send[:p+1])]`` to rank p of ``group``; return the
-    ``sum(recv)`` rows received, source by source (``all_to_all_single`` with split sizes)."""
+def _exchange(x: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup) -> torch.Tensor:
     out = x.new_empty(sum(recv), *x.shape[1:])
     dist.all_to_all_single(out, x.contiguous(), output_split_sizes=recv, input_split_sizes=send, group=group)
     return out
+
+
+class _AllToAll(torch.autograd.Function):
+    """:func:`all_to_all` under autograd: the gradient of the received rows goes back to their
+    senders by the reverse all-to-all (split sizes swapped)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.send, ctx.recv, ctx.group = send, recv, group
+        return _exchange(x, send, recv, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        return _exchange(grad, ctx.recv, ctx.send, ctx.group), None, None, None
+
+
+def all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup) -> torch.Tensor:
+    """Send rows ``x[sum(send[:p]) : sum(send[:p+1])]`` [R, ...] to rank p of ``group``; return the
+    ``sum(recv)`` rows received, source by source (``all_to_all_single`` with split sizes).
+    Differentiable: every rank of ``group`` runs the reverse all-to-all in backward."""
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _AllToAll.apply(x, send, recv, group)
+    return _exchange(x, send, recv, group)
 
 
 class MoEMLP(nn.Module):
@@ -132,17 +155,7 @@ class MoEMLP(nn.Module):
         return weights, experts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """[T, H] -> [T, H].
-
-        Raises:
-            RuntimeError: under autograd with the experts sharded (EP > 1), which training does not
-                support.
-        """
-        if self.ep_size > 1 and torch.is_grad_enabled() and self.router_weight.requires_grad:
-            raise RuntimeError(
-                f"training with experts sharded over expert_model_parallel.size={self.ep_size} ranks is not "
-                "supported (only inference); train with expert_model_parallel.size null (every rank holds every expert)"
-            )
+        """[T, H] -> [T, H]."""
         h = rms_norm(x, self.layer_norm_weight, self.eps)
         weights, experts = self.route(h)
         tp = tp_world_size(self.tp_group)

@@ -127,17 +127,19 @@ def run(args: argparse.Namespace) -> int:
 
     import megacp
     from megacp.checkpoint import load_model
+    from megacp.models.build import expert_parallel_group
     from megacp.generate import _peak_memory_mb as peak_memory_mib  # CUDA allocator peak, or max RSS on CPU
     from megacp.train.data import CorpusBatches, Prefetcher, resolve_corpus
     from megacp.train.engine import Trainer, check_batch_config, read_settings
+    from megacp.train.experts import check_expert_training
 
     if not torch.cuda.is_available():  # before DeepSpeed is imported: gloo on CPU, as megacp.initialize
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     config = load_config(args.deepspeed_config)
     settings = read_settings(config.deepspeed)
     if (config.expert_model_parallel.size or 1) > 1:
-        raise UsageError(f"expert_model_parallel.size {config.expert_model_parallel.size}: training with experts sharded "
-                         "over EP ranks is not supported; set it to 1 (every rank then holds every expert)")
+        check_expert_training(config.deepspeed, settings.zero_stage, config.expert_model_parallel.size,
+                              config.tensor_model_parallel.size, save=args.save is not None)
     sources = resolve_corpus(args.corpus)
     model_path = args.model or _default_model()
     state = megacp.initialize(config)
@@ -146,7 +148,8 @@ def run(args: argparse.Namespace) -> int:
 
     tp_group = state.group("tp") if state.size("tp") > 1 else None
     model, model_config, tok_source = load_model(model_path, dtype=settings.dtype, device=state.device,
-                                                 tp_group=tp_group, backend=args.backend)
+                                                 tp_group=tp_group, ep_group=expert_parallel_group(state),
+                                                 backend=args.backend)
     tokenizer = _tokenizer(tok_source)
     if tokenizer is None:
         raise UsageError(f"--model {model_path} has no tokenizer to read the corpus with")

@@ -174,9 +174,16 @@ class Trainer:
                  settings: TrainSettings, *, load_balance: bool = True) -> None:
         mark_tensor_parallel(model, state.size("tp"))
         params = [p for p in model.parameters() if p.requires_grad]
-        self.engine, *_ = _deepspeed(state).initialize(model=model, model_parameters=params, config=dict(config),
-                                               mpu=DeepSpeedMPU(state))
-        self.state, self.settings, self.load_balance = state, settings, load_balance
+        deepspeed = _deepspeed(state)
+        from megacp.train.experts import check_expert_training, expert_parallel, sharded_expert_parameters
+
+        self.sharded_experts = bool(sharded_expert_parameters(model))
+        if self.sharded_experts:
+            check_expert_training(config, settings.zero_stage, state.size("ep"), state.size("tp"))
+        with expert_parallel(model, state):
+            self.engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=dict(config),
+                                                   mpu=DeepSpeedMPU(state))
+        self.state, self.settings, self.load_balance, self.config = state, settings, load_balance, config
         self.cp_group = state.group("cp")
         self.dp_group = state.group("dp")
         self.steps_done = 0
@@ -215,6 +222,11 @@ class Trainer:
         the tag."""
         from megacp.checkpoint.deepspeed import write_train_state
 
+        if self.sharded_experts:
+            from megacp.train.experts import check_expert_training
+
+            check_expert_training(self.config, self.settings.zero_stage, self.state.size("ep"),
+                                  self.state.size("tp"), save=True)
         tag = f"step{self.steps_done}"
         self.engine.save_checkpoint(str(directory), tag=tag)
         if dist.get_rank() == 0:
