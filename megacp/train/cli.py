@@ -158,7 +158,8 @@ def run(args: argparse.Namespace) -> int:
     model.train()
     trainer = Trainer(model, config.deepspeed, state, settings, load_balance=config.context_parallel.load_balance)
 
-    layout = f"CP={state.size('cp')} TP={state.size('tp')} DP={state.size('dp')}"
+    layout = f"CP={state.size('cp')} TP={state.size('tp')} DP={state.size('dp')}" + (
+        f" EP={state.size('ep')}" if trainer.sharded_experts else "")
     if rank0 and not args.quiet:
         print(f"{PROG}: {layout} on {state.device} ({state.backend}), {str(settings.dtype).replace('torch.', '')}, "
               f"ZeRO {settings.zero_stage}, model {Path(model_path).name}, {args.seq_len} tokens per sequence, "
