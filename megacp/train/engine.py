@@ -6,7 +6,8 @@ DeepSpeed owns the optimizer, the LR schedule, gradient clipping and accumulatio
 names CP as DeepSpeed's sequence-parallel dimension, so DeepSpeed all-reduces gradients over the
 DP x CP ranks and divides by the DP size: the CP ranks' gradients are summed and the DP replicas'
 averaged, which makes :func:`~megacp.train.loss.lm_loss` (each CP rank's share of the batch's
-mean token loss) exact. The model is trained through ``engine.module``'s
+mean token loss) exact. Experts sharded over EP go through DeepSpeed's MoE gradient path
+(:mod:`megacp.train.experts`). The model is trained through ``engine.module``'s
 :meth:`~megacp.models.llama.CausalLM.hidden_states`, and the loss applies the LM head matrix
 itself, chunk by chunk, outside any module's forward: ZeRO 3, which gathers a partitioned
 parameter only around the forward of the module that owns it, is refused.

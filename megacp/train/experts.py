@@ -89,7 +89,8 @@ def check_expert_training(raw: Mapping[str, Any], zero_stage: int, ep_size: int,
 
 class _GroupRegistration(MoE):
     """A parameter-free ``deepspeed.moe.layer.MoE`` that turns on DeepSpeed's MoE path and, when
-    the engine asks, registers megacp's expert groups (it never runs a forward)."""
+    the engine asks, registers megacp's expert groups (attached only during
+    ``deepspeed.initialize``: it never runs a forward)."""
 
     def __init__(self, state: ParallelState) -> None:
         torch.nn.Module.__init__(self)  # none of MoE's own layers: only the engine's view of one
@@ -105,9 +106,6 @@ class _GroupRegistration(MoE):
         ):
             groups_by_name[EXPERT_GROUP_NAME] = self.state.group(kind)
             ranks_by_name[EXPERT_GROUP_NAME] = list(self.state.ranks(kind))
-
-    def forward(self, *args: Any) -> None:
-        raise RuntimeError("the expert-group registration is not a layer")
 
 
 @contextlib.contextmanager
