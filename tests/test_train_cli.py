@@ -197,8 +197,6 @@ def _config(tmp_path: Path, name: str, **changes) -> str:
         ("cp_key", "context_parallel.sise: unknown key"),
         ("ep_zero0_clipping", "gradient_clipping with experts sharded over expert_model_parallel.size=2 ranks "
                               "needs ZeRO 1 or 2"),
-        ("ep_tp", "training experts sharded over expert_model_parallel.size=2 ranks with "
-                  "tensor_model_parallel.size=2 is not supported"),
         ("ep_save", "saving a checkpoint of experts sharded over expert_model_parallel.size=2 ranks is not supported"),
     ],
 )
@@ -220,8 +218,6 @@ def test_bad_input_is_one_line(case: str, expected: str, tiny: tuple[Path, Path]
         "cp_key": base[:4] + ["--deepspeed_config", _config(tmp_path, "cp_key", context_parallel={"sise": 2})],
         "ep_zero0_clipping": base[:4] + ["--deepspeed_config", _config(tmp_path, "ep", expert_model_parallel={"size": 2},
                                                                      zero_optimization={"stage": 0})],
-        "ep_tp": base[:4] + ["--deepspeed_config", _config(tmp_path, "ep_tp", expert_model_parallel={"size": 2},
-                                                           tensor_model_parallel={"size": 2})],
         "ep_save": base + ["--save", str(tmp_path / "ckpt"), "--deepspeed_config",
                            _config(tmp_path, "ep_save", expert_model_parallel={"size": 2})],
     }[case]

@@ -32,7 +32,9 @@ therefore dispatches only its share of the tokens (rank t of a TP group of size 
 ``tensor_split(T, S)[t]``), so every token copy reaches its expert exactly once; the per-copy expert
 outputs [T_t, k, H] of the shares are put back together by a sum over the TP group of zero-padded
 [T, k, H] tensors (adding zeros is exact), and every TP rank combines all T tokens with the routing
-weights of its own (replicated) router. With P = 1 every TP rank runs every token through its own
+weights of its own (replicated) router; in backward the shares' input gradients are summed over the
+TP group (:func:`~megacp.models.ops.copy_to_tp`), so every TP rank gets the whole gradient of the
+replicated input. With P = 1 every TP rank runs every token through its own
 copy of all experts. The shared expert is TP-sharded like the dense MLP; routed experts are never
 split by TP (each lives whole on one EP rank).
 
@@ -163,7 +165,7 @@ class MoEMLP(nn.Module):
             y = self._dispatch(h, experts)
         else:  # this TP rank's share of the (identical) tokens; see the module docstring
             rows = torch.tensor_split(torch.arange(h.shape[0], device=h.device), tp)[dist.get_rank(self.tp_group)]
-            y_share = self._dispatch(h[rows], experts[rows])
+            y_share = self._dispatch(copy_to_tp(h, self.tp_group)[rows], experts[rows])
             y = reduce_from_tp(
                 h.new_zeros(h.shape[0], self.top_k, h.shape[1]).index_copy(0, rows, y_share), self.tp_group
             )

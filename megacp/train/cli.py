@@ -127,19 +127,20 @@ def run(args: argparse.Namespace) -> int:
 
     import megacp
     from megacp.checkpoint import load_model
-    from megacp.models.build import expert_parallel_group
     from megacp.generate import _peak_memory_mb as peak_memory_mib  # CUDA allocator peak, or max RSS on CPU
+    from megacp.models.build import expert_parallel_group
     from megacp.train.data import CorpusBatches, Prefetcher, resolve_corpus
     from megacp.train.engine import Trainer, check_batch_config, read_settings
-    from megacp.train.experts import check_expert_training
 
     if not torch.cuda.is_available():  # before DeepSpeed is imported: gloo on CPU, as megacp.initialize
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from megacp.train.experts import check_expert_training  # imports DeepSpeed
+
     config = load_config(args.deepspeed_config)
     settings = read_settings(config.deepspeed)
     if (config.expert_model_parallel.size or 1) > 1:
         check_expert_training(config.deepspeed, settings.zero_stage, config.expert_model_parallel.size,
-                              config.tensor_model_parallel.size, save=args.save is not None)
+                              save=args.save is not None)
     sources = resolve_corpus(args.corpus)
     model_path = args.model or _default_model()
     state = megacp.initialize(config)

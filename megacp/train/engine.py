@@ -137,15 +137,19 @@ def check_batch_config(raw: Mapping[str, Any], state: ParallelState) -> int:
 
 
 def mark_tensor_parallel(model: torch.nn.Module, tp_size: int) -> None:
-    """Tag the parameters that TP splits over its ranks with ``tensor_model_parallel = True``
-    (the Megatron attribute DeepSpeed reads), so that DeepSpeed's gradient norm counts each of
-    their parts once per TP rank and the replicated ones once (on TP rank 0)."""
+    """Tag the parameters that differ between TP ranks with ``tensor_model_parallel = True`` (the
+    Megatron attribute DeepSpeed reads), so that DeepSpeed's gradient norm counts each of their
+    parts once per TP rank and the replicated ones once (on TP rank 0). They are the ones TP
+    splits, and the routed experts when they are sharded over an EP group (which spans the TP
+    ranks: each holds other experts)."""
     if tp_size == 1:
         return
     from megacp.checkpoint.tp import is_replicated
+    from megacp.train.experts import sharded_expert_parameters
 
+    experts = {id(p) for p in sharded_expert_parameters(model)}
     for name, param in model.named_parameters():
-        param.tensor_model_parallel = not is_replicated(name)
+        param.tensor_model_parallel = id(param) in experts or not is_replicated(name)
 
 
 @dataclass(frozen=True)
@@ -173,14 +177,14 @@ class Trainer:
 
     def __init__(self, model: torch.nn.Module, config: Mapping[str, Any], state: ParallelState,
                  settings: TrainSettings, *, load_balance: bool = True) -> None:
+        deepspeed = _deepspeed(state)
         mark_tensor_parallel(model, state.size("tp"))
         params = [p for p in model.parameters() if p.requires_grad]
-        deepspeed = _deepspeed(state)
         from megacp.train.experts import check_expert_training, expert_parallel, sharded_expert_parameters
 
         self.sharded_experts = bool(sharded_expert_parameters(model))
         if self.sharded_experts:
-            check_expert_training(config, settings.zero_stage, state.size("ep"), state.size("tp"))
+            check_expert_training(config, settings.zero_stage, state.size("ep"))
         with expert_parallel(model, state):
             self.engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=dict(config),
                                                    mpu=DeepSpeedMPU(state))
@@ -226,8 +230,7 @@ class Trainer:
         if self.sharded_experts:
             from megacp.train.experts import check_expert_training
 
-            check_expert_training(self.config, self.settings.zero_stage, self.state.size("ep"),
-                                  self.state.size("tp"), save=True)
+            check_expert_training(self.config, self.settings.zero_stage, self.state.size("ep"), save=True)
         tag = f"step{self.steps_done}"
         self.engine.save_checkpoint(str(directory), tag=tag)
         if dist.get_rank() == 0:

@@ -33,10 +33,13 @@ attaches a parameter-free stand-in of that class for the duration of ``deepspeed
 whose ``set_deepspeed_parallelism`` registers megacp's ``ep`` and ``edp`` groups under
 :data:`EXPERT_GROUP_NAME`; the model is left as it was.
 
+With TP > 1 the EP group spans the TP ranks, which therefore hold different experts: the trainer
+tags the expert weights ``tensor_model_parallel`` (:func:`megacp.train.engine.mark_tensor_parallel`)
+so that ZeRO's gradient norm sums them over the TP ranks too.
+
 Refused (one line, :func:`check_expert_training`): ZeRO 0 with ``gradient_clipping`` (DeepSpeed's
 fp32 clipping averages the per-rank norms over DP, which differ when the ranks hold different
-experts), TP > 1 (the gradient norm would count replicated-by-name expert weights on TP rank 0
-only) and saving (DeepSpeed writes MoE checkpoints in its own per-expert layout, which
+experts) and saving (DeepSpeed writes MoE checkpoints in its own per-expert layout, which
 :mod:`megacp.checkpoint` does not read).
 """
 
@@ -66,11 +69,10 @@ def sharded_expert_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter
             for p in (m.expert_fc1_weight, m.expert_fc2_weight)]
 
 
-def check_expert_training(raw: Mapping[str, Any], zero_stage: int, ep_size: int, tp_size: int, *,
-                          save: bool = False) -> None:
+def check_expert_training(raw: Mapping[str, Any], zero_stage: int, ep_size: int, *, save: bool = False) -> None:
     """Refuse, in one line, what training experts sharded over ``ep_size`` > 1 ranks does not
     support (see the module docstring). ``raw`` is the DeepSpeed config, ``zero_stage`` its ZeRO
-    stage, ``tp_size`` the TP size, ``save`` whether a checkpoint will be written. Needs no process
+    stage, ``save`` whether a checkpoint will be written. Needs no process
     group: it runs before anything is loaded.
 
     Raises:
@@ -80,8 +82,6 @@ def check_expert_training(raw: Mapping[str, Any], zero_stage: int, ep_size: int,
     if zero_stage == 0 and (raw.get("gradient_clipping") or 0) > 0:
         raise ConfigError(f"gradient_clipping with {experts} needs ZeRO 1 or 2 (ZeRO 0's clipping norm "
                           "leaves out the other ranks' experts)")
-    if tp_size > 1:
-        raise ConfigError(f"training {experts} with tensor_model_parallel.size={tp_size} is not supported; use 1")
     if save:
         raise ConfigError(f"saving a checkpoint of {experts} is not supported (DeepSpeed writes its own "
                           "per-expert layout)")
