@@ -4,8 +4,8 @@ Generation at CP 1/2 x EP 1/2 (EP over dp, over dp x cp, and over tp) equals tra
 tokens on a ragged batch, whole and chunked prefill; the all-to-all dispatch delivers every token
 copy to the rank that owns its expert (counts against transformers' own router top-k); checkpoints
 convert HF -> megacp -> HF bit for bit; the mpu names the expert groups; training with every expert on
-every rank under CP (x TP) equals CP = 1; sharded-expert training, GGUF MoE files and bad sizes get
-one clear line.
+every rank under CP (x TP) equals CP = 1, and so does training with the experts sharded over EP under
+DeepSpeed (ZeRO 0 / 1 / 2); GGUF MoE files and bad sizes get one clear line.
 """
 
 from __future__ import annotations
@@ -194,28 +194,6 @@ def test_bad_expert_parallel_sizes_get_one_clear_line(moe_models: dict) -> None:
         check_ep_rank(dense, 0, 2)
 
 
-def _train_step_refused(rank: int, world: int, path: str) -> str:
-    import megacp
-    from megacp.checkpoint import load_model
-    from megacp.models.build import expert_parallel_group
-
-    state = megacp.initialize({"expert_model_parallel": {"size": 2}})
-    model, _, _ = load_model(path, dtype=torch.float32, device="cpu", ep_group=expert_parallel_group(state))
-    try:
-        model.hidden_states(torch.tensor([3, 4, 5]), torch.arange(3))
-    except RuntimeError as err:
-        return str(err)
-    return "no error"
-
-
-def test_training_with_sharded_experts_is_refused(moe_models: dict) -> None:
-    for message in run_distributed(_train_step_refused, 2, moe_models["mixtral"]["path"]):
-        assert message == (
-            "training with experts sharded over expert_model_parallel.size=2 ranks is not supported (only "
-            "inference); train with expert_model_parallel.size null (every rank holds every expert)"
-        )
-
-
 def _expert_groups(rank: int, world: int, config: dict) -> dict:
     import torch.distributed as dist
 
@@ -299,3 +277,169 @@ def test_moe_training_under_cp_equals_single_process(cp: int, tp: int) -> None:
         assert norm_err <= RTOL and rel_err(got, want) <= ELEMENT_RTOL, (name, norm_err, rel_err(got, want))
     start = _model(_moe_config()).state_dict()
     assert rel_err(reference.state_dict()["layers.0.moe.router_weight"], start["layers.0.moe.router_weight"]) > 1e-2
+
+
+# ------------------------------------------------------------- training with experts sharded over EP
+
+EP_STEPS = 20
+EP_LR = 2e-3
+EP_CLIP = 0.05  # small enough that clipping acts on every step
+EP_SEQ_LEN = 24
+EP_RUNS = {
+    # name: (model kind, megacp mesh sections, ZeRO stage, gradient clipping)
+    "zero0": ("qwen2_moe", {"expert_model_parallel": {"size": 2}}, 0, 0.0),
+    "zero1": ("qwen2_moe", {"expert_model_parallel": {"size": 2}}, 1, EP_CLIP),
+    "zero2": ("qwen2_moe", {"expert_model_parallel": {"size": 2}}, 2, EP_CLIP),
+    "zero1_include_cp": ("mixtral", {"expert_model_parallel": {"size": 4, "include_cp": True}}, 1, EP_CLIP),
+    "zero1_tp2": ("qwen2_moe", {"context_parallel": {"size": 1}, "tensor_model_parallel": {"size": 2},
+                                "expert_model_parallel": {"size": 4}}, 1, EP_CLIP),
+}
+
+
+def _ep_model_config(kind: str) -> "ModelConfig":
+    from dataclasses import replace
+
+    cfg = replace(_moe_config(), num_layers=2, mlp_only_layers=[])
+    return cfg if kind == "qwen2_moe" else replace(cfg, architecture="mixtral", norm_topk_prob=True,
+                                                   shared_expert_intermediate_size=0)
+
+
+def _ep_batches() -> list:
+    """``EP_STEPS x 2`` packed sequences of ragged documents: step s gives DP replica d sequence 2s + d."""
+    from megacp.train.data import pack_documents
+
+    g = torch.Generator().manual_seed(11)
+    docs = [torch.randint(0, 80, (int(n),), generator=g).tolist() for n in torch.randint(1, 40, (60,), generator=g)]
+    packed = list(pack_documents(docs, EP_SEQ_LEN))
+    assert len(packed) >= 2 * EP_STEPS
+    return packed[: 2 * EP_STEPS]
+
+
+def _ep_reference(kind: str, clip: float) -> dict:
+    """One process, every expert, plain ``torch.optim.AdamW``: per step the mean of the two DP
+    replicas' losses is differentiated (DeepSpeed's average over DP), clipped, and stepped. Returns
+    the losses, the gradient norms before clipping, step 0's gradients and the final parameters."""
+    from megacp.train.batch import shard_batch
+    from megacp.train.loss import lm_loss
+    from tests.test_train_equivalence import _model
+
+    model = _model(_ep_model_config(kind)).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=EP_LR, weight_decay=0.01)
+    batches, losses, norms, first = _ep_batches(), [], [], {}
+    for step in range(EP_STEPS):
+        replica = [lm_loss(model, shard_batch(b.input_ids, cu_seqlens=b.cu_seqlens, cp_size=1, cp_rank=0))
+                   for b in batches[2 * step: 2 * step + 2]]
+        loss = sum(replica) / 2
+        loss.backward()
+        if step == 0:
+            first = {n: p.grad.clone() for n, p in model.named_parameters()}
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip or float("inf"))))
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss.detach()))
+    return dict(losses=losses, norms=norms, first=first, params={n: p.detach().clone() for n, p in model.state_dict().items()})
+
+
+def _ep_train_worker(rank: int, world: int) -> dict:
+    """Per run of :data:`EP_RUNS`: the losses, DeepSpeed's gradient norm of each step (clipped
+    runs), step 0's reduced gradients (ZeRO 0, which keeps them in ``.grad`` until the optimizer
+    step) and the final parameters of this rank."""
+    import os
+
+    os.environ["DS_ACCELERATOR"] = "cpu"  # before DeepSpeed is imported: no accelerator probing
+    import megacp
+    from megacp.checkpoint.tp import shard_experts, shard_tensor
+    from megacp.models import CausalLM
+    from megacp.models.build import expert_parallel_group
+    from megacp.train.batch import shard_batch
+    from megacp.train.engine import Trainer, read_settings
+    from megacp.train.loss import lm_loss
+    from tests.test_train_equivalence import _model
+
+    torch.set_num_threads(1)
+    out = {}
+    for name, (kind, mesh, stage, clip) in EP_RUNS.items():
+        config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "gradient_clipping": clip,
+                  "steps_per_print": 10**6, "zero_optimization": {"stage": stage}, "context_parallel": {"size": 2},
+                  "optimizer": {"type": "AdamW", "params": {"lr": EP_LR, "weight_decay": 0.01, "torch_adam": True}},
+                  **mesh}
+        state = megacp.initialize(config)
+        cfg, ep_group = _ep_model_config(kind), expert_parallel_group(state)
+        ep_rank, ep_size, tp_rank, tp = state.rank_in("ep"), state.size("ep"), state.rank_in("tp"), state.size("tp")
+        model = CausalLM(cfg, state.group("tp") if tp > 1 else None, ep_group, dtype=torch.float32).train()
+        model.load_state_dict({n: shard_experts(n, shard_tensor(cfg, n, t, tp_rank, tp), ep_rank, ep_size).clone()
+                               for n, t in _model(cfg).state_dict().items()})
+        megacp.swap_attention(model, state, strategy="pass_kv")
+        trainer = Trainer(model, config, state, read_settings(config))
+        dp, first = state.rank_in("dp"), {}
+        if stage == 0:
+            batch = _ep_batches()[dp]
+            trainer.engine.backward(lm_loss(model, shard_batch(batch.input_ids, cu_seqlens=batch.cu_seqlens,
+                                                               cp_size=state.size("cp"), cp_rank=state.rank_in("cp"))))
+            first = {n: p.grad.clone() for n, p in model.named_parameters()}
+            model.zero_grad(set_to_none=True)
+        batches = iter(_ep_batches()[dp::2])
+        losses, norms = [], []
+        for _ in range(EP_STEPS):
+            losses.append(trainer.step(batches).loss)
+            norms.append(float(trainer.engine.get_global_grad_norm()) if clip else None)
+        out[name] = dict(losses=losses, norms=norms, first=first, ep_rank=ep_rank, tp_rank=tp_rank,
+                         params={n: p.detach().clone() for n, p in model.state_dict().items()})
+    return out
+
+
+def _gather(kind: str, name: str, by_ep: dict[int, dict], by_tp: dict[int, dict]) -> torch.Tensor:
+    """The full tensor ``name`` from the ranks' parts: experts from the EP ranks, the rest merged
+    over the TP ranks."""
+    from megacp.checkpoint.tp import merge_shards
+
+    if "expert_fc" in name:
+        return torch.cat([by_ep[e][name] for e in sorted(by_ep)])
+    return merge_shards(_ep_model_config(kind), name, [by_tp[t][name] for t in sorted(by_tp)])
+
+
+def test_sharded_expert_training_under_deepspeed_equals_single_process() -> None:
+    """20 AdamW steps at CP 2 x DP 2 with the experts sharded over EP (over dp: EP 2, ZeRO 0 / 1 / 2;
+    over dp x cp: EP 4, ZeRO 1) and at TP 2 x DP 2 (EP 4 over dp x tp, ZeRO 1), through megacp's
+    Trainer under DeepSpeed, give the losses and the parameters (experts gathered back from their EP
+    ranks; router and shared expert included) of one process holding every expert (fp32, the
+    tolerances of test_train_equivalence: losses 1e-5 relative, parameters 1e-5 relative in norm
+    and 1e-4 in their worst element). AdamW hardly sees a gradient's scale, so the scale is checked
+    directly: ZeRO 0's reduced gradients of step 0 (every expert summed over CP, averaged over DP)
+    and, with clipping (ZeRO 1 / 2, acting on every step), DeepSpeed's gradient norm of every step
+    (every expert counted once, on every TP rank) equal the single process's within 1e-5."""
+    pytest.importorskip("deepspeed", reason="DeepSpeed not installed")
+    from tests.reference import rel_err
+    from tests.test_train_equivalence import ELEMENT_RTOL, RTOL, _model
+
+    torch.set_num_threads(1)
+    results = run_distributed(_ep_train_worker, 4, timeout=300)
+    references, errors = {}, {}
+    for name, (kind, _, stage, clip) in EP_RUNS.items():
+        if (kind, clip) not in references:
+            references[kind, clip] = _ep_reference(kind, clip)
+        ref = references[kind, clip]
+        runs = [res[name] for res in results]
+        by_ep = {run["ep_rank"]: run for run in reversed(runs)}
+        by_tp = {run["tp_rank"]: run for run in reversed(runs)}
+        for run in runs:
+            assert run["losses"] == pytest.approx(ref["losses"], rel=1e-5), (name, run["losses"], ref["losses"])
+            if clip:
+                assert run["norms"] == pytest.approx(ref["norms"], rel=1e-5), (name, run["norms"], ref["norms"])
+                assert min(ref["norms"]) > clip  # clipping acts on every step
+            for n in run["params"]:  # ranks holding the same experts hold the same values
+                assert torch.equal(run["params"][n], by_ep[run["ep_rank"]]["params"][n]), (name, n)
+        if stage == 0:
+            grads = ({e: r["first"] for e, r in by_ep.items()}, {t: r["first"] for t, r in by_tp.items()})
+            for n, want in ref["first"].items():
+                assert rel_err(_gather(kind, n, *grads), want) <= 1e-5, (name, n, rel_err(_gather(kind, n, *grads), want))
+        params = ({e: r["params"] for e, r in by_ep.items()}, {t: r["params"] for t, r in by_tp.items()})
+        for n, want in ref["params"].items():
+            got = _gather(kind, n, *params)
+            norm_err = float((got - want).norm() / want.norm())
+            errors[name] = max(errors.get(name, 0.0), norm_err)
+            assert norm_err <= RTOL and rel_err(got, want) <= ELEMENT_RTOL, (name, n, norm_err, rel_err(got, want))
+    print("worst parameter error in norm per run:", errors)
+    start = _model(_ep_model_config("qwen2_moe")).state_dict()
+    for n in ("layers.0.moe.router_weight", "layers.0.moe.expert_fc1_weight"):  # the weights moved
+        assert rel_err(references["qwen2_moe", 0.0]["params"][n], start[n]) > 1e-2, n

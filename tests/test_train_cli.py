@@ -6,6 +6,8 @@
   script is tested in tests/test_checkpoint.py): transformers' logits from the first equal
   megacp's from the DeepSpeed checkpoint's weights, and megacp loads the second (as
   ``megacp.generate --model`` does).
+* Under ``torchrun`` (4 gloo processes) it trains a tiny Qwen2-MoE with its experts sharded over
+  EP = the DP ranks (CP 2 x DP 2).
 * Bad arguments or config end with one stderr line and exit status 2 before anything is loaded:
   in-process for each check, and under ``torchrun`` (2 processes) for a config DeepSpeed rejects.
 """
@@ -32,9 +34,10 @@ SEQ_LEN = 40
 TIMEOUT_S = 300
 
 
-def _make_tiny_model(directory: Path) -> None:
-    """A random fp32 Llama (2 layers, hidden 64, 4 / 2 heads) with a byte-level tokenizer (256 byte
-    tokens + ``<s>`` and ``</s>``), saved with ``save_pretrained``."""
+def _make_tiny_model(directory: Path, *, moe: bool = False) -> None:
+    """A random fp32 Llama (2 layers, hidden 64, 4 / 2 heads; with ``moe`` a Qwen2-MoE of 4 experts,
+    top-2, and a shared expert) with a byte-level tokenizer (256 byte tokens + ``<s>`` and ``</s>``),
+    saved with ``save_pretrained``."""
     import transformers
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
@@ -44,11 +47,15 @@ def _make_tiny_model(directory: Path) -> None:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
-    config = transformers.LlamaConfig(
-        vocab_size=len(vocab), hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, bos_token_id=vocab["<s>"], eos_token_id=vocab["</s>"])
+    common = dict(vocab_size=len(vocab), hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256, bos_token_id=vocab["<s>"], eos_token_id=vocab["</s>"])
     torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).float().save_pretrained(directory)
+    if moe:
+        config = transformers.Qwen2MoeConfig(**common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                                             shared_expert_intermediate_size=80, use_sliding_window=False)
+        transformers.Qwen2MoeForCausalLM(config).float().save_pretrained(directory)
+    else:
+        transformers.LlamaForCausalLM(transformers.LlamaConfig(**common)).float().save_pretrained(directory)
     tokenizer.save_pretrained(directory)
 
 
@@ -131,6 +138,27 @@ def test_deepspeed_launcher_trains_saves_and_converts(tiny: tuple[Path, Path], t
     assert tokenizer is not None
 
 
+@pytest.mark.slow
+def test_torchrun_trains_experts_sharded_over_ep(tiny: tuple[Path, Path], tmp_path: Path) -> None:
+    """4 processes (CP 2 x DP 2, a Qwen2-MoE's experts sharded over EP 2 = the dp ranks, ZeRO 1 with
+    clipping: configs/train_cpu_cp2.json plus ``expert_model_parallel``) train 2 steps. That this
+    training equals one process holding every expert is tests/test_moe.py's."""
+    pytest.importorskip("deepspeed", reason="DeepSpeed not installed")
+    _, corpus = tiny
+    model_dir, metrics = tmp_path / "moe", tmp_path / "metrics.jsonl"
+    _make_tiny_model(model_dir, moe=True)
+    train = _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_port",
+                  str(free_port()), "-m", "megacp.train", "--model", str(model_dir), "--corpus", str(corpus),
+                  "--seq-len", str(SEQ_LEN), "--steps", "2", "--metrics", str(metrics),
+                  "--deepspeed_config", _config(tmp_path, "ep", expert_model_parallel={"size": 2})])
+    assert train.returncode == 0, (train.stdout + train.stderr)[-4000:]
+    assert "megacp.train: CP=2 TP=1 DP=2 EP=2 on cpu (gloo), float32, ZeRO 1" in train.stdout
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    # 1 sequence per micro-batch, 2 micro-batches per step, 2 DP replicas
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["tokens"] == 4 * SEQ_LEN and 0 < r["loss"] < 10 for r in rows), rows
+
+
 def _main_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
     """Run ``megacp.train``'s main in this process; it must exit 2 with one stderr line, returned."""
     from megacp.train.cli import main
@@ -167,7 +195,9 @@ def _config(tmp_path: Path, name: str, **changes) -> str:
         ("optimizer", "optimizer.type: got 'Adamm'; allowed values: one of DeepSpeed's"),
         ("no_optimizer", "optimizer.type: missing"),
         ("cp_key", "context_parallel.sise: unknown key"),
-        ("ep", "expert_model_parallel.size 2: training with experts sharded over EP ranks is not supported"),
+        ("ep_zero0_clipping", "gradient_clipping with experts sharded over expert_model_parallel.size=2 ranks "
+                              "needs ZeRO 1 or 2"),
+        ("ep_save", "saving a checkpoint of experts sharded over expert_model_parallel.size=2 ranks is not supported"),
     ],
 )
 def test_bad_input_is_one_line(case: str, expected: str, tiny: tuple[Path, Path], tmp_path: Path,
@@ -186,7 +216,10 @@ def test_bad_input_is_one_line(case: str, expected: str, tiny: tuple[Path, Path]
         "optimizer": base[:4] + ["--deepspeed_config", _config(tmp_path, "optimizer", optimizer={"type": "Adamm"})],
         "no_optimizer": base[:4] + ["--deepspeed_config", _config(tmp_path, "no_optimizer", optimizer={})],
         "cp_key": base[:4] + ["--deepspeed_config", _config(tmp_path, "cp_key", context_parallel={"sise": 2})],
-        "ep": base[:4] + ["--deepspeed_config", _config(tmp_path, "ep", expert_model_parallel={"size": 2})],
+        "ep_zero0_clipping": base[:4] + ["--deepspeed_config", _config(tmp_path, "ep", expert_model_parallel={"size": 2},
+                                                                     zero_optimization={"stage": 0})],
+        "ep_save": base + ["--save", str(tmp_path / "ckpt"), "--deepspeed_config",
+                           _config(tmp_path, "ep_save", expert_model_parallel={"size": 2})],
     }[case]
     assert expected in _main_error(argv, capsys)
 

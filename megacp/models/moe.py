@@ -21,8 +21,10 @@ divide by P). Each forward:
 All ranks of the EP group call the same collectives in every MoE layer (a rank without tokens sends
 and receives nothing). With P = 1 the same code runs without collectives, and trains like any other
 layer (every rank holds every expert; DeepSpeed reduces expert gradients over DP x CP like the rest).
-Sharded experts (P > 1) serve inference only: a forward under autograd raises, because DeepSpeed
-would all-reduce the gradients of different experts over DP x CP.
+With P > 1 the copies' all-to-alls are differentiable (:func:`all_to_all`: the backward sends the
+gradients back by the reverse all-to-all), so each rank's expert gradients sum the contributions of
+every token copy its experts processed, from every rank of the EP group; reducing them over the
+ranks that hold the same experts is the trainer's part (:mod:`megacp.train.experts`).
 
 Tensor parallelism inside the EP group: megacp's EP group spans the ``dp x tp`` ranks of a cell (or
 ``dp x cp x tp``), and the ranks of one TP group hold *identical* tokens. With P > 1 each TP rank
@@ -30,7 +32,9 @@ therefore dispatches only its share of the tokens (rank t of a TP group of size 
 ``tensor_split(T, S)[t]``), so every token copy reaches its expert exactly once; the per-copy expert
 outputs [T_t, k, H] of the shares are put back together by a sum over the TP group of zero-padded
 [T, k, H] tensors (adding zeros is exact), and every TP rank combines all T tokens with the routing
-weights of its own (replicated) router. With P = 1 every TP rank runs every token through its own
+weights of its own (replicated) router; in backward the shares' input gradients are summed over the
+TP group (:func:`~megacp.models.ops.copy_to_tp`), so every TP rank gets the whole gradient of the
+replicated input. With P = 1 every TP rank runs every token through its own
 copy of all experts. The shared expert is TP-sharded like the dense MLP; routed experts are never
 split by TP (each lives whole on one EP rank).
 
@@ -72,12 +76,33 @@ def local_experts(num_experts: int, ep_size: int) -> int:
     return num_experts // ep_size
 
 
-def all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup) -> torch.Tensor:
-    """Send rows ``x[sum(send[:p]) : sum(send[:p+1])]`` to rank p of ``group``; return the
-    ``sum(recv)`` rows received, source by source (``all_to_all_single`` with split sizes)."""
+def _exchange(x: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup) -> torch.Tensor:
     out = x.new_empty(sum(recv), *x.shape[1:])
     dist.all_to_all_single(out, x.contiguous(), output_split_sizes=recv, input_split_sizes=send, group=group)
     return out
+
+
+class _AllToAll(torch.autograd.Function):
+    """:func:`all_to_all` under autograd: the gradient of the received rows goes back to their
+    senders by the reverse all-to-all (split sizes swapped)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.send, ctx.recv, ctx.group = send, recv, group
+        return _exchange(x, send, recv, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        return _exchange(grad, ctx.recv, ctx.send, ctx.group), None, None, None
+
+
+def all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup) -> torch.Tensor:
+    """Send rows ``x[sum(send[:p]) : sum(send[:p+1])]`` [R, ...] to rank p of ``group``; return the
+    ``sum(recv)`` rows received, source by source (``all_to_all_single`` with split sizes).
+    Differentiable: every rank of ``group`` runs the reverse all-to-all in backward."""
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _AllToAll.apply(x, send, recv, group)
+    return _exchange(x, send, recv, group)
 
 
 class MoEMLP(nn.Module):
@@ -132,17 +157,7 @@ class MoEMLP(nn.Module):
         return weights, experts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """[T, H] -> [T, H].
-
-        Raises:
-            RuntimeError: under autograd with the experts sharded (EP > 1), which training does not
-                support.
-        """
-        if self.ep_size > 1 and torch.is_grad_enabled() and self.router_weight.requires_grad:
-            raise RuntimeError(
-                f"training with experts sharded over expert_model_parallel.size={self.ep_size} ranks is not "
-                "supported (only inference); train with expert_model_parallel.size null (every rank holds every expert)"
-            )
+        """[T, H] -> [T, H]."""
         h = rms_norm(x, self.layer_norm_weight, self.eps)
         weights, experts = self.route(h)
         tp = tp_world_size(self.tp_group)
@@ -150,7 +165,7 @@ class MoEMLP(nn.Module):
             y = self._dispatch(h, experts)
         else:  # this TP rank's share of the (identical) tokens; see the module docstring
             rows = torch.tensor_split(torch.arange(h.shape[0], device=h.device), tp)[dist.get_rank(self.tp_group)]
-            y_share = self._dispatch(h[rows], experts[rows])
+            y_share = self._dispatch(copy_to_tp(h, self.tp_group)[rows], experts[rows])
             y = reduce_from_tp(
                 h.new_zeros(h.shape[0], self.top_k, h.shape[1]).index_copy(0, rows, y_share), self.tp_group
             )

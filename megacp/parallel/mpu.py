@@ -22,10 +22,10 @@ DeepSpeed name                 megacp kind  DeepSpeed uses it for
 weights), as in Megatron and DeepSpeed's own pipeline grid; it equals ``tp`` when ``pp == 1``.
 
 DeepSpeed 0.19 itself never asks an mpu for expert groups: its own MoE layers build theirs
-(``deepspeed.utils.groups``). The expert getters describe megacp's EP mesh for a trainer; megacp's
-sharded experts (``expert_model_parallel.size`` > 1) serve inference only
-(:mod:`megacp.models.moe`), so in training every rank holds every expert and DeepSpeed reduces
-their gradients over DP x CP like every other weight.
+(``deepspeed.utils.groups``). The expert getters describe megacp's EP mesh; to train experts
+sharded over EP (``expert_model_parallel.size`` > 1), :mod:`megacp.train.experts` registers the same
+``ep`` / ``edp`` groups in ``deepspeed.utils.groups``. With every expert on every rank, DeepSpeed
+reduces their gradients over DP x CP like every other weight.
 
 The class deliberately has no ``initialize_sequence_parallel`` method: DeepSpeed takes an mpu
 that has one for Megatron-DeepSpeed's sequence-parallel mpu and then ignores its data- and

@@ -128,16 +128,19 @@ def run(args: argparse.Namespace) -> int:
     import megacp
     from megacp.checkpoint import load_model
     from megacp.generate import _peak_memory_mb as peak_memory_mib  # CUDA allocator peak, or max RSS on CPU
+    from megacp.models.build import expert_parallel_group
     from megacp.train.data import CorpusBatches, Prefetcher, resolve_corpus
     from megacp.train.engine import Trainer, check_batch_config, read_settings
 
     if not torch.cuda.is_available():  # before DeepSpeed is imported: gloo on CPU, as megacp.initialize
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from megacp.train.experts import check_expert_training  # imports DeepSpeed
+
     config = load_config(args.deepspeed_config)
     settings = read_settings(config.deepspeed)
     if (config.expert_model_parallel.size or 1) > 1:
-        raise UsageError(f"expert_model_parallel.size {config.expert_model_parallel.size}: training with experts sharded "
-                         "over EP ranks is not supported; set it to 1 (every rank then holds every expert)")
+        check_expert_training(config.deepspeed, settings.zero_stage, config.expert_model_parallel.size,
+                              save=args.save is not None)
     sources = resolve_corpus(args.corpus)
     model_path = args.model or _default_model()
     state = megacp.initialize(config)
@@ -146,7 +149,8 @@ def run(args: argparse.Namespace) -> int:
 
     tp_group = state.group("tp") if state.size("tp") > 1 else None
     model, model_config, tok_source = load_model(model_path, dtype=settings.dtype, device=state.device,
-                                                 tp_group=tp_group, backend=args.backend)
+                                                 tp_group=tp_group, ep_group=expert_parallel_group(state),
+                                                 backend=args.backend)
     tokenizer = _tokenizer(tok_source)
     if tokenizer is None:
         raise UsageError(f"--model {model_path} has no tokenizer to read the corpus with")
@@ -155,7 +159,8 @@ def run(args: argparse.Namespace) -> int:
     model.train()
     trainer = Trainer(model, config.deepspeed, state, settings, load_balance=config.context_parallel.load_balance)
 
-    layout = f"CP={state.size('cp')} TP={state.size('tp')} DP={state.size('dp')}"
+    layout = f"CP={state.size('cp')} TP={state.size('tp')} DP={state.size('dp')}" + (
+        f" EP={state.size('ep')}" if trainer.sharded_experts else "")
     if rank0 and not args.quiet:
         print(f"{PROG}: {layout} on {state.device} ({state.backend}), {str(settings.dtype).replace('torch.', '')}, "
               f"ZeRO {settings.zero_stage}, model {Path(model_path).name}, {args.seq_len} tokens per sequence, "

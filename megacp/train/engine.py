@@ -6,7 +6,8 @@ DeepSpeed owns the optimizer, the LR schedule, gradient clipping and accumulatio
 names CP as DeepSpeed's sequence-parallel dimension, so DeepSpeed all-reduces gradients over the
 DP x CP ranks and divides by the DP size: the CP ranks' gradients are summed and the DP replicas'
 averaged, which makes :func:`~megacp.train.loss.lm_loss` (each CP rank's share of the batch's
-mean token loss) exact. The model is trained through ``engine.module``'s
+mean token loss) exact. Experts sharded over EP go through DeepSpeed's MoE gradient path
+(:mod:`megacp.train.experts`). The model is trained through ``engine.module``'s
 :meth:`~megacp.models.llama.CausalLM.hidden_states`, and the loss applies the LM head matrix
 itself, chunk by chunk, outside any module's forward: ZeRO 3, which gathers a partitioned
 parameter only around the forward of the module that owns it, is refused.
@@ -136,15 +137,19 @@ def check_batch_config(raw: Mapping[str, Any], state: ParallelState) -> int:
 
 
 def mark_tensor_parallel(model: torch.nn.Module, tp_size: int) -> None:
-    """Tag the parameters that TP splits over its ranks with ``tensor_model_parallel = True``
-    (the Megatron attribute DeepSpeed reads), so that DeepSpeed's gradient norm counts each of
-    their parts once per TP rank and the replicated ones once (on TP rank 0)."""
+    """Tag the parameters that differ between TP ranks with ``tensor_model_parallel = True`` (the
+    Megatron attribute DeepSpeed reads), so that DeepSpeed's gradient norm counts each of their
+    parts once per TP rank and the replicated ones once (on TP rank 0). They are the ones TP
+    splits, and the routed experts when they are sharded over an EP group (which spans the TP
+    ranks: each holds other experts)."""
     if tp_size == 1:
         return
     from megacp.checkpoint.tp import is_replicated
+    from megacp.train.experts import sharded_expert_parameters
 
+    experts = {id(p) for p in sharded_expert_parameters(model)}
     for name, param in model.named_parameters():
-        param.tensor_model_parallel = not is_replicated(name)
+        param.tensor_model_parallel = id(param) in experts or not is_replicated(name)
 
 
 @dataclass(frozen=True)
@@ -172,11 +177,18 @@ class Trainer:
 
     def __init__(self, model: torch.nn.Module, config: Mapping[str, Any], state: ParallelState,
                  settings: TrainSettings, *, load_balance: bool = True) -> None:
+        deepspeed = _deepspeed(state)
         mark_tensor_parallel(model, state.size("tp"))
         params = [p for p in model.parameters() if p.requires_grad]
-        self.engine, *_ = _deepspeed(state).initialize(model=model, model_parameters=params, config=dict(config),
-                                               mpu=DeepSpeedMPU(state))
-        self.state, self.settings, self.load_balance = state, settings, load_balance
+        from megacp.train.experts import check_expert_training, expert_parallel, sharded_expert_parameters
+
+        self.sharded_experts = bool(sharded_expert_parameters(model))
+        if self.sharded_experts:
+            check_expert_training(config, settings.zero_stage, state.size("ep"))
+        with expert_parallel(model, state):
+            self.engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=dict(config),
+                                                   mpu=DeepSpeedMPU(state))
+        self.state, self.settings, self.load_balance, self.config = state, settings, load_balance, config
         self.cp_group = state.group("cp")
         self.dp_group = state.group("dp")
         self.steps_done = 0
@@ -215,6 +227,10 @@ class Trainer:
         the tag."""
         from megacp.checkpoint.deepspeed import write_train_state
 
+        if self.sharded_experts:
+            from megacp.train.experts import check_expert_training
+
+            check_expert_training(self.config, self.settings.zero_stage, self.state.size("ep"), save=True)
         tag = f"step{self.steps_done}"
         self.engine.save_checkpoint(str(directory), tag=tag)
         if dist.get_rank() == 0:
