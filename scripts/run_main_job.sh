@@ -27,7 +27,9 @@ if ! ready; then
 fi
 ARGS=("$@")
 [ ${#ARGS[@]} -eq 0 ] && ARGS=(--chat --prompt "What is context parallelism? Answer in two sentences." --max-new-tokens 48)
-PORT=${MASTER_PORT:-$($PY -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])')}
+# shellcheck source=launch/port.sh
+source scripts/launch/port.sh
+PORT=$(PYTHON=$PY job_port)
 if command -v nvidia-smi >/dev/null 2>&1 && [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
   exec deepspeed --num_gpus 2 --master_port "$PORT" --module megacp.generate --deepspeed_config configs/cp2.json "${ARGS[@]}"
