@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
@@ -19,6 +20,9 @@ import torch
 from tests.distributed import ROOT, run_distributed
 from tests.hf_models import make_hf_model
 from tests.test_generate import hf_greedy
+
+if TYPE_CHECKING:
+    from megacp.models import ModelConfig
 
 MOE_KINDS = ("mixtral", "qwen2_moe")
 NEW_TOKENS = 5
@@ -227,7 +231,7 @@ def test_mpu_expert_groups_dp2_cp2(include_cp: bool) -> None:
 # --------------------------------------------------------------------------------------- training
 
 
-def _moe_config() -> "ModelConfig":
+def _moe_config() -> ModelConfig:
     """Qwen2-MoE without Q/K/V bias: a key bias's exact gradient is 0 (it shifts all of a query's
     scores alike), and AdamW would turn its rounding noise into CP-dependent updates."""
     from megacp.models import ModelConfig
@@ -296,7 +300,7 @@ EP_RUNS = {
 }
 
 
-def _ep_model_config(kind: str) -> "ModelConfig":
+def _ep_model_config(kind: str) -> ModelConfig:
     from dataclasses import replace
 
     cfg = replace(_moe_config(), num_layers=2, mlp_only_layers=[])

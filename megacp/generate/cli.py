@@ -31,7 +31,7 @@ from megacp.attention.strategy import STRATEGIES
 from megacp.checkpoint.dtypes import DTYPES
 from megacp.config import add_launcher_args
 from megacp.generate.llm import LLM, default_model_path
-from megacp.generate.loop import _peak_memory_mb
+from megacp.parallel import peak_memory_mib
 from megacp.generate.outputs import TextStream, chat_ids, stop_string_check
 from megacp.generate.requests import check_context, check_prompt, check_text, read_model_config
 from megacp.generate.sampling import SamplingParams
@@ -229,7 +229,7 @@ def _run(args: argparse.Namespace) -> int:
 def _report(args: argparse.Namespace, llm: LLM, outputs: list[Any], text: TextStream | None, nested: bool) -> None:
     """Print the texts and the report on rank 0, and write ``--output``."""
     state = llm.state
-    mem = torch.tensor([_peak_memory_mb(state.device)], device=state.device)
+    mem = torch.tensor([peak_memory_mib(state.device)], device=state.device)
     mems = [torch.zeros_like(mem) for _ in range(dist.get_world_size())]
     dist.all_gather(mems, mem)
     report = dict(llm.last_report, peak_memory_mb_per_rank=[round(float(m), 1) for m in mems],

@@ -8,7 +8,6 @@ for the batch and frees it. :meth:`Generator.decode_step` is one batched decode 
 
 from __future__ import annotations
 
-import resource
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -337,9 +336,3 @@ class Run:
             report["graph_capture_s"] = round(self.capture_s, 4)
         return GenerationResult(self.tokens, [str(f) for f in self.finish], [self.ttft] * len(self.tokens),
                                 rates, report)
-
-
-def _peak_memory_mb(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -10,6 +10,6 @@
 
 from megacp.parallel.layout import AXES, GROUP_KINDS, ParallelLayout
 from megacp.parallel.mpu import DeepSpeedMPU
-from megacp.parallel.state import ParallelState, initialize, shutdown
+from megacp.parallel.state import ParallelState, initialize, peak_memory_mib, shutdown
 
-__all__ = ["AXES", "DeepSpeedMPU", "GROUP_KINDS", "ParallelLayout", "ParallelState", "initialize", "shutdown"]
+__all__ = ["AXES", "DeepSpeedMPU", "GROUP_KINDS", "ParallelLayout", "ParallelState", "initialize", "peak_memory_mib", "shutdown"]

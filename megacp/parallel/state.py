@@ -24,6 +24,7 @@ import atexit
 import datetime
 import importlib.util
 import os
+import resource
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -266,3 +267,11 @@ def _init_process_group(backend: str, timeout: datetime.timedelta) -> None:
         return
     store = dist.TCPStore("127.0.0.1", 0, world_size=1, is_master=True)
     dist.init_process_group(backend=backend, store=store, rank=0, world_size=1, timeout=timeout)
+
+
+def peak_memory_mib(device: torch.device) -> float:
+    """This process's peak memory in MiB: the CUDA caching allocator's peak on a GPU, the peak
+    resident set size (``ru_maxrss``) on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -126,8 +126,8 @@ def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     import megacp
+    from megacp.parallel import peak_memory_mib
     from megacp.checkpoint import load_model
-    from megacp.generate import _peak_memory_mb as peak_memory_mib  # CUDA allocator peak, or max RSS on CPU
     from megacp.models.build import expert_parallel_group
     from megacp.train.data import CorpusBatches, Prefetcher, resolve_corpus
     from megacp.train.engine import Trainer, check_batch_config, read_settings
