@@ -166,3 +166,33 @@ def test_sampling_numbers() -> None:
     pen = apply_repetition_penalty(torch.tensor([[2.0, -2.0, 1.0, 0.5], [1.0, 1.0, 1.0, 1.0]]), seen, 2.0)
     assert pen.tolist() == [[1.0, -4.0, 1.0, 0.25], [1.0, 1.0, 1.0, 1.0]]
     assert sample(logits, SamplingParams(repetition_penalty=2.0), torch.Generator(), seen).tolist() == [2, 3]
+
+
+def _non_finite_body(rank: int, n: int, path: str) -> tuple[str, bool]:
+    from megacp import LLM
+    from megacp.checkpoint import CheckpointError
+
+    try:
+        LLM(path, dtype="float32")
+        refused = ""
+    except CheckpointError as err:
+        refused = str(err)
+    llm = LLM(path, dtype="float32", allow_non_finite=True)
+    weight = dict(llm.generator.model.named_parameters())["layers.1.self_attention.layernorm_qkv.key_weight"]
+    return refused, bool(torch.isnan(weight).any())
+
+
+def test_llm_refuses_non_finite_weights_unless_allowed(tmp_path: Path) -> None:
+    """A weight holding NaN: ``LLM`` refuses it naming the tensor; ``allow_non_finite=True`` (the
+    CLIs' ``--allow-non-finite``) loads it as it is."""
+    from safetensors.torch import load_file, save_file
+
+    make_hf_model("llama3", tmp_path)
+    save_char_tokenizer(tmp_path)
+    weights = tmp_path / "model.safetensors"
+    state = load_file(weights)
+    state["model.layers.1.self_attn.k_proj.weight"][0, 0] = float("nan")
+    save_file(state, weights, metadata={"format": "pt"})
+    refused, loaded_nan = run_distributed(_non_finite_body, 1, str(tmp_path), timeout=120)[0]
+    assert "tensor 'layers.1.self_attention.layernorm_qkv.key_weight'" in refused and "holds 1 non-finite value" in refused
+    assert loaded_nan

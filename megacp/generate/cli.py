@@ -93,6 +93,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prefill-chunk", type=int, default=0, help="chunked prefill: tokens per chunk (0 = whole prompt)")
     p.add_argument("--calibrate", action="store_true",
                    help="measure attention FLOP/s and ring bandwidth for the auto strategy (cached in ~/.cache/megacp)")
+    p.add_argument("--allow-non-finite", action="store_true", help="load weights that hold NaN or inf")
     p.add_argument("--no-cuda-graphs", action="store_true",
                    help="decode eagerly on a GPU (default there: greedy decode replays a CUDA graph per token)")
     p.add_argument("--output", help="write {'tokens': ..., 'report': ...} JSON here (rank 0; default: no file)")
@@ -195,7 +196,8 @@ def _run(args: argparse.Namespace) -> int:
     if cfg is not None:
         check_model_limits(cfg, params, prompt_ids)
     llm = LLM(model_path, dtype=args.dtype, strategy=args.strategy, prefill_chunk=args.prefill_chunk,
-              calibrate=args.calibrate, cuda_graphs=False if args.no_cuda_graphs else None, state=state,
+              calibrate=args.calibrate, cuda_graphs=False if args.no_cuda_graphs else None,
+              allow_non_finite=args.allow_non_finite, state=state,
               verbose=not args.quiet)
     try:  # what only the loaded tokenizer can tell, before any prefill
         if prompt_ids is None and llm.tokenizer is None:

@@ -90,6 +90,7 @@ class LLM:
             (:class:`~megacp.generate.graph.GraphDecoder`); ``None`` (default): on CUDA for dense
             models, ``False``: eager decode. ``True`` on a CPU or with a mixture-of-experts model
             raises ``ValueError``.
+        allow_non_finite: load weights that hold NaN or inf (refused by default, naming the tensor).
         state: an existing :class:`~megacp.parallel.ParallelState` to run on.
         verbose: rank 0 says what it loads.
 
@@ -102,7 +103,7 @@ class LLM:
     def __init__(self, model: str | Path | None = None, config: Any = None, dtype: str | torch.dtype | None = None, *,
                  strategy: str | None = None, prefill_chunk: int = 0, calibrate: bool = False, max_sessions: int = 2,
                  max_session_tokens: int | None = None, cuda_graphs: bool | None = None,
-                 state: ParallelState | None = None, verbose: bool = False) -> None:
+                 allow_non_finite: bool = False, state: ParallelState | None = None, verbose: bool = False) -> None:
         if prefill_chunk < 0:
             raise ValueError(f"prefill_chunk must be >= 0 (0 = whole prompt), got {prefill_chunk}")
         if max_sessions < 1:
@@ -130,7 +131,7 @@ class LLM:
         try:
             net, self.model_config, tok_source = load_model(
                 self.model_path, dtype=self.dtype, device=device, tp_group=self.state.group("tp") if tp > 1 else None,
-                ep_group=expert_parallel_group(self.state))
+                ep_group=expert_parallel_group(self.state), allow_non_finite=allow_non_finite)
         except CheckpointError as e:  # a bad path or checkpoint, or one this TP size cannot split
             raise CheckpointError(f"cannot load {self.model_path}: {e}") from None
         swap_attention(net, self.state, strategy=strategy)

@@ -74,6 +74,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--save", metavar="DIR", help="engine.save_checkpoint(DIR) after the last step")
     p.add_argument("--metrics", metavar="FILE", help="write one JSON line per step here (rank 0)")
     p.add_argument("--quiet", action="store_true", help="no progress bar and no summary line")
+    p.add_argument("--allow-non-finite", action="store_true", help="load weights that hold NaN or inf")
     add_launcher_args(p)
     args = p.parse_args(argv)
     if args.deepspeed_config is None:
@@ -150,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
     tp_group = state.group("tp") if state.size("tp") > 1 else None
     model, model_config, tok_source = load_model(model_path, dtype=settings.dtype, device=state.device,
                                                  tp_group=tp_group, ep_group=expert_parallel_group(state),
-                                                 backend=args.backend)
+                                                 backend=args.backend, allow_non_finite=args.allow_non_finite)
     tokenizer = _tokenizer(tok_source)
     if tokenizer is None:
         raise UsageError(f"--model {model_path} has no tokenizer to read the corpus with")
