@@ -42,11 +42,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import types
 import typing
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Any, Literal, NoReturn, Union
 
 import annotated_types
 import hjson
@@ -417,3 +418,23 @@ def _allowed(model: type[BaseModel], field: str) -> str:
     else:
         text = getattr(annotation, "__name__", str(annotation))
     return text + (" or null" if nullable else "")
+
+
+def print_error_once(prefix: str, message: str) -> None:
+    """Print ``<prefix>: <message>`` as one stderr line (whitespace collapsed) from the launcher's
+    rank 0 only (``$RANK``): every rank of a job fails alike, and one line says it."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"{prefix}: {' '.join(str(message).split())}", file=sys.stderr, flush=True)
+
+
+class OneLineArgumentParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose errors are one line from rank 0 (:func:`print_error_once` with
+    ``error_prefix``) and exit status 2, without argparse's usage block."""
+
+    def __init__(self, *args: Any, error_prefix: str, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.error_prefix = error_prefix
+
+    def error(self, message: str) -> NoReturn:
+        print_error_once(self.error_prefix, message)
+        sys.exit(2)

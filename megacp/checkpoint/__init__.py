@@ -32,6 +32,7 @@ from megacp.checkpoint.hf import (
 )
 from megacp.checkpoint.load import load_model
 from megacp.checkpoint.megacp_format import load_megacp_checkpoint, open_megacp_checkpoint, save_megacp_checkpoint
+from megacp.checkpoint.tokenizer_files import load_tokenizer
 from megacp.checkpoint.tp import check_tp_size, merge_shards, shard_tensor
 
 __all__ = [
@@ -43,6 +44,7 @@ __all__ = [
     "load_hf_state_dict",
     "load_megacp_checkpoint",
     "load_model",
+    "load_tokenizer",
     "megacp_to_hf",
     "merge_shards",
     "open_hf_checkpoint",

@@ -31,6 +31,16 @@ class SavesPretrained(Protocol):
 TokenizerSource = Union[str, os.PathLike, SavesPretrained, None]
 
 
+def load_tokenizer(source: TokenizerSource) -> Any:
+    """The tokenizer :func:`~megacp.checkpoint.load.load_model` returned, ready to use: loaded
+    from a directory with ``AutoTokenizer``, else the object itself (or ``None``)."""
+    if isinstance(source, (str, os.PathLike)):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(source)
+    return source
+
+
 def write_tokenizer(source: TokenizerSource, directory: Path) -> None:
     """Put the tokenizer into ``directory``: copy the :data:`COMPANION_FILES` a source directory
     has, or call ``source.save_pretrained``; nothing for ``None``."""

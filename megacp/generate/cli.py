@@ -20,41 +20,28 @@ import argparse
 import importlib.metadata
 import json
 import os
-import sys
 from pathlib import Path
-from typing import Any, NoReturn, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 
 from megacp.attention.strategy import STRATEGIES
 from megacp.checkpoint.dtypes import DTYPES
-from megacp.config import add_launcher_args
+from megacp.config import OneLineArgumentParser, add_launcher_args, print_error_once
 from megacp.generate.llm import LLM, default_model_path
-from megacp.parallel import peak_memory_mib
 from megacp.generate.outputs import TextStream, chat_ids, stop_string_check
 from megacp.generate.requests import check_context, check_prompt, check_text, read_model_config
 from megacp.generate.sampling import SamplingParams
 from megacp.models.config import ModelConfig
-from megacp.parallel import initialize
+from megacp.parallel import initialize, peak_memory_mib
 
+PROG = "megacp.generate"
 DEFAULT_PROMPT = "Explain context parallelism for long-context LLM inference in two sentences."
 
 
 class UsageError(ValueError):
     """Bad command-line input (one line; :func:`main` prints it once and exits 2)."""
-
-
-def _say(line: str) -> None:
-    """Print one error line to stderr from the launcher's rank 0 only (every rank fails alike)."""
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(f"megacp.generate: {line}", file=sys.stderr, flush=True)
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:  # one line, not argparse's usage block
-        _say(message)
-        sys.exit(2)
 
 
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -69,7 +56,7 @@ class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescription
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The command line (bad syntax: one line from rank 0, exit 2)."""
-    p = _Parser(prog="python -m megacp.generate", description=__doc__.split("\n\n")[0], formatter_class=_Formatter)
+    p = OneLineArgumentParser(prog="python -m megacp.generate", error_prefix=PROG, description=__doc__.split("\n\n")[0], formatter_class=_Formatter)
     p.add_argument("--version", action="version", version=f"megacp {importlib.metadata.version('megacp')}")
     p.add_argument("--model", help="HF directory, .gguf file or megacp checkpoint (default: SmolLM2-135M-Instruct GGUF)")
     src = p.add_mutually_exclusive_group()
@@ -183,7 +170,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return _run(args)
     except (ConfigError, CheckpointError, UsageError, CacheCapacityError) as err:
-        _say(str(err))
+        print_error_once(PROG, str(err))
         return 2
 
 

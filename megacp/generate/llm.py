@@ -17,7 +17,7 @@ from typing import Any, Sequence, Union
 import torch
 
 from megacp.attention.strategy import STRATEGIES
-from megacp.checkpoint import CheckpointError, load_model
+from megacp.checkpoint import CheckpointError, load_model, load_tokenizer
 from megacp.checkpoint.dtypes import DTYPES
 from megacp.generate.loop import Generator
 from megacp.generate.outputs import GenerationOutput, TextStream, chat_ids, complete, stop_string_check, with_eos
@@ -135,7 +135,7 @@ class LLM:
         except CheckpointError as e:  # a bad path or checkpoint, or one this TP size cannot split
             raise CheckpointError(f"cannot load {self.model_path}: {e}") from None
         swap_attention(net, self.state, strategy=strategy)
-        self.tokenizer = _load_tokenizer(tok_source)
+        self.tokenizer = load_tokenizer(tok_source)
         ring = self.state.ring()
         if calibrate:
             from megacp.attention.strategy import calibrate as measure
@@ -247,11 +247,3 @@ class LLM:
         return Session(self.generator, self._session_cache, slot, self.model_config, self.tokenizer,
                        self.max_session_tokens)
 
-
-def _load_tokenizer(source: Any) -> Any:
-    """``load_model``'s tokenizer: a directory to load from, a tokenizer object, or ``None``."""
-    if not isinstance(source, str):
-        return source
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(source)

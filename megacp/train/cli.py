@@ -32,7 +32,7 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
-from megacp.config import ConfigError, add_launcher_args, load_config
+from megacp.config import ConfigError, OneLineArgumentParser, add_launcher_args, load_config, print_error_once
 
 PROG = "megacp.train"
 
@@ -41,25 +41,14 @@ class UsageError(ValueError):
     """A bad command-line argument (one line)."""
 
 
-def _rank() -> int:
-    """The global rank: from torch.distributed once initialised, else the launcher's ``RANK``."""
-    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
-
-
 def fail(message: str) -> NoReturn:
     """End the job with status 2; rank 0 prints ``megacp.train: error: <message>`` (one line)."""
-    if _rank() == 0:
-        print(f"{PROG}: error: {' '.join(str(message).split())}", file=sys.stderr, flush=True)
+    print_error_once(f"{PROG}: error", message)
     sys.exit(2)
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:  # argparse's own errors: one line too, no usage block
-        fail(message)
-
-
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = _Parser(prog=f"python -m {PROG}", description=__doc__.split("\n\n")[0],
+    p = OneLineArgumentParser(prog=f"python -m {PROG}", error_prefix=f"{PROG}: error", description=__doc__.split("\n\n")[0],
                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="HF directory, .gguf file or megacp checkpoint (default: SmolLM2-135M-Instruct GGUF)")
     p.add_argument("--corpus", nargs="+", metavar="PATH",
@@ -105,15 +94,6 @@ def _default_model() -> str:
     return default_model_path()  # CheckpointError (one line) when the package is missing
 
 
-def _tokenizer(source: Any) -> Any:
-    """The tokenizer ``load_model`` returned: a directory to load it from, or the object."""
-    if isinstance(source, (str, os.PathLike)):
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(source)
-    return source
-
-
 def _eos_id(tokenizer: Any, model_config: Any) -> int:
     if tokenizer.eos_token_id is not None:
         return int(tokenizer.eos_token_id)
@@ -128,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
 
     import megacp
     from megacp.parallel import peak_memory_mib
-    from megacp.checkpoint import load_model
+    from megacp.checkpoint import load_model, load_tokenizer
     from megacp.models.build import expert_parallel_group
     from megacp.train.data import CorpusBatches, Prefetcher, resolve_corpus
     from megacp.train.engine import Trainer, check_batch_config, read_settings
@@ -152,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
     model, model_config, tok_source = load_model(model_path, dtype=settings.dtype, device=state.device,
                                                  tp_group=tp_group, ep_group=expert_parallel_group(state),
                                                  backend=args.backend, allow_non_finite=args.allow_non_finite)
-    tokenizer = _tokenizer(tok_source)
+    tokenizer = load_tokenizer(tok_source)
     if tokenizer is None:
         raise UsageError(f"--model {model_path} has no tokenizer to read the corpus with")
     megacp.swap_attention(model, state, strategy="pass_kv")
