@@ -202,13 +202,15 @@ class ShardedKVCache:
 
     def advance_decoded(self, slot: int, count: int) -> None:
         """Host bookkeeping of ``count`` decode steps whose keys and values a static decode step
-        already wrote on the device (one token per step, at position t on rank ``t mod N``)."""
+        already wrote on the device (one token per step, placed by :func:`~megacp.placement.shard_ranges`)."""
         self._check_slot(slot)
-        pos, held = self.length(slot), self._held[slot]
-        mine = [t for t in range(pos, pos + count) if t % self.cp_size == self.cp_rank]
-        if mine:
-            start = held[self.cp_rank]
-            self.positions[slot, start : start + len(mine)] = torch.tensor(mine, dtype=torch.long)
+        held, pos, mine = self._held[slot], self.length(slot), []
         for t in range(pos, pos + count):
-            held[t % self.cp_size] += 1
+            for j in range(self.cp_size):
+                ranges = shard_ranges(t, 1, self.cp_size, j, load_balance=self.load_balance)
+                held[j] += len(ranges)
+                if ranges and j == self.cp_rank:
+                    mine.append(t)
             self._history[slot].append(t + 1)
+        start = held[self.cp_rank] - len(mine)
+        self.positions[slot, start : start + len(mine)] = torch.tensor(mine, dtype=torch.long)
