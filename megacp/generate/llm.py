@@ -21,7 +21,7 @@ from megacp.checkpoint import CheckpointError, load_model, load_tokenizer
 from megacp.checkpoint.dtypes import DTYPES
 from megacp.generate.loop import Generator
 from megacp.generate.outputs import GenerationOutput, TextStream, chat_ids, complete, stop_string_check, with_eos
-from megacp.generate.requests import check_prompt, check_text, read_model_config
+from megacp.generate.requests import check_prompt, encode, read_model_config
 from megacp.generate.sampling import SamplingParams
 from megacp.generate.session import Session
 from megacp.kv_cache import CacheCapacityError
@@ -164,14 +164,7 @@ class LLM:
     # ------------------------------------------------------------------ requests
     def token_ids(self, prompt: Prompt, what: str = "prompt") -> list[int]:
         """``prompt``'s token ids (text through the tokenizer, with its special tokens)."""
-        if isinstance(prompt, str):
-            check_text(prompt, what)
-            if self.tokenizer is None:
-                raise ValueError(f"a text {what} needs a model with a tokenizer; pass token ids instead")
-            return list(self.tokenizer(prompt)["input_ids"])
-        if not all(type(t) is int for t in prompt):
-            raise ValueError(f"{what} must be text or a list of integer token ids")
-        return list(prompt)
+        return encode(self.tokenizer, prompt, what)
 
     def _batch(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams) -> list[list[int]]:
         """Token ids of one prompt or many, each checked against the model."""

@@ -1,15 +1,15 @@
 """Checks of a generation request against the model, cheap enough to run before any weight loads.
 
 :func:`read_model_config` reads only a checkpoint's config (a GGUF file's metadata, a megacp
-manifest, a Hugging Face ``config.json``); :func:`check_prompt` and :func:`check_text` raise one
-``ValueError`` line naming the problem.
+manifest, a Hugging Face ``config.json``); :func:`encode`, :func:`check_prompt` and
+:func:`check_text` raise one ``ValueError`` line naming the problem.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 from megacp.models.config import ModelConfig
 
@@ -72,3 +72,17 @@ def check_text(text: str, what: str = "prompt") -> None:
         except UnicodeEncodeError:
             shown = repr(bad)
         raise ValueError(f"{what} is not valid UTF-8 (byte {shown} at character {err.start})") from None
+
+
+def encode(tokenizer: Any, prompt: str | Sequence[int], what: str = "prompt", *,
+           special_tokens: bool = True) -> list[int]:
+    """``prompt``'s token ids: text (checked by :func:`check_text`) through ``tokenizer``, with its
+    special tokens (e.g. BOS) unless ``special_tokens`` is false; token ids as they are, each an int."""
+    if isinstance(prompt, str):
+        check_text(prompt, what)
+        if tokenizer is None:
+            raise ValueError(f"a text {what} needs a model with a tokenizer; pass token ids instead")
+        return list(tokenizer(prompt, add_special_tokens=special_tokens)["input_ids"])
+    if not all(type(t) is int for t in prompt):
+        raise ValueError(f"{what} must be text or a list of integer token ids")
+    return list(prompt)

@@ -13,7 +13,7 @@ from typing import Any, Sequence
 
 from megacp.generate.loop import Generator
 from megacp.generate.outputs import GenerationOutput, chat_ids, complete, with_eos
-from megacp.generate.requests import check_context, check_prompt, check_text
+from megacp.generate.requests import check_context, check_prompt, encode
 from megacp.generate.sampling import SamplingParams
 from megacp.kv_cache import CacheCapacityError, ShardedKVCache
 from megacp.models.config import ModelConfig
@@ -56,12 +56,7 @@ class Session:
         if self.closed:
             raise ValueError("this session is closed")
         params = with_eos(sampling or SamplingParams(), self._cfg.eos_token_ids)
-        if isinstance(turn, str):
-            check_text(turn, "turn")
-            if self._tokenizer is None:
-                raise ValueError("a text turn needs a model with a tokenizer; send token ids instead")
-            turn = self._tokenizer(turn, add_special_tokens=not self._history)["input_ids"]
-        turn = list(turn)
+        turn = encode(self._tokenizer, turn, "turn", special_tokens=not self._history)
         check_prompt(self._cfg, turn, params.max_tokens, "turn")
         check_context(self._cfg, len(self._history) + len(turn), params.max_tokens, "the conversation")
         total = len(self._history) + len(turn) + params.max_tokens
