@@ -26,7 +26,8 @@ from megacp.checkpoint.megacp_format import MANIFEST, load_megacp_checkpoint
 from megacp.checkpoint.tokenizer_files import TokenizerSource
 from megacp.checkpoint.tp import check_ep_rank, check_tp_size, shard_experts, shard_tensor
 from megacp.checkpoint.values import check_finite, check_model_values
-from megacp.models.build import Backend, build_model, ep_rank_and_size, resolve_backend, tp_rank_and_size
+from megacp.models.build import Backend, build_model, resolve_backend
+from megacp.models.ops import rank_and_size
 from megacp.models.config import ModelConfig
 from megacp.models.llama import CausalLM
 
@@ -81,7 +82,7 @@ def load_model(
         check_model_values(cfg, str(path))
         return _load(cfg, tensors, sharded=False, **build), cfg, tokenizer
     if (path / MANIFEST).is_file():
-        cfg, shards = load_megacp_checkpoint(path, *tp_rank_and_size(tp_group))
+        cfg, shards = load_megacp_checkpoint(path, *rank_and_size(tp_group))
         return _load(cfg, shards.items(), sharded=True, **build), cfg, _tokenizer_dir(path)
     if _is_hf_dir(path):
         with open_hf_checkpoint(path) as checkpoint:
@@ -135,8 +136,8 @@ def _load(
     Raises:
         CheckpointError: a parameter is missing (TE ``_extra_state`` aside) or a name is unexpected.
     """
-    tp_rank, tp_size = tp_rank_and_size(tp_group)
-    ep_rank, ep_size = ep_rank_and_size(ep_group)
+    tp_rank, tp_size = rank_and_size(tp_group)
+    ep_rank, ep_size = rank_and_size(ep_group)
     check_tp_size(cfg, tp_size)
     check_ep_rank(cfg, ep_rank, ep_size)
     if finite_in is not None:

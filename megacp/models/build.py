@@ -11,8 +11,8 @@ import torch.distributed as dist
 
 from megacp.models.config import ModelConfig
 from megacp.models.llama import CausalLM
-from megacp.models.moe import ep_world_size, local_experts
-from megacp.models.ops import tp_world_size
+from megacp.models.moe import local_experts
+from megacp.models.ops import group_size
 from megacp.models.te_model import build_te_model, te_import_error
 from megacp.parallel.state import ParallelState
 
@@ -53,7 +53,7 @@ def build_model(
             expert-parallel group of size > 1 that the model cannot use (see :func:`check_ep_size`).
         RuntimeError: ``backend="te"`` without an importable Transformer Engine.
     """
-    check_ep_size(cfg, ep_world_size(ep_group))
+    check_ep_size(cfg, group_size(ep_group))
     if resolve_backend(cfg, device, backend) == "te":
         return build_te_model(cfg, dtype=dtype, device=device, tp_group=tp_group)
     return CausalLM(cfg, tp_group, ep_group, dtype=dtype, device=device)
@@ -78,11 +78,3 @@ def expert_parallel_group(state: ParallelState) -> dist.ProcessGroup | None:
     return state.group("ep") if size is not None and size > 1 else None
 
 
-def ep_rank_and_size(ep_group: dist.ProcessGroup | None) -> tuple[int, int]:
-    """This rank's index in its expert-parallel group and the group's size (``(0, 1)`` without one)."""
-    return (0 if ep_group is None else dist.get_rank(ep_group)), ep_world_size(ep_group)
-
-
-def tp_rank_and_size(tp_group: dist.ProcessGroup | None) -> tuple[int, int]:
-    """This rank's index in its tensor-parallel group and the group's size (``(0, 1)`` without one)."""
-    return (0 if tp_group is None else dist.get_rank(tp_group)), tp_world_size(tp_group)

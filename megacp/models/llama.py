@@ -50,7 +50,7 @@ from torch.utils.checkpoint import checkpoint
 from megacp.layers.attention import DotProductAttention
 from megacp.models.config import ModelConfig
 from megacp.models.moe import MoEMLP
-from megacp.models.ops import copy_to_tp, reduce_from_tp, rms_norm, swiglu, tp_shard, tp_world_size
+from megacp.models.ops import copy_to_tp, group_size, reduce_from_tp, rms_norm, swiglu, tp_shard
 from megacp.models.rope import RotaryEmbedding, apply_rotary
 
 
@@ -114,7 +114,7 @@ class SelfAttention(nn.Module):
         *, dtype: torch.dtype | None = None, device: Any = None,
     ):
         super().__init__()
-        tp = tp_world_size(tp_group)
+        tp = group_size(tp_group)
         self.tp_group = tp_group
         self.num_heads = tp_shard(cfg.num_heads, tp, "num_heads")
         self.num_kv_heads = tp_shard(cfg.num_kv_heads, tp, "num_kv_heads")
@@ -164,7 +164,7 @@ class LayerNormMLP(nn.Module):
         *, dtype: torch.dtype | None = None, device: Any = None,
     ):
         super().__init__()
-        ffn = tp_shard(cfg.intermediate_size, tp_world_size(tp_group), "intermediate_size")
+        ffn = tp_shard(cfg.intermediate_size, group_size(tp_group), "intermediate_size")
         self.tp_group = tp_group
         self.eps = cfg.rms_norm_eps
         self.layer_norm_weight = _param(cfg.hidden_size, dtype=dtype, device=device)

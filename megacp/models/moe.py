@@ -53,14 +53,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from megacp.models.config import ModelConfig
-from megacp.models.ops import copy_to_tp, reduce_from_tp, rms_norm, swiglu, tp_shard, tp_world_size
+from megacp.models.ops import copy_to_tp, group_size, reduce_from_tp, rms_norm, swiglu, tp_shard
 
 logger = logging.getLogger(__name__)
-
-
-def ep_world_size(ep_group: dist.ProcessGroup | None) -> int:
-    """Size of the expert-parallel group (1 without one)."""
-    return 1 if ep_group is None else dist.get_world_size(ep_group)
 
 
 def local_experts(num_experts: int, ep_size: int) -> int:
@@ -128,7 +123,7 @@ class MoEMLP(nn.Module):
         super().__init__()
         h, e, f = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
         self.tp_group, self.ep_group = tp_group, ep_group
-        self.ep_size = ep_world_size(ep_group)
+        self.ep_size = group_size(ep_group)
         self.num_local = local_experts(e, self.ep_size)
         self.first_expert = (0 if ep_group is None else dist.get_rank(ep_group)) * self.num_local
         self.top_k, self.norm_topk_prob, self.eps = cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.rms_norm_eps
@@ -142,7 +137,7 @@ class MoEMLP(nn.Module):
         self.expert_fc2_weight = param(self.num_local, h, f)
         self.shared_fc1_weight = self.shared_fc2_weight = self.shared_gate_weight = None
         if cfg.shared_expert_intermediate_size:
-            fs = tp_shard(cfg.shared_expert_intermediate_size, tp_world_size(tp_group), "shared_expert_intermediate_size")
+            fs = tp_shard(cfg.shared_expert_intermediate_size, group_size(tp_group), "shared_expert_intermediate_size")
             self.shared_fc1_weight = param(2 * fs, h)
             self.shared_fc2_weight = param(h, fs)
             self.shared_gate_weight = param(1, h)
@@ -160,7 +155,7 @@ class MoEMLP(nn.Module):
         """[T, H] -> [T, H]."""
         h = rms_norm(x, self.layer_norm_weight, self.eps)
         weights, experts = self.route(h)
-        tp = tp_world_size(self.tp_group)
+        tp = group_size(self.tp_group)
         if self.ep_size == 1 or tp == 1:
             y = self._dispatch(h, experts)
         else:  # this TP rank's share of the (identical) tokens; see the module docstring

@@ -26,9 +26,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * F.rms_norm(x, (x.shape[-1],), None, eps)
 
 
-def tp_world_size(tp_group: dist.ProcessGroup | None) -> int:
-    """Size of the tensor-parallel group (1 without one)."""
-    return 1 if tp_group is None else dist.get_world_size(tp_group)
+def group_size(group: dist.ProcessGroup | None) -> int:
+    """Size of a tensor- or expert-parallel group (1 without one)."""
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def rank_and_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    """This rank's index in a tensor- or expert-parallel group and the group's size (``(0, 1)``
+    without one)."""
+    return (0 if group is None else dist.get_rank(group)), group_size(group)
 
 
 def tp_shard(total: int, tp_size: int, what: str) -> int:
@@ -71,7 +77,7 @@ def copy_to_tp(x: torch.Tensor, tp_group: dist.ProcessGroup | None) -> torch.Ten
     """The replicated input ``x`` of a column-parallel projection: unchanged, but its gradient is
     summed over the TP group in backward (each rank's projection sees only its own output
     columns). Identity for t = 1 and without autograd."""
-    if tp_world_size(tp_group) == 1 or not (torch.is_grad_enabled() and x.requires_grad):
+    if group_size(tp_group) == 1 or not (torch.is_grad_enabled() and x.requires_grad):
         return x
     return _CopyToTP.apply(x, tp_group)
 
@@ -79,7 +85,7 @@ def copy_to_tp(x: torch.Tensor, tp_group: dist.ProcessGroup | None) -> torch.Ten
 def reduce_from_tp(x: torch.Tensor, tp_group: dist.ProcessGroup | None) -> torch.Tensor:
     """Sum the row-parallel partial results ``x`` over the TP group (in place; identity for t = 1);
     the gradient passes through unchanged (every rank's partial result feeds the same sum)."""
-    if tp_world_size(tp_group) == 1:
+    if group_size(tp_group) == 1:
         return x
     if torch.is_grad_enabled() and x.requires_grad:
         return _ReduceFromTP.apply(x, tp_group)

@@ -48,7 +48,7 @@ from torch import nn
 from megacp.layers.attention import DotProductAttention
 from megacp.models.config import ModelConfig
 from megacp.models.llama import CausalLM
-from megacp.models.ops import tp_world_size
+from megacp.models.ops import group_size
 from megacp.models.rope import apply_rotary
 
 try:
@@ -101,7 +101,7 @@ if te is not None:
             self, cfg: ModelConfig, layer_number: int, tp_group: dist.ProcessGroup | None,
             *, dtype: torch.dtype, device: Any,
         ):
-            tp = tp_world_size(tp_group)
+            tp = group_size(tp_group)
             super().__init__(
                 cfg.hidden_size,
                 cfg.intermediate_size,
