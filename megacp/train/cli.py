@@ -109,6 +109,7 @@ def run(args: argparse.Namespace) -> int:
     import megacp
     from megacp.parallel import peak_memory_mib
     from megacp.checkpoint import load_model, load_tokenizer
+    from megacp.layers.settings import CPSettings
     from megacp.models.build import expert_parallel_group
     from megacp.train.data import CorpusBatches, Prefetcher, resolve_corpus
     from megacp.train.engine import Trainer, check_batch_config, read_settings
@@ -135,10 +136,11 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(tok_source)
     if tokenizer is None:
         raise UsageError(f"--model {model_path} has no tokenizer to read the corpus with")
-    megacp.swap_attention(model, state, strategy="pass_kv")
+    cp = CPSettings.from_state(state, prefill="pass_kv")
+    megacp.swap_attention(model, cp)
     model.activation_checkpointing = args.activation_checkpointing
     model.train()
-    trainer = Trainer(model, config.deepspeed, state, settings, load_balance=config.context_parallel.load_balance)
+    trainer = Trainer(model, config.deepspeed, state, settings, cp=cp)
 
     layout = f"CP={state.size('cp')} TP={state.size('tp')} DP={state.size('dp')}" + (
         f" EP={state.size('ep')}" if trainer.sharded_experts else "")

@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from megacp.config import ConfigError
 from megacp.parallel.mpu import DeepSpeedMPU
+from megacp.layers.settings import CPSettings
 from megacp.parallel.state import ParallelState
 from megacp.train.batch import shard_batch
 from megacp.train.data import PackedSequence
@@ -172,11 +173,13 @@ class Trainer:
         config: the whole DeepSpeed config dict (megacp's sections included; DeepSpeed ignores them).
         state: the mesh; its CP group must be the one the model's CP attention uses.
         settings: from :func:`read_settings`.
-        load_balance: the CP sharding of the batches (``context_parallel.load_balance``).
+        cp: the CP settings the model's attention was swapped with (default: the state's,
+            :meth:`~megacp.layers.settings.CPSettings.from_state`); their ``load_balance`` shards
+            the batches.
     """
 
     def __init__(self, model: torch.nn.Module, config: Mapping[str, Any], state: ParallelState,
-                 settings: TrainSettings, *, load_balance: bool = True) -> None:
+                 settings: TrainSettings, *, cp: CPSettings | None = None) -> None:
         deepspeed = _deepspeed(state)
         mark_tensor_parallel(model, state.size("tp"))
         params = [p for p in model.parameters() if p.requires_grad]
@@ -188,7 +191,8 @@ class Trainer:
         with expert_parallel(model, state):
             self.engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=dict(config),
                                                    mpu=DeepSpeedMPU(state))
-        self.state, self.settings, self.load_balance, self.config = state, settings, load_balance, config
+        self.state, self.settings, self.config = state, settings, config
+        self.cp = cp or CPSettings.from_state(state)
         self.cp_group = state.group("cp")
         self.dp_group = state.group("dp")
         self.steps_done = 0
@@ -209,8 +213,8 @@ class Trainer:
         for _ in range(self.engine.gradient_accumulation_steps()):
             batch = next(batches)
             shard = shard_batch(batch.input_ids, cu_seqlens=batch.cu_seqlens, cp_size=self.state.size("cp"),
-                                cp_rank=self.state.rank_in("cp"), load_balance=self.load_balance)
-            loss = lm_loss(self.module, shard)
+                                cp_rank=self.state.rank_in("cp"), load_balance=self.cp.load_balance)
+            loss = lm_loss(self.module, shard, settings=self.cp)
             self.engine.backward(loss)
             self.engine.step()
             losses.append(logged_loss(loss, cp_group=self.cp_group, dp_group=self.dp_group))
