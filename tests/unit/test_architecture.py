@@ -161,3 +161,28 @@ def test_the_package_imports_no_entry_point_outside_it() -> None:
                      else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
             found += [f"{name} imports {r}" for r in roots if r.split(".")[0] in ("tools", "scripts", "tests")]
     assert not found, "; ".join(found)
+
+
+def _sys_path_edits(source: str) -> list[int]:
+    """Lines of ``source`` that change ``sys.path`` (a call on it, an assignment to it, or ``site.addsitedir``)."""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        target = None
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            target = node.func.value if node.func.attr != "addsitedir" else node.func
+        elif isinstance(node, (ast.Assign, ast.AugAssign)):
+            target = node.targets[0] if isinstance(node, ast.Assign) else node.target
+        if isinstance(target, ast.Attribute) and target.attr in ("path", "addsitedir") and isinstance(target.value, ast.Name) \
+                and target.value.id in ("sys", "site"):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_no_sys_path_edits() -> None:
+    """Code imports installed or on-path packages; nothing edits ``sys.path`` (package, tools, scripts, tests)."""
+    found = [f"{path.relative_to(ROOT)}:{line}" for folder in ("megacp", "tools", "scripts", "tests")
+             for path in sorted((ROOT / folder).rglob("*.py")) for line in _sys_path_edits(path.read_text(encoding="utf-8"))]
+    assert not found, "sys.path edited at " + ", ".join(found)
+    assert _sys_path_edits("import sys\nsys.path.insert(0, 'x')\n") == [2]
+    assert _sys_path_edits("import sys\nsys.path = ['x']\n") == [2]
+    assert _sys_path_edits("import sys\nsys.path += ['x']\n") == [2]
