@@ -1,7 +1,6 @@
 """CP attention: partial attention + merge, running planned tiles, pass-KV / pass-Q ring prefill,
 all-gather decode, the strategy choice and the training backward. Nothing here knows about models."""
 
-from megacp.attention.training import ring_attention
 from megacp.attention.decode import allgather_decode
 from megacp.attention.merge import merge_into, merge_stack, merge_states
 from megacp.attention.partial import partial_attention
@@ -14,6 +13,7 @@ from megacp.attention.prefill import (
     resolve_strategy,
 )
 from megacp.attention.strategy import Hardware, calibrate, choose_strategy
+from megacp.attention.training import ring_attention
 
 __all__ = [
     "Hardware",

@@ -45,8 +45,9 @@ def local_decode_states(
         raise ValueError(f"{q.shape[0]} decode queries but KV for {len(kv)} requests")
     if not kv:  # no request
         return empty_state(*q.shape, dtype=q.dtype, device=q.device)
-    outs, lses = zip(*(partial_attention(q[i : i + 1], k, v, scale=scale, backend=backend) for i, (k, v) in enumerate(kv)))
-    return torch.cat(outs), torch.cat(lses)
+    pairs: Sequence[tuple[Tensor, Tensor]] = kv  # type: ignore[assignment]  # ragged: one pair per request
+    states = [partial_attention(q[i : i + 1], k, v, scale=scale, backend=backend) for i, (k, v) in enumerate(pairs)]
+    return torch.cat([o for o, _ in states]), torch.cat([lse for _, lse in states])
 
 
 def allgather_decode(

@@ -108,7 +108,8 @@ def _kernel_call(kernel: Callable[..., Grads], q: Tensor, k: Tensor, v: Tensor, 
     small LSE, which the kernels want contiguous ``[1, H, Lq]``). cuDNN (9.19) refuses one query
     over one key ("s_q = s_kv = 1 is not supported"): that call takes the exact path."""
     if kernel is _cudnn_backward and q.shape[0] == 1 and k.shape[0] == 1:
-        return tuple(g.to(q.dtype) for g in reference_backward(q, k, v, out, lse, dout, causal=causal, scale=scale))
+        dq, dk, dv = reference_backward(q, k, v, out, lse, dout, causal=causal, scale=scale)
+        return dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype)
     def view(x: Tensor) -> Tensor:
         return x.unsqueeze(0).transpose(1, 2)
 

@@ -28,7 +28,6 @@ from megacp.attention.tile_attention import run_tiles
 from megacp.parallel.ring import Ring, side_stream
 from megacp.placement import ShardPlan
 
-
 KVBlock = Tensor | tuple[Tensor, Tensor]
 """A rank's KV block: ``[2, L, Hkv, D]`` (keys ``[0]``, values ``[1]``), or the pair ``(k, v)`` of
 ``[L, Hkv, D]`` contiguous tensors when they already are the block (no copy; see
@@ -102,6 +101,7 @@ def ring_pass_kv(
     aux = side_stream(q.device, "pass_kv later steps") if q.is_cuda and q.shape[0] <= SECOND_STREAM_MAX_ROWS else None
     if aux is not None:
         main = torch.cuda.current_stream(q.device)
+        assert ready is not None  # recorded above on CUDA
         aux.wait_event(ready)  # aux needs q, not step 0's results
     need = [plan.kv_rows_read(j, r) for j in range(n)]  # pushed to rank j (copy engine), no more
     rest = None
@@ -122,5 +122,7 @@ def ring_pass_kv(
             main.wait_stream(aux)
             for t in rest:  # made on aux, read on main
                 t.record_stream(main)
+        assert state is not None  # step 0 ran
         merge_into(state[0][lo:hi], state[1][lo:hi], *rest)
+    assert state is not None
     return state

@@ -69,13 +69,14 @@ def ring_pass_q(
         ready = torch.cuda.Event()
         ready.record()
         attend(r, q)
+    assert ring is not None  # check_ring: a ring for n > 1
     for step, q_block in ring.rotate(padded, ready=ready, rows=[q.shape[0]] * n):  # queries of rank r - step
         if step == 0:
             if ready is None:  # gloo: the transfers were posted first, step 0 overlaps them
                 attend(r, q)
             continue
         origin = (r - step) % n
-        attend(origin, q_block[: plan.num_local(origin)])
+        attend(origin, q_block[: plan.num_local(origin)])  # type: ignore[arg-type]  # one tensor rotates
     received = ring.all_to_all(send)  # [N holders of KV, max_local, bytes]: partials of my queries
     outs, lses = unpack_states(received[:, : q.shape[0]], hq, d, q.dtype)
     return merge_stack(outs, lses)

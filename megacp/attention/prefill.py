@@ -172,6 +172,7 @@ def cp_attention(
               ("dtypes of q, k, v", (str(q.dtype), str(k.dtype), str(v.dtype))), ("sequence lengths", lens),
               ("strategy", strategy), ("load_balance", load_balance), ("scale", scale), ("backend", backend)]
     agree(ring, fields, device=q.device, what="cp_attention", local_error=error)
+    assert lens is not None  # agree raised on every rank when this rank could not read them
     n, r = (ring.size, ring.rank) if ring else (1, 0)
     plan = ShardPlan([0] * len(lens), lens, n, r, load_balance=load_balance)
     idx = plan.local_index().to(q.device)

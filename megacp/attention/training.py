@@ -29,7 +29,6 @@ from megacp.attention.prefill import build_kv_block
 from megacp.parallel.ring import Ring
 from megacp.placement import ShardPlan, Tile
 
-
 Piece = tuple[int, int, Tensor]
 """Rows ``[a, b)`` of an accumulator and the value to add there."""
 
@@ -139,8 +138,10 @@ class _RingAttention(torch.autograd.Function):
                 acc = [accumulate(recv[i] if recv else None, p, kv_shape, dev) for i, p in enumerate((pk, pv))]
                 recv = [torch.empty_like(a) for a in acc]
                 pending = ring.start(acc, recv, tag=1)  # on to the next holder; the last hop goes home
+            assert recv is not None and pending is not None  # n > 1 steps ran
             Ring.wait(pending)
             home = recv
+        assert dq is not None
         return dq.to(q.dtype), home[0][:m].to(q.dtype), home[1][:m].to(q.dtype), None, None, None, None
 
 

@@ -129,7 +129,7 @@ def config_from_hf(hf_config: dict[str, Any]) -> ModelConfig:
             num_layers=_required(hf_config, "num_hidden_layers"),
             num_heads=num_heads,
             num_kv_heads=hf_config.get("num_key_value_heads") or num_heads,
-            head_dim=hf_config.get("head_dim"),
+            head_dim=hf_config.get("head_dim") or _required(hf_config, "hidden_size") // num_heads,
             rms_norm_eps=float(hf_config.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,

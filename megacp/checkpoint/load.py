@@ -27,9 +27,9 @@ from megacp.checkpoint.tokenizer_files import TokenizerSource
 from megacp.checkpoint.tp import check_ep_rank, check_tp_size, shard_experts, shard_tensor
 from megacp.checkpoint.values import check_finite, check_model_values
 from megacp.models.build import Backend, build_model, resolve_backend
-from megacp.models.ops import rank_and_size
 from megacp.models.config import ModelConfig
 from megacp.models.llama import CausalLM
+from megacp.models.ops import rank_and_size
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup

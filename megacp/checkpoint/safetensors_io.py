@@ -39,7 +39,7 @@ def tensor_sha256(tensor: torch.Tensor) -> str:
 
 def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
     flat = tensor.detach().to("cpu").contiguous().view(-1)
-    return memoryview(flat.view(torch.uint8).numpy())
+    return memoryview(flat.view(torch.uint8).numpy())  # type: ignore[arg-type]  # numpy arrays export the buffer protocol
 
 
 @dataclass

@@ -127,7 +127,7 @@ def _write_error(output: Path, err: OSError) -> CheckpointError:
     """One line naming the destination and why it cannot take the checkpoint (``err``: one of
     :data:`_WRITE_ERRORS`)."""
     where = f" ({err.filename})" if err.filename else ""
-    return CheckpointError(f"cannot write {output}: {os.strerror(err.errno)}{where}")
+    return CheckpointError(f"cannot write {output}: {os.strerror(err.errno or 0)}{where}")
 
 
 def check_output_dir(output_dir: str | os.PathLike[str], *, force: bool = False) -> None:

@@ -6,11 +6,11 @@
 :mod:`~megacp.generate.cli` (``python -m megacp.generate``)."""
 
 from megacp.generate.cli import main, parse_args
-from megacp.generate.llm import LLM, StreamPiece, default_model_path
+from megacp.generate.llm import LLM, StreamPiece
 from megacp.generate.loop import GenerationResult, Generator
 from megacp.generate.outputs import GenerationOutput
 from megacp.generate.sampling import SamplingParams, sample
 from megacp.generate.session import Session
 
 __all__ = ["LLM", "GenerationOutput", "GenerationResult", "Generator", "SamplingParams", "Session", "StreamPiece",
-           "default_model_path", "main", "parse_args", "sample"]
+           "main", "parse_args", "sample"]

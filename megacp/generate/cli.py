@@ -28,10 +28,11 @@ import torch.distributed as dist
 
 from megacp.attention.strategy import STRATEGIES
 from megacp.checkpoint.dtypes import DTYPES
+from megacp.checkpoint.front import default_model_path, read_model_config
 from megacp.config import OneLineArgumentParser, add_launcher_args, print_error_once
-from megacp.generate.llm import LLM, default_model_path
+from megacp.generate.llm import LLM
 from megacp.generate.outputs import TextStream, chat_ids, stop_string_check
-from megacp.generate.requests import check_context, check_prompt, check_text, read_model_config
+from megacp.generate.requests import check_context, check_prompt, check_text
 from megacp.generate.sampling import SamplingParams
 from megacp.models.config import ModelConfig
 from megacp.parallel import initialize, peak_memory_mib
@@ -51,7 +52,7 @@ class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescription
         text = action.help or ""
         if "default:" in text or action.default is None or action.default is False or isinstance(action, argparse._VersionAction):
             return text
-        return super()._get_help_string(action)
+        return super()._get_help_string(action) or ""
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -205,6 +206,7 @@ def _run(args: argparse.Namespace) -> int:
     streamed: list[int] = []
 
     def on_token(i: int, tok: int) -> None:
+        assert text is not None  # on_token is passed only when streaming
         streamed.append(tok)
         print(text.piece(streamed, False), end="", flush=True)
 

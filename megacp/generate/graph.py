@@ -113,6 +113,7 @@ class GraphDecoder:
             return self.tokens
         if self.graph is None:
             self.capture()
+        assert self.graph is not None  # captured above
         self.graph.replay()
         return self.tokens
 

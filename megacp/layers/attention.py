@@ -146,5 +146,5 @@ class DotProductAttention(nn.Module):
             ]
             return from_thd(torch.cat(outs), query_layer, fmt)
         q, k, v = (x if fmt == "bshd" else x.transpose(0, 1) for x in (query_layer, key_layer, value_layer))
-        out, _ = partial_attention(q, k, v, causal=causal, scale=self.softmax_scale, backend=self.backend)
-        return from_thd(to_thd(out, "bshd"), query_layer, fmt)
+        dense, _lse = partial_attention(q, k, v, causal=causal, scale=self.softmax_scale, backend=self.backend)
+        return from_thd(to_thd(dense, "bshd"), query_layer, fmt)

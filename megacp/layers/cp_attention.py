@@ -97,6 +97,7 @@ class CPDotProductAttention(DotProductAttention):
                 error = "qkv_format='thd' under CP needs cu_seqlens_q with the full sequence lengths"
                 agree(self.settings.ring, step_fields(None, q, k, v, scale=self.softmax_scale), device=q.device,
                       what="CP attention step", local_error=check_inputs(q, k, v, "CP attention") or error)
+            assert cu_seqlens is not None  # the agreement above raised on every rank
             lens = seq_lengths(cu_seqlens)
         else:
             b, s = (like.shape[0], like.shape[1]) if fmt == "bshd" else (like.shape[1], like.shape[0])

@@ -61,7 +61,7 @@ def _first_attr(mod: nn.Module, *names: str) -> Any:
     raise AttributeError(f"{type(mod).__name__} has none of the attributes {', '.join(names)}")
 
 
-def _convert(mod: nn.Module, settings: CPSettings, te_cls: type | None) -> CPDotProductAttention:
+def _convert(mod: Any, settings: CPSettings, te_cls: Any) -> CPDotProductAttention:
     if te_cls is not None and isinstance(mod, te_cls):
         head_dim = _first_attr(mod, "hidden_size_per_attention_head_k", "hidden_size_per_attention_head", "kv_channels")
         heads = getattr(mod, "num_attention_heads", None) or _first_attr(mod, "hidden_size_per_partition") // head_dim
@@ -106,8 +106,8 @@ def swap_attention(model: nn.Module, state: Any = None, *, strategy: str | None 
     """
     settings = settings_for(state, strategy)
     te_cls = _te_attention_class()
-    kinds = (DotProductAttention,) + ((te_cls,) if te_cls is not None else ())
-    targets = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, kinds) and not isinstance(mod, CPDotProductAttention)]
+    kinds: tuple[Any, ...] = (DotProductAttention,) + ((te_cls,) if te_cls is not None else ())
+    targets: list[tuple[str, nn.Module]] = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, kinds) and not isinstance(mod, CPDotProductAttention)]
     replacements = [_convert(mod, settings, te_cls).train(mod.training) for _, mod in targets]
     for (name, _), new in zip(targets, replacements):
         parent_name, _, child = name.rpartition(".")

@@ -56,7 +56,7 @@ class ModelConfig:
     num_layers: int = 32
     num_heads: int = 32
     num_kv_heads: int = 32
-    head_dim: int | None = None
+    head_dim: int = None  # type: ignore[assignment]  # None until __post_init__: hidden_size // num_heads
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = None

@@ -94,7 +94,7 @@ class LayerNormQKV(nn.Module):
             self.key_bias = _param(nkv * d, dtype=dtype, device=device)
             self.value_bias = _param(nkv * d, dtype=dtype, device=device)
         else:
-            self.query_bias = self.key_bias = self.value_bias = None
+            self.query_bias = self.key_bias = self.value_bias = None  # type: ignore[assignment]
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, H] -> q [T, nh*d], k [T, nkv*d], v [T, nkv*d]."""

@@ -71,7 +71,7 @@ def local_experts(num_experts: int, ep_size: int) -> int:
     return num_experts // ep_size
 
 
-def _exchange(x: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup) -> torch.Tensor:
+def _exchange(x: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup | None) -> torch.Tensor:
     out = x.new_empty(sum(recv), *x.shape[1:])
     dist.all_to_all_single(out, x.contiguous(), output_split_sizes=recv, input_split_sizes=send, group=group)
     return out
@@ -91,7 +91,7 @@ class _AllToAll(torch.autograd.Function):
         return _exchange(grad, ctx.recv, ctx.send, ctx.group), None, None, None
 
 
-def all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup) -> torch.Tensor:
+def all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup | None) -> torch.Tensor:
     """Send rows ``x[sum(send[:p]) : sum(send[:p+1])]`` [R, ...] to rank p of ``group``; return the
     ``sum(recv)`` rows received, source by source (``all_to_all_single`` with split sizes).
     Differentiable: every rank of ``group`` runs the reverse all-to-all in backward."""
@@ -121,7 +121,7 @@ class MoEMLP(nn.Module):
         ep_group: dist.ProcessGroup | None = None, *, dtype: torch.dtype | None = None, device: Any = None,
     ):
         super().__init__()
-        h, e, f = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+        h, e, f = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size or cfg.intermediate_size
         self.tp_group, self.ep_group = tp_group, ep_group
         self.ep_size = group_size(ep_group)
         self.num_local = local_experts(e, self.ep_size)
@@ -165,7 +165,7 @@ class MoEMLP(nn.Module):
                 h.new_zeros(h.shape[0], self.top_k, h.shape[1]).index_copy(0, rows, y_share), self.tp_group
             )
         out = (y * weights.unsqueeze(-1).to(y.dtype)).sum(dim=1)
-        if self.shared_fc1_weight is not None:
+        if self.shared_fc1_weight is not None and self.shared_fc2_weight is not None and self.shared_gate_weight is not None:
             shared = reduce_from_tp(
                 swiglu(copy_to_tp(h, self.tp_group), self.shared_fc1_weight, self.shared_fc2_weight), self.tp_group
             )

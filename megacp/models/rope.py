@@ -43,7 +43,7 @@ def rope_inv_freq(
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
     inv_freq = 1.0 / (theta**exponents)
     rope_type = "default" if scaling is None else scaling.get("rope_type", scaling.get("type"))
-    if rope_type == "default":
+    if rope_type == "default" or scaling is None:
         return inv_freq
     if rope_type == "linear":
         return inv_freq / scaling["factor"]

@@ -44,7 +44,8 @@ def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 def _moe_shapes(cfg: ModelConfig, prefix: str) -> dict[str, tuple[int, ...]]:
     """The full shapes of one :class:`~megacp.models.moe.MoEMLP` (all E experts)."""
-    h, e, f, fs = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
+    h, e, f, fs = (cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size or cfg.intermediate_size,
+                   cfg.shared_expert_intermediate_size)
     shapes = {
         f"{prefix}.layer_norm_weight": (h,),
         f"{prefix}.router_weight": (e, h),

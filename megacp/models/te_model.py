@@ -133,7 +133,7 @@ if te is not None:
                 layer_number=layer_number,
             )
 
-        def forward(  # type: ignore[override]
+        def forward(
             self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: torch.Tensor,
             inference_params: Any = None,
         ) -> torch.Tensor:

@@ -37,7 +37,7 @@ import logging
 import os
 import warnings
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -53,7 +53,7 @@ _MAX_RANKS = (_SIGNAL_BYTES // 4 - 16) // 2
 
 
 @functools.cache
-def _stream_mem_ops() -> tuple | None:
+def _stream_mem_ops() -> tuple[Any, Any] | None:
     """``(cuStreamWaitValue32, cuStreamWriteValue32)`` of the CUDA driver, or ``None``."""
     try:
         cu = ctypes.CDLL("libcuda.so.1")
@@ -70,6 +70,15 @@ def _stream_mem_ops() -> tuple | None:
     return tuple(fns)
 
 
+def _mem_op(index: int) -> Any:
+    """``cuStreamWaitValue32`` (0) or ``cuStreamWriteValue32`` (1); only called where
+    :func:`copy_engine_supported` found them."""
+    ops = _stream_mem_ops()
+    if ops is None:
+        raise RuntimeError("the CUDA driver's stream memory operations are not available")
+    return ops[index]
+
+
 def _check(rc: int, what: str) -> None:
     if rc != 0:
         raise RuntimeError(f"{what} failed with CUresult {rc}")
@@ -78,13 +87,13 @@ def _check(rc: int, what: str) -> None:
 def wait_value(stream: torch.cuda.Stream, addr: int, value: int) -> None:
     """Work queued on ``stream`` after this waits until the uint32 at device address ``addr``
     reaches ``value`` (cyclic ``>=``); executed by the GPU front end, no SM, no host sync."""
-    _check(_stream_mem_ops()[0](stream.cuda_stream, addr, value & 0xFFFFFFFF, 0), "cuStreamWaitValue32")
+    _check(_mem_op(0)(stream.cuda_stream, addr, value & 0xFFFFFFFF, 0), "cuStreamWaitValue32")
 
 
 def write_value(stream: torch.cuda.Stream, addr: int, value: int) -> None:
     """Write the uint32 ``value`` to device address ``addr`` (this GPU's or a peer-mapped one) when
     the work queued on ``stream`` before it is done, after a memory fence; no SM."""
-    _check(_stream_mem_ops()[1](stream.cuda_stream, addr, value & 0xFFFFFFFF, 0), "cuStreamWriteValue32")
+    _check(_mem_op(1)(stream.cuda_stream, addr, value & 0xFFFFFFFF, 0), "cuStreamWriteValue32")
 
 
 def copy_engine_supported(group: dist.ProcessGroup) -> bool:

@@ -94,18 +94,19 @@ class Ring:
     window_mb: int = DEFAULT_WINDOW_MB
 
     def __post_init__(self) -> None:
-        self.group = self.group or dist.group.WORLD
+        self.group = group = self.group or dist.group.WORLD
+        assert group is not None  # torch.distributed is initialised
         if self.transport not in TRANSPORTS:
             raise ValueError(f"ring transport {self.transport!r} is not one of {', '.join(TRANSPORTS)}")
         if self.transport == "auto":
-            self.transport = "copy_engine" if copy_engine_supported(self.group) else "nccl"
-        elif self.transport == "copy_engine" and not copy_engine_supported(self.group):
+            self.transport = "copy_engine" if copy_engine_supported(group) else "nccl"
+        elif self.transport == "copy_engine" and not copy_engine_supported(group):
             raise ValueError("ring transport 'copy_engine' needs an NCCL group of CUDA ranks on one host "
                              f"with symmetric memory (backend {dist.get_backend(self.group)!r})")
         self.size = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
-        self._next = dist.get_global_rank(self.group, (self.rank + 1) % self.size)
-        self._prev = dist.get_global_rank(self.group, (self.rank - 1) % self.size)
+        self._next = dist.get_global_rank(group, (self.rank + 1) % self.size)
+        self._prev = dist.get_global_rank(group, (self.rank - 1) % self.size)
 
     def start(self, send: Tensor | list[Tensor], recv: Tensor | list[Tensor], tag: int = 0) -> list:
         """Post ``send`` → next rank and ``recv`` ← previous rank (tensors, or lists of tensors
@@ -158,6 +159,7 @@ class Ring:
         """
         parts = _parts(block)
         if self.transport == "copy_engine" and parts[0].is_cuda and self.size > 1:
+            assert self.group is not None
             win = peer_window(self.group, sum(t.nbytes for t in parts), parts[0].device, self.window_mb)
             if win is not None:
                 yield from self._rotate_push(block, parts, win, stream, ready, rows)
@@ -173,6 +175,7 @@ class Ring:
         caller = torch.cuda.current_stream(dev) if streams else None
         consumer = consumer or caller
         poster = caller
+        assert not streams or (caller is not None and consumer is not None)
         if ready is not None:
             poster = side_stream(dev, "post")
             poster.wait_event(ready)
@@ -182,7 +185,7 @@ class Ring:
         split = isinstance(block, tuple)
         for buf in scratch if streams else ():  # read on the consumer streams, freed on the poster
             for s in {consumer, caller} - {poster}:
-                buf.record_stream(s)
+                buf.record_stream(s)  # type: ignore[arg-type]  # CUDA streams here
         cur = block
         for step in range(self.size):
             works = None
@@ -190,8 +193,8 @@ class Ring:
                 nxt = scratch[step % 2]
                 with torch.cuda.stream(poster) if streams else contextlib.nullcontext():
                     if streams and step >= 2 and consumer != poster:
-                        poster.wait_stream(consumer)  # nxt held step - 1's block, read on the consumer
-                    works = self.start(list(cur) if split else cur, list(nxt) if split else nxt)
+                        poster.wait_stream(consumer)  # type: ignore[union-attr,arg-type]  # nxt held step - 1's block
+                    works = self.start(list(cur) if split else cur, list(nxt) if split else nxt)  # type: ignore[arg-type]
             yield step, cur
             if works is not None:
                 with torch.cuda.stream(consumer) if streams else contextlib.nullcontext():

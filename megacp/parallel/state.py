@@ -102,7 +102,9 @@ class ParallelState:
                 "external_data_parallel": {"size": layout.ext_dp},
             })
         timeout = datetime.timedelta(minutes=config.runtime.timeout_minutes)  # new_group's default: 10 or 30 min
-        created: dict[tuple[int, ...], ProcessGroup] = {tuple(range(world_size)): dist.group.WORLD}
+        world = dist.group.WORLD
+        assert world is not None  # initialised above
+        created: dict[tuple[int, ...], ProcessGroup] = {tuple(range(world_size)): world}
         groups: dict[str, ProcessGroup] = {}
         ranks: dict[str, tuple[int, ...]] = {}
         owned: list[ProcessGroup] = []

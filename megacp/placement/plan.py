@@ -5,7 +5,7 @@ communication."""
 from __future__ import annotations
 
 from functools import cached_property
-from typing import Callable, Sequence, TypeVar
+from typing import Callable, Sequence, TypeVar, cast
 
 import torch
 from torch import Tensor
@@ -88,7 +88,7 @@ class ShardPlan:
         """The plan is immutable and every layer asks the same questions: answer each once."""
         if key not in self._cache:
             self._cache[key] = make()
-        return self._cache[key]
+        return cast(_T, self._cache[key])
 
     def num_local(self, rank: int | None = None) -> int:
         """New tokens held by ``rank`` (default: this rank)."""

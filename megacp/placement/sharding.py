@@ -52,7 +52,7 @@ def shard_ranges(start: int, num_new: int, cp_size: int, rank: int, *, load_bala
         return [(start, start + 1)] if start % cp_size == rank else []
     if load_balance:
         c = -(-num_new // (2 * cp_size))
-        chunks = (rank, 2 * cp_size - 1 - rank)
+        chunks: tuple[int, ...] = (rank, 2 * cp_size - 1 - rank)
     else:
         c = -(-num_new // cp_size)
         chunks = (rank,)

@@ -88,12 +88,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _default_model() -> str:
-    from megacp.generate import default_model_path
-
-    return default_model_path()  # CheckpointError (one line) when the package is missing
-
-
 def _eos_id(tokenizer: Any, model_config: Any) -> int:
     if tokenizer.eos_token_id is not None:
         return int(tokenizer.eos_token_id)
@@ -107,10 +101,9 @@ def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     import megacp
-    from megacp.parallel import peak_memory_mib
-    from megacp.checkpoint import load_model, load_tokenizer
+    from megacp.checkpoint.front import default_model_path, load_on_mesh
     from megacp.layers.settings import CPSettings
-    from megacp.models.build import expert_parallel_group
+    from megacp.parallel import peak_memory_mib
     from megacp.train.data import CorpusBatches, Prefetcher, resolve_corpus
     from megacp.train.engine import Trainer, check_batch_config, read_settings
 
@@ -121,23 +114,20 @@ def run(args: argparse.Namespace) -> int:
     config = load_config(args.deepspeed_config)
     settings = read_settings(config.deepspeed)
     if (config.expert_model_parallel.size or 1) > 1:
-        check_expert_training(config.deepspeed, settings.zero_stage, config.expert_model_parallel.size,
+        check_expert_training(config.deepspeed, settings.zero_stage, config.expert_model_parallel.size or 1,
                               save=args.save is not None)
     sources = resolve_corpus(args.corpus)
-    model_path = args.model or _default_model()
+    model_path = args.model or default_model_path()  # CheckpointError (one line) when the package is missing
     state = megacp.initialize(config)
     micro_batch = check_batch_config(config.deepspeed, state)
     rank0 = state.rank == 0
 
-    tp_group = state.group("tp") if state.size("tp") > 1 else None
-    model, model_config, tok_source = load_model(model_path, dtype=settings.dtype, device=state.device,
-                                                 tp_group=tp_group, ep_group=expert_parallel_group(state),
-                                                 backend=args.backend, allow_non_finite=args.allow_non_finite)
-    tokenizer = load_tokenizer(tok_source)
+    cp = CPSettings.from_state(state, prefill="pass_kv")
+    loaded = load_on_mesh(model_path, state, dtype=settings.dtype, settings=cp, backend=args.backend,
+                          allow_non_finite=args.allow_non_finite)
+    model, model_config, tokenizer = loaded.model, loaded.config, loaded.tokenizer
     if tokenizer is None:
         raise UsageError(f"--model {model_path} has no tokenizer to read the corpus with")
-    cp = CPSettings.from_state(state, prefill="pass_kv")
-    megacp.swap_attention(model, cp)
     model.activation_checkpointing = args.activation_checkpointing
     model.train()
     trainer = Trainer(model, config.deepspeed, state, settings, cp=cp)
@@ -171,15 +161,16 @@ def run(args: argparse.Namespace) -> int:
                                           "seconds": round(result.seconds, 4), "tokens_per_s": round(rate, 1),
                                           "peak_memory_mib": round(peak, 1)}) + "\n")
                 metrics.flush()
-    peak = torch.tensor([peak_memory_mib(state.device)], device=state.device)
-    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    peak_t = torch.tensor([peak_memory_mib(state.device)], device=state.device)
+    dist.all_reduce(peak_t, op=dist.ReduceOp.MAX)
+    peak = float(peak_t)
     saved = ""
     if args.save:
         tag = trainer.save(args.save, model_config=model_config, tokenizer=tokenizer)
         saved = f", saved {Path(args.save) / tag}"
     if rank0 and not args.quiet:
         print(f"{PROG}: {args.steps} steps, loss {losses[0]:.4f} -> {losses[-1]:.4f}, "
-              f"{tokens / seconds:,.0f} tokens/s, peak memory {float(peak):,.0f} MiB per rank{saved}", flush=True)
+              f"{tokens / seconds:,.0f} tokens/s, peak memory {peak:,.0f} MiB per rank{saved}", flush=True)
     dist.barrier()
     dist.destroy_process_group()
     return 0

@@ -79,7 +79,7 @@ def stdlib_sources() -> list[CorpusSource]:
     """The default corpus: every ``.py`` file of the standard library, sorted (installed
     packages under ``site-packages``/``dist-packages`` excluded)."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    files = []
+    files: list[Path] = []
     for directory, subdirs, names in os.walk(root):
         subdirs[:] = [d for d in subdirs if d not in _INSTALLED_PACKAGE_DIRS]  # not walked at all
         files.extend(Path(directory) / name for name in names if name.endswith(".py"))
@@ -181,7 +181,7 @@ def tokenized_documents(
     Raises:
         CorpusError: a whole pass over the corpus found no text.
     """
-    for epoch in itertools.count():
+    for _ in itertools.count():
         found = False
         for source in sources:
             for text in read_documents(source):

@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 
 from megacp.config import ConfigError
-from megacp.parallel.mpu import DeepSpeedMPU
 from megacp.layers.settings import CPSettings
+from megacp.parallel.mpu import DeepSpeedMPU
 from megacp.parallel.state import ParallelState
 from megacp.train.batch import shard_batch
 from megacp.train.data import PackedSequence
@@ -150,7 +150,7 @@ def mark_tensor_parallel(model: torch.nn.Module, tp_size: int) -> None:
 
     experts = {id(p) for p in sharded_expert_parameters(model)}
     for name, param in model.named_parameters():
-        param.tensor_model_parallel = id(param) in experts or not is_replicated(name)
+        param.tensor_model_parallel = id(param) in experts or not is_replicated(name)  # type: ignore[attr-defined]  # DeepSpeed's tag
 
 
 @dataclass(frozen=True)

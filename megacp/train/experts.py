@@ -118,7 +118,7 @@ def expert_parallel(model: torch.nn.Module, state: ParallelState) -> Iterator[bo
         yield False
         return
     for p in params:
-        p.allreduce, p.group_name = False, EXPERT_GROUP_NAME
+        p.allreduce, p.group_name = False, EXPERT_GROUP_NAME  # type: ignore[attr-defined]  # DeepSpeed's MoE tags
     model.add_module("_deepspeed_expert_groups", _GroupRegistration(state))
     try:
         yield True

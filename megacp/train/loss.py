@@ -22,7 +22,7 @@ gives it in the weight's dtype, rounded once as autograd's would be).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -81,12 +81,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 prob = logp.exp_()  # softmax, in place
                 prob.scatter_add_(1, target, -valid)
                 grad = torch.mul(prob, valid, out=torch.empty_like(prob, dtype=h.dtype))  # masked and cast in one pass
-                if want_h:
+                if dh is not None:
                     torch.mm(grad, weight, out=dh[i0:i0 + chunk_tokens])
                 if want_w:
                     if one_chunk:
                         dw = grad.t() @ h
                     else:
+                        assert dw is not None  # the accumulator of several chunks
                         _add_matmul(dw, grad.t(), h)
             del logp
         if want_w and dw is None:  # no rows at all (a CP rank without tokens in this step)
@@ -116,6 +117,15 @@ def chunked_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, chunk_
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
     grads = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     return _LinearCrossEntropy.apply(hidden, weight, labels, chunk_tokens, grads)
+
+
+class _LanguageModel(Protocol):
+    """What :func:`lm_loss` uses of a model (:class:`~megacp.models.llama.CausalLM`'s interface)."""
+
+    lm_head_weight: Tensor
+
+    def hidden_states(self, input_ids: Tensor, position_ids: Tensor, *, cu_seqlens: Tensor | None = None,
+                      inference_params: Any = None) -> Tensor: ...
 
 
 def _train_step(settings: CPSettings | None, plan: ShardPlan) -> CPStep | None:
@@ -158,7 +168,8 @@ def lm_loss(model: nn.Module, shard: TrainShard, *, settings: CPSettings | None 
         ValueError: an input id or label outside the vocabulary, or settings that do not match the
             shard's CP group.
     """
-    weight = model.lm_head_weight
+    lm = cast(_LanguageModel, model)
+    weight = lm.lm_head_weight
     vocab = weight.shape[0]
     if shard.input_ids.numel():
         top_id, top_label = int(shard.input_ids.max()), int(shard.labels.max())
@@ -168,7 +179,7 @@ def lm_loss(model: nn.Module, shard: TrainShard, *, settings: CPSettings | None 
             raise ValueError(f"labels must be < {vocab} (the vocabulary) or -100; got {top_label}")
     step = _train_step(settings, shard.plan)
     device = weight.device
-    hidden = model.hidden_states(
+    hidden = lm.hidden_states(
         shard.input_ids.to(device), shard.position_ids.to(device),
         cu_seqlens=shard.local_cu_seqlens.to(device), inference_params=step,
     )

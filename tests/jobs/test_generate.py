@@ -200,7 +200,7 @@ def test_bad_prompt_ids_get_one_clear_error(content: str, tmp_path: Path) -> Non
 def test_requests_beyond_the_model_fail_before_it_loads(argv: list[str], message: str, hf_models, tmp_path: Path) -> None:
     """The model's context and vocabulary come from its config alone (no weights read)."""
     from megacp.generate.cli import UsageError, check_model_limits, parse_args, validate
-    from megacp.generate.requests import read_model_config
+    from megacp.checkpoint.front import read_model_config
 
     if argv[0] == "IDS":
         (tmp_path / "ids.json").write_text(argv[1])
