@@ -8,6 +8,8 @@ Public entry points:
 * :func:`swap_attention` — replace a model's attention modules by CP attention layers.
 * :class:`ModelConfig` — a Llama-family model's hyper-parameters.
 * :class:`LLM`, :class:`SamplingParams` — load a model and generate (sessions: :meth:`LLM.session`).
+* ``attn_implementation="megacp"`` for any transformers causal LM (:mod:`megacp.integrations.transformers`),
+  registered when transformers' modeling code is imported.
 
 Subpackages, bottom layer first (each imports only the ones before it): ``config``, ``parallel``,
 ``placement``, ``kv_cache``, ``attention``, ``layers``, ``models``, then ``checkpoint``,
@@ -20,6 +22,9 @@ from megacp.generate.sampling import SamplingParams
 from megacp.layers.swap import swap_attention
 from megacp.models.config import ModelConfig
 from megacp.parallel import ParallelLayout, ParallelState, initialize, shutdown
+from megacp.integrations import install_transformers_hook
+
+install_transformers_hook()  # attn_implementation="megacp" once transformers' modeling code loads
 
 __version__ = "0.1.0"
 
