@@ -34,7 +34,7 @@ from torch import Tensor, nn
 from megacp.layers.cp_attention import CPDotProductAttention
 from megacp.layers.step import CPStep
 from megacp.placement import ShardPlan
-from megacp.train.batch import shard_batch
+from megacp.train.batch import TrainShard, shard_batch
 
 NAME = "megacp"
 """The ``attn_implementation`` name."""
@@ -247,13 +247,7 @@ def prepare_batch(input_ids: Tensor, *, labels: Tensor | None = None, position_i
     Raises:
         ValueError: one line naming the bad input.
     """
-    ring, backend = None, None
-    if state is not None:
-        ring = state.ring()
-        cp_size, cp_rank = state.size("cp"), state.rank_in("cp")
-        backend = state.config.runtime.attention_backend
-        backend = None if backend == "auto" else backend
-    cp_size, cp_rank = cp_size or 1, cp_rank or 0
+    cp_size, cp_rank = (state.size("cp"), state.rank_in("cp")) if state is not None else (cp_size or 1, cp_rank or 0)
     if input_ids.dim() == 2 and cu_seqlens is None and not (input_ids.shape[0] == 1 and position_ids is not None):
         if position_ids is not None:
             raise ValueError("position_ids of a [B, S] batch with B > 1: pack the documents into one row instead")
@@ -272,9 +266,24 @@ def prepare_batch(input_ids: Tensor, *, labels: Tensor | None = None, position_i
                 cu_seqlens = [0, *starts, ids.numel()]
     shard = shard_batch(ids, labels, cu_seqlens=cu_seqlens, position_ids=position_ids, cp_size=cp_size,
                         cp_rank=cp_rank)
-    if ring is not None and ring.size != cp_size:
-        raise ValueError(f"the state's CP ring has {ring.size} ranks but cp_size is {cp_size}")
-    step = CPStep(shard.plan, ring, strategy=strategy, backend=backend)
+    return model_inputs(shard, state, strategy=strategy)
+
+
+def model_inputs(shard: TrainShard, state: Any = None, *, strategy: str = "auto") -> dict[str, Any]:
+    """A :class:`~megacp.train.batch.TrainShard` as keyword arguments of a transformers causal LM's
+    forward (what :func:`prepare_batch` returns; ``[1, n_local]`` tensors on the shard's device).
+
+    Args:
+        shard: this rank's share (its plan's CP size must be the state's).
+        state: the :class:`megacp.ParallelState` whose CP ring and attention backend run the step
+            (``None``: CP = 1).
+        strategy: the CP prefill strategy of inference steps.
+    """
+    ring, backend = (state.ring(), state.config.runtime.attention_backend) if state is not None else (None, "auto")
+    size = ring.size if ring is not None else 1
+    if size != shard.plan.cp_size:
+        raise ValueError(f"the shard is for {shard.plan.cp_size} CP ranks but the CP group has {size}")
+    step = CPStep(shard.plan, ring, strategy=strategy, backend=None if backend == "auto" else backend)
     shifted = shard.labels.unsqueeze(0)
     return {
         "input_ids": shard.input_ids.unsqueeze(0),
@@ -284,6 +293,53 @@ def prepare_batch(input_ids: Tensor, *, labels: Tensor | None = None, position_i
         "num_items_in_batch": max(shard.num_valid_tokens, 1),
         STEP_KWARG: step,
     }
+
+
+def shard_loss(model: nn.Module, shard: TrainShard, state: Any = None) -> Tensor:
+    """This CP rank's share of the batch's mean token loss from a transformers causal LM (its own
+    LM head and loss function, labels pre-shifted, divided by the whole group's valid labels), the
+    loss function :class:`megacp.train.engine.Trainer` takes for an HF-native model."""
+    device = next(model.parameters()).device
+    inputs = {k: v.to(device) if isinstance(v, Tensor) else v for k, v in model_inputs(shard, state).items()}
+    return model(**inputs).loss
+
+
+def load_pretrained(path: str, *, dtype: torch.dtype, state: Any = None, activation_checkpointing: bool = False,
+                    training: bool = True) -> nn.Module:
+    """``AutoModelForCausalLM.from_pretrained(path, attn_implementation="megacp")`` on the state's
+    device, checked by :func:`check_model` (one line on an unsupported feature, before training).
+
+    Args:
+        path: a Hugging Face model directory; dtype: of the parameters.
+        state: the :class:`megacp.ParallelState` (its device; TP must be 1: the transformers modules
+            are not split); ``None``: CPU, CP = 1.
+        activation_checkpointing: transformers' non-reentrant gradient checkpointing of every
+            decoder layer (the recompute runs the CP ring again).
+        training: whether the model will be trained (attention dropout is refused then).
+    """
+    from transformers import AutoModelForCausalLM
+
+    if state is not None and (state.size("tp") > 1 or state.size("pp") > 1):
+        raise ValueError("a transformers model runs under CP and DP only: tensor and pipeline parallel sizes must be 1")
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=NAME, dtype=dtype)
+    check_model(model, training=training)
+    if activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model.to(state.device if state is not None else "cpu").train(training)
+
+
+def save_pretrained(model: nn.Module, directory: str, *, tokenizer: Any = None) -> None:
+    """Global rank 0 writes ``model.save_pretrained(directory)`` (and the tokenizer's files); the
+    others wait (collective when torch.distributed is initialised). Every rank holds the whole
+    model (ZeRO <= 2): no gathering needed."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        model.save_pretrained(directory)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(directory)
+    if dist.is_initialized():
+        dist.barrier()
 
 
 def register() -> None:

@@ -64,6 +64,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--metrics", metavar="FILE", help="write one JSON line per step here (rank 0)")
     p.add_argument("--quiet", action="store_true", help="no progress bar and no summary line")
     p.add_argument("--allow-non-finite", action="store_true", help="load weights that hold NaN or inf")
+    p.add_argument("--hf-native", action="store_true",
+                   help="train the Hugging Face model of --model DIR as transformers builds it, with "
+                        "attn_implementation='megacp' (no conversion; --save writes save_pretrained files)")
     add_launcher_args(p)
     args = p.parse_args(argv)
     if args.deepspeed_config is None:
@@ -80,6 +83,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         raise UsageError(f"--save {args.save}: exists and is not a directory")
     if args.model is not None and not Path(args.model).exists():
         raise UsageError(f"--model {args.model} does not exist")
+    if args.hf_native:
+        if args.model is None or not (Path(args.model) / "config.json").is_file():
+            raise UsageError("--hf-native needs --model DIR, a Hugging Face model directory with a config.json")
+        if args.backend != "auto" or args.allow_non_finite:
+            raise UsageError("--hf-native trains the transformers modules as they are: --backend and "
+                             "--allow-non-finite do not apply")
     if args.backend == "te":
         from megacp.models.te_model import te_import_error
 
@@ -97,8 +106,9 @@ def _default_model() -> str:
 def _eos_id(tokenizer: Any, model_config: Any) -> int:
     if tokenizer.eos_token_id is not None:
         return int(tokenizer.eos_token_id)
-    if model_config.eos_token_ids:
-        return int(model_config.eos_token_ids[0])
+    eos = getattr(model_config, "eos_token_ids", None) or getattr(model_config, "eos_token_id", None)  # megacp's / HF's
+    if eos:
+        return int(eos[0] if isinstance(eos, (list, tuple)) else eos)
     raise UsageError("the model's tokenizer has no EOS token to separate the packed documents")
 
 
@@ -112,6 +122,7 @@ def run(args: argparse.Namespace) -> int:
     from megacp.models.build import expert_parallel_group
     from megacp.train.data import CorpusBatches, Prefetcher, resolve_corpus
     from megacp.train.engine import Trainer, check_batch_config, read_settings
+    from megacp.train.loss import lm_loss
 
     if not torch.cuda.is_available():  # before DeepSpeed is imported: gloo on CPU, as megacp.initialize
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -128,17 +139,28 @@ def run(args: argparse.Namespace) -> int:
     micro_batch = check_batch_config(config.deepspeed, state)
     rank0 = state.rank == 0
 
-    tp_group = state.group("tp") if state.size("tp") > 1 else None
-    model, model_config, tok_source = load_model(model_path, dtype=settings.dtype, device=state.device,
-                                                 tp_group=tp_group, ep_group=expert_parallel_group(state),
-                                                 backend=args.backend, allow_non_finite=args.allow_non_finite)
+    loss = lm_loss
+    if args.hf_native:
+        from functools import partial
+
+        from megacp.integrations.transformers import load_pretrained, shard_loss
+
+        model = load_pretrained(model_path, dtype=settings.dtype, state=state,
+                                activation_checkpointing=args.activation_checkpointing)
+        model_config, tok_source, loss = model.config, model_path, partial(shard_loss, state=state)
+    else:
+        tp_group = state.group("tp") if state.size("tp") > 1 else None
+        model, model_config, tok_source = load_model(model_path, dtype=settings.dtype, device=state.device,
+                                                     tp_group=tp_group, ep_group=expert_parallel_group(state),
+                                                     backend=args.backend, allow_non_finite=args.allow_non_finite)
+        megacp.swap_attention(model, state, strategy="pass_kv")
+        model.activation_checkpointing = args.activation_checkpointing
     tokenizer = load_tokenizer(tok_source)
     if tokenizer is None:
         raise UsageError(f"--model {model_path} has no tokenizer to read the corpus with")
-    megacp.swap_attention(model, state, strategy="pass_kv")
-    model.activation_checkpointing = args.activation_checkpointing
     model.train()
-    trainer = Trainer(model, config.deepspeed, state, settings, load_balance=config.context_parallel.load_balance)
+    trainer = Trainer(model, config.deepspeed, state, settings, load_balance=config.context_parallel.load_balance,
+                      loss=loss)
 
     layout = f"CP={state.size('cp')} TP={state.size('tp')} DP={state.size('dp')}" + (
         f" EP={state.size('ep')}" if trainer.sharded_experts else "")
@@ -172,7 +194,12 @@ def run(args: argparse.Namespace) -> int:
     peak = torch.tensor([peak_memory_mib(state.device)], device=state.device)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     saved = ""
-    if args.save:
+    if args.save and args.hf_native:
+        from megacp.integrations.transformers import save_pretrained
+
+        save_pretrained(trainer.module, args.save, tokenizer=tokenizer)
+        saved = f", saved {args.save}"
+    elif args.save:
         tag = trainer.save(args.save, model_config=model_config, tokenizer=tokenizer)
         saved = f", saved {Path(args.save) / tag}"
     if rank0 and not args.quiet:

@@ -16,7 +16,7 @@ parameter only around the forward of the module that owns it, is refused.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,7 +27,7 @@ import torch.distributed as dist
 from megacp.config import ConfigError
 from megacp.parallel.mpu import DeepSpeedMPU
 from megacp.parallel.state import ParallelState
-from megacp.train.batch import shard_batch
+from megacp.train.batch import TrainShard, shard_batch
 from megacp.train.data import PackedSequence
 from megacp.train.loss import lm_loss, logged_loss
 
@@ -173,10 +173,14 @@ class Trainer:
         state: the mesh; its CP group must be the one the model's CP attention uses.
         settings: from :func:`read_settings`.
         load_balance: the CP sharding of the batches (``context_parallel.load_balance``).
+        loss: ``loss(module, shard)``, this CP rank's share of a shard's mean token loss (default
+            :func:`~megacp.train.loss.lm_loss`; a transformers model's:
+            :func:`megacp.integrations.transformers.shard_loss`).
     """
 
     def __init__(self, model: torch.nn.Module, config: Mapping[str, Any], state: ParallelState,
-                 settings: TrainSettings, *, load_balance: bool = True) -> None:
+                 settings: TrainSettings, *, load_balance: bool = True,
+                 loss: Callable[[torch.nn.Module, TrainShard], torch.Tensor] = lm_loss) -> None:
         deepspeed = _deepspeed(state)
         mark_tensor_parallel(model, state.size("tp"))
         params = [p for p in model.parameters() if p.requires_grad]
@@ -189,6 +193,7 @@ class Trainer:
             self.engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=dict(config),
                                                    mpu=DeepSpeedMPU(state))
         self.state, self.settings, self.load_balance, self.config = state, settings, load_balance, config
+        self.loss = loss
         self.cp_group = state.group("cp")
         self.dp_group = state.group("dp")
         self.steps_done = 0
@@ -210,7 +215,7 @@ class Trainer:
             batch = next(batches)
             shard = shard_batch(batch.input_ids, cu_seqlens=batch.cu_seqlens, cp_size=self.state.size("cp"),
                                 cp_rank=self.state.rank_in("cp"), load_balance=self.load_balance)
-            loss = lm_loss(self.module, shard)
+            loss = self.loss(self.module, shard)
             self.engine.backward(loss)
             self.engine.step()
             losses.append(logged_loss(loss, cp_group=self.cp_group, dp_group=self.dp_group))
