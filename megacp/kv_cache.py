@@ -8,9 +8,10 @@ tokens of each request, in position order, plus their global positions. Placemen
 on rank ``t mod N``. The host keeps, for every request, how many tokens *each* rank holds — every
 rank can derive it from the request's history, so no communication is needed to plan a step.
 
-A step is planned with :meth:`ShardedKVCache.plan`, the model's layers write their new keys and
-values with :meth:`write` and read with :meth:`kv`, and :meth:`commit` advances the bookkeeping
-once every layer has written.
+A step is planned with :meth:`ShardedKVCache.plan`; the steps of :mod:`megacp.layers.step` write
+each layer's new keys and values with :meth:`write` (or :meth:`write_rows` on the device) and read
+with :meth:`kv` / :meth:`decode_kv`, and :meth:`commit` advances the bookkeeping once every layer
+has written.
 """
 
 from __future__ import annotations
@@ -172,6 +173,16 @@ class ShardedKVCache:
         """Views ``[length, Hkv, D]`` of the first ``length`` tokens this rank holds of ``slot``."""
         return self.k[layer, slot, :length], self.v[layer, slot, :length]
 
+    def decode_kv(self, layer: int, slots: Sequence[int], lengths: Sequence[int]) -> tuple[Tensor, Tensor] | list[tuple[Tensor, Tensor]]:
+        """What a decode step attends over for ``layer``: the first ``lengths[i]`` tokens this rank
+        holds of ``slots[i]``. Consecutive slots of equal lengths come as one pair of views
+        ``[B, length, Hkv, D]`` (no copy), others as a list of :meth:`kv` pairs."""
+        s0 = slots[0]
+        if len(set(lengths)) == 1 and list(slots) == list(range(s0, s0 + len(slots))):
+            end = s0 + len(slots)
+            return self.k[layer, s0:end, : lengths[0]], self.v[layer, s0:end, : lengths[0]]
+        return [self.kv(layer, s, n) for s, n in zip(slots, lengths)]
+
     def commit(self, slots: Sequence[int], plan: ShardPlan) -> None:
         """Advance the bookkeeping after every layer has written the step."""
         local = plan.local_positions().to(self.positions.device)
@@ -188,6 +199,14 @@ class ShardedKVCache:
         row ``j`` is row ``s * capacity + j`` (a static decode step indexes rows on the device)."""
         k, v = self.k[layer], self.v[layer]
         return k.view(-1, *k.shape[2:]), v.view(-1, *v.shape[2:])
+
+    def write_rows(self, layer: int, rows: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Write ``k``/``v`` ``[B, Hkv, D]`` at device-held ``rows [B]`` (int64) of :meth:`flat_kv`
+        (no host synchronisation: a CUDA graph replays it); returns ``flat_kv(layer)``."""
+        kf, vf = self.flat_kv(layer)
+        kf.index_copy_(0, rows, k)
+        vf.index_copy_(0, rows, v)
+        return kf, vf
 
     def decode_state(self, slots: Sequence[int], device: torch.device | str) -> tuple[Tensor, Tensor, Tensor]:
         """Device tensors a static decode step starts from, for the requests in ``slots``:

@@ -1,9 +1,10 @@
 """pytest setup shared by megacp's tests.
 
-* The repository root goes on ``sys.path`` so that ``import megacp`` and
-  ``from tests.distributed import run_distributed`` work without installing the package, under
-  both ``pytest`` and ``python -m pytest`` (and in the harness's worker processes, which inherit
-  ``sys.path``).
+* Tiers: ``tests/unit`` (in-process), ``tests/distributed`` (spawned gloo ranks), ``tests/jobs``
+  (launchers, whole-model equivalence, DeepSpeed engines), ``tests/gpu`` (skipped without GPUs);
+  each test is marked with its tier, so ``pytest tests/unit`` (or ``-m unit``) is the fast loop.
+  Shared code lives in ``tests/helpers``; pytest's ``pythonpath`` setting (pyproject.toml) puts the
+  repository root on the import path, and the harness passes it to its workers in ``PYTHONPATH``.
 * ``slow`` marks tests that launch whole jobs (``deepspeed``/``torchrun``); they run by default,
   ``-m "not slow"`` skips them.
 * With pytest-timeout installed, every test gets a 300 s default timeout (a hung collective must
@@ -13,20 +14,28 @@
 from __future__ import annotations
 
 import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+TIERS = ("unit", "distributed", "jobs", "gpu")
 
 DEFAULT_TIMEOUT_S = 300
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "slow: launches whole multi-process jobs (deepspeed / torchrun)")
+    for tier in TIERS:
+        config.addinivalue_line("markers", f"{tier}: a test of tests/{tier}")
     if importlib.util.find_spec("pytest_timeout") is not None and not config.getoption("timeout", None):
         if not config.getini("timeout"):
             config.option.timeout = DEFAULT_TIMEOUT_S
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark each test with its tier (the folder under ``tests/`` it lives in)."""
+    for item in items:
+        parts = Path(str(item.fspath)).parts
+        tier = next((t for t in TIERS if t in parts[-3:-1]), None)
+        if tier is not None:
+            item.add_marker(getattr(pytest.mark, tier))

@@ -66,7 +66,7 @@ def ring_pass_kv(
     the span of query rows they touch, merged into step 0's at the end. Each partial is rounded
     once to ``q.dtype`` (by the kernel, as in single-GPU attention); the second state is kept in
     fp32 from its second partial on, and the final merge computes in fp32 and rounds once, so the
-    bf16 error does not grow with the CP size (``tests/test_numerics.py``).
+    bf16 error does not grow with the CP size (``tests/distributed/test_numerics.py``).
 
     On CUDA, step 0's kernels are queued before anything else, and the transfers wait on an event
     recorded before them rather than on the stream (``Ring.rotate(ready=)``): the host-side launch

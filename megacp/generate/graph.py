@@ -19,14 +19,15 @@ bookkeeping up to date with the tokens each request kept.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from megacp.kv_cache import ShardedKVCache
-from megacp.layers.step import StaticDecodeStep
+from megacp.layers.settings import CPSettings
+from megacp.layers.step import static_decode_step
 
 
 class GraphDecoder:
@@ -35,7 +36,7 @@ class GraphDecoder:
     Args:
         model: a CP-swapped megacp ``CausalLM``.
         cache, slots: the KV cache and each request's slot (in batch order).
-        ring: the CP ring (``None`` for CP = 1).
+        settings: the CP settings (ring, kernel backend).
         device: where the buffers live.
         capture: capture the step in a CUDA graph (needs CUDA and, under CP, NCCL); ``False`` runs
             the same step eagerly each time.
@@ -43,18 +44,17 @@ class GraphDecoder:
             restored and only the spare row after each request's tokens is written).
     """
 
-    def __init__(self, model: torch.nn.Module, cache: ShardedKVCache, slots: Sequence[int], ring: Any,
+    def __init__(self, model: torch.nn.Module, cache: ShardedKVCache, slots: Sequence[int], settings: CPSettings,
                  device: torch.device, *, capture: bool = True, warmup: int = 2) -> None:
         if capture and device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device; the decoder runs on {device}")
-        self.model, self.cache, self.slots, self.ring, self.device = model, cache, list(slots), ring, device
-        self.cp_size, self.cp_rank = (ring.size, ring.rank) if ring else (1, 0)
+        self.model, self.cache, self.slots, self.device = model, cache, list(slots), device
+        self.ring, self.cp_size, self.cp_rank = settings.ring, settings.cp_size, settings.cp_rank
         b = len(self.slots)
         self.tokens = torch.zeros(b, dtype=torch.long, device=device)
         self.positions, self.held, starts = cache.decode_state(self.slots, device)
         self.cu_seqlens = torch.arange(b + 1, dtype=torch.int32, device=device)
-        self.params = StaticDecodeStep(cache, ring, torch.empty(b, dtype=torch.long, device=device), starts,
-                                       torch.empty(b, dtype=torch.int32, device=device))
+        self.params = static_decode_step(settings, cache, starts)
         self.logits: Tensor | None = None
         """``[B, V]`` fp32 logits of the latest step (a static buffer under a graph)."""
         self.graph: torch.cuda.CUDAGraph | None = None

@@ -25,6 +25,7 @@ from megacp.generate.requests import check_prompt, encode, read_model_config
 from megacp.generate.sampling import SamplingParams
 from megacp.generate.session import Session
 from megacp.kv_cache import CacheCapacityError
+from megacp.layers.settings import CPSettings
 from megacp.layers.swap import swap_attention
 from megacp.models.build import expert_parallel_group
 from megacp.parallel import ParallelState, initialize
@@ -134,9 +135,9 @@ class LLM:
                 ep_group=expert_parallel_group(self.state), allow_non_finite=allow_non_finite)
         except CheckpointError as e:  # a bad path or checkpoint, or one this TP size cannot split
             raise CheckpointError(f"cannot load {self.model_path}: {e}") from None
-        swap_attention(net, self.state, strategy=strategy)
+        settings = CPSettings.from_state(self.state, prefill=strategy)
+        swap_attention(net, settings)
         self.tokenizer = load_tokenizer(tok_source)
-        ring = self.state.ring()
         if calibrate:
             from megacp.attention.strategy import calibrate as measure
 
@@ -148,12 +149,8 @@ class LLM:
             raise ValueError(MOE_GRAPHS)
         if cuda_graphs is None:
             cuda_graphs = device.type == "cuda" and not mc.num_experts
-        self.generator = Generator(
-            net, num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads // tp, head_dim=mc.head_dim, ring=ring,
-            device=device, dtype=self.dtype, strategy=strategy, prefill_chunk=prefill_chunk,
-            backend=None if runtime.attention_backend == "auto" else runtime.attention_backend,
-            load_balance=cp.load_balance, decode=cp.decode, calibration_dir=runtime.calibration_cache_dir,
-            cuda_graphs=cuda_graphs)
+        self.generator = Generator.for_model(net, mc, settings, device=device, dtype=self.dtype, tp_size=tp,
+                                             prefill_chunk=prefill_chunk, cuda_graphs=cuda_graphs)
         self.max_sessions = max_sessions
         self.max_session_tokens = max_session_tokens or min(mc.max_position_embeddings, 4096)
         self._session_cache = None

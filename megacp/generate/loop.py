@@ -20,7 +20,8 @@ from torch import Tensor
 from megacp.generate.graph import GraphDecoder, TokenReader
 from megacp.generate.sampling import SamplingParams, sample
 from megacp.kv_cache import CacheCapacityError, ShardedKVCache
-from megacp.layers.step import CPStep
+from megacp.layers.settings import CPSettings
+from megacp.layers.step import HeadShape, CPStep, begin_step
 
 
 @dataclass
@@ -41,13 +42,11 @@ class Generator:
 
     Args:
         model: a megacp ``CausalLM`` whose attention was swapped (:func:`megacp.swap_attention`).
-        num_layers, num_kv_heads, head_dim: cache shape (KV heads of this TP rank).
-        ring: the CP ring (``None`` for CP = 1).
-        strategy: prefill strategy (``"auto"``, ``"pass_kv"``, ``"pass_q"``).
+        settings: the CP settings (ring, prefill strategy, kernel backend, load balance,
+            calibration; :meth:`CPSettings.from_state`).
+        num_layers, num_heads, num_kv_heads, head_dim: attention shape on this rank (heads of this
+            TP rank): the cache's shape and the ``auto`` prefill rule's inputs.
         prefill_chunk: split prompts into chunks of this many tokens (chunked prefill), 0 = whole.
-        backend: attention kernel backend (``None``: ``auto``).
-        load_balance, decode: the config's ``context_parallel`` choices.
-        calibration_dir: where the ``auto`` strategy reads this host's calibration.
         cuda_graphs: decode greedy requests with :class:`~megacp.generate.graph.GraphDecoder` (a
             CUDA graph per batch, replayed per token, no host synchronisation per token; needs a
             CUDA device and, under CP, NCCL). Sampled requests (temperature, repetition penalty),
@@ -55,27 +54,35 @@ class Generator:
             eagerly; the run's report says which (``"decode"``).
     """
 
-    def __init__(self, model: torch.nn.Module, *, num_layers: int, num_kv_heads: int, head_dim: int,
-                 ring: Any, device: torch.device, dtype: torch.dtype, strategy: str = "auto",
-                 prefill_chunk: int = 0, backend: str | None = None, load_balance: bool = True,
-                 decode: str = "allgather", calibration_dir: str | None = None, cuda_graphs: bool = False) -> None:
+    def __init__(self, model: torch.nn.Module, *, settings: CPSettings, num_layers: int, num_heads: int,
+                 num_kv_heads: int, head_dim: int, device: torch.device, dtype: torch.dtype, prefill_chunk: int = 0,
+                 cuda_graphs: bool = False) -> None:
         if prefill_chunk < 0:
             raise ValueError(f"prefill_chunk must be >= 0 (0 = whole prompt), got {prefill_chunk}")
         if cuda_graphs and device.type != "cuda":
             raise ValueError(f"cuda_graphs=True needs a CUDA device; this model runs on {device}")
-        self.model, self.ring, self.device, self.dtype = model, ring, device, dtype
+        self.model, self.settings, self.device, self.dtype = model, settings, device, dtype
         self.shape = dict(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim)
-        self.strategy, self.prefill_chunk, self.backend, self.load_balance = strategy, prefill_chunk, backend, load_balance
-        self.step_kw = dict(strategy=strategy, backend=backend, decode=decode, calibration_dir=calibration_dir)
-        self.cp_size = ring.size if ring else 1
-        self.cp_rank = ring.rank if ring else 0
+        self.heads = HeadShape(num_heads, num_kv_heads, torch.empty((), dtype=dtype).element_size())
+        self.prefill_chunk = prefill_chunk
+        self.cp_size, self.cp_rank = settings.cp_size, settings.cp_rank
         self.cuda_graphs = cuda_graphs
         self._graph: GraphDecoder | None = None
+
+    @classmethod
+    def for_model(cls, model: torch.nn.Module, config: Any, settings: CPSettings, *, device: torch.device,
+                  dtype: torch.dtype, tp_size: int = 1, prefill_chunk: int = 0, cuda_graphs: bool = False) -> "Generator":
+        """The generator of a swapped megacp model of :class:`~megacp.models.config.ModelConfig`
+        ``config`` whose heads are split over ``tp_size`` TP ranks."""
+        return cls(model, settings=settings, num_layers=config.num_layers, num_heads=config.num_heads // tp_size,
+                   num_kv_heads=config.num_kv_heads // tp_size, head_dim=config.head_dim, device=device, dtype=dtype,
+                   prefill_chunk=prefill_chunk, cuda_graphs=cuda_graphs)
 
     def new_cache(self, max_requests: int, capacity: int) -> ShardedKVCache:
         """A KV cache of ``max_requests`` slots holding ``capacity`` tokens each on this rank."""
         return ShardedKVCache(**self.shape, max_requests=max_requests, capacity=capacity, cp_size=self.cp_size,
-                              cp_rank=self.cp_rank, dtype=self.dtype, device=self.device, load_balance=self.load_balance)
+                              cp_rank=self.cp_rank, dtype=self.dtype, device=self.device,
+                              load_balance=self.settings.load_balance)
 
     def batch_cache(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> tuple[ShardedKVCache, list[int]]:
         """A cache just large enough for ``prompts`` and ``max_tokens`` new tokens each, and their slots."""
@@ -90,6 +97,9 @@ class Generator:
         up to ``max_tokens`` tokens (the last one sampled is not fed back)."""
         chunk = self.prefill_chunk or pending
         return [min(chunk, pending - a) for a in range(0, pending, chunk)] + [1] * (max_tokens - 1)
+
+    def _begin(self, cache: ShardedKVCache, slots: Sequence[int], new_tokens: Sequence[int]) -> CPStep:
+        return begin_step(self.settings, cache, slots, new_tokens, heads=self.heads, device=self.device)
 
     def _forward(self, step: CPStep, ids: Tensor) -> Tensor:
         """Run the model on this rank's share of the packed new tokens ``ids``; return the fp32
@@ -106,13 +116,13 @@ class Generator:
             return logits.float()
         full = torch.zeros(step.plan.num_requests, logits.shape[-1], dtype=torch.float32, device=self.device)
         full[owned] = logits.float()
-        dist.all_reduce(full, group=self.ring.group)  # each row has exactly one owner
+        dist.all_reduce(full, group=self.settings.ring.group if self.settings.ring else None)  # each row has exactly one owner
         return full
 
     def decode_step(self, cache: ShardedKVCache, slots: Sequence[int], tokens: Tensor) -> Tensor:
         """One batched decode step: feed ``tokens [B]`` (int64, one per request, at each request's
         next position) to the requests in ``slots``; return their next-token logits ``[B, V]`` fp32."""
-        step = CPStep.begin(cache, slots, [1] * len(slots), self.ring, **self.step_kw)
+        step = self._begin(cache, slots, [1] * len(slots))
         return self._forward(step, tokens)
 
     def graph_decoder(self, cache: ShardedKVCache, slots: Sequence[int]) -> GraphDecoder:
@@ -122,7 +132,7 @@ class Generator:
         g = self._graph
         if g is None or g.cache is not cache or g.slots != list(slots):
             self._graph = None
-            g = self._graph = GraphDecoder(self.model, cache, slots, self.ring, self.device,
+            g = self._graph = GraphDecoder(self.model, cache, slots, self.settings, self.device,
                                            capture=self.device.type == "cuda")
         return g
 
@@ -131,8 +141,6 @@ class Generator:
         """(Chunked) prefill of ``prompts[i]`` on top of what ``slots[i]`` holds; returns the logits
         ``[B, V]`` fp32 after each prompt's last token and the strategy of every step."""
         from tqdm import tqdm
-
-        from megacp.attention.prefill import strategy_name
 
         chunk = self.prefill_chunk or max(len(p) for p in prompts)
         done = [0] * len(prompts)
@@ -150,10 +158,10 @@ class Generator:
             while todo := [i for i, p in enumerate(prompts) if done[i] < len(p)]:  # each request advances <= chunk
                 new = [min(chunk, len(prompts[i]) - done[i]) for i in todo]
                 moved[1] = sum(new)
-                step = CPStep.begin(cache, [slots[i] for i in todo], new, self.ring, **self.step_kw)
+                step = self._begin(cache, [slots[i] for i in todo], new)
                 ids = torch.tensor([t for i, k in zip(todo, new) for t in prompts[i][done[i]: done[i] + k]])
                 logits = self._forward(step, ids)
-                strategies.append("allgather_decode" if step.replicated else strategy_name(step.choice))
+                strategies.append(step.strategy)
                 for row, (i, k) in enumerate(zip(todo, new)):
                     done[i] += k
                     last[i] = logits[row]

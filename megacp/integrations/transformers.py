@@ -10,9 +10,8 @@ and :func:`megacp_mask` with ``transformers.AttentionMaskInterface`` under the n
 
 The model's own modules compute q/k/v and RoPE (at the global positions of this rank's tokens,
 which :func:`prepare_batch` passes as ``position_ids``); the attention function receives them as
-``[B, H, S_local, D]``, converts to megacp's packed ``[tokens, H, D]`` and runs the CP attention
-layer (:class:`~megacp.layers.cp_attention.CPDotProductAttention`) with the step :func:`prepare_batch`
-built (``megacp_step``): the same ring prefill, strategy rule, kernels and differentiable pass-KV
+``[B, H, S_local, D]``, converts to megacp's packed ``[tokens, H, D]`` and runs the
+step :func:`prepare_batch` built (``megacp_step``) through its ``attend``: the same ring prefill, strategy rule, kernels and differentiable pass-KV
 ring as megacp's own models. Without a step the call is CP = 1 attention over this process's tokens
 (documents from ``cu_seq_lens_q`` or from position-id resets, else one per batch row).
 
@@ -25,15 +24,15 @@ returned attention weights, and any attention argument this module does not know
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from megacp.layers.cp_attention import CPDotProductAttention
-from megacp.layers.step import CPStep
-from megacp.placement import ShardPlan
+from megacp.layers.settings import CPSettings
+from megacp.layers.step import CPStep, cacheless_step, plan_step
 from megacp.train.batch import TrainShard, shard_batch
 
 NAME = "megacp"
@@ -184,11 +183,16 @@ def megacp_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tenso
         raise ValueError(problem)
     q, k, v = (x.transpose(1, 2).reshape(b * s, x.shape[1], d) for x in (query, key, value))
     if step is None:
-        step = CPStep(ShardPlan([0] * len(lengths), lengths, 1, 0))
-    core = CPDotProductAttention(hq, d, key.shape[1], qkv_format="thd", softmax_scale=scaling,
-                                 layer_number=(getattr(module, "layer_idx", None) or 0) + 1, ring=step.ring)
-    out = core(q, k, v, inference_params=step)
+        step = cacheless_step(CPSettings(), q, k, v, lengths)
+    out = step.attend(_Layer(getattr(module, "layer_idx", None) or 0), q, k, v, scaling)
     return out.view(b, s, hq, d), None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layer:
+    """The calling module as a step sees it (:class:`~megacp.layers.step.AttentionLayer`)."""
+
+    layer_index: int
 
 
 def megacp_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
@@ -220,7 +224,7 @@ def _documents_of_rows(input_ids: Tensor, attention_mask: Tensor | None) -> tupl
 def prepare_batch(input_ids: Tensor, *, labels: Tensor | None = None, position_ids: Tensor | None = None,
                   attention_mask: Tensor | None = None, cu_seqlens: Tensor | Sequence[int] | None = None,
                   state: Any = None, cp_size: int | None = None, cp_rank: int | None = None,
-                  strategy: str = "auto") -> dict[str, Any]:
+                  training: bool = True) -> dict[str, Any]:
     """This CP rank's share of a batch, as keyword arguments of a transformers causal LM's forward.
 
     Every rank of a CP group passes the same batch. Documents are the rows of a ``[B, S]`` batch
@@ -234,9 +238,10 @@ def prepare_batch(input_ids: Tensor, *, labels: Tensor | None = None, position_i
         input_ids: ``[B, S]`` or ``[T]`` int64; labels, position_ids: the same shape.
         attention_mask: ``[B, S]`` 1 = token, 0 = padding (dropped).
         cu_seqlens: ``[D+1]`` document boundaries of a packed ``[1, T]``/``[T]`` batch.
-        state: a :class:`megacp.ParallelState` (its CP ring and attention backend), or ``None`` with
-            ``cp_size``/``cp_rank`` (``None``: CP = 1).
-        strategy: the CP prefill strategy of inference steps (training always runs pass-KV).
+        state: a :class:`megacp.ParallelState` (its CP settings, :meth:`CPSettings.from_state`), or
+            ``None`` with ``cp_size``/``cp_rank`` (``None``: CP = 1).
+        training: a differentiable :class:`~megacp.layers.step.TrainStep` (default), else an
+            inference prefill step.
 
     Returns:
         ``input_ids``, ``position_ids`` (global positions of this rank's tokens, for RoPE),
@@ -266,24 +271,25 @@ def prepare_batch(input_ids: Tensor, *, labels: Tensor | None = None, position_i
                 cu_seqlens = [0, *starts, ids.numel()]
     shard = shard_batch(ids, labels, cu_seqlens=cu_seqlens, position_ids=position_ids, cp_size=cp_size,
                         cp_rank=cp_rank)
-    return model_inputs(shard, state, strategy=strategy)
+    return model_inputs(shard, CPSettings.from_state(state) if state is not None else None, training=training)
 
 
-def model_inputs(shard: TrainShard, state: Any = None, *, strategy: str = "auto") -> dict[str, Any]:
+def model_inputs(shard: TrainShard, settings: CPSettings | None = None, *, training: bool = True) -> dict[str, Any]:
     """A :class:`~megacp.train.batch.TrainShard` as keyword arguments of a transformers causal LM's
     forward (what :func:`prepare_batch` returns; ``[1, n_local]`` tensors on the shard's device).
 
     Args:
         shard: this rank's share (its plan's CP size must be the state's).
-        state: the :class:`megacp.ParallelState` whose CP ring and attention backend run the step
-            (``None``: CP = 1).
-        strategy: the CP prefill strategy of inference steps.
+        settings: the CP settings the step runs with (``None``: CP = 1).
+        training: a :class:`~megacp.layers.step.TrainStep`, else a prefill step (``"auto"`` resolves
+            to pass-KV: a prefill without cached tokens, the paper's rule).
     """
-    ring, backend = (state.ring(), state.config.runtime.attention_backend) if state is not None else (None, "auto")
-    size = ring.size if ring is not None else 1
-    if size != shard.plan.cp_size:
-        raise ValueError(f"the shard is for {shard.plan.cp_size} CP ranks but the CP group has {size}")
-    step = CPStep(shard.plan, ring, strategy=strategy, backend=None if backend == "auto" else backend)
+    settings = settings or CPSettings()
+    if settings.cp_size != shard.plan.cp_size:
+        raise ValueError(f"the shard is for {shard.plan.cp_size} CP ranks but the CP group has {settings.cp_size}")
+    if not training and settings.prefill == "auto":
+        settings = dataclasses.replace(settings, prefill="pass_kv")
+    step = plan_step(settings, shard.plan, training=training)
     shifted = shard.labels.unsqueeze(0)
     return {
         "input_ids": shard.input_ids.unsqueeze(0),
@@ -295,12 +301,12 @@ def model_inputs(shard: TrainShard, state: Any = None, *, strategy: str = "auto"
     }
 
 
-def shard_loss(model: nn.Module, shard: TrainShard, state: Any = None) -> Tensor:
+def shard_loss(model: nn.Module, shard: TrainShard, *, settings: CPSettings | None = None) -> Tensor:
     """This CP rank's share of the batch's mean token loss from a transformers causal LM (its own
     LM head and loss function, labels pre-shifted, divided by the whole group's valid labels), the
     loss function :class:`megacp.train.engine.Trainer` takes for an HF-native model."""
     device = next(model.parameters()).device
-    inputs = {k: v.to(device) if isinstance(v, Tensor) else v for k, v in model_inputs(shard, state).items()}
+    inputs = {k: v.to(device) if isinstance(v, Tensor) else v for k, v in model_inputs(shard, settings).items()}
     return model(**inputs).loss
 
 

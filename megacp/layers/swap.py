@@ -10,6 +10,7 @@ from torch import nn
 
 from megacp.layers.attention import DotProductAttention
 from megacp.layers.cp_attention import CPDotProductAttention
+from megacp.layers.settings import CPSettings
 from megacp.parallel.ring import Ring
 from megacp.parallel.state import ParallelState
 
@@ -37,12 +38,20 @@ def _te_attention_class() -> type | None:
     return te.DotProductAttention
 
 
-def _cp_group(state: Any) -> dist.ProcessGroup | None:
-    if state is None or isinstance(state, dist.ProcessGroup):
-        return state
-    if hasattr(state, "group"):
-        return state.group("cp")
-    raise TypeError(f"swap_attention needs a ParallelState, a process group or None, got {type(state).__name__}")
+def settings_for(state: Any = None, strategy: str | None = None) -> CPSettings:
+    """The CP settings of ``state``: a :class:`~megacp.layers.settings.CPSettings` as it is, a
+    :class:`megacp.ParallelState` (its ring and configured sections), a CP process group (a ring over
+    it, default options) or ``None`` (the whole world when torch.distributed is initialised, else
+    CP = 1); ``strategy`` overrides the prefill strategy."""
+    if isinstance(state, CPSettings):
+        settings = state
+    elif isinstance(state, ParallelState):
+        settings = CPSettings.from_state(state)
+    elif state is None or isinstance(state, dist.ProcessGroup):
+        settings = CPSettings(ring=Ring(state) if dist.is_initialized() else None)
+    else:
+        raise TypeError(f"swap_attention needs CPSettings, a ParallelState, a process group or None, got {type(state).__name__}")
+    return settings.replace(prefill=strategy) if strategy is not None else settings
 
 
 def _first_attr(mod: nn.Module, *names: str) -> Any:
@@ -52,7 +61,7 @@ def _first_attr(mod: nn.Module, *names: str) -> Any:
     raise AttributeError(f"{type(mod).__name__} has none of the attributes {', '.join(names)}")
 
 
-def _convert(mod: nn.Module, ring: Ring | None, strategy: str, te_cls: type | None) -> CPDotProductAttention:
+def _convert(mod: nn.Module, settings: CPSettings, te_cls: type | None) -> CPDotProductAttention:
     if te_cls is not None and isinstance(mod, te_cls):
         head_dim = _first_attr(mod, "hidden_size_per_attention_head_k", "hidden_size_per_attention_head", "kv_channels")
         heads = getattr(mod, "num_attention_heads", None) or _first_attr(mod, "hidden_size_per_partition") // head_dim
@@ -66,18 +75,17 @@ def _convert(mod: nn.Module, ring: Ring | None, strategy: str, te_cls: type | No
             attn_mask_type=mod.attn_mask_type,
             layer_number=mod.layer_number,
             softmax_scale=mod.softmax_scale,
-            ring=ring,
-            strategy=strategy,
+            settings=settings,
             extra_state=mod.get_extra_state(),
         )
     return CPDotProductAttention(
         mod.num_attention_heads, mod.kv_channels, mod.num_gqa_groups, mod.attention_dropout,
         qkv_format=mod.qkv_format, attn_mask_type=mod.attn_mask_type, layer_number=mod.layer_number,
-        softmax_scale=mod.softmax_scale, ring=ring, strategy=strategy,
+        softmax_scale=mod.softmax_scale, settings=settings,
     )
 
 
-def swap_attention(model: nn.Module, state: Any = None, *, strategy: str = "auto") -> list[str]:
+def swap_attention(model: nn.Module, state: Any = None, *, strategy: str | None = None) -> list[str]:
     """Replace each attention core of ``model`` by a CP attention layer, in place.
 
     Swaps every ``transformer_engine.pytorch.DotProductAttention`` and every
@@ -86,27 +94,21 @@ def swap_attention(model: nn.Module, state: Any = None, *, strategy: str = "auto
 
     Args:
         model: any ``nn.Module``.
-        state: a :class:`megacp.ParallelState` (its CP ring and its configured attention
-            backend), a process group, or ``None`` (the whole world when torch.distributed is
-            initialised, else CP = 1).
-        strategy: default prefill strategy of the new layers.
+        state: the layers' CP settings, or what :func:`settings_for` builds them from (a
+            :class:`megacp.ParallelState`, a CP process group, ``None``).
+        strategy: the prefill strategy of the steps the new layers plan themselves (default:
+            the settings').
 
     Returns:
         The qualified names of the swapped modules. Warns when there was nothing to swap. Every
         replacement is built before any is put in place: a module that cannot be swapped (e.g. a
         non-causal mask) raises and leaves the model unchanged.
     """
-    if isinstance(state, ParallelState):
-        ring, backend = state.ring(), state.config.runtime.attention_backend
-    else:
-        group = _cp_group(state)
-        ring, backend = (Ring(group) if dist.is_initialized() else None), "auto"
+    settings = settings_for(state, strategy)
     te_cls = _te_attention_class()
     kinds = (DotProductAttention,) + ((te_cls,) if te_cls is not None else ())
     targets = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, kinds) and not isinstance(mod, CPDotProductAttention)]
-    replacements = [_convert(mod, ring, strategy, te_cls).train(mod.training) for _, mod in targets]
-    for new in replacements:
-        new.backend = None if backend == "auto" else backend
+    replacements = [_convert(mod, settings, te_cls).train(mod.training) for _, mod in targets]
     for (name, _), new in zip(targets, replacements):
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model

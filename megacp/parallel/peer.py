@@ -175,7 +175,7 @@ def push_schedule(n: int, r: int, uses: list[int]) -> tuple[list[PushOp], list[i
     every rank). Step ``s`` uses slot ``(s-1) % 2``; rank ``r`` pushes into rank ``r+s`` for step ``s``,
     at most two steps ahead of its own consumption, so a push only ever waits for releases that are
     queued before it on every rank (no deadlock even where streams share one hardware queue:
-    ``tests/test_push_protocol.py`` simulates every N up to 8)."""
+    ``tests/unit/test_push_protocol.py`` simulates every N up to 8)."""
     uses = list(uses)
     slot_use: dict[int, tuple[int, int]] = {}  # step -> (slot, how many earlier uses that slot had)
     for s in range(1, n):

@@ -119,6 +119,7 @@ def run(args: argparse.Namespace) -> int:
     import megacp
     from megacp.parallel import peak_memory_mib
     from megacp.checkpoint import load_model, load_tokenizer
+    from megacp.layers.settings import CPSettings
     from megacp.models.build import expert_parallel_group
     from megacp.train.data import CorpusBatches, Prefetcher, resolve_corpus
     from megacp.train.engine import Trainer, check_batch_config, read_settings
@@ -141,26 +142,25 @@ def run(args: argparse.Namespace) -> int:
 
     loss = lm_loss
     if args.hf_native:
-        from functools import partial
-
         from megacp.integrations.transformers import load_pretrained, shard_loss
 
         model = load_pretrained(model_path, dtype=settings.dtype, state=state,
                                 activation_checkpointing=args.activation_checkpointing)
-        model_config, tok_source, loss = model.config, model_path, partial(shard_loss, state=state)
+        model_config, tok_source, loss = model.config, model_path, shard_loss
     else:
         tp_group = state.group("tp") if state.size("tp") > 1 else None
         model, model_config, tok_source = load_model(model_path, dtype=settings.dtype, device=state.device,
                                                      tp_group=tp_group, ep_group=expert_parallel_group(state),
                                                      backend=args.backend, allow_non_finite=args.allow_non_finite)
-        megacp.swap_attention(model, state, strategy="pass_kv")
-        model.activation_checkpointing = args.activation_checkpointing
     tokenizer = load_tokenizer(tok_source)
     if tokenizer is None:
         raise UsageError(f"--model {model_path} has no tokenizer to read the corpus with")
+    cp = CPSettings.from_state(state, prefill="pass_kv")
+    if not args.hf_native:
+        megacp.swap_attention(model, cp)
+        model.activation_checkpointing = args.activation_checkpointing
     model.train()
-    trainer = Trainer(model, config.deepspeed, state, settings, load_balance=config.context_parallel.load_balance,
-                      loss=loss)
+    trainer = Trainer(model, config.deepspeed, state, settings, cp=cp, loss=loss)
 
     layout = f"CP={state.size('cp')} TP={state.size('tp')} DP={state.size('dp')}" + (
         f" EP={state.size('ep')}" if trainer.sharded_experts else "")

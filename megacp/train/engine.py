@@ -26,8 +26,9 @@ import torch.distributed as dist
 
 from megacp.config import ConfigError
 from megacp.parallel.mpu import DeepSpeedMPU
+from megacp.layers.settings import CPSettings
 from megacp.parallel.state import ParallelState
-from megacp.train.batch import TrainShard, shard_batch
+from megacp.train.batch import shard_batch
 from megacp.train.data import PackedSequence
 from megacp.train.loss import lm_loss, logged_loss
 
@@ -172,15 +173,17 @@ class Trainer:
         config: the whole DeepSpeed config dict (megacp's sections included; DeepSpeed ignores them).
         state: the mesh; its CP group must be the one the model's CP attention uses.
         settings: from :func:`read_settings`.
-        load_balance: the CP sharding of the batches (``context_parallel.load_balance``).
-        loss: ``loss(module, shard)``, this CP rank's share of a shard's mean token loss (default
-            :func:`~megacp.train.loss.lm_loss`; a transformers model's:
+        cp: the CP settings the model's attention was swapped with (default: the state's,
+            :meth:`~megacp.layers.settings.CPSettings.from_state`); their ``load_balance`` shards
+            the batches.
+        loss: ``loss(module, shard, settings=cp)``, this CP rank's share of a shard's mean token
+            loss (default :func:`~megacp.train.loss.lm_loss`; a transformers model's:
             :func:`megacp.integrations.transformers.shard_loss`).
     """
 
     def __init__(self, model: torch.nn.Module, config: Mapping[str, Any], state: ParallelState,
-                 settings: TrainSettings, *, load_balance: bool = True,
-                 loss: Callable[[torch.nn.Module, TrainShard], torch.Tensor] = lm_loss) -> None:
+                 settings: TrainSettings, *, cp: CPSettings | None = None,
+                 loss: Callable[..., torch.Tensor] = lm_loss) -> None:
         deepspeed = _deepspeed(state)
         mark_tensor_parallel(model, state.size("tp"))
         params = [p for p in model.parameters() if p.requires_grad]
@@ -192,7 +195,8 @@ class Trainer:
         with expert_parallel(model, state):
             self.engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=dict(config),
                                                    mpu=DeepSpeedMPU(state))
-        self.state, self.settings, self.load_balance, self.config = state, settings, load_balance, config
+        self.state, self.settings, self.config = state, settings, config
+        self.cp = cp or CPSettings.from_state(state)
         self.loss = loss
         self.cp_group = state.group("cp")
         self.dp_group = state.group("dp")
@@ -214,8 +218,8 @@ class Trainer:
         for _ in range(self.engine.gradient_accumulation_steps()):
             batch = next(batches)
             shard = shard_batch(batch.input_ids, cu_seqlens=batch.cu_seqlens, cp_size=self.state.size("cp"),
-                                cp_rank=self.state.rank_in("cp"), load_balance=self.load_balance)
-            loss = self.loss(self.module, shard)
+                                cp_rank=self.state.rank_in("cp"), load_balance=self.cp.load_balance)
+            loss = self.loss(self.module, shard, settings=self.cp)
             self.engine.backward(loss)
             self.engine.step()
             losses.append(logged_loss(loss, cp_group=self.cp_group, dp_group=self.dp_group))

@@ -29,9 +29,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from megacp.layers.attention import DotProductAttention
-from megacp.layers.cp_attention import CPDotProductAttention
-from megacp.layers.step import CPStep
+from megacp.layers.settings import CPSettings
+from megacp.layers.step import CPStep, plan_step
 from megacp.placement import ShardPlan
 from megacp.train.batch import IGNORE_INDEX, TrainShard
 
@@ -119,32 +118,26 @@ def chunked_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, chunk_
     return _LinearCrossEntropy.apply(hidden, weight, labels, chunk_tokens, grads)
 
 
-def _attention_step(model: nn.Module, plan: ShardPlan) -> CPStep | None:
-    """The step handed to the model's CP attention layers for ``plan`` (``None``: local attention,
-    CP = 1). Raises ``ValueError`` when the model's attention does not match the plan's CP group."""
-    cores = [m for m in model.modules() if isinstance(m, DotProductAttention)]
-    cp = [m for m in cores if isinstance(m, CPDotProductAttention)]
-    if not cp:
-        if plan.cp_size > 1:
-            raise ValueError(
-                f"the shard is one of {plan.cp_size} CP ranks' but the model has local attention: "
-                "call megacp.swap_attention(model, state) first"
-            )
-        return None
-    if len(cp) != len(cores):
-        raise ValueError(f"{len(cores) - len(cp)} of the model's {len(cores)} attention layers are not CP layers")
-    ring = cp[0].ring
-    size, rank = (ring.size, ring.rank) if ring is not None else (1, 0)
-    if any(m.ring is not ring for m in cp):
-        raise ValueError("the model's CP attention layers use different rings")
-    if (size, rank) != (plan.cp_size, plan.rank):
+def _train_step(settings: CPSettings | None, plan: ShardPlan) -> CPStep | None:
+    """The step handed to the model's attention for ``plan``; ``None`` at CP = 1, where the model's
+    own attention (local, or CP layers of one rank planning their own step) trains."""
+    size = settings.cp_size if settings is not None else 1
+    if plan.cp_size != size and size == 1:
         raise ValueError(
-            f"the shard is for CP rank {plan.rank} of {plan.cp_size}, but the model's CP ring is rank {rank} of {size}"
+            f"the shard is one of {plan.cp_size} CP ranks' but no CP settings were given, so the model has local "
+            "attention: call megacp.swap_attention(model, state) first and pass lm_loss(..., "
+            "settings=CPSettings.from_state(state))"
         )
-    return CPStep(plan, ring, strategy=cp[0].strategy)
+    if settings is None or size == 1:
+        return None
+    if (settings.cp_size, settings.cp_rank) != (plan.cp_size, plan.rank):
+        raise ValueError(f"the shard is for CP rank {plan.rank} of {plan.cp_size}, but the settings' CP ring is rank "
+                         f"{settings.cp_rank} of {settings.cp_size}")
+    return plan_step(settings, plan, training=True)
 
 
-def lm_loss(model: nn.Module, shard: TrainShard, *, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> Tensor:
+def lm_loss(model: nn.Module, shard: TrainShard, *, settings: CPSettings | None = None,
+            chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> Tensor:
     """This CP rank's share of the batch's mean causal-LM loss (differentiable fp32 scalar).
 
     Summed over the CP group, the losses (and the gradients) equal CP = 1's mean token loss of the
@@ -155,11 +148,15 @@ def lm_loss(model: nn.Module, shard: TrainShard, *, chunk_tokens: int = DEFAULT_
             and ``lm_head_weight``), with CP attention over the shard's CP group
             (:func:`megacp.swap_attention`) unless CP = 1.
         shard: this rank's :class:`TrainShard` (:func:`~megacp.train.batch.shard_batch`).
+        settings: the CP settings the model's attention was swapped with
+            (:meth:`~megacp.layers.settings.CPSettings.from_state`): the layers run a
+            :class:`~megacp.layers.step.TrainStep` of the shard's plan. ``None``: CP = 1, the
+            model's own attention (local, or CP layers of one rank).
         chunk_tokens: rows of logits materialised at once.
 
     Raises:
-        ValueError: an input id or label outside the vocabulary, or a model whose attention does
-            not match the shard's CP group.
+        ValueError: an input id or label outside the vocabulary, or settings that do not match the
+            shard's CP group.
     """
     weight = model.lm_head_weight
     vocab = weight.shape[0]
@@ -169,7 +166,7 @@ def lm_loss(model: nn.Module, shard: TrainShard, *, chunk_tokens: int = DEFAULT_
             raise ValueError(f"input_ids must be in [0, {vocab}) (the vocabulary); got {top_id}")
         if top_label >= vocab:
             raise ValueError(f"labels must be < {vocab} (the vocabulary) or -100; got {top_label}")
-    step = _attention_step(model, shard.plan)
+    step = _train_step(settings, shard.plan)
     device = weight.device
     hidden = model.hidden_states(
         shard.input_ids.to(device), shard.position_ids.to(device),

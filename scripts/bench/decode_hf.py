@@ -174,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     import megacp
     from megacp.checkpoint.hf import config_from_hf
     from megacp.generate import Generator
+    from megacp.layers.settings import CPSettings
     from megacp.models import build_model
 
     ctx = bh.init("cuda", "bfloat16")
@@ -190,10 +191,9 @@ def main(argv: list[str] | None = None) -> int:
     model = build_model(cfg, dtype=dtype, device=dev, backend="torch")
     hf = hf_copy(model, cfg, dtype, dev) if any(m.startswith("hf_") for m in args.method_list) else None
     megacp.swap_attention(model, ctx.state)
-    shape = dict(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, ring=None,
-                 device=dev, dtype=dtype)
-    gens = {"megacp_eager": Generator(model, cuda_graphs=False, **shape),
-            "megacp_graph": Generator(model, cuda_graphs=True, **shape)}
+    settings = CPSettings.from_state(ctx.state)
+    gens = {"megacp_eager": Generator.for_model(model, cfg, settings, device=dev, dtype=dtype, cuda_graphs=False),
+            "megacp_graph": Generator.for_model(model, cfg, settings, device=dev, dtype=dtype, cuda_graphs=True)}
     g = torch.Generator().manual_seed(args.seed + 1)
     failed = False
     for s in lengths:

@@ -23,6 +23,7 @@ import torch.distributed as dist
 import megacp
 from megacp.config import add_launcher_args
 from megacp.generate import Generator, SamplingParams
+from megacp.layers.settings import CPSettings
 from megacp.models import build_model
 from scripts.bench import harness as bh
 from scripts.perf_model import LLAMA3_8B
@@ -41,11 +42,10 @@ def main() -> None:
     cfg = dataclasses.replace(LLAMA3_8B, num_layers=args.layers)
     torch.manual_seed(0)
     model = build_model(cfg, dtype=torch.bfloat16, device=dev, backend="torch")
-    megacp.swap_attention(model, state, strategy=args.strategy)
-    shape = dict(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                 device=dev, dtype=torch.bfloat16, strategy=args.strategy)
-    cp2 = Generator(model, ring=state.ring(), **shape)
-    cp1 = Generator(model, ring=None, **shape)
+    settings = CPSettings.from_state(state, prefill=args.strategy)
+    megacp.swap_attention(model, settings)
+    cp2 = Generator.for_model(model, cfg, settings, device=dev, dtype=torch.bfloat16)
+    cp1 = Generator.for_model(model, cfg, settings.replace(ring=None), device=dev, dtype=torch.bfloat16)
     one = SamplingParams(max_new_tokens=1)
     g = torch.Generator().manual_seed(1)
     ctx = bh.Ctx(state, torch.bfloat16)

@@ -1,4 +1,4 @@
-"""CUDA-graph decode against eager decode on the GPU (run by tests/test_graph_decode.py when CUDA
+"""CUDA-graph decode against eager decode on the GPU (run by tests/distributed/test_graph_decode.py when CUDA
 is available).
 
     python tests/programs/graph_decode_check.py                      # one GPU, CP = 1
@@ -37,9 +37,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from scripts.bench.decode_hf import MODELS, hf_copy  # noqa: E402
+from scripts.bench.decode_hf import MODELS, hf_copy
 
 TINY = dict(MODELS["smollm2"], hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, vocab_size=256, max_position_embeddings=2048)
@@ -109,7 +107,7 @@ def check_step(llm: Any, dtype: torch.dtype) -> tuple[str, str]:
     worst, bad = 0.0, 0
     with torch.inference_mode():
         tok = gen.prefill(eager, se, ps)[0].argmax(-1)
-        dec = GraphDecoder(gen.model, static, ss, gen.ring, gen.device)
+        dec = GraphDecoder(gen.model, static, ss, gen.settings, gen.device)
         dec.load(gen.prefill(static, ss, ps)[0].argmax(-1))
         for _ in range(STEPS):
             ref = gen.decode_step(eager, se, tok)

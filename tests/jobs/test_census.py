@@ -1,0 +1,177 @@
+"""Census of refused input: every bad input below gets exactly the one-line message pinned here (no
+newline, no traceback), and a command line exit status 2 with that line alone on stderr.
+
+Rows are checked in-process where a function validates (config, runtime knobs, checkpoints,
+attention inputs, the converter's ``main``); two command lines run as real processes.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from megacp.checkpoint import CheckpointError, load_model, open_megacp_checkpoint, save_megacp_checkpoint
+from megacp.checkpoint.convert import main as convert
+from megacp.config import ConfigError, load_config, with_env_overrides
+from megacp.models import ModelConfig, parameter_shapes
+from megacp.parallel.layout import ParallelLayout
+
+from tests.helpers.paths import ROOT
+CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=1, num_heads=4, num_kv_heads=2,
+                  eos_token_id=2)
+
+
+def _message(fn: Callable[[], Any], error: type[Exception]) -> str:
+    """The message of the ``error`` ``fn`` raises (fails the test when it raises nothing)."""
+    with pytest.raises(error) as caught:
+        fn()
+    return str(caught.value)
+
+
+def _one_line(message: str) -> str:
+    assert "\n" not in message and "Traceback" not in message, message
+    return message
+
+
+CONFIG_ROWS = [
+    ({"context_paralel": {"size": 2}}, "context_paralel: unknown top-level key; did you mean context_parallel?"),
+    ({"Context_Parallel": {"size": 2}}, "Context_Parallel: unknown top-level key; did you mean context_parallel?"),
+    ({"tensor_model_paralel": {"size": 2}},
+     "tensor_model_paralel: unknown top-level key; did you mean tensor_model_parallel?"),
+    ({"pipeline_model_parallel": {"size": 2}},
+     "pipeline_model_parallel.size: got 2; no megacp model has pipeline stages; allowed values: 1"),
+    ({"context_parallel": {"size": 1e400}}, "context_parallel.size: got inf; allowed values: an integer >= 1"),
+    ({"context_parallel": {"prefill": "ring"}},
+     "context_parallel.prefill: got 'ring'; allowed values: 'auto', 'pass_kv', 'pass_q'"),
+]
+
+
+@pytest.mark.parametrize(("config", "message"), CONFIG_ROWS, ids=[next(iter(c)) + str(i) for i, (c, _) in enumerate(CONFIG_ROWS)])
+def test_config_errors(config: dict, message: str) -> None:
+    assert _one_line(_message(lambda: load_config(config), ConfigError)) == message
+
+
+def test_sizes_and_runtime_knobs() -> None:
+    cfg = load_config({"context_parallel": {"size": 3}})
+    assert _one_line(_message(lambda: ParallelLayout.from_config(cfg, 4), ConfigError)) == (
+        "context_parallel.size x tensor_model_parallel.size x pipeline_model_parallel.size = 3 x 1 x 1 = 3 "
+        "does not divide the world size 4; allowed: sizes whose product divides 4")
+    rows = [({"MEGACP_ATTN_BACKEND": "fast"}, "MEGACP_ATTN_BACKEND='fast': allowed values: 'auto', 'cudnn', 'flash', 'reference'"),
+            ({"MEGACP_RING_TRANSPORT": "nvlink"},
+             "MEGACP_RING_TRANSPORT='nvlink': allowed values: 'auto', 'nccl', 'copy_engine'")]
+    for env, message in rows:
+        assert _one_line(_message(lambda: with_env_overrides(cfg, env), ConfigError)) == message
+
+
+def test_corrupt_calibration_cache_warns_and_falls_back(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A corrupt cache is one warning line; the defaults serve until the next calibration rewrites it."""
+    from megacp.attention import strategy
+
+    (tmp_path / "calibration.json").write_text("{not json")
+    with caplog.at_level(logging.WARNING, logger=strategy.log.name):
+        hw = strategy.hardware_for(torch.device("cpu"), 2, cache_dir=tmp_path)
+    assert hw == strategy.DEFAULTS["cpu"]
+    (record,) = caplog.records
+    assert _one_line(record.getMessage()) == (
+        f"ignoring the corrupt calibration cache {tmp_path / 'calibration.json'} (Expecting property name enclosed "
+        "in double quotes: line 1 column 2 (char 1)); it is rebuilt by the next calibration")
+
+
+def _checkpoint(directory: Path, poison: str | None = None) -> Path:
+    g = torch.Generator().manual_seed(0)
+    tensors = {name: torch.randn(shape, generator=g) for name, shape in parameter_shapes(CFG).items()}
+    if poison:
+        tensors[poison][0, 0] = float("nan")
+    save_megacp_checkpoint(directory, CFG, tensors.items(), dtype=torch.float32)
+    return directory
+
+
+def test_checkpoint_errors(tmp_path: Path) -> None:
+    good = _checkpoint(tmp_path / "good")
+    manifest = good / "megacp_checkpoint.json"
+    text = manifest.read_text()
+
+    manifest.write_text(text[:-20])
+    assert _one_line(_message(lambda: open_megacp_checkpoint(good), CheckpointError)).startswith(
+        f"invalid manifest {manifest}: JSONDecodeError(")
+    manifest.write_text(text.replace('"rope_theta": 10000.0', '"rope_theta": 500000.0'))
+    assert _one_line(_message(lambda: open_megacp_checkpoint(good), CheckpointError)) == (
+        f"{manifest}: manifest checksum mismatch: the manifest was edited or is corrupt")
+    manifest.write_text(text)
+    (good / "model-tp00-of-01.safetensors").unlink()
+    assert _one_line(_message(lambda: open_megacp_checkpoint(good), CheckpointError)) == (
+        f"{good / 'model-tp00-of-01.safetensors'} is missing")
+
+    nan = _checkpoint(tmp_path / "nan", poison="layers.0.layernorm_mlp.fc2_weight")
+    assert _one_line(_message(lambda: load_model(nan, dtype=torch.float32, device="cpu"), CheckpointError)) == (
+        f"tensor 'layers.0.layernorm_mlp.fc2_weight' in {nan} holds 1 non-finite value(s) (NaN/inf); "
+        "allow_non_finite=True (--allow-non-finite) loads it anyway")
+
+
+def test_converter_write_errors(tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A full disk and a read-only destination (simulated: this may run as root): exit status 2, one line."""
+    from megacp.checkpoint import safetensors_io
+
+    source = _checkpoint(tmp_path / "src")
+    out = tmp_path / "out"
+
+    def fail(code: int) -> Callable[..., None]:
+        def raise_it(*args: object, **kwargs: object) -> None:
+            raise OSError(code, os.strerror(code))
+        return raise_it
+
+    rows = [(safetensors_io.SafetensorsWriter, "write", errno.ENOSPC, f"error: cannot write {out}: No space left on device"),
+            (Path, "mkdir", errno.EROFS, f"error: cannot write {out}: Read-only file system")]
+    for owner, name, code, message in rows:
+        with monkeypatch.context() as patch:
+            patch.setattr(owner, name, fail(code))
+            assert convert(["reshard", "--input", str(source), "--output", str(out), "--tp", "2"]) == 2
+        assert capsys.readouterr().err == message + "\n"
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def test_cp_attention_input_errors() -> None:
+    from megacp.attention import cp_attention
+
+    q, k, v = torch.randn(8, 4, 8), torch.randn(8, 2, 8), torch.randn(8, 2, 8)
+    rows = [((q.long(), k.long(), v.long()), "cp_attention needs fp16, bf16 or fp32 inputs; q is torch.int64"),
+            ((q, k.half(), v), "cp_attention needs q, k and v of one dtype; got q torch.float32, k torch.float16, "
+                               "v torch.float32"),
+            ((q.requires_grad_(), k, v), "cp_attention computes without autograd (its output is gathered from every "
+                                         "rank); inputs that require grad need megacp.attention.ring_attention on "
+                                         "this rank's shard, or the CP layer")]
+    for args, message in rows:
+        assert _one_line(_message(lambda: cp_attention(*args), ValueError)) == message
+
+
+def test_command_lines(tmp_path: Path) -> None:
+    """Two real processes: a misspelled config section for ``python -m megacp.train`` and a corrupt
+    manifest for the converter (run side by side)."""
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"context_paralel": {"size": 2}}))
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "megacp_checkpoint.json").write_text("[]")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    rows = [([sys.executable, "-m", "megacp.train", "--deepspeed_config", str(config)],
+             f"{config}: context_paralel: unknown top-level key; did you mean context_parallel?"),
+            ([sys.executable, str(ROOT / "tools" / "convert_checkpoint.py"), "reshard", "--input", str(broken),
+              "--output", str(tmp_path / "out"), "--tp", "1"],
+             f"error: invalid manifest {broken / 'megacp_checkpoint.json'}: AttributeError(\"'list' object has no "
+             "attribute 'get'\")")]
+    procs = [subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+             for argv, _ in rows]
+    for proc, (_, message) in zip(procs, rows):
+        stdout, stderr = proc.communicate(timeout=120)
+        assert proc.returncode == 2 and stdout == "", (proc.returncode, stdout, stderr)
+        assert stderr.count("\n") == 1 and stderr.rstrip("\n").endswith(message), stderr

@@ -1,0 +1,115 @@
+"""Whole jobs through the real launchers: ``deepspeed`` (CPU accelerator) and ``torchrun``, 2 ranks."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.distributed import free_port
+
+from tests.helpers.paths import ROOT
+INIT_CHECK = ROOT / "tests" / "programs" / "init_check.py"
+PREFIX = "MEGACP_INIT_CHECK "
+LAUNCH_TIMEOUT_S = 180
+
+
+def launch(command: list[str]) -> subprocess.CompletedProcess[str]:
+    """Run a launcher command with megacp importable; kill its whole process group on timeout."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+               DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"{command[0]} did not finish within {LAUNCH_TIMEOUT_S} s:\n{out[-4000:]}")
+    return subprocess.CompletedProcess(command, proc.returncode, out, None)
+
+
+def reports(result: subprocess.CompletedProcess[str]) -> dict[int, dict]:
+    """The MEGACP_INIT_CHECK line of every rank, by rank."""
+    assert result.returncode == 0, result.stdout[-4000:]
+    found = {}
+    for match in re.finditer(PREFIX + r"(\{[^{}]*\})", result.stdout):
+        report = json.loads(match.group(1))
+        found[report["rank"]] = report
+    return found
+
+
+def cp2_config(tmp_path: Path) -> Path:
+    path = tmp_path / "ds_cp2.json"
+    path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "context_parallel": {"size": 2}}))
+    return path
+
+
+def check_two_cp_ranks(found: dict[int, dict]) -> None:
+    assert sorted(found) == [0, 1]
+    for rank, report in found.items():
+        assert report["world_size"] == 2 and report["local_rank"] == rank
+        assert report["cp_size"] == 2 and report["cp_rank"] == rank
+        assert report["cp_ranks_gathered"] == [0, 1]
+        assert report["backend"] == "gloo" and report["device"] == "cpu"
+        assert report["layout"] == "ext_dp1 x dp1 x pp1 x cp2 x tp1 = 2 ranks"
+
+
+@pytest.mark.slow
+def test_deepspeed_launcher_cpu(tmp_path: Path) -> None:
+    """``DS_ACCELERATOR=cpu deepspeed --num_gpus 2``: no extra flags are needed on CPU; the
+    launcher appends ``--local_rank=N``, which the script accepts."""
+    pytest.importorskip("deepspeed", reason="DeepSpeed not installed: its launcher cannot be tested")
+    deepspeed = shutil.which("deepspeed")
+    assert deepspeed is not None, "deepspeed is importable but its launcher is not on PATH"
+    result = launch([deepspeed, "--num_gpus", "2", "--master_port", str(free_port()),
+                     str(INIT_CHECK), "--deepspeed_config", str(cp2_config(tmp_path))])
+    check_two_cp_ranks(reports(result))
+    assert "--local_rank=1" in result.stdout  # the launcher's echoed command line
+
+
+@pytest.mark.slow
+def test_torchrun(tmp_path: Path) -> None:
+    result = launch([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                     "--master_port", str(free_port()), str(INIT_CHECK),
+                     "--deepspeed-config", str(cp2_config(tmp_path))])
+    check_two_cp_ranks(reports(result))
+
+
+def test_plain_process_and_bad_config_is_one_line(tmp_path: Path) -> None:
+    """Without a launcher the script runs as a world of one; a config that does not fit exits 2
+    with one line on stderr and no traceback."""
+    result = launch([sys.executable, str(INIT_CHECK), "--deepspeed_config", str(cp2_config(tmp_path))])
+    assert result.returncode == 2
+    expected = (f"init_check: error: {tmp_path / 'ds_cp2.json'}: context_parallel.size x tensor_model_parallel.size x "
+                "pipeline_model_parallel.size = 2 x 1 x 1 = 2 does not divide the world size 1; "
+                "allowed: sizes whose product divides 1")
+    assert result.stdout.strip().splitlines()[-1] == expected
+    assert "Traceback" not in result.stdout
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in (ROOT / "scripts" / "launch").glob("generate_*.sh")))
+def test_launch_scripts_parse(script: str) -> None:
+    path = ROOT / "scripts" / "launch" / script
+    assert os.access(path, os.X_OK), f"{script} is not executable"
+    subprocess.run(["bash", "-n", str(path)], check=True)
+    text = path.read_text()
+    assert "megacp.generate" in text and "--deepspeed_config" in text and '"$@"' in text
+
+
+def test_init_check_accepts_launcher_arguments() -> None:
+    """Both spellings the launchers use parse (no job started)."""
+    import argparse
+
+    from megacp.config import add_launcher_args
+
+    parser = add_launcher_args(argparse.ArgumentParser())
+    assert parser.parse_args(["--local_rank=3"]).local_rank == 3
+    assert parser.parse_args(["--local-rank", "2", "--deepspeed_config", "x.json"]).deepspeed_config == "x.json"

@@ -1,0 +1,263 @@
+"""``python -m megacp.train`` end to end on CPU, and its argument checks.
+
+* Under the ``deepspeed`` launcher (2 gloo processes, CP = 2, ZeRO 1, fp32) it trains a tiny Llama
+  on a tiny corpus, saves a DeepSpeed checkpoint, and ``tools/convert_checkpoint.py`` turns that into
+  a Hugging Face directory and a megacp checkpoint (the converter runs in this process; its
+  script is tested in tests/jobs/test_checkpoint.py): transformers' logits from the first equal
+  megacp's from the DeepSpeed checkpoint's weights, and megacp loads the second (as
+  ``megacp.generate --model`` does).
+* Under ``torchrun`` (4 gloo processes) it trains a tiny Qwen2-MoE with its experts sharded over
+  EP = the DP ranks (CP 2 x DP 2).
+* Bad arguments or config end with one stderr line and exit status 2 before anything is loaded:
+  in-process for each check, and under ``torchrun`` (2 processes) for a config DeepSpeed rejects.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers.distributed import free_port
+from tests.helpers.reference import rel_err
+
+from tests.helpers.paths import ROOT
+CPU_CONFIG = ROOT / "configs" / "train_cpu_cp2.json"
+STEPS = 3
+SEQ_LEN = 40
+TIMEOUT_S = 300
+
+
+def _make_tiny_model(directory: Path, *, moe: bool = False) -> None:
+    """A random fp32 Llama (2 layers, hidden 64, 4 / 2 heads; with ``moe`` a Qwen2-MoE of 4 experts,
+    top-2, and a shared expert) with a byte-level tokenizer (256 byte tokens + ``<s>`` and ``</s>``),
+    saved with ``save_pretrained``."""
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    vocab.update({"<s>": len(vocab), "</s>": len(vocab) + 1})
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+    common = dict(vocab_size=len(vocab), hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256, bos_token_id=vocab["<s>"], eos_token_id=vocab["</s>"])
+    torch.manual_seed(0)
+    if moe:
+        config = transformers.Qwen2MoeConfig(**common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                                             shared_expert_intermediate_size=80, use_sliding_window=False)
+        transformers.Qwen2MoeForCausalLM(config).float().save_pretrained(directory)
+    else:
+        transformers.LlamaForCausalLM(transformers.LlamaConfig(**common)).float().save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(model directory, corpus directory: a text file and a JSONL file)."""
+    root = tmp_path_factory.mktemp("train_cli")
+    _make_tiny_model(root / "model")
+    corpus = root / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("Context parallelism splits one long sequence over several ranks.\n" * 6)
+    (corpus / "b.jsonl").write_text("\n".join(json.dumps({"text": t}) for t in ("ring attention", "x", "pass-KV " * 9)))
+    return root / "model", corpus
+
+
+def _env() -> dict[str, str]:
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+                DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+
+
+def _run(command: list[str], **kwargs) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(command, check=False, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S, **kwargs)
+
+
+def _megacp_logits(weights: dict[str, torch.Tensor], model_config, ids: torch.Tensor) -> torch.Tensor:
+    from megacp.models import CausalLM
+
+    model = CausalLM(model_config, dtype=torch.float32)
+    model.load_state_dict(weights)
+    with torch.no_grad():
+        return model.eval()(ids, torch.arange(ids.numel()))
+
+
+@pytest.mark.slow
+def test_deepspeed_launcher_trains_saves_and_converts(tiny: tuple[Path, Path], tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("deepspeed", reason="DeepSpeed not installed: its launcher cannot run")
+    deepspeed = shutil.which("deepspeed")
+    assert deepspeed is not None, "deepspeed is importable but its launcher is not on PATH"
+    model_dir, corpus = tiny
+    save, metrics = tmp_path / "ckpt", tmp_path / "metrics.jsonl"
+    train = _run([deepspeed, "--num_gpus", "2", "--master_port", str(free_port()), "--module", "megacp.train",
+                  "--deepspeed_config", str(CPU_CONFIG), "--model", str(model_dir), "--corpus", str(corpus),
+                  "--seq-len", str(SEQ_LEN), "--steps", str(STEPS), "--save", str(save), "--metrics", str(metrics)])
+    assert train.returncode == 0, (train.stdout + train.stderr)[-4000:]
+    assert "megacp.train: CP=2 TP=1 DP=1 on cpu (gloo), float32, ZeRO 1" in train.stdout
+    assert f"megacp.train: {STEPS} steps, loss " in train.stdout and f"saved {save / f'step{STEPS}'}" in train.stdout
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    # 1 sequence per micro-batch, 2 micro-batches per step (the config), one DP replica
+    assert all(r["tokens"] == 2 * SEQ_LEN and 0 < r["loss"] < 10 and r["tokens_per_s"] > 0 for r in rows)
+
+    from megacp.checkpoint import load_model
+    from megacp.checkpoint.deepspeed import read_deepspeed_checkpoint
+    from megacp.checkpoint.hf import load_hf_state_dict
+
+    trained = read_deepspeed_checkpoint(save)
+    assert trained.tag == f"step{STEPS}" and trained.dtype == torch.float32
+    _, initial = load_hf_state_dict(model_dir)
+    assert rel_err(trained.tensors["embedding.weight"], initial["embedding.weight"]) > 1e-6  # it trained
+
+    from megacp.checkpoint.convert import main as convert
+
+    hf_dir, megacp_dir = tmp_path / "hf", tmp_path / "megacp"
+    for command, output in (("deepspeed-to-hf", hf_dir), ("deepspeed-to-megacp", megacp_dir)):
+        assert convert([command, "--input", str(save), "--output", str(output)]) == 0
+        out = capsys.readouterr().out
+        assert out.count("\n") == 1 and f"{command}: wrote" in out
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    ids = torch.tensor(AutoTokenizer.from_pretrained(hf_dir)("ring attention, trained")["input_ids"])
+    expected = _megacp_logits(trained.tensors, trained.config, ids)
+    with torch.no_grad():
+        hf_logits = AutoModelForCausalLM.from_pretrained(hf_dir).float().eval()(ids[None]).logits[0]
+    assert rel_err(hf_logits, expected) < 1e-5
+    model, _, tokenizer = load_model(megacp_dir, dtype=torch.float32, device="cpu")
+    with torch.no_grad():
+        assert rel_err(model(ids, torch.arange(ids.numel())), expected) < 1e-6
+    assert tokenizer is not None
+
+
+@pytest.mark.slow
+def test_torchrun_trains_experts_sharded_over_ep(tiny: tuple[Path, Path], tmp_path: Path) -> None:
+    """4 processes (CP 2 x DP 2, a Qwen2-MoE's experts sharded over EP 2 = the dp ranks, ZeRO 1 with
+    clipping: configs/train_cpu_cp2.json plus ``expert_model_parallel``) train 2 steps. That this
+    training equals one process holding every expert is tests/distributed/test_moe.py's."""
+    pytest.importorskip("deepspeed", reason="DeepSpeed not installed")
+    _, corpus = tiny
+    model_dir, metrics = tmp_path / "moe", tmp_path / "metrics.jsonl"
+    _make_tiny_model(model_dir, moe=True)
+    train = _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_port",
+                  str(free_port()), "-m", "megacp.train", "--model", str(model_dir), "--corpus", str(corpus),
+                  "--seq-len", str(SEQ_LEN), "--steps", "2", "--metrics", str(metrics),
+                  "--deepspeed_config", _config(tmp_path, "ep", expert_model_parallel={"size": 2})])
+    assert train.returncode == 0, (train.stdout + train.stderr)[-4000:]
+    assert "megacp.train: CP=2 TP=1 DP=2 EP=2 on cpu (gloo), float32, ZeRO 1" in train.stdout
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    # 1 sequence per micro-batch, 2 micro-batches per step, 2 DP replicas
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["tokens"] == 4 * SEQ_LEN and 0 < r["loss"] < 10 for r in rows), rows
+
+
+def _main_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """Run ``megacp.train``'s main in this process; it must exit 2 with one stderr line, returned."""
+    from megacp.train.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    captured = capsys.readouterr()
+    assert exit_info.value.code == 2
+    lines = [line for line in captured.err.splitlines() if line.strip()]
+    assert len(lines) == 1, captured.err
+    assert lines[0].startswith("megacp.train: error: ")
+    return lines[0]
+
+
+def _config(tmp_path: Path, name: str, **changes) -> str:
+    config = json.loads(CPU_CONFIG.read_text())
+    config.update(changes)
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(config))
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    ("case", "expected"),
+    [
+        ("no_config", "--deepspeed_config is required"),
+        ("seq_len", "--seq-len must be >= 1, got 0"),
+        ("steps", "--steps must be >= 1, got -1"),
+        ("unknown_flag", "unrecognized arguments: --lr"),
+        ("missing_corpus", "does not exist"),
+        ("missing_model", "--model /nonexistent/model does not exist"),
+        ("zero3", "zero_optimization.stage: 3 is not supported"),
+        ("fp16", "fp16.enabled: fp16 training (loss scaling) is not supported"),
+        ("optimizer", "optimizer.type: got 'Adamm'; allowed values: one of DeepSpeed's"),
+        ("no_optimizer", "optimizer.type: missing"),
+        ("cp_key", "context_parallel.sise: unknown key"),
+        ("ep_zero0_clipping", "gradient_clipping with experts sharded over expert_model_parallel.size=2 ranks "
+                              "needs ZeRO 1 or 2"),
+        ("ep_save", "saving a checkpoint of experts sharded over expert_model_parallel.size=2 ranks is not supported"),
+    ],
+)
+def test_bad_input_is_one_line(case: str, expected: str, tiny: tuple[Path, Path], tmp_path: Path,
+                               capsys: pytest.CaptureFixture[str]) -> None:
+    model_dir, corpus = tiny
+    base = ["--model", str(model_dir), "--corpus", str(corpus), "--deepspeed_config", str(CPU_CONFIG)]
+    argv = {
+        "no_config": ["--model", str(model_dir)],
+        "seq_len": base + ["--seq-len", "0"],
+        "steps": base + ["--steps", "-1"],
+        "unknown_flag": base + ["--lr", "1"],
+        "missing_corpus": base[:2] + ["--corpus", str(tmp_path / "absent.txt"), *base[4:]],
+        "missing_model": ["--model", "/nonexistent/model", *base[2:]],
+        "zero3": base[:4] + ["--deepspeed_config", _config(tmp_path, "zero3", zero_optimization={"stage": 3})],
+        "fp16": base[:4] + ["--deepspeed_config", _config(tmp_path, "fp16", fp16={"enabled": True})],
+        "optimizer": base[:4] + ["--deepspeed_config", _config(tmp_path, "optimizer", optimizer={"type": "Adamm"})],
+        "no_optimizer": base[:4] + ["--deepspeed_config", _config(tmp_path, "no_optimizer", optimizer={})],
+        "cp_key": base[:4] + ["--deepspeed_config", _config(tmp_path, "cp_key", context_parallel={"sise": 2})],
+        "ep_zero0_clipping": base[:4] + ["--deepspeed_config", _config(tmp_path, "ep", expert_model_parallel={"size": 2},
+                                                                     zero_optimization={"stage": 0})],
+        "ep_save": base + ["--save", str(tmp_path / "ckpt"), "--deepspeed_config",
+                           _config(tmp_path, "ep_save", expert_model_parallel={"size": 2})],
+    }[case]
+    assert expected in _main_error(argv, capsys)
+
+
+@pytest.mark.slow
+def test_deepspeed_rejection_is_one_line_under_torchrun(tiny: tuple[Path, Path], tmp_path: Path) -> None:
+    """A batch size that does not fit the mesh (DeepSpeed's own check, after the process group
+    exists): rank 0 prints one line, rank 1 nothing, exit status 2, nothing is loaded."""
+    pytest.importorskip("deepspeed", reason="DeepSpeed not installed")
+    model_dir, corpus = tiny
+    logs = tmp_path / "logs"
+    result = _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                   str(free_port()), "--log-dir", str(logs), "--redirects", "3", "-m", "megacp.train",
+                   "--model", str(model_dir), "--corpus", str(corpus),
+                   "--deepspeed_config", _config(tmp_path, "batch", train_batch_size=3)])
+    assert result.returncode != 0
+    errors = {int(p.parent.name): p.read_text() for p in logs.rglob("stderr.log")}
+    assert sorted(errors) == [0, 1]
+    lines = [line for text in errors.values() for line in text.splitlines() if line.strip()]
+    assert len(lines) == 1 and errors[1].strip() == "", errors
+    assert lines[0].startswith("megacp.train: error: DeepSpeed rejects the config: ")
+    assert "train_batch_size" in lines[0]
+    assert "exitcode  : 2" in result.stderr  # the root cause; torchrun may stop the other rank first
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in (ROOT / "configs").glob("train_*.json")))
+def test_shipped_training_configs_parse(name: str) -> None:
+    """megacp's sections, megacp.train's checks and DeepSpeed's own parser accept every shipped
+    training config (the GPU ones included: no process group needed)."""
+    pytest.importorskip("deepspeed", reason="DeepSpeed not installed")
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    from megacp.config import load_config
+    from megacp.train.engine import read_settings
+
+    config = load_config(ROOT / "configs" / f"{name}.json")
+    settings = read_settings(config.deepspeed)
+    parsed = DeepSpeedConfig(dict(config.deepspeed))
+    assert parsed.zero_optimization_stage == settings.zero_stage
+    assert parsed.optimizer_name == "adamw" and parsed.gradient_clipping > 0
+    assert settings.dtype == (torch.float32 if "cpu" in name else torch.bfloat16)
