@@ -8,7 +8,6 @@ the CP ranks, as DeepSpeed's sequence-parallel reduction does) follow transforme
 from __future__ import annotations
 
 import copy
-from typing import Any
 
 import pytest
 import torch
