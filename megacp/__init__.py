@@ -9,6 +9,8 @@ Public entry points:
   layers, and the CP settings they and every step run with.
 * :class:`ModelConfig` — a Llama-family model's hyper-parameters.
 * :class:`LLM`, :class:`SamplingParams` — load a model and generate (sessions: :meth:`LLM.session`).
+* ``attn_implementation="megacp"`` for any transformers causal LM (:mod:`megacp.integrations.transformers`),
+  registered when transformers' modeling code is imported.
 
 Subpackages, bottom layer first (each imports only the ones before it): ``config``, ``parallel``,
 ``placement``, ``kv_cache``, ``attention``, ``layers``, ``models``, then ``checkpoint``,
@@ -55,6 +57,11 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted(__all__)
+
+
+from megacp.integrations import install_transformers_hook  # noqa: E402 - standard library only
+
+install_transformers_hook()  # attn_implementation="megacp" once transformers' modeling code loads
 
 
 __version__ = "0.1.0"

@@ -25,7 +25,7 @@ import contextlib
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -64,6 +64,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--metrics", metavar="FILE", help="write one JSON line per step here (rank 0)")
     p.add_argument("--quiet", action="store_true", help="no progress bar and no summary line")
     p.add_argument("--allow-non-finite", action="store_true", help="load weights that hold NaN or inf")
+    p.add_argument("--hf-native", action="store_true",
+                   help="train the Hugging Face model of --model DIR as transformers builds it, with "
+                        "attn_implementation='megacp' (no conversion; --save writes save_pretrained files)")
     add_launcher_args(p)
     args = p.parse_args(argv)
     if args.deepspeed_config is None:
@@ -80,6 +83,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         raise UsageError(f"--save {args.save}: exists and is not a directory")
     if args.model is not None and not Path(args.model).exists():
         raise UsageError(f"--model {args.model} does not exist")
+    if args.hf_native:
+        if args.model is None or not (Path(args.model) / "config.json").is_file():
+            raise UsageError("--hf-native needs --model DIR, a Hugging Face model directory with a config.json")
+        if args.backend != "auto" or args.allow_non_finite:
+            raise UsageError("--hf-native trains the transformers modules as they are: --backend and "
+                             "--allow-non-finite do not apply")
     if args.backend == "te":
         from megacp.models.te_model import te_import_error
 
@@ -91,8 +100,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def _eos_id(tokenizer: Any, model_config: Any) -> int:
     if tokenizer.eos_token_id is not None:
         return int(tokenizer.eos_token_id)
-    if model_config.eos_token_ids:
-        return int(model_config.eos_token_ids[0])
+    eos = getattr(model_config, "eos_token_ids", None) or getattr(model_config, "eos_token_id", None)  # megacp's / HF's
+    if eos:
+        return int(eos[0] if isinstance(eos, (list, tuple)) else eos)
     raise UsageError("the model's tokenizer has no EOS token to separate the packed documents")
 
 
@@ -101,11 +111,13 @@ def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     import megacp
+    from megacp.checkpoint import load_tokenizer
     from megacp.checkpoint.front import default_model_path, load_on_mesh
     from megacp.layers.settings import CPSettings
     from megacp.parallel import peak_memory_mib
     from megacp.train.data import CorpusBatches, Prefetcher, resolve_corpus
     from megacp.train.engine import Trainer, check_batch_config, read_settings
+    from megacp.train.loss import lm_loss
 
     if not torch.cuda.is_available():  # before DeepSpeed is imported: gloo on CPU, as megacp.initialize
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -123,14 +135,24 @@ def run(args: argparse.Namespace) -> int:
     rank0 = state.rank == 0
 
     cp = CPSettings.from_state(state, prefill="pass_kv")
-    loaded = load_on_mesh(model_path, state, dtype=settings.dtype, settings=cp, backend=args.backend,
-                          allow_non_finite=args.allow_non_finite)
-    model, model_config, tokenizer = loaded.model, loaded.config, loaded.tokenizer
+    loss: Callable[..., torch.Tensor] = lm_loss
+    model: Any
+    model_config: Any
+    if args.hf_native:  # a transformers model as it is, its attention through the "megacp" interface
+        from megacp.integrations.transformers import load_pretrained, shard_loss
+
+        model = load_pretrained(model_path, dtype=settings.dtype, state=state,
+                                activation_checkpointing=args.activation_checkpointing)
+        model_config, tokenizer, loss = model.config, load_tokenizer(model_path), shard_loss
+    else:
+        loaded = load_on_mesh(model_path, state, dtype=settings.dtype, settings=cp, backend=args.backend,
+                              allow_non_finite=args.allow_non_finite)
+        model, model_config, tokenizer = loaded.model, loaded.config, loaded.tokenizer
+        model.activation_checkpointing = args.activation_checkpointing
     if tokenizer is None:
         raise UsageError(f"--model {model_path} has no tokenizer to read the corpus with")
-    model.activation_checkpointing = args.activation_checkpointing
     model.train()
-    trainer = Trainer(model, config.deepspeed, state, settings, cp=cp)
+    trainer = Trainer(model, config.deepspeed, state, settings, cp=cp, loss=loss)
 
     layout = f"CP={state.size('cp')} TP={state.size('tp')} DP={state.size('dp')}" + (
         f" EP={state.size('ep')}" if trainer.sharded_experts else "")
@@ -165,7 +187,12 @@ def run(args: argparse.Namespace) -> int:
     dist.all_reduce(peak_t, op=dist.ReduceOp.MAX)
     peak = float(peak_t)
     saved = ""
-    if args.save:
+    if args.save and args.hf_native:
+        from megacp.integrations.transformers import save_pretrained
+
+        save_pretrained(trainer.module, args.save, tokenizer=tokenizer)
+        saved = f", saved {args.save}"
+    elif args.save:
         tag = trainer.save(args.save, model_config=model_config, tokenizer=tokenizer)
         saved = f", saved {Path(args.save) / tag}"
     if rank0 and not args.quiet:

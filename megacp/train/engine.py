@@ -16,7 +16,7 @@ parameter only around the forward of the module that owns it, is refused.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -176,10 +176,14 @@ class Trainer:
         cp: the CP settings the model's attention was swapped with (default: the state's,
             :meth:`~megacp.layers.settings.CPSettings.from_state`); their ``load_balance`` shards
             the batches.
+        loss: ``loss(module, shard, settings=cp)``, this CP rank's share of a shard's mean token
+            loss (default :func:`~megacp.train.loss.lm_loss`; a transformers model's:
+            :func:`megacp.integrations.transformers.shard_loss`).
     """
 
     def __init__(self, model: torch.nn.Module, config: Mapping[str, Any], state: ParallelState,
-                 settings: TrainSettings, *, cp: CPSettings | None = None) -> None:
+                 settings: TrainSettings, *, cp: CPSettings | None = None,
+                 loss: Callable[..., torch.Tensor] = lm_loss) -> None:
         deepspeed = _deepspeed(state)
         mark_tensor_parallel(model, state.size("tp"))
         params = [p for p in model.parameters() if p.requires_grad]
@@ -193,6 +197,7 @@ class Trainer:
                                                    mpu=DeepSpeedMPU(state))
         self.state, self.settings, self.config = state, settings, config
         self.cp = cp or CPSettings.from_state(state)
+        self.loss = loss
         self.cp_group = state.group("cp")
         self.dp_group = state.group("dp")
         self.steps_done = 0
@@ -214,7 +219,7 @@ class Trainer:
             batch = next(batches)
             shard = shard_batch(batch.input_ids, cu_seqlens=batch.cu_seqlens, cp_size=self.state.size("cp"),
                                 cp_rank=self.state.rank_in("cp"), load_balance=self.cp.load_balance)
-            loss = lm_loss(self.module, shard, settings=self.cp)
+            loss = self.loss(self.module, shard, settings=self.cp)
             self.engine.backward(loss)
             self.engine.step()
             losses.append(logged_loss(loss, cp_group=self.cp_group, dp_group=self.dp_group))

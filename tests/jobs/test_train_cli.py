@@ -198,6 +198,8 @@ def _config(tmp_path: Path, name: str, **changes) -> str:
         ("ep_zero0_clipping", "gradient_clipping with experts sharded over expert_model_parallel.size=2 ranks "
                               "needs ZeRO 1 or 2"),
         ("ep_save", "saving a checkpoint of experts sharded over expert_model_parallel.size=2 ranks is not supported"),
+        ("hf_native_not_hf_dir", "--hf-native needs --model DIR, a Hugging Face model directory with a config.json"),
+        ("hf_native_backend", "--hf-native trains the transformers modules as they are: --backend"),
     ],
 )
 def test_bad_input_is_one_line(case: str, expected: str, tiny: tuple[Path, Path], tmp_path: Path,
@@ -220,6 +222,8 @@ def test_bad_input_is_one_line(case: str, expected: str, tiny: tuple[Path, Path]
                                                                      zero_optimization={"stage": 0})],
         "ep_save": base + ["--save", str(tmp_path / "ckpt"), "--deepspeed_config",
                            _config(tmp_path, "ep_save", expert_model_parallel={"size": 2})],
+        "hf_native_not_hf_dir": ["--hf-native", "--model", str(corpus), *base[2:]],
+        "hf_native_backend": ["--hf-native", "--backend", "torch", *base],
     }[case]
     assert expected in _main_error(argv, capsys)
 

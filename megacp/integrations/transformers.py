@@ -1,0 +1,360 @@
+"""megacp's CP attention inside any Hugging Face transformers causal LM (``attn_implementation="megacp"``).
+
+Importing this module registers :func:`megacp_attention` with ``transformers.AttentionInterface``
+and :func:`megacp_mask` with ``transformers.AttentionMaskInterface`` under the name ``"megacp"``
+(``import megacp`` arranges that lazily, see :mod:`megacp.integrations`). Then::
+
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="megacp")
+    batch = prepare_batch(input_ids, state=state)          # this CP rank's load-balanced share
+    loss = model(**batch).loss                             # ring prefill + fused ring backward
+
+The model's own modules compute q/k/v and RoPE (at the global positions of this rank's tokens,
+which :func:`prepare_batch` passes as ``position_ids``); the attention function receives them as
+``[B, H, S_local, D]``, converts to megacp's packed ``[tokens, H, D]`` and runs the
+step :func:`prepare_batch` built (``megacp_step``) through its ``attend``: the same ring prefill, strategy rule, kernels and differentiable pass-KV
+ring as megacp's own models. Without a step the call is CP = 1 attention over this process's tokens
+(documents from ``cu_seq_lens_q`` or from position-id resets, else one per batch row).
+
+What megacp cannot reproduce exactly is refused with one ``ValueError`` naming the model's feature
+(:func:`check_model` before any work; :func:`megacp_attention` at every call): non-causal
+attention, attention-logit soft-capping, ALiBi, attention sinks, sliding windows shorter than a
+document, custom 4-D or padding masks, attention dropout in training, a cache holding past tokens,
+returned attention weights, and any attention argument this module does not know.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from megacp.layers.settings import CPSettings
+from megacp.layers.step import CPStep, cacheless_step, plan_step
+from megacp.train.batch import TrainShard, shard_batch
+
+NAME = "megacp"
+"""The ``attn_implementation`` name."""
+
+STEP_KWARG = "megacp_step"
+"""Keyword of the model's forward that carries the :class:`CPStep` down to every attention call."""
+
+_PASSIVE_KWARGS = frozenset({
+    "position_ids", "cache_position", "use_cache", "output_hidden_states", "output_router_logits",
+    "num_items_in_batch", "shift_labels", "return_dict", "position_embeddings", "seq_idx",
+})
+"""Arguments transformers hands every attention function that do not change attention (RoPE is
+already applied; loss arguments travel with the model's ``**kwargs``)."""
+
+_VARLEN_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+"""transformers' packed-document arguments (whole-document boundaries of this process's tokens)."""
+
+
+def _label(module: nn.Module) -> str:
+    config = getattr(module, "config", None)
+    model_type = getattr(config, "model_type", None) or type(module).__name__
+    layer = getattr(module, "layer_idx", None)
+    return f"{model_type} layer {layer}" if layer is not None else str(model_type)
+
+
+def config_problem(config: Any) -> str | None:
+    """Why megacp's attention cannot run a model of this ``transformers`` config exactly, or ``None``.
+
+    Checks what a config states for every layer (each call checks the arguments its layer passes):
+    bidirectional attention, soft-capping, ALiBi, attention dropout.
+    """
+    kind = getattr(config, "model_type", "model")
+    if getattr(config, "is_causal", True) is False or getattr(config, "use_bidirectional_attention", False):
+        return f"{kind} uses bidirectional (non-causal) attention; megacp's CP attention is causal only"
+    for key in ("attn_logit_softcapping", "attention_logit_softcapping"):
+        if getattr(config, key, None):
+            return f"{kind} soft-caps attention logits ({key}={getattr(config, key)}); megacp's kernels have no soft-capping"
+    if any(getattr(config, key, False) for key in ("alibi", "use_alibi")) or getattr(config, "position_embedding_type", None) == "alibi":
+        return f"{kind} uses ALiBi position biases; megacp's kernels take no attention bias"
+    return None
+
+
+def check_model(model: nn.Module, *, training: bool | None = None) -> None:
+    """Refuse, in one line, a model megacp's attention cannot run exactly, before any work.
+
+    Args:
+        model: a transformers ``PreTrainedModel`` (its ``config``).
+        training: whether it will be trained (default: ``model.training``); attention dropout then
+            counts.
+
+    Raises:
+        ValueError: naming the model's unsupported feature (:func:`config_problem`, dropout).
+    """
+    config: Any = getattr(model, "config", None)
+    problem = config_problem(config) if config is not None else f"{type(model).__name__} has no transformers config"
+    training = model.training if training is None else training
+    if problem is None and training and float(getattr(config, "attention_dropout", 0.0) or 0.0):
+        problem = (f"{config.model_type} has attention_dropout={config.attention_dropout} and trains: megacp's "
+                   "attention has no dropout; load it with attention_dropout=0.0")
+    if problem is not None:
+        raise ValueError(problem)
+
+
+def _call_problem(module: nn.Module, query: Tensor, key: Tensor, attention_mask: Any, dropout: float,
+                  is_causal: bool | None, kwargs: dict[str, Any], max_document: int) -> str | None:
+    """Why this attention call cannot run exactly under megacp, or ``None``."""
+    what = _label(module)
+    config = getattr(module, "config", None)
+    problem = config_problem(config) if config is not None else None
+    if problem is not None:
+        return problem
+    if is_causal is False or getattr(module, "is_causal", True) is False:
+        return f"{what} asks for non-causal attention; megacp's CP attention is causal only"
+    if dropout:
+        return f"{what} applies attention dropout {dropout} (training mode); megacp's attention has no dropout: set attention_dropout=0.0"
+    if kwargs.get("softcap"):
+        return f"{what} soft-caps attention logits (softcap={kwargs['softcap']}); megacp's kernels have no soft-capping"
+    window = kwargs.get("sliding_window")
+    if window is not None and window < max_document:
+        return (f"{what} uses a sliding window of {window} tokens, shorter than a {max_document}-token document; "
+                "megacp's ring attention has no sliding window yet")
+    if kwargs.get("output_attentions"):
+        return f"{what} was asked for attention weights (output_attentions); megacp's attention does not form them"
+    if attention_mask is not None:
+        if not isinstance(attention_mask, Tensor) or attention_mask.dim() != 2:
+            shape = f"{attention_mask.dim()}-D " if isinstance(attention_mask, Tensor) else ""
+            return (f"{what} got a custom {shape}attention mask ({type(attention_mask).__name__}); megacp attends causally "
+                    "within documents: delimit them with position_ids or cu_seq_lens")
+        if not bool(attention_mask.all()):
+            return f"{what} got a padding attention mask; megacp packs documents instead: use prepare_batch or position_ids"
+    if key.shape[-2] != query.shape[-2]:
+        return (f"{what} attends over {key.shape[-2]} keys for {query.shape[-2]} queries (a transformers cache with past "
+                "tokens); generate through megacp.LLM, or call the model with use_cache=False")
+    unknown = sorted(k for k, v in kwargs.items()
+                     if v is not None and k not in _PASSIVE_KWARGS and k not in _VARLEN_KWARGS
+                     and k not in ("softcap", "sliding_window", "output_attentions"))
+    if unknown:
+        return f"{what} passes attention arguments megacp does not implement: {', '.join(unknown)}"
+    return None
+
+
+def _documents(query: Tensor, kwargs: dict[str, Any]) -> list[int]:
+    """Document lengths of a step-less (CP = 1) call: ``cu_seq_lens_q``, else position-id resets of
+    a single packed row, else one document per batch row."""
+    b, s = query.shape[0], query.shape[2]
+    cu = kwargs.get("cu_seq_lens_q")
+    if cu is not None:
+        bounds = [int(x) for x in cu.flatten().tolist()]
+        if bounds[0] != 0 or bounds[-1] != b * s or any(y <= x for x, y in zip(bounds, bounds[1:])):
+            raise ValueError(f"cu_seq_lens_q {bounds} does not delimit the {b * s} tokens of the call")
+        return [y - x for x, y in zip(bounds, bounds[1:])]
+    pos = kwargs.get("position_ids")
+    if pos is not None and b == 1:
+        starts = [0] + [i for i in (torch.nonzero(pos.reshape(-1)[1:] == 0).flatten() + 1).tolist()] + [s]
+        return [y - x for x, y in zip(starts, starts[1:])]
+    return [s] * b
+
+
+def megacp_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Any,
+                     dropout: float = 0.0, scaling: float | None = None, is_causal: bool | None = None,
+                     **kwargs: Any) -> tuple[Tensor, None]:
+    """transformers' attention-function contract, computed by megacp's CP attention.
+
+    Args:
+        module: the calling attention module (``config``, ``layer_idx``, ``is_causal``).
+        query: ``[B, Hq, S, D]`` after RoPE; key, value: ``[B, Hkv, S, D]`` (GQA: ``Hq % Hkv == 0``).
+            Under CP these are this rank's tokens, batch-major, in the step's ``q_layout`` order.
+        attention_mask: what :func:`megacp_mask` built (``None``), or a mask handed in as it is.
+        dropout, scaling, is_causal: as the module passes them (``scaling``: softmax scale, default
+            ``D**-0.5``).
+        kwargs: :data:`STEP_KWARG` (the :class:`CPStep` of :func:`prepare_batch`), transformers'
+            varlen arguments, and what models pass through.
+
+    Returns:
+        ``(out [B, S, Hq, D] in query's dtype, None)``.
+
+    Raises:
+        ValueError: one line naming the unsupported feature of the model or the call.
+    """
+    step = kwargs.pop(STEP_KWARG, None)
+    if step is not None and not isinstance(step, CPStep):
+        raise TypeError(f"{STEP_KWARG} must be a megacp CPStep (from prepare_batch), got {type(step).__name__}")
+    b, hq, s, d = query.shape
+    lengths = step.plan.new if step is not None else _documents(query, kwargs)
+    problem = _call_problem(module, query, key, attention_mask, dropout, is_causal, kwargs, max(lengths))
+    if problem is not None:
+        raise ValueError(problem)
+    q, k, v = (x.transpose(1, 2).reshape(b * s, x.shape[1], d) for x in (query, key, value))
+    if step is None:
+        step = cacheless_step(CPSettings(), q, k, v, lengths)
+    out = step.attend(_Layer(getattr(module, "layer_idx", None) or 0), q, k, v, scaling)
+    return out.view(b, s, hq, d), None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layer:
+    """The calling module as a step sees it (:class:`~megacp.layers.step.AttentionLayer`)."""
+
+    layer_index: int
+
+
+def megacp_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
+                mask_function: Any = None, attention_mask: Tensor | None = None, **kwargs: Any) -> Tensor | None:
+    """transformers' mask-function contract for ``"megacp"``: no dense mask is ever built (the
+    plan says which tokens see which); a 2-D padding mask with padding is passed on for
+    :func:`megacp_attention` to refuse. Returns ``None`` or that ``[B, kv_length]`` bool mask."""
+    if attention_mask is not None:
+        attention_mask = attention_mask[:, -kv_length:]
+        if attention_mask.shape[1] == kv_length and bool(attention_mask.all()):
+            return None
+    return attention_mask
+
+
+def _documents_of_rows(input_ids: Tensor, attention_mask: Tensor | None) -> tuple[Tensor, list[int]]:
+    """``[B, S]`` rows (right- or left-padded where ``attention_mask`` is 0) -> packed ``[T]`` ids
+    of their real tokens and the rows' lengths."""
+    if attention_mask is None:
+        return input_ids.reshape(-1), [input_ids.shape[1]] * input_ids.shape[0]
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask {list(attention_mask.shape)} must match input_ids {list(input_ids.shape)}")
+    keep = attention_mask.bool()
+    lengths = [int(n) for n in keep.sum(1).tolist()]
+    if min(lengths) < 1:
+        raise ValueError("every row of the batch needs at least one token that attention_mask keeps")
+    return input_ids[keep], lengths
+
+
+def prepare_batch(input_ids: Tensor, *, labels: Tensor | None = None, position_ids: Tensor | None = None,
+                  attention_mask: Tensor | None = None, cu_seqlens: Tensor | Sequence[int] | None = None,
+                  state: Any = None, cp_size: int | None = None, cp_rank: int | None = None,
+                  training: bool = True) -> dict[str, Any]:
+    """This CP rank's share of a batch, as keyword arguments of a transformers causal LM's forward.
+
+    Every rank of a CP group passes the same batch. Documents are the rows of a ``[B, S]`` batch
+    (without the tokens ``attention_mask`` pads), or the documents of one packed row: given by
+    ``cu_seqlens``, else by the resets of ``position_ids`` to 0 (what transformers'
+    ``DataCollatorWithFlattening`` produces). Labels (unshifted, ``-100`` ignored; default the
+    inputs) are shifted per document *before* sharding; everything is then sharded with the
+    load-balanced plan of :func:`megacp.train.batch.shard_batch`.
+
+    Args:
+        input_ids: ``[B, S]`` or ``[T]`` int64; labels, position_ids: the same shape.
+        attention_mask: ``[B, S]`` 1 = token, 0 = padding (dropped).
+        cu_seqlens: ``[D+1]`` document boundaries of a packed ``[1, T]``/``[T]`` batch.
+        state: a :class:`megacp.ParallelState` (its CP settings, :meth:`CPSettings.from_state`), or
+            ``None`` with ``cp_size``/``cp_rank`` (``None``: CP = 1).
+        training: a differentiable :class:`~megacp.layers.step.TrainStep` (default), else an
+            inference prefill step.
+
+    Returns:
+        ``input_ids``, ``position_ids`` (global positions of this rank's tokens, for RoPE),
+        ``labels`` and ``shift_labels`` (both the shifted targets, ``[1, n_local]``),
+        ``num_items_in_batch`` (valid labels of the whole sequence group: each rank's loss is its
+        share of the group's mean) and :data:`STEP_KWARG`.
+
+    Raises:
+        ValueError: one line naming the bad input.
+    """
+    cp_size, cp_rank = (state.size("cp"), state.rank_in("cp")) if state is not None else (cp_size or 1, cp_rank or 0)
+    if input_ids.dim() == 2 and cu_seqlens is None and not (input_ids.shape[0] == 1 and position_ids is not None):
+        if position_ids is not None:
+            raise ValueError("position_ids of a [B, S] batch with B > 1: pack the documents into one row instead")
+        ids, lengths = _documents_of_rows(input_ids, attention_mask)
+        labels = None if labels is None else _documents_of_rows(labels, attention_mask)[0]
+        cu_seqlens = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    else:
+        if attention_mask is not None and not bool(attention_mask.all()):
+            raise ValueError("attention_mask with padding in a packed batch: drop the padding tokens instead")
+        ids = input_ids.reshape(-1)
+        labels = None if labels is None else labels.reshape(-1)
+        if position_ids is not None:
+            position_ids = position_ids.reshape(-1)
+            if cu_seqlens is None:
+                starts = (torch.nonzero(position_ids[1:] == 0).flatten() + 1).tolist()
+                cu_seqlens = [0, *starts, ids.numel()]
+    shard = shard_batch(ids, labels, cu_seqlens=cu_seqlens, position_ids=position_ids, cp_size=cp_size,
+                        cp_rank=cp_rank)
+    return model_inputs(shard, CPSettings.from_state(state) if state is not None else None, training=training)
+
+
+def model_inputs(shard: TrainShard, settings: CPSettings | None = None, *, training: bool = True) -> dict[str, Any]:
+    """A :class:`~megacp.train.batch.TrainShard` as keyword arguments of a transformers causal LM's
+    forward (what :func:`prepare_batch` returns; ``[1, n_local]`` tensors on the shard's device).
+
+    Args:
+        shard: this rank's share (its plan's CP size must be the state's).
+        settings: the CP settings the step runs with (``None``: CP = 1).
+        training: a :class:`~megacp.layers.step.TrainStep`, else a prefill step (``"auto"`` resolves
+            to pass-KV: a prefill without cached tokens, the paper's rule).
+    """
+    settings = settings or CPSettings()
+    if settings.cp_size != shard.plan.cp_size:
+        raise ValueError(f"the shard is for {shard.plan.cp_size} CP ranks but the CP group has {settings.cp_size}")
+    if not training and settings.prefill == "auto":
+        settings = dataclasses.replace(settings, prefill="pass_kv")
+    step = plan_step(settings, shard.plan, training=training)
+    shifted = shard.labels.unsqueeze(0)
+    return {
+        "input_ids": shard.input_ids.unsqueeze(0),
+        "position_ids": shard.position_ids.unsqueeze(0),
+        "labels": shifted,
+        "shift_labels": shifted,
+        "num_items_in_batch": max(shard.num_valid_tokens, 1),
+        STEP_KWARG: step,
+    }
+
+
+def shard_loss(model: nn.Module, shard: TrainShard, *, settings: CPSettings | None = None) -> Tensor:
+    """This CP rank's share of the batch's mean token loss from a transformers causal LM (its own
+    LM head and loss function, labels pre-shifted, divided by the whole group's valid labels), the
+    loss function :class:`megacp.train.engine.Trainer` takes for an HF-native model."""
+    device = next(model.parameters()).device
+    inputs = {k: v.to(device) if isinstance(v, Tensor) else v for k, v in model_inputs(shard, settings).items()}
+    return model(**inputs).loss
+
+
+def load_pretrained(path: str, *, dtype: torch.dtype, state: Any = None, activation_checkpointing: bool = False,
+                    training: bool = True) -> nn.Module:
+    """``AutoModelForCausalLM.from_pretrained(path, attn_implementation="megacp")`` on the state's
+    device, checked by :func:`check_model` (one line on an unsupported feature, before training).
+
+    Args:
+        path: a Hugging Face model directory; dtype: of the parameters.
+        state: the :class:`megacp.ParallelState` (its device; TP must be 1: the transformers modules
+            are not split); ``None``: CPU, CP = 1.
+        activation_checkpointing: transformers' non-reentrant gradient checkpointing of every
+            decoder layer (the recompute runs the CP ring again).
+        training: whether the model will be trained (attention dropout is refused then).
+    """
+    from transformers import AutoModelForCausalLM
+
+    if state is not None and (state.size("tp") > 1 or state.size("pp") > 1):
+        raise ValueError("a transformers model runs under CP and DP only: tensor and pipeline parallel sizes must be 1")
+    model: Any = AutoModelForCausalLM.from_pretrained(path, attn_implementation=NAME, dtype=dtype)
+    check_model(model, training=training)
+    if activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model.to(state.device if state is not None else "cpu").train(training)
+
+
+def save_pretrained(model: nn.Module, directory: str, *, tokenizer: Any = None) -> None:
+    """Global rank 0 writes ``model.save_pretrained(directory)`` (and the tokenizer's files); the
+    others wait (collective when torch.distributed is initialised). Every rank holds the whole
+    model (ZeRO <= 2): no gathering needed."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        model.save_pretrained(directory)  # type: ignore[operator]  # a transformers PreTrainedModel
+        if tokenizer is not None:
+            tokenizer.save_pretrained(directory)
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def register() -> None:
+    """Register ``"megacp"`` with transformers' attention and mask interfaces (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(NAME, megacp_attention)
+    AttentionMaskInterface.register(NAME, megacp_mask)
+
+
+register()

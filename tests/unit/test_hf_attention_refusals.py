@@ -1,0 +1,64 @@
+"""``attn_implementation="megacp"`` refuses, in one line naming the model's feature, what it cannot
+compute exactly (sliding windows shorter than a document, attention dropout in training,
+bidirectional attention, soft-capping, padding and 4-D masks, a cache with past tokens), and runs a
+window that covers every document exactly."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from tests.helpers.hf_archs import SMALL, make_model, packed_batch
+
+
+def _batch(arch: str, **extra: Any) -> tuple[torch.nn.Module, dict[str, Any]]:
+    from megacp.integrations.transformers import prepare_batch
+
+    model = make_model(arch, **extra)
+    model.set_attn_implementation("megacp")
+    ids, pos, _ = packed_batch(seed=2)
+    return model, prepare_batch(ids, position_ids=pos)
+
+
+@pytest.mark.parametrize("arch, extra, train, message", [
+    ("mistral", dict(sliding_window=8), False, "mistral layer 0 uses a sliding window of 8 tokens, shorter than a 13-token"),
+    ("llama", dict(attention_dropout=0.1), True, "attention dropout 0.1"),
+    ("qwen3", dict(is_causal=False), False, r"qwen3 uses bidirectional \(non-causal\) attention"),
+])
+def test_unsupported_features_are_refused_naming_them(arch: str, extra: dict, train: bool, message: str) -> None:
+    model, batch = _batch(arch, **extra)
+    with pytest.raises(ValueError, match=message):
+        model.train(train)(**batch)
+
+
+def test_window_covering_every_document_is_exact() -> None:
+    model, batch = _batch("mistral", sliding_window=13)  # the longest document: the window changes nothing
+    full, _ = _batch("mistral")
+    torch.testing.assert_close(model(**batch).logits, full(**batch).logits, rtol=0, atol=0)
+
+
+def test_gemma2_soft_capping_is_refused_before_any_work() -> None:
+    import transformers
+
+    from megacp.integrations.transformers import check_model
+
+    config = transformers.Gemma2Config(**{**SMALL, "head_dim": 8}, attn_logit_softcapping=50.0)
+    model = transformers.Gemma2ForCausalLM(config)
+    with pytest.raises(ValueError, match="gemma2 soft-caps attention logits"):
+        check_model(model)
+
+
+def test_masks_and_caches_megacp_cannot_honour_are_refused() -> None:
+    model, batch = _batch("llama")
+    ids = batch["input_ids"]
+    model.eval()
+    padded = torch.ones_like(ids)
+    padded[0, :3] = 0
+    with pytest.raises(ValueError, match="padding attention mask"):
+        model(ids, attention_mask=padded)
+    with pytest.raises(ValueError, match="custom 4-D attention mask"):
+        model(ids, attention_mask=torch.ones(1, 1, ids.shape[1], ids.shape[1], dtype=torch.bool))
+    with pytest.raises(ValueError, match="a transformers cache with past tokens"):
+        model.generate(ids[:, :5], max_new_tokens=2, do_sample=False)
