@@ -33,7 +33,7 @@ from torch import Tensor, nn
 
 from megacp.layers.settings import CPSettings
 from megacp.layers.step import CPStep, cacheless_step, plan_step
-from megacp.train.batch import TrainShard, shard_batch
+from megacp.placement.batch import TrainShard, shard_batch
 
 NAME = "megacp"
 """The ``attn_implementation`` name."""
@@ -232,7 +232,7 @@ def prepare_batch(input_ids: Tensor, *, labels: Tensor | None = None, position_i
     ``cu_seqlens``, else by the resets of ``position_ids`` to 0 (what transformers'
     ``DataCollatorWithFlattening`` produces). Labels (unshifted, ``-100`` ignored; default the
     inputs) are shifted per document *before* sharding; everything is then sharded with the
-    load-balanced plan of :func:`megacp.train.batch.shard_batch`.
+    load-balanced plan of :func:`megacp.placement.batch.shard_batch`.
 
     Args:
         input_ids: ``[B, S]`` or ``[T]`` int64; labels, position_ids: the same shape.
@@ -275,7 +275,7 @@ def prepare_batch(input_ids: Tensor, *, labels: Tensor | None = None, position_i
 
 
 def model_inputs(shard: TrainShard, settings: CPSettings | None = None, *, training: bool = True) -> dict[str, Any]:
-    """A :class:`~megacp.train.batch.TrainShard` as keyword arguments of a transformers causal LM's
+    """A :class:`~megacp.placement.batch.TrainShard` as keyword arguments of a transformers causal LM's
     forward (what :func:`prepare_batch` returns; ``[1, n_local]`` tensors on the shard's device).
 
     Args:

@@ -28,7 +28,7 @@ from megacp.config import ConfigError
 from megacp.layers.settings import CPSettings
 from megacp.parallel.mpu import DeepSpeedMPU
 from megacp.parallel.state import ParallelState
-from megacp.train.batch import shard_batch
+from megacp.placement.batch import shard_batch
 from megacp.train.data import PackedSequence
 from megacp.train.loss import lm_loss, logged_loss
 

@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from megacp.layers.settings import CPSettings
 from megacp.layers.step import CPStep, plan_step
 from megacp.placement import ShardPlan
-from megacp.train.batch import IGNORE_INDEX, TrainShard
+from megacp.placement.batch import IGNORE_INDEX, TrainShard
 
 DEFAULT_CHUNK_TOKENS = 8192
 """Rows of hidden states whose logits are materialised at once."""
@@ -157,7 +157,7 @@ def lm_loss(model: nn.Module, shard: TrainShard, *, settings: CPSettings | None 
         model: a :class:`~megacp.models.llama.CausalLM` (or anything with its ``hidden_states``
             and ``lm_head_weight``), with CP attention over the shard's CP group
             (:func:`megacp.swap_attention`) unless CP = 1.
-        shard: this rank's :class:`TrainShard` (:func:`~megacp.train.batch.shard_batch`).
+        shard: this rank's :class:`TrainShard` (:func:`~megacp.placement.batch.shard_batch`).
         settings: the CP settings the model's attention was swapped with
             (:meth:`~megacp.layers.settings.CPSettings.from_state`): the layers run a
             :class:`~megacp.layers.step.TrainStep` of the shard's plan. ``None``: CP = 1, the

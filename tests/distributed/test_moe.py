@@ -325,7 +325,7 @@ def _ep_reference(kind: str, clip: float) -> dict:
     """One process, every expert, plain ``torch.optim.AdamW``: per step the mean of the two DP
     replicas' losses is differentiated (DeepSpeed's average over DP), clipped, and stepped. Returns
     the losses, the gradient norms before clipping, step 0's gradients and the final parameters."""
-    from megacp.train.batch import shard_batch
+    from megacp.placement.batch import shard_batch
     from megacp.train.loss import lm_loss
     from tests.helpers.training import seeded_model
 
@@ -357,7 +357,7 @@ def _ep_train_worker(rank: int, world: int) -> dict:
     from megacp.checkpoint.tp import shard_experts, shard_tensor
     from megacp.models import CausalLM
     from megacp.models.build import expert_parallel_group
-    from megacp.train.batch import shard_batch
+    from megacp.placement.batch import shard_batch
     from megacp.train.engine import Trainer, read_settings
     from megacp.train.loss import lm_loss
     from tests.helpers.training import seeded_model

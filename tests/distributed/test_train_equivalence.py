@@ -24,7 +24,7 @@ import torch
 
 from megacp.layers.settings import CPSettings
 from megacp.layers.swap import settings_for
-from megacp.train.batch import IGNORE_INDEX, shard_batch
+from megacp.placement.batch import IGNORE_INDEX, shard_batch
 from megacp.train.loss import chunked_cross_entropy, lm_loss, logged_loss
 from tests.helpers.distributed import run_distributed
 from tests.helpers.training import ELEMENT_RTOL, RTOL, grads_of, seeded_model, step_batch, tiny_config, train_steps

@@ -81,7 +81,7 @@ def _flat(model: torch.nn.Module, tp_group: torch.distributed.ProcessGroup | Non
 
 def _plain_torch() -> tuple[list[float], torch.Tensor]:
     """CP = 1 without DeepSpeed: per-step mean micro-batch loss and the final weights."""
-    from megacp.train.batch import shard_batch
+    from megacp.placement.batch import shard_batch
     from megacp.train.loss import lm_loss
 
     model = _model()

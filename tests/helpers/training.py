@@ -8,7 +8,7 @@ import torch
 
 from megacp.layers.settings import CPSettings
 from megacp.models import CausalLM, ModelConfig
-from megacp.train.batch import IGNORE_INDEX, shard_batch
+from megacp.placement.batch import IGNORE_INDEX, shard_batch
 from megacp.train.loss import lm_loss, logged_loss
 from tests.helpers.reference import rel_err
 

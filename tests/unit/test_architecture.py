@@ -3,14 +3,15 @@
 Layers, top first; a module may import its own package, and packages of its own layer or of
 layers below it, never above (README, "Architecture"):
 
-    megacp, generate, train  the package root (public re-exports) and the entry points
-                             (``python -m megacp.generate`` / ``python -m megacp.train``)
+    megacp, generate, train  the package root (public re-exports), the entry points
+    integrations             (``python -m megacp.generate`` / ``python -m megacp.train``) and the
+                             transformers attention interface
     checkpoint               formats, conversion, loading weights into a built model
     models                   the model, its config and parameter schema
-    layers                   CP attention modules, CPStep, swap_attention
+    layers                   CP attention modules, CPSettings, the step kinds, swap_attention
     attention                partial attention, merge, ring prefill, decode, strategy
     kv_cache                 the CP-sharded KV cache
-    placement                which CP rank holds which token, layouts, tiles
+    placement                which CP rank holds which token, layouts, tiles, training batches
     parallel                 process mesh, groups, the CP ring
     config                   megacp's validated config sections
 
@@ -27,7 +28,7 @@ from tests.helpers.paths import ROOT
 PACKAGE = ROOT / "megacp"
 
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("megacp", "generate", "train"),
+    ("megacp", "generate", "train", "integrations"),
     ("checkpoint",),
     ("models",),
     ("layers",),

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megacp.placement import ShardPlan
-from megacp.train.batch import IGNORE_INDEX, shard_batch
+from megacp.placement.batch import IGNORE_INDEX, shard_batch
 
 X = IGNORE_INDEX
 
