@@ -1,6 +1,7 @@
-"""ZeRO 3 under CP on real gloo processes (fp32): the per-step losses and final weights after 20
-AdamW steps equal ZeRO 0's, with and without ``offload_param`` / ``offload_optimizer`` to CPU, at
-CP = 1, CP = 2 and CP 2 x DP 2 (all engines built one after the other in one set of processes).
+"""ZeRO 3 on real gloo processes (fp32): the per-step losses and final weights after 20 AdamW
+steps equal ZeRO 0's, with and without ``offload_param`` / ``offload_optimizer`` to CPU, on one
+process and over DP 2 (parameters really partitioned: no persistence threshold); ZeRO 3 with CP
+is refused in one line.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ SEQ_LEN = 16
 LR = 2e-3
 CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                   max_position_embeddings=64, tie_word_embeddings=False)
+ZERO3 = {"stage": 3, "stage3_param_persistence_threshold": 0}
 OFFLOAD = {"offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}}
 
 
@@ -63,7 +65,7 @@ def _train(rank: int, world_size: int, cp: int) -> dict:
 
     dp = world_size // cp
     out: dict = {}
-    for name, zero in (("zero0", {"stage": 0}), ("zero3", {"stage": 3}), ("zero3_offload", {"stage": 3, **OFFLOAD})):
+    for name, zero in (("zero0", {"stage": 0}), ("zero3", ZERO3), ("zero3_offload", {**ZERO3, **OFFLOAD})):
         config = _ds_config(zero, cp, dp)
         state = megacp.initialize(config)
         torch.manual_seed(0)
@@ -77,7 +79,7 @@ def _train(rank: int, world_size: int, cp: int) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("world_size", "cp"), [(1, 1), (2, 2), (4, 2)], ids=["cp1", "cp2", "cp2xdp2"])
+@pytest.mark.parametrize(("world_size", "cp"), [(1, 1), (2, 1)], ids=["one", "dp2"])
 def test_zero3_trains_like_zero0(world_size: int, cp: int) -> None:
     pytest.importorskip("deepspeed", reason="DeepSpeed not installed")
     results = run_distributed(_train, world_size, cp, timeout=400.0)
@@ -89,3 +91,12 @@ def test_zero3_trains_like_zero0(world_size: int, cp: int) -> None:
             assert losses == pytest.approx(ref_losses, rel=1e-5), f"{run} rank {rank}"
             assert rel_err(weights, ref_weights) < 1e-5, f"{run} rank {rank}"
             assert weights.shape == ref_weights.shape, f"{run} rank {rank}"
+
+
+def test_zero3_with_cp_is_refused() -> None:
+    pytest.importorskip("deepspeed", reason="DeepSpeed not installed")
+    from megacp.config import ConfigError
+    from megacp.train.engine import read_settings
+
+    with pytest.raises(ConfigError, match="zero_optimization.stage 3 with context_parallel.size 2 is not supported"):
+        read_settings(_ds_config(ZERO3, cp=2, dp=1))

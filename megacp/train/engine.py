@@ -9,11 +9,12 @@ averaged, which makes :func:`~megacp.train.loss.lm_loss` (each CP rank's share o
 mean token loss) exact. Experts sharded over EP go through DeepSpeed's MoE gradient path
 (:mod:`megacp.train.experts`). The model is trained through ``engine.module``'s
 :meth:`~megacp.models.llama.CausalLM.hidden_states`, and the loss applies the LM head matrix
-itself, chunk by chunk. Under ZeRO 3 (parameters partitioned over the DP x CP ranks, optionally
+itself, chunk by chunk. Under ZeRO 3 (parameters partitioned over the DP ranks, optionally
 offloaded to CPU with ``offload_param`` / ``offload_optimizer``) DeepSpeed gathers a parameter only
 around the forward and backward of the module that owns it, so the engine trains a
 :class:`LossModule` (the model and its loss as one forward) that registers the LM head matrix as
-its external parameter: it stays gathered through the chunked loss.
+its external parameter: it stays gathered through the chunked loss. ZeRO 3 is refused with CP,
+TP or EP sharding (:func:`_check_zero3`).
 """
 
 from __future__ import annotations
@@ -103,10 +104,18 @@ def read_settings(raw: Mapping[str, Any]) -> TrainSettings:
     return TrainSettings(dtype=torch.bfloat16 if enabled else torch.float32, zero_stage=stage)
 
 
+ZERO3_CP_REFUSAL = ("zero_optimization.stage 3 with context_parallel.size {cp} is not supported yet (its "
+                    "updates differ from ZeRO 0's at CP > 1); use ZeRO 0-2 with CP, or CP 1 with ZeRO 3")
+
+
 def _check_zero3(raw: Mapping[str, Any]) -> None:
-    """Refuse what ZeRO 3 under megacp cannot train: tensor parallelism (DeepSpeed's stage 3 would
+    """Refuse what ZeRO 3 under megacp cannot train yet: context parallelism (the updates of
+    DeepSpeed's stage 3 under megacp's CP ring differ from ZeRO 0's), tensor parallelism (DeepSpeed's stage 3 would
     partition the TP shards over DP x CP without TP-aware gathering in megacp's layers) and
     expert parallelism (DeepSpeed's MoE gradient path is a ZeRO 1/2 path)."""
+    cp = _section(raw, "context_parallel").get("size")
+    if cp not in (None, 1):
+        raise ConfigError(ZERO3_CP_REFUSAL.format(cp=cp))
     tp = _section(raw, "tensor_model_parallel").get("size", 1)
     if tp != 1:
         raise ConfigError(f"zero_optimization.stage 3 with tensor_model_parallel.size {tp} is not supported; "
@@ -225,6 +234,8 @@ class Trainer:
                                   "not supported; use ZeRO 0-2 with EP")
             check_expert_training(config, settings.zero_stage, state.size("ep"))
         self.zero3 = settings.zero_stage == 3
+        if self.zero3 and state.size("cp") > 1:
+            raise ConfigError(ZERO3_CP_REFUSAL.format(cp=state.size("cp")))
         if self.zero3:
             model = LossModule(model)
         with expert_parallel(model, state):
