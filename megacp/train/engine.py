@@ -13,8 +13,10 @@ itself, chunk by chunk. Under ZeRO 3 (parameters partitioned over the DP ranks, 
 offloaded to CPU with ``offload_param`` / ``offload_optimizer``) DeepSpeed gathers a parameter only
 around the forward and backward of the module that owns it, so the engine trains a
 :class:`LossModule` (the model and its loss as one forward) that registers the LM head matrix as
-its external parameter: it stays gathered through the chunked loss. ZeRO 3 is refused with CP,
-TP or EP sharding (:func:`_check_zero3`).
+its external parameter: it stays gathered through the chunked loss. The model is partitioned over
+the DP x CP group (``deepspeed.zero.Init`` with megacp's ``dp_cp`` group: DeepSpeed's own conversion
+would use the DP group alone and leave the CP ranks' gradients unsummed). ZeRO 3 is refused with TP
+or EP sharding (:func:`_check_zero3`).
 """
 
 from __future__ import annotations
@@ -104,18 +106,15 @@ def read_settings(raw: Mapping[str, Any]) -> TrainSettings:
     return TrainSettings(dtype=torch.bfloat16 if enabled else torch.float32, zero_stage=stage)
 
 
-ZERO3_CP_REFUSAL = ("zero_optimization.stage 3 with context_parallel.size {cp} is not supported yet (its "
-                    "updates differ from ZeRO 0's at CP > 1); use ZeRO 0-2 with CP, or CP 1 with ZeRO 3")
-
-
 def _check_zero3(raw: Mapping[str, Any]) -> None:
-    """Refuse what ZeRO 3 under megacp cannot train yet: context parallelism (the updates of
-    DeepSpeed's stage 3 under megacp's CP ring differ from ZeRO 0's), tensor parallelism (DeepSpeed's stage 3 would
+    """Refuse what ZeRO 3 under megacp cannot train: ``reduce_scatter: false`` with CP (see
+    :meth:`Trainer.step`), tensor parallelism (DeepSpeed's stage 3 would
     partition the TP shards over DP x CP without TP-aware gathering in megacp's layers) and
     expert parallelism (DeepSpeed's MoE gradient path is a ZeRO 1/2 path)."""
     cp = _section(raw, "context_parallel").get("size")
-    if cp not in (None, 1):
-        raise ConfigError(ZERO3_CP_REFUSAL.format(cp=cp))
+    if cp not in (None, 1) and _section(raw, "zero_optimization").get("reduce_scatter", True) is not True:
+        raise ConfigError(f"zero_optimization.reduce_scatter: false with stage 3 and context_parallel.size {cp} "
+                          "is not supported; leave reduce_scatter at its default (true)")
     tp = _section(raw, "tensor_model_parallel").get("size", 1)
     if tp != 1:
         raise ConfigError(f"zero_optimization.stage 3 with tensor_model_parallel.size {tp} is not supported; "
@@ -234,10 +233,11 @@ class Trainer:
                                   "not supported; use ZeRO 0-2 with EP")
             check_expert_training(config, settings.zero_stage, state.size("ep"))
         self.zero3 = settings.zero_stage == 3
-        if self.zero3 and state.size("cp") > 1:
-            raise ConfigError(ZERO3_CP_REFUSAL.format(cp=state.size("cp")))
         if self.zero3:
             model = LossModule(model)
+            # partitioned over DP x CP (DeepSpeed's own conversion would use the mpu's DP group only)
+            deepspeed.zero.Init(module=model, data_parallel_group=state.group("dp_cp"), config_dict_or_path=dict(config),
+                                mpu=DeepSpeedMPU(state))
         with expert_parallel(model, state):
             self.engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=dict(config),
                                                    mpu=DeepSpeedMPU(state))
@@ -266,7 +266,9 @@ class Trainer:
             shard = shard_batch(batch.input_ids, cu_seqlens=batch.cu_seqlens, cp_size=self.state.size("cp"),
                                 cp_rank=self.state.rank_in("cp"), load_balance=self.load_balance)
             loss = self.engine(shard) if self.zero3 else lm_loss(self.module, shard)
-            self.engine.backward(loss)
+            # ZeRO 3's reduce-scatter averages the gradients over DP x CP; the CP ranks' shares must
+            # be summed (averaged over DP only), hence the factor CP
+            self.engine.backward(loss * self.state.size("cp") if self.zero3 else loss)
             self.engine.step()
             losses.append(logged_loss(loss, cp_group=self.cp_group, dp_group=self.dp_group))
             tokens += batch.input_ids.numel()
