@@ -9,7 +9,7 @@ averaged, which makes :func:`~megacp.train.loss.lm_loss` (each CP rank's share o
 mean token loss) exact. Experts sharded over EP go through DeepSpeed's MoE gradient path
 (:mod:`megacp.train.experts`). The model is trained through ``engine.module``'s
 :meth:`~megacp.models.llama.CausalLM.hidden_states`, and the loss applies the LM head matrix
-itself, chunk by chunk. Under ZeRO 3 (parameters partitioned over the DP ranks, optionally
+itself, chunk by chunk. Under ZeRO 3 (parameters partitioned over the DP x CP ranks, optionally
 offloaded to CPU with ``offload_param`` / ``offload_optimizer``) DeepSpeed gathers a parameter only
 around the forward and backward of the module that owns it, so the engine trains a
 :class:`LossModule` (the model and its loss as one forward) that registers the LM head matrix as
