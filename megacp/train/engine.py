@@ -133,7 +133,9 @@ class LossModule(torch.nn.Module):
 
     def __init__(self, model: torch.nn.Module) -> None:
         super().__init__()
-        from deepspeed.runtime.zero.partition_parameters import register_external_parameter
+        from deepspeed.runtime.zero.partition_parameters import (
+            register_external_parameter,
+        )
 
         self.model = model
         register_external_parameter(self, model.lm_head_weight)
@@ -224,7 +226,11 @@ class Trainer:
         deepspeed = _deepspeed(state)
         mark_tensor_parallel(model, state.size("tp"))
         params = [p for p in model.parameters() if p.requires_grad]
-        from megacp.train.experts import check_expert_training, expert_parallel, sharded_expert_parameters
+        from megacp.train.experts import (
+            check_expert_training,
+            expert_parallel,
+            sharded_expert_parameters,
+        )
 
         self.sharded_experts = bool(sharded_expert_parameters(model))
         if self.sharded_experts:
