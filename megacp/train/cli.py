@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.metadata
 import json
 import os
+import socket
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -67,6 +69,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hf-native", action="store_true",
                    help="train the Hugging Face model of --model DIR as transformers builds it, with "
                         "attn_implementation='megacp' (no conversion; --save writes save_pretrained files)")
+    p.add_argument("--deepspeed", action="store_true",
+                   help="accepted for DeepSpeed scripts' sake: megacp.train always trains under DeepSpeed")
+    p.add_argument("--version", action="version", version=f"megacp {importlib.metadata.version('megacp')}")
     add_launcher_args(p)
     args = p.parse_args(argv)
     if args.deepspeed_config is None:
@@ -106,13 +111,45 @@ def _eos_id(tokenizer: Any, model_config: Any) -> int:
     raise UsageError("the model's tokenizer has no EOS token to separate the packed documents")
 
 
+def _world_of_one_env() -> None:
+    """Without a launcher (no ``RANK``/``WORLD_SIZE``), set the environment of a world of one
+    (rank 0 on a free localhost port) that ``deepspeed.initialize`` requires; a launcher's
+    values are left as they are."""
+    if "RANK" in os.environ or "WORLD_SIZE" in os.environ:
+        return
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("LOCAL_WORLD_SIZE", "1"),
+                       ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(port))):
+        os.environ.setdefault(key, value)
+
+
+def check_seq_len(seq_len: int, cp_size: int, model_config: Any) -> None:
+    """Refuse a ``seq_len`` longer than the model's context (``max_position_embeddings`` of
+    ``model_config``, ``None`` when unknown) or too short to give each of the ``2 x cp_size``
+    load-balanced chunks (at least 2 tokens at CP 1) a token with a label.
+
+    Raises:
+        UsageError: one line naming the limit.
+    """
+    shortest = max(2, 2 * cp_size)
+    if seq_len < shortest:
+        raise UsageError(f"--seq-len {seq_len} is too short for CP={cp_size}: every CP rank needs a token with a "
+                         f"label (at least {shortest} tokens)")
+    context = getattr(model_config, "max_position_embeddings", None)
+    if context is not None and seq_len > context:
+        raise UsageError(f"--seq-len {seq_len} exceeds the model's context of {context} tokens "
+                         "(max_position_embeddings)")
+
+
 def run(args: argparse.Namespace) -> int:
     """The training job (after :func:`parse_args`); collective over all ranks."""
     from tqdm import tqdm
 
     import megacp
     from megacp.checkpoint import load_tokenizer
-    from megacp.checkpoint.front import default_model_path, load_on_mesh
+    from megacp.checkpoint.front import default_model_path, load_on_mesh, read_model_config
     from megacp.layers.settings import CPSettings
     from megacp.parallel import peak_memory_mib
     from megacp.train.data import CorpusBatches, Prefetcher, resolve_corpus
@@ -133,6 +170,8 @@ def run(args: argparse.Namespace) -> int:
                          "checkpoints, not partitioned parameters); train with stage 1 or 2 to save")
     sources = resolve_corpus(args.corpus)
     model_path = args.model or default_model_path()  # CheckpointError (one line) when the package is missing
+    check_seq_len(args.seq_len, config.context_parallel.size or 1, read_model_config(model_path))
+    _world_of_one_env()
     state = megacp.initialize(config)
     micro_batch = check_batch_config(config.deepspeed, state)
     rank0 = state.rank == 0

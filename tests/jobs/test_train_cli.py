@@ -25,9 +25,9 @@ import pytest
 import torch
 
 from tests.helpers.distributed import free_port
+from tests.helpers.paths import ROOT
 from tests.helpers.reference import rel_err
 
-from tests.helpers.paths import ROOT
 CPU_CONFIG = ROOT / "configs" / "train_cpu_cp2.json"
 STEPS = 3
 SEQ_LEN = 40
@@ -201,6 +201,8 @@ def _config(tmp_path: Path, name: str, **changes) -> str:
         ("ep_save", "saving a checkpoint of experts sharded over expert_model_parallel.size=2 ranks is not supported"),
         ("hf_native_not_hf_dir", "--hf-native needs --model DIR, a Hugging Face model directory with a config.json"),
         ("hf_native_backend", "--hf-native trains the transformers modules as they are: --backend"),
+        ("seq_len_context", "--seq-len 257 exceeds the model's context of 256 tokens"),
+        ("seq_len_cp", "--seq-len 3 is too short for CP=2: every CP rank needs a token with a label"),
     ],
 )
 def test_bad_input_is_one_line(case: str, expected: str, tiny: tuple[Path, Path], tmp_path: Path,
@@ -228,8 +230,34 @@ def test_bad_input_is_one_line(case: str, expected: str, tiny: tuple[Path, Path]
                            _config(tmp_path, "ep_save", expert_model_parallel={"size": 2})],
         "hf_native_not_hf_dir": ["--hf-native", "--model", str(corpus), *base[2:]],
         "hf_native_backend": ["--hf-native", "--backend", "torch", *base],
+        "seq_len_context": base + ["--seq-len", "257"],
+        "seq_len_cp": base + ["--seq-len", "3"],
     }[case]
     assert expected in _main_error(argv, capsys)
+
+
+def test_trains_without_a_launcher(tiny: tuple[Path, Path]) -> None:
+    """``python -m megacp.train`` as a plain process (no launcher environment) trains at CP 1 on
+    CPU as a world of one, with DeepSpeed's ``--deepspeed`` flag, and exits 0."""
+    pytest.importorskip("deepspeed", reason="DeepSpeed not installed")
+    model_dir, corpus = tiny
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                          "MASTER_PORT", "LOCAL_WORLD_SIZE")}
+    result = subprocess.run([sys.executable, "-m", "megacp.train", "--deepspeed", "--model", str(model_dir),
+                             "--corpus", str(corpus), "--steps", "2", "--seq-len", "64",
+                             "--deepspeed_config", str(ROOT / "configs" / "train_cpu_cp1.json")],
+                            env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "megacp.train: 2 steps, loss" in result.stdout
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    from megacp.train.cli import parse_args
+
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.startswith("megacp ")
 
 
 @pytest.mark.slow
