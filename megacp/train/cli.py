@@ -9,12 +9,15 @@ from the DeepSpeed config, as do megacp's ``context_parallel`` / ``tensor_model_
 
 Examples::
 
+    python -m megacp.train --deepspeed_config configs/train_cpu_cp1.json --steps 4 --seq-len 512  # no launcher: CP 1
     deepspeed --num_gpus 2 --module megacp.train --deepspeed_config configs/train_cp2.json --steps 100 --save ckpt
     DS_ACCELERATOR=cpu deepspeed --num_gpus 2 --module megacp.train --deepspeed_config configs/train_cpu_cp2.json \\
         --steps 4 --save /tmp/ckpt
     torchrun --nproc_per_node 2 -m megacp.train --deepspeed_config configs/train_cpu_cp2.json --corpus docs/ --steps 4
 
-Every argument and the config are checked before anything is loaded; a problem ends the job with
+Without a launcher the job is a world of one (CP 1). Every argument, the config, ``--seq-len``
+against the model's context and CP size, and DeepSpeed's batch arithmetic are checked before any
+weights load; a problem ends the job with
 one line on rank 0's stderr and exit status 2.
 """
 
