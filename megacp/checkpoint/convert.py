@@ -134,7 +134,7 @@ def _deepspeed_to_megacp(args: argparse.Namespace) -> WriteSummary:
     from megacp.checkpoint.deepspeed import read_deepspeed_checkpoint
 
     check_output_dir(args.output, force=args.force)
-    source = read_deepspeed_checkpoint(args.input, args.tag)
+    source = read_deepspeed_checkpoint(args.input, args.tag, trust=args.trust_checkpoint)
     check_tp_size(source.config, args.tp)
     with _progress(source.tensors.items(), len(source.tensors), args) as stream:
         return save_megacp_checkpoint(args.output, source.config, stream, dtype=_deepspeed_dtype(args, source.dtype),
@@ -145,7 +145,7 @@ def _deepspeed_to_hf(args: argparse.Namespace) -> WriteSummary:
     from megacp.checkpoint.deepspeed import read_deepspeed_checkpoint
 
     check_output_dir(args.output, force=args.force)
-    source = read_deepspeed_checkpoint(args.input, args.tag)
+    source = read_deepspeed_checkpoint(args.input, args.tag, trust=args.trust_checkpoint)
     tensors = megacp_to_hf(source.config, source.tensors.__getitem__, source.tensors)
     with _progress(tensors, len(hf_parameter_shapes(source.config)), args) as stream:
         return save_hf_checkpoint(args.output, source.config, stream, dtype=_deepspeed_dtype(args, source.dtype),
@@ -190,11 +190,15 @@ def build_parser() -> argparse.ArgumentParser:
     sub = command("deepspeed-to-megacp", "megacp.train DeepSpeed checkpoint (ZeRO shards merged) -> megacp checkpoint",
                   _deepspeed_to_megacp, ds_input, "megacp checkpoint directory to create")
     sub.add_argument("--tag", help="checkpoint tag (default: the one DeepSpeed's 'latest' file names)")
+    sub.add_argument("--trust-checkpoint", action="store_true",
+                     help="unpickle arbitrary objects in the *.pt files (runs code they carry; default: data only)")
     sub.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default: 1)")
     sub.add_argument("--dtype", choices=list(DTYPES), help=ds_dtype)
     sub = command("deepspeed-to-hf", "megacp.train DeepSpeed checkpoint (ZeRO shards merged) -> Hugging Face directory",
                   _deepspeed_to_hf, ds_input, "Hugging Face directory to create")
     sub.add_argument("--tag", help="checkpoint tag (default: the one DeepSpeed's 'latest' file names)")
+    sub.add_argument("--trust-checkpoint", action="store_true",
+                     help="unpickle arbitrary objects in the *.pt files (runs code they carry; default: data only)")
     sub.add_argument("--dtype", choices=list(DTYPES), help=ds_dtype)
     return parser
 

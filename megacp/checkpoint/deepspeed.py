@@ -19,9 +19,12 @@ master weights, partitions merged), without them from the module states (the tra
 from __future__ import annotations
 
 import contextlib
+import importlib
 import io
 import json
 import os
+import pickle
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -94,12 +97,71 @@ def _latest_tag(path: Path) -> str:
     return latest.read_text(encoding="utf-8").strip()
 
 
-def read_deepspeed_checkpoint(directory: str | os.PathLike[str], tag: str | None = None) -> DeepSpeedCheckpoint:
+def _inside(path: Path, root: Path, what: str) -> Path:
+    """``path`` with symlinks resolved, refused unless it lies inside ``root`` (no ``..``, absolute
+    paths or symlinks leading out of the checkpoint)."""
+    resolved = path.resolve()
+    if not resolved.is_relative_to(root.resolve()):
+        raise CheckpointError(f"{what} {str(path)!r} leads outside the checkpoint {root}")
+    return resolved
+
+
+TRUST_HINT = "pass --trust-checkpoint only if you trust where it came from"
+
+
+def _safe_globals() -> list[Any]:
+    """The non-tensor types DeepSpeed writes into its ``*.pt`` files, allowed for ``weights_only``
+    loading (plain data classes and enums, no callables)."""
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    # ``deepspeed.utils.tensor_fragment`` the attribute is a class shadowing the module of that name
+    fragment = importlib.import_module("deepspeed.utils.tensor_fragment")
+    return [LossScaler, ZeroStageEnum, fragment.fragment_address]
+
+
+@contextlib.contextmanager
+def _weights_only(trust: bool):
+    """Every ``torch.load`` inside (DeepSpeed's own included) loads as ``weights_only=True`` with
+    :func:`_safe_globals` allowed, unless ``trust``; an unpickling refusal becomes one line."""
+    if trust:
+        yield
+        return
+    previous = os.environ.get("TORCH_FORCE_WEIGHTS_ONLY_LOAD")
+    os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
+    try:
+        with torch.serialization.safe_globals(_safe_globals()):
+            yield
+    except pickle.UnpicklingError as err:
+        found = re.search(r"GLOBAL (\S+)", str(err))
+        what = f"the object type {found.group(1)}" if found else "objects other than tensors and plain data"
+        raise CheckpointError(f"holds {what}, refused (loaded as data only); {TRUST_HINT}") from None
+    finally:
+        if previous is None:
+            os.environ.pop("TORCH_FORCE_WEIGHTS_ONLY_LOAD", None)
+        else:
+            os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = previous
+
+
+def _load_pt(file: Path, trust: bool) -> Any:
+    """``torch.load`` of one checkpoint file as data (``weights_only=True``) unless ``trust``."""
+    try:
+        with _weights_only(trust):
+            return torch.load(file, map_location="cpu", weights_only=not trust)
+    except CheckpointError as err:
+        raise CheckpointError(f"{file}: {err}") from None
+
+
+def read_deepspeed_checkpoint(directory: str | os.PathLike[str], tag: str | None = None, *,
+                              trust: bool = False) -> DeepSpeedCheckpoint:
     """Rebuild the full weights of a ``megacp.train`` DeepSpeed checkpoint.
 
     Args:
         directory: the ``--save`` directory.
-        tag: the checkpoint tag (default: the one ``latest`` names).
+        tag: the checkpoint tag (default: the one ``latest`` names); it must name a directory
+            inside ``directory``.
+        trust: unpickle the ``*.pt`` files with arbitrary objects (runs code a file carries);
+            by default they load as data only (``weights_only=True``) and anything else is refused.
 
     Raises:
         CheckpointError: not such a checkpoint, a missing tag, a TP-sharded checkpoint (not
@@ -112,9 +174,11 @@ def read_deepspeed_checkpoint(directory: str | os.PathLike[str], tag: str | None
         raise CheckpointError(f"{path} was trained with tensor_model_parallel.size {meta['tp_size']}; "
                               "converting TP-sharded DeepSpeed checkpoints is not supported")
     tag = tag or _latest_tag(path)
-    tag_dir = path / tag
+    tag_dir = _inside(path / tag, path, "checkpoint tag")
     if not tag_dir.is_dir():
         raise CheckpointError(f"{path} has no checkpoint tag {tag!r}")
+    for file in tag_dir.iterdir():
+        _inside(file, path, "checkpoint file")
     try:
         config = ModelConfig.from_dict(meta["model_config"])
         dtype = dtype_from_name(meta["dtype"])
@@ -123,13 +187,16 @@ def read_deepspeed_checkpoint(directory: str | os.PathLike[str], tag: str | None
     if any(tag_dir.glob("*_optim_states.pt")):  # ZeRO 1/2 partitions of the fp32 master weights
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-        with contextlib.redirect_stdout(io.StringIO()):  # its progress prints
-            state = get_fp32_state_dict_from_zero_checkpoint(str(path), tag=tag)
+        try:
+            with contextlib.redirect_stdout(io.StringIO()), _weights_only(trust):  # its progress prints
+                state = get_fp32_state_dict_from_zero_checkpoint(str(path), tag=tag)
+        except CheckpointError as err:
+            raise CheckpointError(f"{tag_dir}: {err}") from None
     else:
         model_file = tag_dir / "mp_rank_00_model_states.pt"
         if not model_file.is_file():
             raise CheckpointError(f"{tag_dir} has neither ZeRO optimizer shards nor {model_file.name}")
-        state = torch.load(model_file, map_location="cpu", weights_only=False)["module"]
+        state = _load_pt(model_file, trust)["module"]
     shapes = parameter_shapes(config)
     missing = [name for name in shapes if name not in state]
     if missing:
