@@ -124,3 +124,22 @@ def test_tokenizer_with_remote_code_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="trust_remote_code"):
         load_tokenizer(tmp_path)
     assert not marker.exists()
+
+
+@pytest.mark.parametrize("value", ["no", "false", 0, 1, None])
+def test_sampling_string_boolean_is_refused(value: object) -> None:
+    from megacp.generate.sampling import SamplingParams
+
+    with pytest.raises(ValueError, match=f"ignore_eos must be True or False, got {value!r}"):
+        SamplingParams(ignore_eos=value)  # type: ignore[arg-type]
+    assert SamplingParams(ignore_eos=True).ignore_eos is True
+
+
+@pytest.mark.parametrize("text", ["", "  \n\t"])
+def test_empty_config_file_is_refused(text: str, tmp_path: Path) -> None:
+    from megacp.config import ConfigError, load_config
+
+    path = tmp_path / "ds.json"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=r"ds\.json: the config file is empty$"):
+        load_config(path)
