@@ -15,6 +15,8 @@ parameter only around the forward of the module that owns it, is refused.
 
 from __future__ import annotations
 
+import os
+import shutil
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -241,10 +243,29 @@ class Trainer:
 
             check_expert_training(self.config, self.settings.zero_stage, self.state.size("ep"), save=True)
         tag = f"step{self.steps_done}"
-        self.engine.save_checkpoint(str(directory), tag=tag)
+        directory = Path(directory)
+        staging = directory / f".{tag}.staging"
         if dist.get_rank() == 0:
+            directory.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(staging, ignore_errors=True)
+        dist.barrier()
+        # every file goes to a staging directory first: a save killed part-way leaves the previous
+        # checkpoint (its tag directory and the 'latest' naming it) untouched
+        self.engine.save_checkpoint(str(staging), tag=tag, save_latest=False)
+        dist.barrier()
+        if dist.get_rank() == 0:
+            old = directory / f".{tag}.old"
+            shutil.rmtree(old, ignore_errors=True)
+            if (directory / tag).exists():
+                os.replace(directory / tag, old)
+            os.replace(staging / tag, directory / tag)
             write_train_state(directory, model_config=model_config, dtype=self.settings.dtype,
                               tp_size=self.state.size("tp"), zero_stage=self.settings.zero_stage, tag=tag,
                               tokenizer=tokenizer)
+            latest = directory / ".latest.tmp"
+            latest.write_text(tag, encoding="utf-8")
+            os.replace(latest, directory / "latest")  # 'latest' moves last
+            shutil.rmtree(old, ignore_errors=True)
+            shutil.rmtree(staging, ignore_errors=True)
         dist.barrier()
         return tag
