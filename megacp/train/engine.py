@@ -148,7 +148,7 @@ class LossModule(torch.nn.Module):
         return self.loss(self.model, shard, settings=self.cp)
 
 
-def _deepspeed(state: ParallelState) -> Any:
+def deepspeed_for(state: ParallelState) -> Any:
     """The ``deepspeed`` module, prepared for ``state``'s device.
 
     On CPU, DeepSpeed's communication backend JIT-compiles a shared-memory all-reduce op
@@ -177,7 +177,7 @@ def check_batch_config(raw: Mapping[str, Any], state: ParallelState) -> int:
     """
     from deepspeed.runtime.config import DeepSpeedConfig
 
-    _deepspeed(state).init_distributed(dist_backend=state.backend)
+    deepspeed_for(state).init_distributed(dist_backend=state.backend)
     try:
         return DeepSpeedConfig(dict(raw), mpu=DeepSpeedMPU(state)).train_micro_batch_size_per_gpu
     except (AssertionError, ValueError, TypeError, KeyError) as err:
@@ -232,7 +232,7 @@ class Trainer:
     def __init__(self, model: torch.nn.Module, config: Mapping[str, Any], state: ParallelState,
                  settings: TrainSettings, *, cp: CPSettings | None = None,
                  loss: Callable[..., torch.Tensor] = lm_loss) -> None:
-        deepspeed = _deepspeed(state)
+        deepspeed = deepspeed_for(state)
         mark_tensor_parallel(model, state.size("tp"))
         params = [p for p in model.parameters() if p.requires_grad]
         from megacp.train.experts import (
