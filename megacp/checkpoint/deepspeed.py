@@ -94,6 +94,18 @@ def _latest_tag(path: Path) -> str:
     return latest.read_text(encoding="utf-8").strip()
 
 
+ZERO3_PREFIX = "model."
+"""What ZeRO 3 checkpoints put before megacp's parameter names (the engine trains the model inside
+:class:`~megacp.train.engine.LossModule`, attribute ``model``)."""
+
+
+def _model_names(state: dict[str, Any], zero_stage: int) -> dict[str, Any]:
+    """``state`` under megacp's parameter names (ZeRO 3: without :data:`ZERO3_PREFIX`)."""
+    if zero_stage != 3:
+        return state
+    return {k[len(ZERO3_PREFIX):] if k.startswith(ZERO3_PREFIX) else k: v for k, v in state.items()}
+
+
 def read_deepspeed_checkpoint(directory: str | os.PathLike[str], tag: str | None = None) -> DeepSpeedCheckpoint:
     """Rebuild the full weights of a ``megacp.train`` DeepSpeed checkpoint.
 
@@ -120,7 +132,7 @@ def read_deepspeed_checkpoint(directory: str | os.PathLike[str], tag: str | None
         dtype = dtype_from_name(meta["dtype"])
     except (KeyError, TypeError, ValueError) as err:
         raise CheckpointError(f"{path / TRAIN_STATE_FILE}: bad model_config or dtype ({err})") from None
-    if any(tag_dir.glob("*_optim_states.pt")):  # ZeRO 1/2 partitions of the fp32 master weights
+    if any(tag_dir.glob("*_optim_states.pt")):  # ZeRO 1/2/3 partitions of the fp32 master weights
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         with contextlib.redirect_stdout(io.StringIO()):  # its progress prints
@@ -130,6 +142,7 @@ def read_deepspeed_checkpoint(directory: str | os.PathLike[str], tag: str | None
         if not model_file.is_file():
             raise CheckpointError(f"{tag_dir} has neither ZeRO optimizer shards nor {model_file.name}")
         state = torch.load(model_file, map_location="cpu", weights_only=False)["module"]
+    state = _model_names(state, int(meta.get("zero_stage", 0)))
     shapes = parameter_shapes(config)
     missing = [name for name in shapes if name not in state]
     if missing:
