@@ -51,6 +51,10 @@ from megacp.models.schema import parameter_shapes
 Command = Callable[[argparse.Namespace], WriteSummary]
 
 
+TRUST_HELP = ("unpickle the DeepSpeed files without checking that they hold only tensors and plain data "
+              "(a downloaded checkpoint could run code); only for checkpoints you made or trust")
+
+
 @contextmanager
 def _progress(
     tensors: Iterable[tuple[str, torch.Tensor]], total: int, args: argparse.Namespace
@@ -190,16 +194,14 @@ def build_parser() -> argparse.ArgumentParser:
     sub = command("deepspeed-to-megacp", "megacp.train DeepSpeed checkpoint (ZeRO shards merged) -> megacp checkpoint",
                   _deepspeed_to_megacp, ds_input, "megacp checkpoint directory to create")
     sub.add_argument("--tag", help="checkpoint tag (default: the one DeepSpeed's 'latest' file names)")
-    sub.add_argument("--trust-checkpoint", action="store_true",
-                     help="unpickle arbitrary objects in the *.pt files (runs code they carry; default: data only)")
     sub.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default: 1)")
     sub.add_argument("--dtype", choices=list(DTYPES), help=ds_dtype)
+    sub.add_argument("--trust-checkpoint", action="store_true", help=TRUST_HELP)
     sub = command("deepspeed-to-hf", "megacp.train DeepSpeed checkpoint (ZeRO shards merged) -> Hugging Face directory",
                   _deepspeed_to_hf, ds_input, "Hugging Face directory to create")
     sub.add_argument("--tag", help="checkpoint tag (default: the one DeepSpeed's 'latest' file names)")
-    sub.add_argument("--trust-checkpoint", action="store_true",
-                     help="unpickle arbitrary objects in the *.pt files (runs code they carry; default: data only)")
     sub.add_argument("--dtype", choices=list(DTYPES), help=ds_dtype)
+    sub.add_argument("--trust-checkpoint", action="store_true", help=TRUST_HELP)
     return parser
 
 

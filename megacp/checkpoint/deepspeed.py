@@ -19,11 +19,9 @@ master weights, partitions merged), without them from the module states (the tra
 from __future__ import annotations
 
 import contextlib
-import importlib
 import io
 import json
 import os
-import pickle
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -97,59 +95,56 @@ def _latest_tag(path: Path) -> str:
     return latest.read_text(encoding="utf-8").strip()
 
 
-def _inside(path: Path, root: Path, what: str) -> Path:
-    """``path`` with symlinks resolved, refused unless it lies inside ``root`` (no ``..``, absolute
-    paths or symlinks leading out of the checkpoint)."""
-    resolved = path.resolve()
-    if not resolved.is_relative_to(root.resolve()):
-        raise CheckpointError(f"{what} {str(path)!r} leads outside the checkpoint {root}")
-    return resolved
+def _tag_dir(path: Path, tag: str) -> Path:
+    """The directory of checkpoint ``tag`` (from ``latest`` or ``--tag``), which must lie inside ``path``
+    (a tag like ``../other`` or an absolute path is refused: nothing outside the checkpoint is read)."""
+    root = path.resolve()
+    tag_dir = (root / tag).resolve()
+    if tag_dir == root or root not in tag_dir.parents:
+        raise CheckpointError(f"{path}: checkpoint tag {tag!r} points outside the checkpoint directory")
+    return tag_dir
 
 
-TRUST_HINT = "pass --trust-checkpoint only if you trust where it came from"
-
-
-def _safe_globals() -> list[Any]:
-    """The non-tensor types DeepSpeed writes into its ``*.pt`` files, allowed for ``weights_only``
-    loading (plain data classes and enums, no callables)."""
-    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+def _deepspeed_safe_globals() -> list[Any]:
+    """The DeepSpeed types its checkpoint files hold beside tensors and containers (loss scaler state,
+    the ZeRO stage enum, fp32 fragment addresses): allow-listed for ``torch.load(weights_only=True)``."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
 
-    # ``deepspeed.utils.tensor_fragment`` the attribute is a class shadowing the module of that name
-    fragment = importlib.import_module("deepspeed.utils.tensor_fragment")
-    return [LossScaler, ZeroStageEnum, fragment.fragment_address]
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
 
 
-@contextlib.contextmanager
-def _weights_only(trust: bool):
-    """Every ``torch.load`` inside (DeepSpeed's own included) loads as ``weights_only=True`` with
-    :func:`_safe_globals` allowed, unless ``trust``; an unpickling refusal becomes one line."""
+def _check_data_only(tag_dir: Path, trust: bool) -> None:
+    """Every ``.pt`` file of ``tag_dir`` must unpickle as data (``torch.load(weights_only=True)`` with
+    :func:`_deepspeed_safe_globals`): a file that would run code is refused before DeepSpeed's own
+    loader (which unpickles without that guard) reads it, unless ``trust``."""
     if trust:
-        yield
         return
-    previous = os.environ.get("TORCH_FORCE_WEIGHTS_ONLY_LOAD")
-    os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
-    try:
-        with torch.serialization.safe_globals(_safe_globals()):
-            yield
-    except pickle.UnpicklingError as err:
-        found = re.search(r"GLOBAL (\S+)", str(err))
-        what = f"the object type {found.group(1)}" if found else "objects other than tensors and plain data"
-        raise CheckpointError(f"holds {what}, refused (loaded as data only); {TRUST_HINT}") from None
-    finally:
-        if previous is None:
-            os.environ.pop("TORCH_FORCE_WEIGHTS_ONLY_LOAD", None)
-        else:
-            os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = previous
+    with torch.serialization.safe_globals(_deepspeed_safe_globals()):
+        for file in sorted(tag_dir.glob("*.pt")):
+            if file.is_symlink():
+                raise CheckpointError(f"{file} is a symbolic link; a checkpoint's files must be its own")
+            try:
+                torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+            except Exception as err:  # noqa: BLE001 - the unpickler's refusal, or a corrupt file
+                found = re.search(r"GLOBAL (\S+)", str(err))  # the type the unpickler refused
+                first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+                why = f"it holds the object type {found.group(1)}" if found else first[:160]
+                raise CheckpointError(f"{file} is not plain tensor data ({why}); pass --trust-checkpoint "
+                                      "only if you trust where it came from") from None
 
 
-def _load_pt(file: Path, trust: bool) -> Any:
-    """``torch.load`` of one checkpoint file as data (``weights_only=True``) unless ``trust``."""
-    try:
-        with _weights_only(trust):
-            return torch.load(file, map_location="cpu", weights_only=not trust)
-    except CheckpointError as err:
-        raise CheckpointError(f"{file}: {err}") from None
+ZERO3_PREFIX = "model."
+"""What ZeRO 3 checkpoints put before megacp's parameter names (the engine trains the model inside
+:class:`~megacp.train.engine.LossModule`, attribute ``model``)."""
+
+
+def _model_names(state: dict[str, Any], zero_stage: int) -> dict[str, Any]:
+    """``state`` under megacp's parameter names (ZeRO 3: without :data:`ZERO3_PREFIX`)."""
+    if zero_stage != 3:
+        return state
+    return {k[len(ZERO3_PREFIX):] if k.startswith(ZERO3_PREFIX) else k: v for k, v in state.items()}
 
 
 def read_deepspeed_checkpoint(directory: str | os.PathLike[str], tag: str | None = None, *,
@@ -158,10 +153,8 @@ def read_deepspeed_checkpoint(directory: str | os.PathLike[str], tag: str | None
 
     Args:
         directory: the ``--save`` directory.
-        tag: the checkpoint tag (default: the one ``latest`` names); it must name a directory
-            inside ``directory``.
-        trust: unpickle the ``*.pt`` files with arbitrary objects (runs code a file carries);
-            by default they load as data only (``weights_only=True``) and anything else is refused.
+        tag: the checkpoint tag (default: the one ``latest`` names); it must lie inside ``directory``.
+        trust: unpickle the files without checking that they hold only data (they could run code).
 
     Raises:
         CheckpointError: not such a checkpoint, a missing tag, a TP-sharded checkpoint (not
@@ -174,29 +167,27 @@ def read_deepspeed_checkpoint(directory: str | os.PathLike[str], tag: str | None
         raise CheckpointError(f"{path} was trained with tensor_model_parallel.size {meta['tp_size']}; "
                               "converting TP-sharded DeepSpeed checkpoints is not supported")
     tag = tag or _latest_tag(path)
-    tag_dir = _inside(path / tag, path, "checkpoint tag")
+    tag_dir = _tag_dir(path, tag)
     if not tag_dir.is_dir():
         raise CheckpointError(f"{path} has no checkpoint tag {tag!r}")
-    for file in tag_dir.iterdir():
-        _inside(file, path, "checkpoint file")
     try:
         config = ModelConfig.from_dict(meta["model_config"])
         dtype = dtype_from_name(meta["dtype"])
     except (KeyError, TypeError, ValueError) as err:
         raise CheckpointError(f"{path / TRAIN_STATE_FILE}: bad model_config or dtype ({err})") from None
-    if any(tag_dir.glob("*_optim_states.pt")):  # ZeRO 1/2 partitions of the fp32 master weights
+    _check_data_only(tag_dir, trust)
+    if any(tag_dir.glob("*_optim_states.pt")):  # ZeRO 1/2/3 partitions of the fp32 master weights
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-        try:
-            with contextlib.redirect_stdout(io.StringIO()), _weights_only(trust):  # its progress prints
-                state = get_fp32_state_dict_from_zero_checkpoint(str(path), tag=tag)
-        except CheckpointError as err:
-            raise CheckpointError(f"{tag_dir}: {err}") from None
+        with contextlib.redirect_stdout(io.StringIO()):  # its progress prints
+            state = get_fp32_state_dict_from_zero_checkpoint(str(path), tag=str(tag_dir.relative_to(path.resolve())))
     else:
         model_file = tag_dir / "mp_rank_00_model_states.pt"
         if not model_file.is_file():
             raise CheckpointError(f"{tag_dir} has neither ZeRO optimizer shards nor {model_file.name}")
-        state = _load_pt(model_file, trust)["module"]
+        with torch.serialization.safe_globals(_deepspeed_safe_globals()):
+            state = torch.load(model_file, map_location="cpu", weights_only=not trust)["module"]
+    state = _model_names(state, int(meta.get("zero_stage", 0)))
     shapes = parameter_shapes(config)
     missing = [name for name in shapes if name not in state]
     if missing:

@@ -9,8 +9,14 @@ averaged, which makes :func:`~megacp.train.loss.lm_loss` (each CP rank's share o
 mean token loss) exact. Experts sharded over EP go through DeepSpeed's MoE gradient path
 (:mod:`megacp.train.experts`). The model is trained through ``engine.module``'s
 :meth:`~megacp.models.llama.CausalLM.hidden_states`, and the loss applies the LM head matrix
-itself, chunk by chunk, outside any module's forward: ZeRO 3, which gathers a partitioned
-parameter only around the forward of the module that owns it, is refused.
+itself, chunk by chunk. Under ZeRO 3 (parameters partitioned over the DP x CP ranks, optionally
+offloaded to CPU with ``offload_param`` / ``offload_optimizer``) DeepSpeed gathers a parameter only
+around the forward and backward of the module that owns it, so the engine trains a
+:class:`LossModule` (the model and its loss as one forward) that registers the LM head matrix as
+its external parameter: it stays gathered through the chunked loss. The model is partitioned over
+the DP x CP group (``deepspeed.zero.Init`` with megacp's ``dp_cp`` group: DeepSpeed's own conversion
+would use the DP group alone and leave the CP ranks' gradients unsummed). ZeRO 3 is refused with TP
+or EP sharding (:func:`_check_zero3`).
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ from megacp.placement.batch import shard_batch
 from megacp.train.data import PackedSequence
 from megacp.train.loss import lm_loss, logged_loss
 
-ZERO_STAGES = (0, 1, 2)
+ZERO_STAGES = (0, 1, 2, 3)
 """ZeRO stages megacp trains with."""
 
 @dataclass(frozen=True)
@@ -91,18 +97,60 @@ def read_settings(raw: Mapping[str, Any]) -> TrainSettings:
     enabled = bf16.get("enabled", False)
     if not isinstance(enabled, bool):
         raise ConfigError(f"bf16.enabled: got {enabled!r}; allowed values: true, false")
-    stage = _section(raw, "zero_optimization").get("stage", 0)
-    if stage == 3:
-        raise ConfigError("zero_optimization.stage: 3 is not supported (megacp's loss reads the LM head "
-                          "matrix outside any module's forward, where ZeRO 3 keeps it partitioned); "
-                          "allowed values: 0, 1, 2")
+    zero = _section(raw, "zero_optimization")
+    stage = zero.get("stage", 0)
     if type(stage) is not int or stage not in ZERO_STAGES:
-        raise ConfigError(f"zero_optimization.stage: got {stage!r}; allowed values: 0, 1, 2")
+        raise ConfigError(f"zero_optimization.stage: got {stage!r}; allowed values: 0, 1, 2, 3")
+    if stage < 3 and "offload_param" in zero:
+        raise ConfigError(f"zero_optimization.offload_param: needs stage 3 (got stage {stage})")
     _check_optimizer(raw)
+    if stage == 3:
+        _check_zero3(raw)
     return TrainSettings(dtype=torch.bfloat16 if enabled else torch.float32, zero_stage=stage)
 
 
-def _deepspeed(state: ParallelState) -> Any:
+def _check_zero3(raw: Mapping[str, Any]) -> None:
+    """Refuse what ZeRO 3 under megacp cannot train: ``reduce_scatter: false`` with CP (see
+    :meth:`Trainer.step`), tensor parallelism (DeepSpeed's stage 3 would
+    partition the TP shards over DP x CP without TP-aware gathering in megacp's layers) and
+    expert parallelism (DeepSpeed's MoE gradient path is a ZeRO 1/2 path)."""
+    cp = _section(raw, "context_parallel").get("size")
+    if cp not in (None, 1) and _section(raw, "zero_optimization").get("reduce_scatter", True) is not True:
+        raise ConfigError(f"zero_optimization.reduce_scatter: false with stage 3 and context_parallel.size {cp} "
+                          "is not supported; leave reduce_scatter at its default (true)")
+    tp = _section(raw, "tensor_model_parallel").get("size", 1)
+    if tp != 1:
+        raise ConfigError(f"zero_optimization.stage 3 with tensor_model_parallel.size {tp} is not supported; "
+                          "use ZeRO 0-2 with TP, or TP 1 with ZeRO 3")
+    ep = _section(raw, "expert_model_parallel").get("size")
+    if ep not in (None, 1):
+        raise ConfigError(f"zero_optimization.stage 3 with expert_model_parallel.size {ep} is not supported; "
+                          "use ZeRO 0-2 with EP, or EP 1 with ZeRO 3")
+
+
+class LossModule(torch.nn.Module):
+    """What a ZeRO 3 engine trains: ``model`` and :func:`~megacp.train.loss.lm_loss` as one forward,
+    with the LM head matrix registered as an external parameter so that DeepSpeed keeps it gathered
+    through the loss (it is read outside the module that owns it). Its parameter names are the
+    model's, prefixed with ``model.`` (:data:`~megacp.checkpoint.deepspeed.ZERO3_PREFIX`)."""
+
+    def __init__(self, model: torch.nn.Module, loss: Callable[..., torch.Tensor], cp: CPSettings) -> None:
+        super().__init__()
+        from deepspeed.runtime.zero.partition_parameters import (
+            register_external_parameter,
+        )
+
+        self.model, self.loss, self.cp = model, loss, cp
+        head = getattr(model, "lm_head_weight", None)  # megacp's model reads it outside its owner
+        if isinstance(head, torch.nn.Parameter):
+            register_external_parameter(self, head)
+
+    def forward(self, shard: Any) -> torch.Tensor:
+        """This CP rank's share of the batch's mean token loss (``loss(model, shard, settings=cp)``)."""
+        return self.loss(self.model, shard, settings=self.cp)
+
+
+def deepspeed_for(state: ParallelState) -> Any:
     """The ``deepspeed`` module, prepared for ``state``'s device.
 
     On CPU, DeepSpeed's communication backend JIT-compiles a shared-memory all-reduce op
@@ -131,7 +179,7 @@ def check_batch_config(raw: Mapping[str, Any], state: ParallelState) -> int:
     """
     from deepspeed.runtime.config import DeepSpeedConfig
 
-    _deepspeed(state).init_distributed(dist_backend=state.backend)
+    deepspeed_for(state).init_distributed(dist_backend=state.backend)
     try:
         return DeepSpeedConfig(dict(raw), mpu=DeepSpeedMPU(state)).train_micro_batch_size_per_gpu
     except (AssertionError, ValueError, TypeError, KeyError) as err:
@@ -186,28 +234,43 @@ class Trainer:
     def __init__(self, model: torch.nn.Module, config: Mapping[str, Any], state: ParallelState,
                  settings: TrainSettings, *, cp: CPSettings | None = None,
                  loss: Callable[..., torch.Tensor] = lm_loss) -> None:
-        deepspeed = _deepspeed(state)
+        deepspeed = deepspeed_for(state)
         mark_tensor_parallel(model, state.size("tp"))
         params = [p for p in model.parameters() if p.requires_grad]
-        from megacp.train.experts import check_expert_training, expert_parallel, sharded_expert_parameters
+        from megacp.train.experts import (
+            check_expert_training,
+            expert_parallel,
+            sharded_expert_parameters,
+        )
 
         self.sharded_experts = bool(sharded_expert_parameters(model))
         if self.sharded_experts:
+            if settings.zero_stage == 3:
+                raise ConfigError("zero_optimization.stage 3 with experts sharded over expert parallelism is "
+                                  "not supported; use ZeRO 0-2 with EP")
             check_expert_training(config, settings.zero_stage, state.size("ep"))
+        self.zero3 = settings.zero_stage == 3
+        cp = cp or CPSettings.from_state(state)
+        if self.zero3:
+            model = LossModule(model, loss, cp)
+            # partitioned over DP x CP (DeepSpeed's own conversion would use the mpu's DP group only)
+            deepspeed.zero.Init(module=model, data_parallel_group=state.group("dp_cp"), config_dict_or_path=dict(config),
+                                mpu=DeepSpeedMPU(state))
         with expert_parallel(model, state):
             self.engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=dict(config),
                                                    mpu=DeepSpeedMPU(state))
         self.state, self.settings, self.config = state, settings, config
-        self.cp = cp or CPSettings.from_state(state)
-        self.loss = loss
+        self.cp, self.loss = cp, loss
         self.cp_group = state.group("cp")
         self.dp_group = state.group("dp")
         self.steps_done = 0
 
     @property
     def module(self) -> torch.nn.Module:
-        """The trained model (the engine's module)."""
-        return self.engine.module
+        """The trained model (the engine's module; under ZeRO 3 the model inside its
+        :class:`LossModule`, whose parameters are partitioned: gather them with
+        ``deepspeed.zero.GatheredParameters`` to read them)."""
+        return self.engine.module.model if self.zero3 else self.engine.module
 
     def step(self, batches: Iterator[PackedSequence]) -> StepResult:
         """One optimizer step over ``gradient_accumulation_steps`` micro-batches from ``batches``
@@ -221,8 +284,10 @@ class Trainer:
             batch = next(batches)
             shard = shard_batch(batch.input_ids, cu_seqlens=batch.cu_seqlens, cp_size=self.state.size("cp"),
                                 cp_rank=self.state.rank_in("cp"), load_balance=self.cp.load_balance)
-            loss = self.loss(self.module, shard, settings=self.cp)
-            self.engine.backward(loss)
+            loss = self.engine(shard) if self.zero3 else self.loss(self.module, shard, settings=self.cp)
+            # ZeRO 3's reduce-scatter averages the gradients over DP x CP; the CP ranks' shares must
+            # be summed (averaged over DP only), hence the factor CP
+            self.engine.backward(loss * self.state.size("cp") if self.zero3 else loss)
             self.engine.step()
             losses.append(logged_loss(loss, cp_group=self.cp_group, dp_group=self.dp_group))
             tokens += batch.input_ids.numel()

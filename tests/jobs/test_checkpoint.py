@@ -384,12 +384,11 @@ CHAT_TEXT = (
 @pytest.fixture(scope="module")
 def smollm(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Module]:
     """(megacp checkpoint of SmolLM2 converted with TP 3, transformers' model of the GGUF file)."""
-    from transformers import AutoModelForCausalLM
+    from tests.helpers.smollm2 import smollm2_reference
 
     out = tmp_path_factory.mktemp("smollm") / "megacp"
     assert main(["gguf-to-megacp", "--input", str(SMOLLM), "--output", str(out), "--tp", "3"]) == 0
-    reference = AutoModelForCausalLM.from_pretrained(SMOLLM.parent, gguf_file=SMOLLM.name, dtype=torch.float32)
-    return out, reference.eval()
+    return out, smollm2_reference()
 
 
 @needs_smollm

