@@ -302,6 +302,8 @@ def load_config(source: str | os.PathLike[str] | Mapping[str, Any] | MegacpConfi
         raise ConfigError(f"{path}: config file not found") from None
     except (OSError, UnicodeDecodeError) as err:
         raise ConfigError(f"{path}: cannot read the config file ({err})") from None
+    if not text.strip():
+        raise ConfigError(f"{path}: the config file is empty")
     try:
         raw = hjson.loads(text, object_pairs_hook=_unique_keys)
     except OverflowError as err:  # hjson converts e.g. 1e400 to an int

@@ -233,3 +233,18 @@ class ShardedKVCache:
             self._history[slot].append(t + 1)
         start = held[self.cp_rank] - len(mine)
         self.positions[slot, start : start + len(mine)] = torch.tensor(mine, dtype=torch.long)
+
+    # ------------------------------------------------------------------ rollback of a failed step
+    def snapshot(self, slot: int) -> tuple[list[int], list[int], Tensor]:
+        """The bookkeeping of ``slot`` (its lengths history, tokens held per rank, positions row):
+        what :meth:`restore` puts back after a turn that failed part-way. Keys and values past the
+        restored lengths are never read again, so they need no copy."""
+        self._check_slot(slot)
+        return list(self._history[slot]), list(self._held[slot]), self.positions[slot].clone()
+
+    def restore(self, slot: int, state: tuple[list[int], list[int], Tensor]) -> None:
+        """Put back ``slot``'s bookkeeping as :meth:`snapshot` returned it."""
+        self._check_slot(slot)
+        history, held, positions = state
+        self._history[slot], self._held[slot] = list(history), list(held)
+        self.positions[slot].copy_(positions)

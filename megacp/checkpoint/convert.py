@@ -51,6 +51,10 @@ from megacp.models.schema import parameter_shapes
 Command = Callable[[argparse.Namespace], WriteSummary]
 
 
+TRUST_HELP = ("unpickle the DeepSpeed files without checking that they hold only tensors and plain data "
+              "(a downloaded checkpoint could run code); only for checkpoints you made or trust")
+
+
 @contextmanager
 def _progress(
     tensors: Iterable[tuple[str, torch.Tensor]], total: int, args: argparse.Namespace
@@ -134,7 +138,7 @@ def _deepspeed_to_megacp(args: argparse.Namespace) -> WriteSummary:
     from megacp.checkpoint.deepspeed import read_deepspeed_checkpoint
 
     check_output_dir(args.output, force=args.force)
-    source = read_deepspeed_checkpoint(args.input, args.tag)
+    source = read_deepspeed_checkpoint(args.input, args.tag, trust=args.trust_checkpoint)
     check_tp_size(source.config, args.tp)
     with _progress(source.tensors.items(), len(source.tensors), args) as stream:
         return save_megacp_checkpoint(args.output, source.config, stream, dtype=_deepspeed_dtype(args, source.dtype),
@@ -145,7 +149,7 @@ def _deepspeed_to_hf(args: argparse.Namespace) -> WriteSummary:
     from megacp.checkpoint.deepspeed import read_deepspeed_checkpoint
 
     check_output_dir(args.output, force=args.force)
-    source = read_deepspeed_checkpoint(args.input, args.tag)
+    source = read_deepspeed_checkpoint(args.input, args.tag, trust=args.trust_checkpoint)
     tensors = megacp_to_hf(source.config, source.tensors.__getitem__, source.tensors)
     with _progress(tensors, len(hf_parameter_shapes(source.config)), args) as stream:
         return save_hf_checkpoint(args.output, source.config, stream, dtype=_deepspeed_dtype(args, source.dtype),
@@ -192,10 +196,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_argument("--tag", help="checkpoint tag (default: the one DeepSpeed's 'latest' file names)")
     sub.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default: 1)")
     sub.add_argument("--dtype", choices=list(DTYPES), help=ds_dtype)
+    sub.add_argument("--trust-checkpoint", action="store_true", help=TRUST_HELP)
     sub = command("deepspeed-to-hf", "megacp.train DeepSpeed checkpoint (ZeRO shards merged) -> Hugging Face directory",
                   _deepspeed_to_hf, ds_input, "Hugging Face directory to create")
     sub.add_argument("--tag", help="checkpoint tag (default: the one DeepSpeed's 'latest' file names)")
     sub.add_argument("--dtype", choices=list(DTYPES), help=ds_dtype)
+    sub.add_argument("--trust-checkpoint", action="store_true", help=TRUST_HELP)
     return parser
 
 

@@ -22,6 +22,7 @@ import contextlib
 import io
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -94,12 +95,66 @@ def _latest_tag(path: Path) -> str:
     return latest.read_text(encoding="utf-8").strip()
 
 
-def read_deepspeed_checkpoint(directory: str | os.PathLike[str], tag: str | None = None) -> DeepSpeedCheckpoint:
+def _tag_dir(path: Path, tag: str) -> Path:
+    """The directory of checkpoint ``tag`` (from ``latest`` or ``--tag``), which must lie inside ``path``
+    (a tag like ``../other`` or an absolute path is refused: nothing outside the checkpoint is read)."""
+    root = path.resolve()
+    tag_dir = (root / tag).resolve()
+    if tag_dir == root or root not in tag_dir.parents:
+        raise CheckpointError(f"{path}: checkpoint tag {tag!r} points outside the checkpoint directory")
+    return tag_dir
+
+
+def _deepspeed_safe_globals() -> list[Any]:
+    """The DeepSpeed types its checkpoint files hold beside tensors and containers (loss scaler state,
+    the ZeRO stage enum, fp32 fragment addresses): allow-listed for ``torch.load(weights_only=True)``."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+
+
+def _check_data_only(tag_dir: Path, trust: bool) -> None:
+    """Every ``.pt`` file of ``tag_dir`` must unpickle as data (``torch.load(weights_only=True)`` with
+    :func:`_deepspeed_safe_globals`): a file that would run code is refused before DeepSpeed's own
+    loader (which unpickles without that guard) reads it, unless ``trust``."""
+    if trust:
+        return
+    with torch.serialization.safe_globals(_deepspeed_safe_globals()):
+        for file in sorted(tag_dir.glob("*.pt")):
+            if file.is_symlink():
+                raise CheckpointError(f"{file} is a symbolic link; a checkpoint's files must be its own")
+            try:
+                torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+            except Exception as err:  # noqa: BLE001 - the unpickler's refusal, or a corrupt file
+                found = re.search(r"GLOBAL (\S+)", str(err))  # the type the unpickler refused
+                first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+                why = f"it holds the object type {found.group(1)}" if found else first[:160]
+                raise CheckpointError(f"{file} is not plain tensor data ({why}); pass --trust-checkpoint "
+                                      "only if you trust where it came from") from None
+
+
+ZERO3_PREFIX = "model."
+"""What ZeRO 3 checkpoints put before megacp's parameter names (the engine trains the model inside
+:class:`~megacp.train.engine.LossModule`, attribute ``model``)."""
+
+
+def _model_names(state: dict[str, Any], zero_stage: int) -> dict[str, Any]:
+    """``state`` under megacp's parameter names (ZeRO 3: without :data:`ZERO3_PREFIX`)."""
+    if zero_stage != 3:
+        return state
+    return {k[len(ZERO3_PREFIX):] if k.startswith(ZERO3_PREFIX) else k: v for k, v in state.items()}
+
+
+def read_deepspeed_checkpoint(directory: str | os.PathLike[str], tag: str | None = None, *,
+                              trust: bool = False) -> DeepSpeedCheckpoint:
     """Rebuild the full weights of a ``megacp.train`` DeepSpeed checkpoint.
 
     Args:
         directory: the ``--save`` directory.
-        tag: the checkpoint tag (default: the one ``latest`` names).
+        tag: the checkpoint tag (default: the one ``latest`` names); it must lie inside ``directory``.
+        trust: unpickle the files without checking that they hold only data (they could run code).
 
     Raises:
         CheckpointError: not such a checkpoint, a missing tag, a TP-sharded checkpoint (not
@@ -112,7 +167,7 @@ def read_deepspeed_checkpoint(directory: str | os.PathLike[str], tag: str | None
         raise CheckpointError(f"{path} was trained with tensor_model_parallel.size {meta['tp_size']}; "
                               "converting TP-sharded DeepSpeed checkpoints is not supported")
     tag = tag or _latest_tag(path)
-    tag_dir = path / tag
+    tag_dir = _tag_dir(path, tag)
     if not tag_dir.is_dir():
         raise CheckpointError(f"{path} has no checkpoint tag {tag!r}")
     try:
@@ -120,16 +175,19 @@ def read_deepspeed_checkpoint(directory: str | os.PathLike[str], tag: str | None
         dtype = dtype_from_name(meta["dtype"])
     except (KeyError, TypeError, ValueError) as err:
         raise CheckpointError(f"{path / TRAIN_STATE_FILE}: bad model_config or dtype ({err})") from None
-    if any(tag_dir.glob("*_optim_states.pt")):  # ZeRO 1/2 partitions of the fp32 master weights
+    _check_data_only(tag_dir, trust)
+    if any(tag_dir.glob("*_optim_states.pt")):  # ZeRO 1/2/3 partitions of the fp32 master weights
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         with contextlib.redirect_stdout(io.StringIO()):  # its progress prints
-            state = get_fp32_state_dict_from_zero_checkpoint(str(path), tag=tag)
+            state = get_fp32_state_dict_from_zero_checkpoint(str(path), tag=str(tag_dir.relative_to(path.resolve())))
     else:
         model_file = tag_dir / "mp_rank_00_model_states.pt"
         if not model_file.is_file():
             raise CheckpointError(f"{tag_dir} has neither ZeRO optimizer shards nor {model_file.name}")
-        state = torch.load(model_file, map_location="cpu", weights_only=False)["module"]
+        with torch.serialization.safe_globals(_deepspeed_safe_globals()):
+            state = torch.load(model_file, map_location="cpu", weights_only=not trust)["module"]
+    state = _model_names(state, int(meta.get("zero_stage", 0)))
     shapes = parameter_shapes(config)
     missing = [name for name in shapes if name not in state]
     if missing:

@@ -7,6 +7,8 @@ import shutil
 from pathlib import Path
 from typing import Any, Protocol, Union
 
+from megacp.checkpoint.errors import CheckpointError
+
 # Files a tokenizer or generation setup needs; copied between checkpoint directories as they are.
 COMPANION_FILES = (
     "tokenizer.json",
@@ -31,14 +33,28 @@ class SavesPretrained(Protocol):
 TokenizerSource = Union[str, os.PathLike, SavesPretrained, None]
 
 
-def load_tokenizer(source: TokenizerSource) -> Any:
+def load_tokenizer(source: TokenizerSource, *, trust_remote_code: bool = False) -> Any:
     """The tokenizer :func:`~megacp.checkpoint.load.load_model` returned, ready to use: loaded
-    from a directory with ``AutoTokenizer``, else the object itself (or ``None``)."""
+    from a directory with ``AutoTokenizer``, else the object itself (or ``None``).
+
+    ``trust_remote_code`` is passed to transformers explicitly (default ``False``): a tokenizer
+    whose ``auto_map`` names code of the checkpoint is refused rather than run or prompted for."""
     if isinstance(source, (str, os.PathLike)):
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(source)
+        return AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
     return source
+
+
+def companion_file(source: Path, name: str) -> Path | None:
+    """``source/name`` when it is a regular file inside ``source`` (a symlink is followed only while
+    it stays inside ``source``), else ``None``; one that leads outside is a :class:`CheckpointError`."""
+    path = source / name
+    if not path.is_file():
+        return None
+    if not path.resolve().is_relative_to(Path(source).resolve()):
+        raise CheckpointError(f"{path} is a symlink leading outside the checkpoint {source}; refusing to copy it")
+    return path
 
 
 def write_tokenizer(source: TokenizerSource, directory: Path) -> None:
@@ -50,5 +66,6 @@ def write_tokenizer(source: TokenizerSource, directory: Path) -> None:
         source.save_pretrained(str(directory))
         return
     for name in COMPANION_FILES:
-        if (Path(source) / name).is_file():
-            shutil.copy2(Path(source) / name, directory / name)
+        path = companion_file(Path(source), name)
+        if path is not None:
+            shutil.copy2(path.resolve(), directory / name)

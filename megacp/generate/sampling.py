@@ -74,6 +74,8 @@ class SamplingParams:
         if not all(type(t) is int and t >= 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be integers >= 0, got {list(self.stop_token_ids)!r}")
         self.stop_token_ids = tuple(self.stop_token_ids)
+        if not isinstance(self.ignore_eos, bool):  # a string such as 'no' would read as true
+            raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
 
     @property
     def greedy(self) -> bool:

@@ -51,7 +51,8 @@ class Session:
                 UTF-8, or the conversation would outgrow the model's context.
             CacheCapacityError: it would hold more than :attr:`max_tokens` tokens, or outgrow its
                 cache slot on some CP rank.
-            Both before any work.
+            Both before any work. Any error part-way (an ``on_token`` callback raising,
+            ``KeyboardInterrupt``) leaves the session and its cache slot as before the turn.
         """
         if self.closed:
             raise ValueError("this session is closed")
@@ -66,8 +67,13 @@ class Session:
                                      f"{self.max_tokens} (LLM(max_session_tokens=...))")
         pending = self._history[self._cache.length(self._slot):] + turn
         self._cache.check_room(self._slot, self._gen.steps(len(pending), params.max_tokens))
-        outs, self.last_report = complete(self._gen, self._cache, [self._slot], [pending], params, self._tokenizer,
-                                          context=[self._history + turn], on_token=on_token)
+        before = self._cache.snapshot(self._slot)
+        try:
+            outs, self.last_report = complete(self._gen, self._cache, [self._slot], [pending], params,
+                                              self._tokenizer, context=[self._history + turn], on_token=on_token)
+        except BaseException:  # an on_token callback raising, KeyboardInterrupt: the turn never happened
+            self._cache.restore(self._slot, before)
+            raise
         out = outs[0]
         self._history += turn + out.token_ids
         out.prompt_token_ids = turn

@@ -168,9 +168,6 @@ def run(args: argparse.Namespace) -> int:
     if (config.expert_model_parallel.size or 1) > 1:
         check_expert_training(config.deepspeed, settings.zero_stage, config.expert_model_parallel.size or 1,
                               save=args.save is not None)
-    if settings.zero_stage == 3 and args.save is not None:
-        raise UsageError("--save with zero_optimization.stage 3 is not supported yet (the converters read ZeRO 0-2 "
-                         "checkpoints, not partitioned parameters); train with stage 1 or 2 to save")
     sources = resolve_corpus(args.corpus)
     model_path = args.model or default_model_path()  # CheckpointError (one line) when the package is missing
     check_seq_len(args.seq_len, config.context_parallel.size or 1, read_model_config(model_path))

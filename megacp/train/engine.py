@@ -21,6 +21,8 @@ or EP sharding (:func:`_check_zero3`).
 
 from __future__ import annotations
 
+import os
+import shutil
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -148,7 +150,7 @@ class LossModule(torch.nn.Module):
         return self.loss(self.model, shard, settings=self.cp)
 
 
-def _deepspeed(state: ParallelState) -> Any:
+def deepspeed_for(state: ParallelState) -> Any:
     """The ``deepspeed`` module, prepared for ``state``'s device.
 
     On CPU, DeepSpeed's communication backend JIT-compiles a shared-memory all-reduce op
@@ -177,7 +179,7 @@ def check_batch_config(raw: Mapping[str, Any], state: ParallelState) -> int:
     """
     from deepspeed.runtime.config import DeepSpeedConfig
 
-    _deepspeed(state).init_distributed(dist_backend=state.backend)
+    deepspeed_for(state).init_distributed(dist_backend=state.backend)
     try:
         return DeepSpeedConfig(dict(raw), mpu=DeepSpeedMPU(state)).train_micro_batch_size_per_gpu
     except (AssertionError, ValueError, TypeError, KeyError) as err:
@@ -232,7 +234,7 @@ class Trainer:
     def __init__(self, model: torch.nn.Module, config: Mapping[str, Any], state: ParallelState,
                  settings: TrainSettings, *, cp: CPSettings | None = None,
                  loss: Callable[..., torch.Tensor] = lm_loss) -> None:
-        deepspeed = _deepspeed(state)
+        deepspeed = deepspeed_for(state)
         mark_tensor_parallel(model, state.size("tp"))
         params = [p for p in model.parameters() if p.requires_grad]
         from megacp.train.experts import (
@@ -306,10 +308,29 @@ class Trainer:
 
             check_expert_training(self.config, self.settings.zero_stage, self.state.size("ep"), save=True)
         tag = f"step{self.steps_done}"
-        self.engine.save_checkpoint(str(directory), tag=tag)
+        directory = Path(directory)
+        staging = directory / f".{tag}.staging"
         if dist.get_rank() == 0:
+            directory.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(staging, ignore_errors=True)
+        dist.barrier()
+        # every file goes to a staging directory first: a save killed part-way leaves the previous
+        # checkpoint (its tag directory and the 'latest' naming it) untouched
+        self.engine.save_checkpoint(str(staging), tag=tag, save_latest=False)
+        dist.barrier()
+        if dist.get_rank() == 0:
+            old = directory / f".{tag}.old"
+            shutil.rmtree(old, ignore_errors=True)
+            if (directory / tag).exists():
+                os.replace(directory / tag, old)
+            os.replace(staging / tag, directory / tag)
             write_train_state(directory, model_config=model_config, dtype=self.settings.dtype,
                               tp_size=self.state.size("tp"), zero_stage=self.settings.zero_stage, tag=tag,
                               tokenizer=tokenizer)
+            latest = directory / ".latest.tmp"
+            latest.write_text(tag, encoding="utf-8")
+            os.replace(latest, directory / "latest")  # 'latest' moves last
+            shutil.rmtree(old, ignore_errors=True)
+            shutil.rmtree(staging, ignore_errors=True)
         dist.barrier()
         return tag

@@ -84,18 +84,37 @@ def megacp_step(state: megacp.ParallelState, cfg: ModelConfig, ids: torch.Tensor
     return step, trainer
 
 
-def hf_step(cfg: ModelConfig, ids: torch.Tensor) -> tuple[Callable[[], None], object]:
-    import deepspeed
+def hf_model(cfg: ModelConfig, attn_implementation: str) -> torch.nn.Module:
+    """Hugging Face's ``LlamaForCausalLM`` of ``cfg``'s shape (random weights, bf16, on the GPU)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     hcfg = LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
                        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
                        num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps,
                        rope_theta=cfg.rope_theta, max_position_embeddings=cfg.max_position_embeddings,
-                       tie_word_embeddings=False, attn_implementation="sdpa")
+                       tie_word_embeddings=False, attn_implementation=attn_implementation)
     with torch.device("cuda"):
         model = LlamaForCausalLM(hcfg).to(torch.bfloat16)
-    model.train()
+    return model.train()
+
+
+def hf_megacp_step(state: megacp.ParallelState, cfg: ModelConfig, ids: torch.Tensor) -> tuple[Callable[[], None], Trainer]:
+    """The same Hugging Face model with ``attn_implementation="megacp"``, trained by megacp's Trainer
+    (the ``--hf-native`` path: transformers' own LM head and loss)."""
+    from megacp.integrations.transformers import shard_loss
+
+    trainer = Trainer(hf_model(cfg, "megacp"), DS_CONFIG, state, read_settings(DS_CONFIG), loss=shard_loss)
+    seq = PackedSequence(ids, torch.tensor([0, ids.numel()], dtype=torch.int32))
+
+    def step() -> None:
+        trainer.step(iter([seq]))
+    return step, trainer
+
+
+def hf_step(cfg: ModelConfig, ids: torch.Tensor) -> tuple[Callable[[], None], object]:
+    import deepspeed
+
+    model = hf_model(cfg, "sdpa")
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=dict(DS_CONFIG))
     batch = ids.unsqueeze(0)
 
@@ -108,8 +127,13 @@ def hf_step(cfg: ModelConfig, ids: torch.Tensor) -> tuple[Callable[[], None], ob
 
 def measure(ctx: bh.Ctx, cfg: ModelConfig, method: str, ids: torch.Tensor, args: argparse.Namespace) -> dict:
     """One method at one length: build, time, and destroy its DeepSpeed engine (whatever happens)."""
-    step, holder = megacp_step(ctx.state, cfg, ids) if method == "megacp" else hf_step(cfg, ids)
-    engine = holder.engine if method == "megacp" else holder
+    if method == "megacp":
+        step, holder = megacp_step(ctx.state, cfg, ids)
+    elif method == "hf_megacp":
+        step, holder = hf_megacp_step(ctx.state, cfg, ids)
+    else:
+        step, holder = hf_step(cfg, ids)
+    engine = holder if method == "hf" else holder.engine
     try:
         params = sum(x.numel() for x in engine.module.parameters())
         sec, peak = time_steps(step, args.warmup, args.steps)
@@ -127,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--methods", type=bh.parse_names, default=["megacp", "hf"], help="megacp, hf")
+    p.add_argument("--methods", type=bh.parse_names, default=["megacp", "hf"], help="megacp, hf (SDPA), hf_megacp (the HF model with attn_implementation='megacp')")
     p.add_argument("--peak-tflops", type=float, default=989.0, help="bf16 dense peak of the GPU (H200: 989)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--json", default=None)
@@ -135,8 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("error: the training-step benchmark needs a CUDA GPU", file=sys.stderr)
         return 2
-    if args.layers < 1 or args.steps < 1 or set(args.methods) - {"megacp", "hf"}:
-        print("error: --layers and --steps must be >= 1, --methods a subset of megacp,hf", file=sys.stderr)
+    if args.layers < 1 or args.steps < 1 or set(args.methods) - {"megacp", "hf", "hf_megacp"}:
+        print("error: --layers and --steps must be >= 1, --methods a subset of megacp,hf,hf_megacp", file=sys.stderr)
         return 2
     os.environ.setdefault("LOCAL_RANK", "0")  # DeepSpeed's engine asks for it even in a world of one
     ctx = bh.init("cuda", "bf16")

@@ -54,7 +54,7 @@ def _weights(trainer) -> torch.Tensor:
         return torch.cat([p.detach().flatten().clone() for p in params])
 
 
-def _train(rank: int, world_size: int, cp: int) -> dict:
+def _train(rank: int, world_size: int, cp: int, save_dir: str) -> dict:
     import os
 
     os.environ["DS_ACCELERATOR"] = "cpu"  # before DeepSpeed is imported: no accelerator probing
@@ -74,14 +74,20 @@ def _train(rank: int, world_size: int, cp: int) -> dict:
         trainer = Trainer(model, config, state, read_settings(config))
         batches = iter(_batches(state.rank_in("dp")))
         out[name] = ([trainer.step(batches).loss for _ in range(STEPS)], _weights(trainer))
+        if name == "zero3":  # the saved ZeRO 3 shards convert back to the trained weights
+            from megacp.checkpoint.deepspeed import read_deepspeed_checkpoint
+
+            trainer.save(save_dir, model_config=CFG, tokenizer=None)
+            converted = read_deepspeed_checkpoint(save_dir).tensors
+            out["zero3_converted"] = torch.cat([converted[n].flatten() for n, _ in trainer.module.named_parameters()])
     return out
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("world_size", "cp"), [(1, 1), (2, 2), (4, 2)], ids=["cp1", "cp2", "cp2xdp2"])
-def test_zero3_trains_like_zero0(world_size: int, cp: int) -> None:
+def test_zero3_trains_like_zero0(world_size: int, cp: int, tmp_path) -> None:
     pytest.importorskip("deepspeed", reason="DeepSpeed not installed")
-    results = run_distributed(_train, world_size, cp, timeout=400.0)
+    results = run_distributed(_train, world_size, cp, str(tmp_path / "zero3"), timeout=400.0)
     ref_losses, ref_weights = results[0]["zero0"]
     assert ref_losses[-1] < ref_losses[0]  # it learns
     for rank, out in enumerate(results):
@@ -90,4 +96,5 @@ def test_zero3_trains_like_zero0(world_size: int, cp: int) -> None:
             assert losses == pytest.approx(ref_losses, rel=1e-5), f"{run} rank {rank}"
             assert rel_err(weights, ref_weights) < 1e-5, f"{run} rank {rank}"
             assert weights.shape == ref_weights.shape, f"{run} rank {rank}"
+        assert rel_err(out["zero3_converted"], ref_weights) < 1e-5, f"converted ZeRO 3 checkpoint, rank {rank}"
 

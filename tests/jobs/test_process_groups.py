@@ -195,9 +195,10 @@ def test_initialize_without_launcher() -> None:
 
 def _deepspeed_engine_step(rank: int, world_size: int) -> dict:
     """A real DeepSpeed engine with megacp's mpu: gradients are summed over the CP ranks."""
-    import deepspeed
+    from megacp.train.engine import deepspeed_for
 
     state = megacp.initialize({"context_parallel": {"size": 2}})
+    deepspeed = deepspeed_for(state)  # DeepSpeed prepared as megacp.train prepares it (no shm op build on CPU)
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 1, bias=False)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)

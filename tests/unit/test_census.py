@@ -1,0 +1,144 @@
+"""Census of untrusted-input and fault cases: each gives its one clear line and changes nothing
+outside its target (a pickle payload that would write a file writes nothing, no file outside the
+checkpoint is read)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from megacp.checkpoint.deepspeed import read_deepspeed_checkpoint, write_train_state
+from megacp.checkpoint.errors import CheckpointError
+from megacp.checkpoint.tokenizer_files import write_tokenizer
+from megacp.models.schema import parameter_shapes
+from tests.helpers.training import tiny_config
+
+
+class _Payload:
+    """Unpickling this calls ``os.system`` (what a malicious checkpoint would carry)."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return os.system, (f"touch {self.marker}",)
+
+
+def _checkpoint(root: Path, tag: str = "step1", module: object = None) -> Path:
+    """A ``megacp.train`` style checkpoint without ZeRO shards: sidecar, ``latest``, module states."""
+    config = tiny_config(tied=False)
+    root.mkdir(parents=True, exist_ok=True)
+    write_train_state(root, model_config=config, dtype=torch.float32, tp_size=1, zero_stage=0, tag=tag,
+                      tokenizer=None)
+    (root / tag).mkdir()
+    if module is None:
+        module = {name: torch.randn(shape) for name, shape in parameter_shapes(config).items()}
+    torch.save({"module": module}, root / tag / "mp_rank_00_model_states.pt")
+    (root / "latest").write_text(tag)
+    return root
+
+
+def test_plain_checkpoint_loads_as_data(tmp_path: Path) -> None:
+    config = tiny_config(tied=False)
+    tensors = {name: torch.randn(shape) for name, shape in parameter_shapes(config).items()}
+    ckpt = read_deepspeed_checkpoint(_checkpoint(tmp_path / "ck", module=tensors))
+    assert ckpt.tag == "step1"
+    for name, tensor in tensors.items():
+        torch.testing.assert_close(ckpt.tensors[name], tensor, rtol=0, atol=0)
+
+
+def test_pickle_payload_runs_nothing(tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    root = _checkpoint(tmp_path / "ck", module={"evil": _Payload(marker)})
+    with pytest.raises(CheckpointError) as err:
+        read_deepspeed_checkpoint(root)
+    message = str(err.value)
+    assert "\n" not in message
+    assert "mp_rank_00_model_states.pt is not plain tensor data" in message and "posix.system" in message
+    assert "--trust-checkpoint" in message
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("how", ["latest_dotdot", "tag_absolute", "tag_symlink"])
+def test_tag_outside_the_checkpoint_is_refused(how: str, tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    other = _checkpoint(tmp_path / "other", module={"evil": _Payload(marker)})
+    root = _checkpoint(tmp_path / "ck")
+    tag = None
+    if how == "latest_dotdot":
+        (root / "latest").write_text("../other/step1")
+    elif how == "tag_absolute":
+        tag = str(other / "step1")
+    else:
+        (root / "linked").symlink_to(other / "step1")
+        tag = "linked"
+    with pytest.raises(CheckpointError, match="points outside the checkpoint directory"):
+        read_deepspeed_checkpoint(root, tag, trust=True)  # refused before anything is unpickled
+    assert not marker.exists()
+
+
+def test_symlinked_shard_outside_is_refused(tmp_path: Path) -> None:
+    other = _checkpoint(tmp_path / "other")
+    root = _checkpoint(tmp_path / "ck")
+    shard = root / "step1" / "mp_rank_00_model_states.pt"
+    shard.unlink()
+    shard.symlink_to(other / "step1" / "mp_rank_00_model_states.pt")
+    with pytest.raises(CheckpointError, match="is a symbolic link; a checkpoint's files must be its own"):
+        read_deepspeed_checkpoint(root)
+
+
+def test_symlinked_companion_file_outside_is_not_copied(tmp_path: Path) -> None:
+    secret = tmp_path / "secret.txt"
+    secret.write_text("not yours")
+    source, target = tmp_path / "src", tmp_path / "dst"
+    source.mkdir()
+    target.mkdir()
+    (source / "tokenizer.json").symlink_to(secret)
+    with pytest.raises(CheckpointError, match="symlink leading outside the checkpoint"):
+        write_tokenizer(source, target)
+    assert list(target.iterdir()) == []
+
+
+def test_symlinked_companion_file_inside_is_copied(tmp_path: Path) -> None:
+    source, target = tmp_path / "src", tmp_path / "dst"
+    source.mkdir()
+    target.mkdir()
+    (source / "real.json").write_text("{}")
+    (source / "tokenizer.json").symlink_to(source / "real.json")
+    write_tokenizer(source, target)
+    assert (target / "tokenizer.json").read_text() == "{}" and not (target / "tokenizer.json").is_symlink()
+
+
+def test_tokenizer_with_remote_code_is_refused(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    from megacp.checkpoint.tokenizer_files import load_tokenizer
+
+    marker = tmp_path / "pwned"
+    (tmp_path / "tokenizer_config.json").write_text(
+        '{"auto_map": {"AutoTokenizer": ["evil.EvilTokenizer", null]}, "tokenizer_class": "EvilTokenizer"}')
+    (tmp_path / "evil.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    with pytest.raises(ValueError, match="trust_remote_code"):
+        load_tokenizer(tmp_path)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("value", ["no", "false", 0, 1, None])
+def test_sampling_string_boolean_is_refused(value: object) -> None:
+    from megacp.generate.sampling import SamplingParams
+
+    with pytest.raises(ValueError, match=f"ignore_eos must be True or False, got {value!r}"):
+        SamplingParams(ignore_eos=value)  # type: ignore[arg-type]
+    assert SamplingParams(ignore_eos=True).ignore_eos is True
+
+
+@pytest.mark.parametrize("text", ["", "  \n\t"])
+def test_empty_config_file_is_refused(text: str, tmp_path: Path) -> None:
+    from megacp.config import ConfigError, load_config
+
+    path = tmp_path / "ds.json"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=r"ds\.json: the config file is empty$"):
+        load_config(path)
