@@ -266,7 +266,7 @@ def test_deepspeed_rejection_is_one_line_under_torchrun(tiny: tuple[Path, Path],
     logs = tmp_path / "logs"
     result = _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                    str(free_port()), "--log-dir", str(logs), "--redirects", "3", "-m", "megacp.train",
-                   "--model", str(model_dir), "--corpus", str(corpus),
+                   "--model", str(model_dir), "--corpus", str(corpus), "--seq-len", "64",
                    "--deepspeed_config", _config(tmp_path, "batch", train_batch_size=3)])
     assert result.returncode != 0
     errors = {int(p.parent.name): p.read_text() for p in logs.rglob("stderr.log")}
