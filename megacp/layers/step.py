@@ -23,6 +23,7 @@ every rank.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import ClassVar, Protocol, Sequence
 
@@ -81,7 +82,7 @@ def step_fields(step: "CPStep | None", q: Tensor, k: Tensor, v: Tensor, *, scale
 
 
 @dataclass
-class CPStep:
+class CPStep(ABC):
     """One forward step of a batch under CP (the common part of every kind).
 
     Attributes:
@@ -135,6 +136,7 @@ class CPStep:
 
     def commit(self) -> None:
         """Advance the KV cache bookkeeping once every layer has run (nothing without a cache)."""
+        return None
 
     # ------------------------------------------------------------------ attention
     def attend(self, layer: AttentionLayer, q: Tensor, k: Tensor, v: Tensor, scale: float | None) -> Tensor:
@@ -166,8 +168,9 @@ class CPStep:
             return f"CP rank {self.plan.rank} got {q.shape[0]} tokens but the step's plan gives it {self.plan.num_local()}"
         return None
 
+    @abstractmethod
     def _attention(self, layer: AttentionLayer, q: Tensor, k: Tensor, v: Tensor, scale: float | None) -> Tensor:
-        raise NotImplementedError
+        """The kind's attention over inputs every rank agreed on (:meth:`attend` checks first)."""
 
     def agree(self, q: Tensor, k: Tensor, v: Tensor, *, scale: float | None, local_error: str | None = None) -> None:
         """Check once per step (at the first layer's call) that every CP rank runs this step with the
