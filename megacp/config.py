@@ -47,7 +47,7 @@ import types
 import typing
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal, NoReturn, Union
+from typing import Annotated, Any, Literal, NoReturn, Union
 
 import annotated_types
 import hjson
@@ -126,6 +126,18 @@ class RuntimeConfig(_Section):
     timeout_minutes: float = Field(5.0, gt=0, allow_inf_nan=False)
 
 
+class SequenceTilingConfig(_Section):
+    """``sequence_tiling``: training computations that run over tiles of the sequence.
+
+    Attributes:
+        mlp: tokens per tile of each dense layer's RMSNorm + SwiGLU MLP
+            (:mod:`megacp.models.tiling`); ``0`` untiled, ``"auto"`` tiled only when the memory plan
+            needs it (:mod:`megacp.train.memory`).
+    """
+
+    mlp: Union[Literal["auto"], Annotated[int, Field(ge=0)]] = "auto"
+
+
 class ExpertModelParallelConfig(_Section):
     """``expert_model_parallel``: the expert-parallel group.
 
@@ -147,6 +159,7 @@ SECTIONS: dict[str, type[_Section]] = {
     "expert_model_parallel": ExpertModelParallelConfig,
     "external_data_parallel": ExternalDataParallelConfig,
     "runtime": RuntimeConfig,
+    "sequence_tiling": SequenceTilingConfig,
 }
 """megacp's top-level keys and their models."""
 
@@ -177,7 +190,7 @@ class MegacpConfig(BaseModel):
 
     Attributes:
         context_parallel / tensor_model_parallel / pipeline_model_parallel /
-        expert_model_parallel / external_data_parallel / runtime: the validated sections
+        expert_model_parallel / external_data_parallel / runtime / sequence_tiling: the validated sections
         (defaults when absent).
         deepspeed: the whole raw top-level dict, to hand to DeepSpeed unchanged.
         source: the file it was read from, ``None`` for a dict.
@@ -191,6 +204,7 @@ class MegacpConfig(BaseModel):
     expert_model_parallel: ExpertModelParallelConfig = ExpertModelParallelConfig()
     external_data_parallel: ExternalDataParallelConfig = ExternalDataParallelConfig()
     runtime: RuntimeConfig = RuntimeConfig()
+    sequence_tiling: SequenceTilingConfig = SequenceTilingConfig()
     deepspeed: dict[str, Any] = Field(default_factory=dict)
     source: Union[str, None] = None
 
@@ -380,6 +394,7 @@ def _describe(err: ValidationError) -> str:
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         keys = ", ".join(annotation.model_fields)
         return f"{path}: expected an object with keys {keys}, got {got!r}"
+    path = ".".join(loc[:loc.index(field) + 1])  # not the union member pydantic appends
     return f"{path}: got {got!r}; allowed values: {_allowed(model, field)}"
 
 
@@ -401,25 +416,34 @@ def _resolve(loc: list[str]) -> tuple[type[BaseModel] | None, str | None]:
 def _allowed(model: type[BaseModel], field: str) -> str:
     """Human description of the values ``model.field`` accepts, e.g. ``'auto', 'pass_kv'``."""
     info = model.model_fields[field]
-    annotation = info.annotation
-    nullable = False
-    if typing.get_origin(annotation) in (Union, types.UnionType):
-        members = [arg for arg in typing.get_args(annotation) if arg is not type(None)]
-        nullable = len(members) < len(typing.get_args(annotation))
-        annotation = members[0]
+    members, nullable = [info.annotation], False
+    if typing.get_origin(info.annotation) in (Union, types.UnionType):
+        members = [arg for arg in typing.get_args(info.annotation) if arg is not type(None)]
+        nullable = len(members) < len(typing.get_args(info.annotation))
+    text = (_describe_type(members[0], info.metadata) if len(members) == 1
+            else " or ".join(_describe_type(m) for m in members))  # e.g. 'auto' or an integer >= 0
+    return text + (" or null" if nullable else "")
+
+
+def _describe_type(annotation: Any, metadata: list[Any] | None = None) -> str:
+    """Human description of one type's values (``Annotated`` bounds included)."""
+    if typing.get_origin(annotation) is Annotated:
+        annotation, *extra = typing.get_args(annotation)
+        metadata = [m for e in extra for m in getattr(e, "metadata", [e])]
+    metadata = metadata or []
     if typing.get_origin(annotation) is Literal:
         text = ", ".join(repr(value) for value in typing.get_args(annotation))
     elif annotation is bool:
         text = "true, false"
     elif annotation is int:
-        bounds = [f">= {meta.ge}" for meta in info.metadata if isinstance(meta, annotated_types.Ge)]
+        bounds = [f">= {meta.ge}" for meta in metadata if isinstance(meta, annotated_types.Ge)]
         text = "an integer " + " ".join(bounds) if bounds else "an integer"
     elif annotation is float:
-        bounds = [f"> {meta.gt}" for meta in info.metadata if isinstance(meta, annotated_types.Gt)]
+        bounds = [f"> {meta.gt}" for meta in metadata if isinstance(meta, annotated_types.Gt)]
         text = "a finite number " + " ".join(bounds) if bounds else "a finite number"
     else:
         text = getattr(annotation, "__name__", str(annotation))
-    return text + (" or null" if nullable else "")
+    return text
 
 
 def print_error_once(prefix: str, message: str) -> None:

@@ -105,8 +105,10 @@ _KERNELS: dict[str, Callable[..., Grads]] = {"cudnn": _cudnn_backward, "flash": 
 def _kernel_call(kernel: Callable[..., Grads], q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                  dout: Tensor, causal: bool, scale: float) -> Grads:
     """One fused backward on ``[L, H, D]`` tensors viewed as ``[1, H, L, D]`` (no copies but the
-    small LSE, which the kernels want contiguous ``[1, H, Lq]``). cuDNN (9.19) refuses one query
-    over one key ("s_q = s_kv = 1 is not supported"): that call takes the exact path."""
+    small LSE, which the kernels want contiguous ``[1, H, Lq]``), per group of KV heads when one
+    call's workspace would be large (:func:`head_groups`; the groups' gradients are copied into
+    place). cuDNN (9.19) refuses one query over one key ("s_q = s_kv = 1 is not supported"): that
+    call takes the exact path."""
     if kernel is _cudnn_backward and q.shape[0] == 1 and k.shape[0] == 1:
         dq, dk, dv = reference_backward(q, k, v, out, lse, dout, causal=causal, scale=scale)
         return dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype)
@@ -114,8 +116,36 @@ def _kernel_call(kernel: Callable[..., Grads], q: Tensor, k: Tensor, v: Tensor, 
         return x.unsqueeze(0).transpose(1, 2)
 
     lse3 = lse.t().contiguous().unsqueeze(0)
-    dq, dk, dv = kernel(view(dout), view(q), view(k), view(v), view(out), lse3, causal, scale)
-    return dq[0].transpose(0, 1), dk[0].transpose(0, 1), dv[0].transpose(0, 1)
+    groups = head_groups(q.shape[0], q.shape[1], k.shape[1], q.shape[2])
+    if groups == 1:
+        dq, dk, dv = kernel(view(dout), view(q), view(k), view(v), view(out), lse3, causal, scale)
+        return dq[0].transpose(0, 1), dk[0].transpose(0, 1), dv[0].transpose(0, 1)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    step_kv = k.shape[1] // groups
+    step_q = step_kv * (q.shape[1] // k.shape[1])
+    for i in range(groups):
+        hq, hkv = slice(i * step_q, (i + 1) * step_q), slice(i * step_kv, (i + 1) * step_kv)
+        gq, gk, gv = kernel(view(dout[:, hq]), view(q[:, hq]), view(k[:, hkv]), view(v[:, hkv]), view(out[:, hq]),
+                            lse3[:, hq], causal, scale)
+        dq[:, hq], dk[:, hkv], dv[:, hkv] = gq[0].transpose(0, 1), gk[0].transpose(0, 1), gv[0].transpose(0, 1)
+    return dq, dk, dv
+
+
+WORKSPACE_BYTES = 1 << 28
+"""Bound on the fp32 dQ accumulator of one fused backward call (``4 · Lq · Hq · D`` bytes; the
+kernels' workspace is about twice that): longer calls run per group of KV heads."""
+
+
+def head_groups(lq: int, hq: int, hkv: int, d: int) -> int:
+    """Calls one fused backward of ``lq`` queries is split into, over groups of KV heads (with their
+    query heads): the fewest that divide ``hkv`` and keep each call's fp32 dQ accumulator within
+    :data:`WORKSPACE_BYTES`. The heads are independent, so the gradients are the same; at 1M tokens
+    of Llama-3.1-8B's shape (32 / 8 heads of 128) one call's workspace would be ~32 KiB per token."""
+    need = 4 * lq * hq * d
+    for groups in range(1, hkv + 1):
+        if hkv % groups == 0 and need // groups <= WORKSPACE_BYTES:
+            return groups
+    return hkv
 
 
 def _kernel_backward(kernel: Callable[..., Grads], q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,

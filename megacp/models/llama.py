@@ -39,19 +39,21 @@ applied by the loss, chunk by chunk: :mod:`megacp.train.loss`); with
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from megacp.layers.attention import DotProductAttention
+from megacp.models.checkpointing import HostStash, checkpoint_layer
 from megacp.models.config import ModelConfig
 from megacp.models.moe import MoEMLP
 from megacp.models.ops import copy_to_tp, group_size, reduce_from_tp, rms_norm, swiglu, tp_shard
 from megacp.models.rope import RotaryEmbedding, apply_rotary
+from megacp.models.tiling import tiled_norm_swiglu
 
 
 def _param(*shape: int, dtype: torch.dtype | None, device: Any) -> nn.Parameter:
@@ -157,7 +159,14 @@ class SelfAttention(nn.Module):
 
 
 class LayerNormMLP(nn.Module):
-    """RMSNorm followed by the SwiGLU MLP (TE ``LayerNormMLP`` names; ``fc1`` = [gate; up])."""
+    """RMSNorm followed by the SwiGLU MLP (TE ``LayerNormMLP`` names; ``fc1`` = [gate; up]).
+
+    ``tile_tokens`` (a plain attribute, 0 = untiled): inputs longer than that run over sequence
+    tiles of that many tokens (:func:`~megacp.models.tiling.tiled_norm_swiglu`: only the input is
+    kept for the backward).
+    """
+
+    tile_tokens: int = 0
 
     def __init__(
         self, cfg: ModelConfig, tp_group: dist.ProcessGroup | None = None,
@@ -173,6 +182,8 @@ class LayerNormMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[T, H] -> [T, H]."""
+        if 0 < self.tile_tokens < x.shape[0]:
+            return reduce_from_tp(tiled_norm_swiglu(self, x, self.tile_tokens), self.tp_group)
         x = copy_to_tp(rms_norm(x, self.layer_norm_weight, self.eps), self.tp_group)
         return reduce_from_tp(swiglu(x, self.fc1_weight, self.fc2_weight), self.tp_group)
 
@@ -203,6 +214,11 @@ class DecoderLayer(nn.Module):
         return x + getattr(self, self.mlp_name)(x)
 
 
+def _bound(layer: nn.Module, *args: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``x -> layer(x, *args)``."""
+    return lambda x: layer(x, *args)
+
+
 class CausalLM(nn.Module):
     """Llama-family causal language model over packed tokens at global positions.
 
@@ -215,11 +231,19 @@ class CausalLM(nn.Module):
             :meth:`~torch.nn.Module.load_state_dict` fills with ``assign=True``).
         layers: the decoder layers to use instead of :class:`DecoderLayer` (the TE backend passes
             its own); each is called as ``layer(x [T,H], cos, sin, cu_seqlens, inference_params)``.
-        activation_checkpointing: under autograd, run each decoder layer through
-            ``torch.utils.checkpoint`` (non-reentrant): only its input is kept and its forward runs
-            again in backward (CP ring and TP collectives included, in the same order on every
-            rank). A plain attribute: it may also be set after construction.
+        activation_checkpointing: under autograd, checkpoint each decoder layer
+            (:func:`~megacp.models.checkpointing.checkpoint_layer`): only its input is kept and its
+            forward runs again in backward (CP ring and TP collectives included, in the same order
+            on every rank). A plain attribute: it may also be set after construction.
+
+    Attributes:
+        offloaded_layers: indices of the checkpointed layers whose inputs wait for the backward
+            in pinned host memory (:class:`~megacp.models.checkpointing.HostStash`) rather than
+            on the device; empty by default (only with ``activation_checkpointing``).
     """
+
+    offloaded_layers: frozenset[int] = frozenset()
+    host_stash: HostStash | None = None
 
     def __init__(
         self, cfg: ModelConfig, tp_group: dist.ProcessGroup | None = None,
@@ -286,12 +310,21 @@ class CausalLM(nn.Module):
         x = self.embedding(input_ids)
         cos, sin = (c.to(x.dtype) for c in self.rotary(position_ids))
         recompute = self.activation_checkpointing and torch.is_grad_enabled()
-        for layer in self.layers:
+        stash = self._stash(x.device) if recompute and self.offloaded_layers else None
+        for i, layer in enumerate(self.layers):
             if recompute:
-                x = checkpoint(layer, x, cos, sin, cu_seqlens, inference_params, use_reentrant=False)
+                x = checkpoint_layer(_bound(layer, cos, sin, cu_seqlens, inference_params), x,
+                                     stash if i in self.offloaded_layers else None)
             else:
                 x = layer(x, cos, sin, cu_seqlens, inference_params)
         return self.final_norm(x)
+
+    def _stash(self, device: torch.device) -> HostStash:
+        """The host stash of the offloaded layer inputs, started for a new step."""
+        if self.host_stash is None or self.host_stash.device != device:
+            self.host_stash = HostStash(device)
+        self.host_stash.begin()
+        return self.host_stash
 
     def forward(
         self,

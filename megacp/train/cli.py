@@ -59,10 +59,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--corpus", nargs="+", metavar="PATH",
                    help="text files, .jsonl files (a 'text' field per line), directories of them, or a "
                         "datasets directory (default: the Python standard library's .py files)")
-    p.add_argument("--seq-len", type=int, default=2048, help="tokens per packed sequence (default: 2048)")
+    p.add_argument("--seq-len", type=_seq_len_arg, default=2048,
+                   help="tokens per packed sequence, or 'auto': the longest a step fits on the GPU by the memory "
+                        "plan (default: 2048)")
     p.add_argument("--steps", type=int, default=100, help="optimizer steps (default: 100)")
     p.add_argument("--activation-checkpointing", action="store_true",
-                   help="recompute each decoder layer's activations in backward")
+                   help="recompute each decoder layer's activations in backward (the config's "
+                        "activation_checkpointing.enabled; its 'offload' keeps the layer inputs on the host)")
     p.add_argument("--backend", choices=("auto", "torch", "te"), default="auto",
                    help="model layers: Transformer Engine or torch (default: TE on CUDA when installed)")
     p.add_argument("--save", metavar="DIR", help="engine.save_checkpoint(DIR) after the last step")
@@ -80,7 +83,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.deepspeed_config is None:
         raise UsageError("--deepspeed_config is required (e.g. configs/train_cp2.json, or "
                          "configs/train_cpu_cp2.json on CPU)")
-    if args.seq_len < 1:
+    if args.seq_len == "auto" and (args.hf_native or not torch.cuda.is_available()):
+        raise UsageError("--seq-len auto fits a megacp model's step into GPU memory: it needs a GPU and no --hf-native")
+    if args.seq_len != "auto" and args.seq_len < 1:
         raise UsageError(f"--seq-len must be >= 1, got {args.seq_len}")
     if args.steps < 1:
         raise UsageError(f"--steps must be >= 1, got {args.steps}")
@@ -103,6 +108,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         if not torch.cuda.is_available() or te_import_error() is not None:
             raise UsageError(f"--backend te needs CUDA and Transformer Engine: {te_import_error() or 'no CUDA device'}")
     return args
+
+
+def _seq_len_arg(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of tokens or 'auto', got {text!r}") from None
 
 
 def _eos_id(tokenizer: Any, model_config: Any) -> int:
@@ -164,13 +178,14 @@ def run(args: argparse.Namespace) -> int:
     from megacp.train.experts import check_expert_training  # imports DeepSpeed
 
     config = load_config(args.deepspeed_config)
-    settings = read_settings(config.deepspeed)
+    settings = read_settings(config.deepspeed, activation_checkpointing=args.activation_checkpointing)
     if (config.expert_model_parallel.size or 1) > 1:
         check_expert_training(config.deepspeed, settings.zero_stage, config.expert_model_parallel.size or 1,
                               save=args.save is not None)
     sources = resolve_corpus(args.corpus)
     model_path = args.model or default_model_path()  # CheckpointError (one line) when the package is missing
-    check_seq_len(args.seq_len, config.context_parallel.size or 1, read_model_config(model_path))
+    if args.seq_len != "auto":
+        check_seq_len(args.seq_len, config.context_parallel.size or 1, read_model_config(model_path))
     _world_of_one_env()
     state = megacp.initialize(config)
     micro_batch = check_batch_config(config.deepspeed, state)
@@ -190,11 +205,16 @@ def run(args: argparse.Namespace) -> int:
         loaded = load_on_mesh(model_path, state, dtype=settings.dtype, settings=cp, backend=args.backend,
                               allow_non_finite=args.allow_non_finite)
         model, model_config, tokenizer = loaded.model, loaded.config, loaded.tokenizer
-        model.activation_checkpointing = args.activation_checkpointing
     if tokenizer is None:
         raise UsageError(f"--model {model_path} has no tokenizer to read the corpus with")
     model.train()
     trainer = Trainer(model, config.deepspeed, state, settings, cp=cp, loss=loss)
+    cp_size = state.size("cp")
+    if args.seq_len == "auto":
+        args.seq_len = trainer.longest_seq_len(micro_batch, limit=getattr(model_config, "max_position_embeddings", None))
+        if args.seq_len == 0:
+            trainer.plan_memory(2 * cp_size)  # raises: not even the shortest step fits
+    plan = trainer.plan_memory(-(-args.seq_len * micro_batch // cp_size))  # MemoryPlanError before any step
 
     layout = f"CP={state.size('cp')} TP={state.size('tp')} DP={state.size('dp')}" + (
         f" EP={state.size('ep')}" if trainer.sharded_experts else "")
@@ -203,6 +223,8 @@ def run(args: argparse.Namespace) -> int:
               f"ZeRO {settings.zero_stage}, model {Path(model_path).name}, {args.seq_len} tokens per sequence, "
               f"{micro_batch} per micro-batch, {trainer.engine.gradient_accumulation_steps()} micro-batches per step",
               flush=True)
+        if plan is not None and state.device.type == "cuda":
+            print(f"{PROG}: memory plan: {plan.describe()}", flush=True)
     losses, tokens, seconds = [], 0, 0.0
     with contextlib.ExitStack() as stack:
         metrics = stack.enter_context(open(args.metrics, "w", encoding="utf-8")) if rank0 and args.metrics else None
@@ -249,8 +271,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run ``python -m megacp.train``; bad input ends with one line and exit status 2."""
     from megacp.checkpoint import CheckpointError
     from megacp.train.data import CorpusError
+    from megacp.train.memory import MemoryPlanError
 
     try:
         return run(parse_args(argv))
-    except (UsageError, ConfigError, CorpusError, CheckpointError) as err:
+    except (UsageError, ConfigError, CorpusError, CheckpointError, MemoryPlanError) as err:
         fail(str(err))

@@ -34,11 +34,23 @@ import torch.distributed as dist
 
 from megacp.config import ConfigError
 from megacp.layers.settings import CPSettings
+from megacp.models.config import ModelConfig
 from megacp.parallel.mpu import DeepSpeedMPU
 from megacp.parallel.state import ParallelState
 from megacp.placement.batch import shard_batch
 from megacp.train.data import PackedSequence
 from megacp.train.loss import lm_loss, logged_loss
+from megacp.train.memory import (
+    MemoryOptions,
+    MemoryPlan,
+    ZeroSettings,
+    count_parameters,
+    gpu_capacity,
+    host_available,
+    longest_fitting,
+    plan_memory,
+    read_memory_options,
+)
 
 ZERO_STAGES = (0, 1, 2, 3)
 """ZeRO stages megacp trains with."""
@@ -50,10 +62,12 @@ class TrainSettings:
     Attributes:
         dtype: of the model parameters: ``torch.bfloat16`` when ``bf16.enabled``, else fp32.
         zero_stage: ``zero_optimization.stage``.
+        memory: activation checkpointing, offload and sequence tiling (:mod:`megacp.train.memory`).
     """
 
     dtype: torch.dtype
     zero_stage: int
+    memory: MemoryOptions = MemoryOptions()
 
 
 def _section(raw: Mapping[str, Any], key: str) -> Mapping[str, Any]:
@@ -81,9 +95,9 @@ def _check_optimizer(raw: Mapping[str, Any]) -> None:
         raise ConfigError(f"optimizer.params: expected an object, got {optimizer['params']!r}")
 
 
-def read_settings(raw: Mapping[str, Any]) -> TrainSettings:
+def read_settings(raw: Mapping[str, Any], *, activation_checkpointing: bool = False) -> TrainSettings:
     """Check the training parts of the DeepSpeed config ``raw`` that megacp depends on (no process
-    group needed).
+    group needed); ``activation_checkpointing`` (the CLI flag) switches checkpointing on.
 
     Raises:
         ConfigError: fp16 is enabled (refused: use bf16), the ZeRO stage is not one of
@@ -106,7 +120,8 @@ def read_settings(raw: Mapping[str, Any]) -> TrainSettings:
     _check_optimizer(raw)
     if stage == 3:
         _check_zero3(raw)
-    return TrainSettings(dtype=torch.bfloat16 if enabled else torch.float32, zero_stage=stage)
+    memory = read_memory_options(raw, activation_checkpointing=activation_checkpointing)
+    return TrainSettings(dtype=torch.bfloat16 if enabled else torch.float32, zero_stage=stage, memory=memory)
 
 
 def _check_zero3(raw: Mapping[str, Any]) -> None:
@@ -250,6 +265,15 @@ class Trainer:
                                   "not supported; use ZeRO 0-2 with EP")
             check_expert_training(config, settings.zero_stage, state.size("ep"))
         self.zero3 = settings.zero_stage == 3
+        self.planned: MemoryPlan | None = None
+        cfg = getattr(model, "cfg", None)
+        self._cfg: ModelConfig | None = cfg if isinstance(cfg, ModelConfig) else None  # a megacp model's
+        self._params = count_parameters(model)
+        if settings.memory.activation_checkpointing and self._cfg is not None:
+            setattr(model, "activation_checkpointing", True)  # noqa: B010 - a CausalLM attribute
+        elif self._cfg is None and (settings.memory.offload != "none" or settings.memory.mlp_tile not in (0, "auto")):
+            raise ConfigError("activation_checkpointing.offload and sequence_tiling.mlp apply to megacp's own models; "
+                              "a transformers model checkpoints through its own gradient checkpointing")
         cp = cp or CPSettings.from_state(state)
         if self.zero3:
             model = LossModule(model, loss, cp)
@@ -272,6 +296,44 @@ class Trainer:
         ``deepspeed.zero.GatheredParameters`` to read them)."""
         return self.engine.module.model if self.zero3 else self.engine.module
 
+    def plan_memory(self, tokens: int) -> MemoryPlan | None:
+        """Plan a step of ``tokens`` local tokens per rank (:func:`~megacp.train.memory.plan_memory`)
+        and set the model's MLP tiles and offloaded layers for it; ``None`` for a model that is not
+        megacp's own. Checks the GPU's capacity (and the host's memory for what is offloaded).
+
+        Raises:
+            MemoryPlanError: the step will not fit (one line naming what would).
+        """
+        if self._cfg is None:
+            return None
+        if self.planned is not None and self.planned.tokens == tokens:
+            return self.planned
+        model = self.module
+        self.planned = plan_memory(self._cfg, tokens=tokens, **self._plan_inputs())
+        self.planned.apply(model)
+        return self.planned
+
+    def _plan_inputs(self) -> dict[str, Any]:
+        from megacp.models.llama import CausalLM, LayerNormMLP
+
+        model = self.module
+        dense = isinstance(model, CausalLM) and all(
+            isinstance(getattr(layer, "layernorm_mlp", None), LayerNormMLP) for layer in model.layers)
+        device = self.state.device
+        return dict(params=self._params, options=self.settings.memory,
+                    zero=ZeroSettings.from_config(self.config, partition=self.state.size("dp_cp"), dtype=self.settings.dtype),
+                    capacity=gpu_capacity(device), host=host_available() if device.type == "cuda" else None,
+                    tp=self.state.size("tp"), dense_mlp=dense)
+
+    def longest_seq_len(self, micro_batch: int, *, limit: int | None = None) -> int:
+        """The longest packed-sequence length (a multiple of ``2 x CP``, at most ``limit``) whose
+        step of ``micro_batch`` sequences fits on this GPU by the memory plan; 0 when none does."""
+        if self._cfg is None or self.state.device.type != "cuda":
+            raise ConfigError("the longest sequence is planned for megacp's own models on a GPU")
+        cp = self.state.size("cp")
+        return longest_fitting(self._cfg, multiple=2 * cp, cp=cp, batch=micro_batch, limit=limit,
+                               **self._plan_inputs())
+
     def step(self, batches: Iterator[PackedSequence]) -> StepResult:
         """One optimizer step over ``gradient_accumulation_steps`` micro-batches from ``batches``
         (this DP replica's; every CP rank of the replica passes the same ones)."""
@@ -284,6 +346,7 @@ class Trainer:
             batch = next(batches)
             shard = shard_batch(batch.input_ids, cu_seqlens=batch.cu_seqlens, cp_size=self.state.size("cp"),
                                 cp_rank=self.state.rank_in("cp"), load_balance=self.cp.load_balance)
+            self.plan_memory(-(-batch.input_ids.numel() // self.state.size("cp")))  # the same on every CP rank
             loss = self.engine(shard) if self.zero3 else self.loss(self.module, shard, settings=self.cp)
             # ZeRO 3's reduce-scatter averages the gradients over DP x CP; the CP ranks' shares must
             # be summed (averaged over DP only), hence the factor CP

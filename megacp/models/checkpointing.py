@@ -1,0 +1,155 @@
+"""Activation checkpointing of decoder layers, with the checkpointed inputs optionally kept in host
+memory between the forward and the backward.
+
+A checkpointed layer keeps only its input ``x [T, H]`` (Llama-3.1-8B shape, bf16: 8 KiB per token and
+layer, 256 KiB per token for 32 layers) and runs its forward again in backward. :func:`checkpoint_layer`
+is a reentrant-style autograd function: the forward runs without autograd; the backward recomputes the
+layer under autograd from the saved input and back-propagates through it
+(:func:`torch.autograd.backward`, so parameter gradients accumulate as usual and a training engine's
+gradient hooks fire). The recompute runs the layer's collectives (CP ring, TP all-reduces) again, in
+the same order on every rank. megacp's layers hold no dropout, so no RNG state is replayed.
+
+With a :class:`HostStash` the input goes to pinned host memory instead: copied on a side CUDA
+stream right after the layer's forward (overlapped with the next layer's compute), and copied back
+on that stream when the backward of the *following* layer starts (overlapped with that layer's
+recompute and backward), so that at most two offloaded inputs are on the GPU at once. Pinned buffers
+are pooled by shape and reused across steps. On CPU the stash holds plain copies (tests).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class _Entry:
+    """One offloaded input: its host copy, the device copy once fetched, and the copy's event."""
+
+    host: Tensor
+    device: torch.device
+    event: Any = None  # torch.cuda.Event of the last copy issued for this entry
+    fetched: Tensor | None = None
+
+
+class HostStash:
+    """Checkpointed layer inputs parked in (pinned) host memory for one step at a time.
+
+    Args:
+        device: the device the layers run on.
+
+    Attributes:
+        bytes_offloaded: host bytes the current step's inputs occupy (for reports).
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device) if self.cuda else None
+        self._free: dict[tuple[tuple[int, ...], torch.dtype], list[Tensor]] = {}
+        self._entries: list[_Entry] = []
+        self.bytes_offloaded = 0
+
+    def begin(self) -> None:
+        """Start a step: buffers of entries a previous step left unfetched return to the pool."""
+        for entry in self._entries:
+            self._release(entry)
+        self._entries = []
+        self.bytes_offloaded = 0
+
+    def put(self, x: Tensor) -> int:
+        """Copy ``x`` to host memory (asynchronously on CUDA); returns the entry's index."""
+        key = (tuple(x.shape), x.dtype)
+        pool = self._free.get(key)
+        host = pool.pop() if pool else torch.empty(x.shape, dtype=x.dtype, pin_memory=self.cuda)
+        entry = _Entry(host, x.device)
+        if self.stream is not None:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.stream):
+                host.copy_(x, non_blocking=True)
+                entry.event = torch.cuda.Event()
+                entry.event.record(self.stream)
+            x.record_stream(self.stream)  # x's memory is not reused before the copy has read it
+        else:
+            host.copy_(x)
+        self._entries.append(entry)
+        self.bytes_offloaded += host.numel() * host.element_size()
+        return len(self._entries) - 1
+
+    def _prefetch(self, entry: _Entry) -> None:
+        if entry.fetched is not None:
+            return
+        if self.stream is None:
+            entry.fetched = entry.host.clone()
+            return
+        current = torch.cuda.current_stream(self.device)
+        dev = torch.empty(entry.host.shape, dtype=entry.host.dtype, device=entry.device)
+        self.stream.wait_stream(current)  # dev's memory may have been freed by work queued there
+        with torch.cuda.stream(self.stream):
+            dev.copy_(entry.host, non_blocking=True)
+            entry.event = torch.cuda.Event()
+            entry.event.record(self.stream)
+        entry.fetched = dev
+
+    def fetch(self, index: int) -> Tensor:
+        """The input of entry ``index`` back on its device (ready on the current stream); starts
+        copying entry ``index - 1`` back as well, for the layer whose backward comes next."""
+        entry = self._entries[index]
+        self._prefetch(entry)
+        if index > 0:
+            self._prefetch(self._entries[index - 1])
+        x = entry.fetched
+        assert x is not None
+        if self.stream is not None:
+            torch.cuda.current_stream(self.device).wait_event(entry.event)
+        entry.fetched = None
+        self._release(entry)
+        return x
+
+    def _release(self, entry: _Entry) -> None:
+        # the host buffer's next use is a copy on the same side stream, ordered after this one
+        self._free.setdefault((tuple(entry.host.shape), entry.host.dtype), []).append(entry.host)
+        entry.fetched = None
+
+
+class _Checkpoint(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, anchor: Tensor | None, run: Callable[[Tensor], Tensor],
+                stash: HostStash | None) -> Tensor:
+        with torch.no_grad():
+            y = run(x)
+        ctx.run, ctx.stash = run, stash
+        if stash is None:
+            ctx.save_for_backward(x)
+        else:
+            ctx.index = stash.put(x)
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, None, None, None]:
+        x = ctx.saved_tensors[0] if ctx.stash is None else ctx.stash.fetch(ctx.index)
+        with torch.enable_grad():
+            xd = x.detach().requires_grad_(ctx.needs_input_grad[0])
+            y = ctx.run(xd)
+        torch.autograd.backward(y, dy)
+        return (xd.grad if ctx.needs_input_grad[0] else None), None, None, None
+
+
+def checkpoint_layer(run: Callable[[Tensor], Tensor], x: Tensor, stash: HostStash | None = None) -> Tensor:
+    """``run(x)`` keeping only ``x`` (on the device, or in ``stash``) for the backward, which
+    recomputes ``run`` under autograd.
+
+    Args:
+        run: the layer, ``[T, H] -> [T, H]`` (its other inputs bound; they must not need gradients).
+        x: the layer input ``[T, H]``.
+        stash: host memory for ``x`` (``None``: ``x`` stays on the device).
+
+    The output needs gradients whenever autograd is on, also when ``x`` does not (frozen
+    embeddings): the layer's parameters still get theirs.
+    """
+    anchor = None if x.requires_grad else torch.empty(0, requires_grad=True)
+    return _Checkpoint.apply(x, anchor, run, stash)

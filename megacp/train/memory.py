@@ -1,0 +1,361 @@
+"""Training memory: the options that trade compute or host memory for GPU memory, and the plan that
+picks them per sequence length and says, before the first step, whether a step will fit.
+
+Options (from the DeepSpeed config, :func:`read_memory_options`)::
+
+    "activation_checkpointing": {"enabled": true, "offload": "auto"},   # "none" | "cpu" | "auto"
+    "sequence_tiling": {"mlp": "auto"},                                  # "auto" | tokens per tile | 0
+
+* ``activation_checkpointing.enabled`` (or ``--activation-checkpointing``): each decoder layer keeps
+  only its input and runs again in backward (:mod:`megacp.models.checkpointing`).
+  ``offload``: those inputs wait in pinned host memory — ``"cpu"`` every layer's, ``"auto"`` as
+  few layers' as the GPU needs (the earliest layers, whose inputs wait longest). DeepSpeed's own
+  keys of that section (``partition_activations``, ``cpu_checkpointing``, ...) configure
+  ``deepspeed.checkpointing``, which megacp's layers do not use: they are refused.
+* ``sequence_tiling.mlp``: dense layers' MLPs run over sequence tiles (:mod:`megacp.models.tiling`);
+  ``"auto"`` tiles (:data:`AUTO_MLP_TILE` tokens) only when the plan needs it.
+
+The plan (:func:`plan_memory`) estimates one rank's peak GPU bytes as model states (by ZeRO stage and
+offload, :func:`state_bytes`) + checkpointed layer inputs kept on the GPU + one layer's working set
+in its backward (:func:`working_bytes_per_token`) + fixed buffers, and the host bytes of what is
+offloaded. Under ``auto`` it takes the cheapest settings that fit the GPU: untiled and nothing
+offloaded, else the MLP tiled, else as many layers offloaded as needed. It is an estimate
+(``docs/PERFORMANCE.md`` compares it with measured peaks); :class:`MemoryPlanError` names the
+settings or sequence length that would fit.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from megacp.config import ConfigError, load_config
+from megacp.models.config import ModelConfig
+from megacp.train.loss import DEFAULT_CHUNK_TOKENS
+
+Offload = Literal["none", "cpu", "auto"]
+
+AUTO_MLP_TILE = 8192
+"""Tokens per MLP tile when ``sequence_tiling.mlp`` is ``"auto"`` and the plan tiles."""
+
+GPU_RESERVE_BYTES = 6 * 2**30
+"""GPU bytes the plan leaves free of its estimate: CUDA context, communicator buffers, kernel
+workspaces and the caching allocator's fragmentation."""
+
+_DEEPSPEED_CHECKPOINTING_KEYS = ("partition_activations", "contiguous_memory_optimization", "cpu_checkpointing",
+                                 "number_checkpoints", "synchronize_checkpoint_boundary", "profile")
+
+
+class MemoryPlanError(ValueError):
+    """A training step will not fit (one line: the estimate and what would fit)."""
+
+
+@dataclass(frozen=True)
+class MemoryOptions:
+    """What megacp reads for training memory from the DeepSpeed config.
+
+    Attributes:
+        activation_checkpointing: checkpoint every decoder layer.
+        offload: where the checkpointed inputs wait (``"none"``: on the GPU).
+        mlp_tile: tokens per MLP tile, ``0`` untiled, or ``"auto"``.
+    """
+
+    activation_checkpointing: bool = False
+    offload: Offload = "none"
+    mlp_tile: int | Literal["auto"] = "auto"
+
+
+def read_memory_options(raw: Mapping[str, Any], *, activation_checkpointing: bool = False) -> MemoryOptions:
+    """The memory options of the DeepSpeed config ``raw`` (``activation_checkpointing``: the CLI flag,
+    which switches checkpointing on as ``"enabled": true`` does).
+
+    Raises:
+        ConfigError: an unknown or DeepSpeed-only key, a bad value, or offload without checkpointing.
+    """
+    section = raw.get("activation_checkpointing", {})
+    if not isinstance(section, Mapping):
+        raise ConfigError(f"activation_checkpointing: expected an object, got {section!r}")
+    for key, value in section.items():
+        if key in _DEEPSPEED_CHECKPOINTING_KEYS:
+            if value in (False, None):
+                continue
+            hint = ' use "offload": "cpu"' if key == "cpu_checkpointing" else ""
+            raise ConfigError(f"activation_checkpointing.{key}: configures deepspeed.checkpointing, which megacp's "
+                              f"layers do not use (they checkpoint themselves);{hint or ' remove it'}")
+        if key not in ("enabled", "offload"):
+            raise ConfigError(f"activation_checkpointing.{key}: unknown key; allowed keys: enabled, offload")
+    enabled = section.get("enabled", False)
+    if not isinstance(enabled, bool):
+        raise ConfigError(f"activation_checkpointing.enabled: got {enabled!r}; allowed values: true, false")
+    offload = section.get("offload", "none")
+    if offload not in ("none", "cpu", "auto"):
+        raise ConfigError(f"activation_checkpointing.offload: got {offload!r}; allowed values: 'none', 'cpu', 'auto'")
+    enabled = enabled or activation_checkpointing
+    if offload != "none" and not enabled:
+        raise ConfigError(f'activation_checkpointing.offload: "{offload}" needs checkpointing on ("enabled": true '
+                          "or --activation-checkpointing)")
+    return MemoryOptions(activation_checkpointing=enabled, offload=offload,
+                         mlp_tile=load_config(raw).sequence_tiling.mlp)
+
+
+@dataclass(frozen=True)
+class ZeroSettings:
+    """The parts of DeepSpeed's ``zero_optimization`` and ``bf16`` sections that place model states.
+
+    Attributes:
+        stage: ZeRO stage 0-3; partition: ranks ZeRO partitions over (DP x CP).
+        offload_optimizer / offload_param: ``device: cpu`` set.
+        param_bytes: bytes per parameter element (2 bf16, 4 fp32).
+        bf16_optimizer_states: master weights, gradients and Adam states in bf16
+            (``bf16.bf16_master_weights_and_grads`` + ``bf16_optimizer_states``).
+    """
+
+    stage: int
+    partition: int
+    offload_optimizer: bool
+    offload_param: bool
+    param_bytes: int
+    bf16_optimizer_states: bool = False
+
+    @classmethod
+    def from_config(cls, raw: Mapping[str, Any], *, partition: int, dtype: torch.dtype) -> ZeroSettings:
+        zero = raw.get("zero_optimization", {}) or {}
+        bf16 = raw.get("bf16", {}) or {}
+
+        def on(key: str) -> bool:
+            value = zero.get(key) or {}
+            return isinstance(value, Mapping) and value.get("device", "none") == "cpu"
+
+        return cls(stage=int(zero.get("stage", 0)), partition=partition, offload_optimizer=on("offload_optimizer"),
+                   offload_param=on("offload_param"), param_bytes=torch.empty((), dtype=dtype).element_size(),
+                   bf16_optimizer_states=bool(bf16.get("bf16_master_weights_and_grads"))
+                   and bool(bf16.get("bf16_optimizer_states")))
+
+
+def state_bytes(params: int, largest_module: int, zero: ZeroSettings) -> tuple[int, int]:
+    """``(gpu, host)`` bytes of one rank's model states: parameters, gradients, the optimizer's
+    master weights and Adam moments.
+
+    Args:
+        params: parameters of this rank's model (elements); largest_module: elements of the
+            largest module ZeRO 3 gathers at once (the embedding or the LM head).
+        zero: the ZeRO placement.
+
+    Per parameter: weights and gradients of ``param_bytes`` each; a low-precision model's fp32
+    master weights (4) and gradient partition (4); Adam's two moments (4 each), all in bf16 with
+    ``bf16_optimizer_states``. Stage 1 partitions the optimizer's part, 2 the gradients too, 3 the
+    weights too; offloaded parts go to the host.
+    """
+    e, z = zero.param_bytes, max(zero.partition, 1)
+    optim = float(8 if zero.bf16_optimizer_states else 8 + (8 if e < 4 else 0))  # master, grad, moments
+    weights, grads = float(e), float(e)
+    if zero.stage >= 1:
+        optim /= z
+    if zero.stage >= 2:
+        grads /= z
+    if zero.stage >= 3:
+        weights /= z
+    gpu, host = 0.0, 0.0
+    if zero.offload_optimizer:
+        host += optim * params
+        grads = 0.0 if zero.stage >= 2 else grads  # reduced gradients stream to the host
+    else:
+        gpu += optim * params
+    if zero.stage >= 3 and zero.offload_param:
+        host += weights * params
+        gpu += 2 * largest_module * e  # the gathered module and the next one prefetched
+    else:
+        gpu += weights * params + (2 * largest_module * e if zero.stage >= 3 else 0)
+    gpu += grads * params
+    return int(gpu), int(host)
+
+
+def working_bytes_per_token(cfg: ModelConfig, elem: int, tokens: int, *, tp: int = 1, mlp_tiled: bool) -> int:
+    """GPU bytes per local token of one decoder layer's recompute and backward at their peak (the
+    attention's backward), with the residual stream's gradients, for a step of ``tokens`` tokens.
+
+    Attention: the normed input and its weighted copy, rotated q/k, v, the output, the residual
+    (kept for the backward), the gradients autograd holds at once, dQ/dK/dV and the fused kernel's
+    fp32 dQ accumulator of one call (:func:`~megacp.attention.partial_backward.head_groups`). The
+    MLP untiled adds gate/up ``[2F]``, ``silu(gate)`` and the product ``[F]`` and their gradients
+    (``F`` per TP rank); tiled it adds nothing per token. Fitted to a memory trace of the
+    Llama-3.1-8B shape at 128K tokens on an H200 (``docs/PERFORMANCE.md``).
+    """
+    from megacp.attention.partial_backward import head_groups
+
+    h, q = cfg.hidden_size, cfg.num_heads * cfg.head_dim // tp
+    kv = cfg.num_kv_heads * cfg.head_dim // tp
+    groups = head_groups(tokens, cfg.num_heads // tp, max(cfg.num_kv_heads // tp, 1), cfg.head_dim)
+    attention = elem * (8 * h + 3 * q + 4 * kv) + 4 * q // groups
+    mlp = 0 if mlp_tiled else elem * 8 * cfg.intermediate_size // tp
+    return attention + mlp
+
+
+LOSS_BYTES_PER_ROW = 18
+"""GPU bytes per (chunk row x vocabulary entry) of the chunked loss's forward: the bf16 logits,
+their fp32 log-softmax and its input copy, the gradient chunk (measured: 17.6 GiB for 8192 rows of
+a 128,256-token vocabulary)."""
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """One rank's estimated memory for a training step of ``tokens`` local tokens, and the settings
+    the model runs with.
+
+    Attributes:
+        tokens: local tokens per micro-batch (sequence length x micro-batch / CP).
+        mlp_tile: tokens per MLP tile (0 untiled).
+        offloaded_layers: layers whose checkpointed inputs go to the host.
+        gpu_bytes / host_bytes: the estimated peaks (states included).
+        capacity_bytes: the GPU bytes the plan fits into (``None``: unchecked, CPU).
+    """
+
+    tokens: int
+    mlp_tile: int
+    offloaded_layers: frozenset[int]
+    gpu_bytes: int
+    host_bytes: int
+    capacity_bytes: int | None
+
+    def describe(self) -> str:
+        off = len(self.offloaded_layers)
+        return (f"{self.tokens} tokens per rank: ~{self.gpu_bytes / 2**30:.1f} GiB GPU"
+                + (f" of {self.capacity_bytes / 2**30:.1f}" if self.capacity_bytes else "")
+                + f", ~{self.host_bytes / 2**30:.1f} GiB host; MLP "
+                + (f"tiled by {self.mlp_tile}" if self.mlp_tile else "untiled")
+                + (f", {off} layer inputs offloaded" if off else ""))
+
+    def apply(self, model: torch.nn.Module) -> None:
+        """Set the model's MLP tiles and offloaded layers (megacp's :class:`~megacp.models.llama.CausalLM`)."""
+        from megacp.models.llama import LayerNormMLP
+
+        for module in model.modules():
+            if isinstance(module, LayerNormMLP):
+                module.tile_tokens = self.mlp_tile
+        if hasattr(model, "offloaded_layers"):
+            setattr(model, "offloaded_layers", self.offloaded_layers)  # noqa: B010 - a CausalLM attribute
+
+
+def gpu_capacity(device: torch.device) -> int | None:
+    """Usable bytes of ``device`` for one training process (``None`` on CPU): its total memory less
+    :data:`GPU_RESERVE_BYTES`."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.get_device_properties(device).total_memory - GPU_RESERVE_BYTES
+
+
+def host_available() -> int:
+    """Bytes of host memory available now (``MemAvailable``; total memory where unreadable)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def plan_memory(cfg: ModelConfig, *, params: int, tokens: int, options: MemoryOptions, zero: ZeroSettings,
+                capacity: int | None, host: int | None = None, tp: int = 1, dense_mlp: bool = True) -> MemoryPlan:
+    """The settings and estimated peaks of a step of ``tokens`` local tokens.
+
+    Args:
+        cfg: the model; params: its parameters on this rank (elements).
+        options: the configured memory options (``"auto"`` parts resolved here).
+        zero: where the model states live; capacity: usable GPU bytes (``None``: do not check);
+        host: host bytes available (``None``: do not check).
+        tp: tensor-parallel size; dense_mlp: the model's MLPs can be tiled (megacp's torch layers).
+
+    Raises:
+        MemoryPlanError: the step does not fit even with the configured options at their most frugal.
+    """
+    elem = zero.param_bytes
+    largest = cfg.vocab_size * cfg.hidden_size
+    gpu_states, host_states = state_bytes(params, largest, zero)
+    layer_input = elem * cfg.hidden_size * tokens
+    layers = cfg.num_layers
+    loss = min(tokens, DEFAULT_CHUNK_TOKENS) * cfg.vocab_size * LOSS_BYTES_PER_ROW + 2 * layer_input
+
+    def estimate(tile: int, offloaded: int) -> tuple[int, int]:
+        """(GPU, host) peaks: the states plus the larger of the loss's forward and a layer's backward."""
+        kept = (layers - offloaded) if options.activation_checkpointing else 0
+        work = working_bytes_per_token(cfg, elem, tokens, tp=tp, mlp_tiled=tile > 0) * tokens
+        if not options.activation_checkpointing:  # every layer's activations stay for the backward
+            work *= layers
+        tile_work = elem * tile * 10 * cfg.intermediate_size // tp if tile else 0
+        prefetch = 2 * layer_input if offloaded else 0  # a layer's input and the next one, fetched back
+        backward = kept * layer_input + work + tile_work + prefetch
+        return gpu_states + max(kept * layer_input + loss, backward), host_states + offloaded * layer_input
+
+    tiles = [options.mlp_tile] if options.mlp_tile != "auto" else [0, AUTO_MLP_TILE]
+    tiles = [t for t in tiles if t == 0 or t < tokens] or [0]
+    if not dense_mlp and any(tiles):
+        if options.mlp_tile != "auto":
+            raise ConfigError("sequence_tiling.mlp: tiles megacp's dense torch layers only (this model has MoE or "
+                              "Transformer Engine layers); set it to 0 or \"auto\"")
+        tiles = [0]
+    offloads = {"none": [0], "cpu": [layers], "auto": list(range(layers + 1))}[options.offload]
+    if not options.activation_checkpointing:
+        offloads = [0]
+    candidates = [(t, o) for t in tiles for o in offloads]  # cheapest first: untiled, fewest offloaded
+    best = None
+    for tile, offloaded in candidates:
+        gpu, host_need = estimate(tile, offloaded)
+        if best is None or gpu < best[2]:
+            best = (tile, offloaded, gpu, host_need)
+        if (capacity is None or gpu <= capacity) and (host is None or host_need <= host):
+            return MemoryPlan(tokens, tile, frozenset(range(offloaded)), gpu, host_need, capacity)
+    assert best is not None
+    tile, offloaded, gpu, host_need = best
+    plan = MemoryPlan(tokens, tile, frozenset(range(offloaded)), gpu, host_need, capacity)
+    if capacity is not None and gpu > capacity:
+        raise MemoryPlanError(f"a training step will not fit: {plan.describe()}; "
+                              + _suggestion(cfg, options, zero, tokens, gpu - capacity))
+    raise MemoryPlanError(f"a training step will not fit in host memory: {plan.describe()} "
+                          f"(available {host / 2**30:.1f} GiB)" if host is not None else plan.describe())
+
+
+def _suggestion(cfg: ModelConfig, options: MemoryOptions, zero: ZeroSettings, tokens: int, excess: int) -> str:
+    hints = []
+    if not options.activation_checkpointing:
+        hints.append('"activation_checkpointing": {"enabled": true, "offload": "auto"}')
+    elif options.offload == "none":
+        hints.append('"activation_checkpointing": {"offload": "auto"}')
+    if options.mlp_tile == 0:
+        hints.append('"sequence_tiling": {"mlp": "auto"}')
+    if zero.stage < 3 or not zero.offload_optimizer:
+        hints.append("ZeRO 3 with offload_optimizer / offload_param to cpu")
+    hints.append("a shorter --seq-len or a larger context_parallel.size")
+    return "try " + "; ".join(hints)
+
+
+def longest_fitting(cfg: ModelConfig, *, params: int, options: MemoryOptions, zero: ZeroSettings,
+                    capacity: int | None, host: int | None, multiple: int, cp: int = 1, batch: int = 1, tp: int = 1,
+                    dense_mlp: bool = True, limit: int | None = None) -> int:
+    """The longest sequence length (a multiple of ``multiple``, at most ``limit``) whose step of
+    ``batch`` sequences (``length x batch / cp`` local tokens) fits (``--seq-len auto``); 0 when none does."""
+    def fits(length: int) -> bool:
+        try:
+            plan_memory(cfg, params=params, tokens=-(-length * batch // cp), options=options, zero=zero,
+                        capacity=capacity, host=host, tp=tp, dense_mlp=dense_mlp)
+            return True
+        except MemoryPlanError:
+            return False
+
+    lo, hi = 0, (limit or 1 << 26) // multiple
+    if fits(hi * multiple):
+        return hi * multiple
+    while hi - lo > 1:  # lengths lo * multiple fit (or lo == 0), hi * multiple do not
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid * multiple) else (lo, mid)
+    return lo * multiple
+
+
+def count_parameters(model: torch.nn.Module) -> int:
+    """Parameter elements of ``model`` on this rank (ZeRO 3's partitioned parameters counted whole)."""
+    return sum(int(getattr(p, "ds_numel", p.numel())) for p in model.parameters())
