@@ -177,7 +177,7 @@ def megacp_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tenso
     if step is not None and not isinstance(step, CPStep):
         raise TypeError(f"{STEP_KWARG} must be a megacp CPStep (from prepare_batch), got {type(step).__name__}")
     b, hq, s, d = query.shape
-    lengths = step.plan.new if step is not None else _documents(query, kwargs)
+    lengths = [c + n for c, n in zip(step.plan.cached, step.plan.new)] if step is not None else _documents(query, kwargs)
     problem = _call_problem(module, query, key, attention_mask, dropout, is_causal, kwargs, max(lengths))
     if problem is not None:
         raise ValueError(problem)
