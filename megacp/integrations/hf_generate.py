@@ -8,32 +8,27 @@ transformers ``Cache`` backed by megacp's CP-sharded :class:`~megacp.kv_cache.Sh
 the step as :data:`~megacp.integrations.transformers.STEP_KWARG`. The step's ``attend`` writes this
 rank's new keys and values into the sharded cache and runs the ring prefill (pass-KV or pass-Q) over
 the cached prefix and the new tokens, or the all-gather decode: the same steps as megacp's own
-models, sessions and chunked prefill included. :func:`hf_generator` builds the generator;
-:class:`megacp.LLM` takes a model object or a directory whose architecture megacp does not
-implement through it.
+models, sessions and chunked prefill included. :class:`megacp.LLM` takes a transformers model
+object (:func:`prepare_model`) or a directory whose architecture megacp's own models do not
+implement (:func:`megacp.checkpoint.hf.transformers_only`, :func:`load_for_generation`) through it.
 """
 
 from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+from transformers.cache_utils import Cache
 
-from megacp.generate.loop import Generator
 from megacp.integrations.transformers import NAME, STEP_KWARG, check_model
-from megacp.layers.settings import CPSettings
 from megacp.layers.step import CPStep
 
-try:  # transformers is an optional dependency of megacp (the ``hf`` extra)
-    from transformers.cache_utils import Cache
-except ImportError:  # pragma: no cover - only without the extra
-    Cache = object  # type: ignore[assignment,misc]
 
-
-class CPCache(Cache):  # type: ignore[misc,valid-type]  # transformers' Cache, or object without transformers
+class CPCache(Cache):
     """A transformers ``Cache`` for one forward pass of a cached megacp step (prefill chunk or
     decode): the past keys and values live in the step's CP-sharded cache, this rank's share only.
 
@@ -126,6 +121,18 @@ class HFModelInfo:
                    head_dim=getattr(config, "head_dim", None) or sizes["hidden_size"] // heads,
                    eos_token_id=eos if eos is not None else getattr(config, "eos_token_id", None))
 
+    @classmethod
+    def of_directory(cls, path: str) -> "HFModelInfo":
+        """The info of a transformers model directory, from its configs alone (no weights read)."""
+        from transformers import AutoConfig, GenerationConfig
+
+        config = AutoConfig.from_pretrained(path)
+        try:
+            generation = GenerationConfig.from_pretrained(path)
+        except OSError:  # no generation_config.json: the model config's tokens
+            generation = None
+        return cls.of(config, generation)
+
 
 class HFGenerationModel(nn.Module):
     """A transformers causal LM with the forward megacp's :class:`~megacp.generate.loop.Generator`
@@ -161,36 +168,38 @@ class HFGenerationModel(nn.Module):
         return out.logits[0]
 
 
-def prepare_model(model: nn.Module, *, dtype: torch.dtype | None, device: torch.device,
-                  allow_non_finite: bool = False) -> nn.Module:
+def prepare_model(model: nn.Module, *, dtype: torch.dtype, state: Any, allow_non_finite: bool = False) -> nn.Module:
     """Ready a transformers causal LM (the object itself) for megacp's generation: checked by
     :func:`~megacp.integrations.transformers.check_model`, switched to ``attn_implementation="megacp"``,
-    cast to ``dtype`` (``None``: its own), moved to ``device``, in eval mode.
+    cast to ``dtype``, moved to the state's device, in eval mode.
 
     Raises:
-        ValueError: the model is no transformers model, has a feature megacp cannot run exactly, or
-            a weight holds NaN or inf (unless ``allow_non_finite``); one line, before any work.
+        ValueError: the model is no transformers model, has a feature megacp cannot run exactly, a
+            weight holds NaN or inf (unless ``allow_non_finite``), or the state splits it over TP or
+            PP ranks; one line, before any work.
     """
     if not hasattr(model, "set_attn_implementation") or getattr(model, "config", None) is None:
         raise ValueError(f"LLM takes a transformers causal LM object; got a {type(model).__name__}")
+    if state.size("tp") > 1 or state.size("pp") > 1:
+        raise ValueError("a transformers model runs under CP only: tensor and pipeline parallel sizes must be 1")
     check_model(model, training=False)
     if not allow_non_finite:
         bad = next((n for n, p in model.named_parameters() if not bool(torch.isfinite(p).all())), None)
         if bad is not None:
             raise ValueError(f"the model's weight {bad} holds NaN or inf; pass allow_non_finite=True to load it anyway")
-    if model.config._attn_implementation != NAME:
+    config: Any = model.config
+    if config._attn_implementation != NAME:
         model.set_attn_implementation(NAME)  # type: ignore[operator]  # a transformers PreTrainedModel
-    return model.to(device=device, dtype=dtype).eval()
+    return model.to(device=state.device, dtype=dtype).eval()
 
 
-def hf_generator(model: nn.Module, settings: CPSettings, *, device: torch.device, prefill_chunk: int = 0) -> tuple[Generator, HFModelInfo]:
-    """megacp's request loop over a transformers causal LM that :func:`prepare_model` readied,
-    and the model's :class:`HFModelInfo` (eager decode: the transformers modules are not captured)."""
-    info = HFModelInfo.of(model.config, getattr(model, "generation_config", None))
-    dtype = next(model.parameters()).dtype
-    if info.num_heads % info.num_kv_heads:
-        raise ValueError(f"the {info.model_type} config's {info.num_heads} query heads are no multiple of its "
-                         f"{info.num_kv_heads} KV heads")
-    gen = Generator.for_model(HFGenerationModel(model), info, settings, device=device, dtype=dtype,
-                              prefill_chunk=prefill_chunk)
-    return gen, info
+def load_for_generation(path: str, *, dtype: torch.dtype, state: Any, allow_non_finite: bool = False) -> tuple[nn.Module, Any]:
+    """``(model, tokenizer)`` of a transformers directory, readied by :func:`prepare_model` on the
+    state's device (the tokenizer is ``None`` when the directory has none)."""
+    from megacp.checkpoint.tokenizer_files import load_tokenizer
+    from megacp.integrations.transformers import load_pretrained
+
+    model = load_pretrained(path, dtype=dtype, state=state, training=False)
+    has_tokenizer = any((Path(path) / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json"))
+    return (prepare_model(model, dtype=dtype, state=state, allow_non_finite=allow_non_finite),
+            load_tokenizer(path) if has_tokenizer else None)
