@@ -1,5 +1,5 @@
 """``megacp.LLM`` over transformers models whose architectures megacp's own models do not implement
-(Qwen3's q/k norm, Phi-3's fused qkv, Granite's multipliers): greedy tokens at CP = 1 and 2 (real gloo
+(Qwen3's q/k norm, Phi-3's fused qkv): greedy tokens at CP = 1 and 2 (real gloo
 ranks) equal transformers' own ``generate`` for a ragged batch of two prompts (one shorter than
 2N) and for both turns of a session on the CP-sharded cache, under pass-KV, pass-Q and chunked
 prefill; a model megacp cannot run exactly,
@@ -16,7 +16,7 @@ from tests.helpers.hf_archs import make_model
 from tests.helpers.hf_models import hf_greedy
 
 NEW = 8
-ARCHS = {"qwen3": dict(strategy="pass_q"), "phi3": dict(strategy="pass_kv"), "granite": dict(prefill_chunk=8)}
+ARCHS = {"qwen3": dict(strategy="pass_q"), "phi3": dict(strategy="pass_kv", prefill_chunk=8)}
 """arch -> LLM options: each prefill strategy, and chunked prefill."""
 PROMPTS = [[5, 17, 33, 9, 41, 12, 60, 7, 22, 50, 3, 28, 44, 19, 36, 11, 58, 25, 6, 47, 30], [14, 52, 8]]
 TURN = [23, 9, 61, 4, 38]
