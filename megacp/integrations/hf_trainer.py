@@ -34,6 +34,14 @@ BATCH_KEYS = frozenset({"input_ids", "labels", "attention_mask", "position_ids"}
 """What a batch of :class:`CPTrainer` may hold (a collator's output)."""
 
 
+class _EpochLoader(DataLoader):
+    """A ``DataLoader`` whose ``set_epoch`` (what the Trainer calls each epoch) reshuffles its
+    :class:`~torch.utils.data.DistributedSampler`."""
+
+    def set_epoch(self, epoch: int) -> None:
+        self.sampler.set_epoch(epoch)  # type: ignore[attr-defined]  # always the DistributedSampler below
+
+
 class CPTrainer(Trainer):
     """``transformers.Trainer`` whose batches are sharded over megacp's CP group.
 
@@ -72,9 +80,9 @@ class CPTrainer(Trainer):
                 collator = self._get_collator_with_removed_columns(collator, description="training")
         except ImportError:
             collator = self._get_collator_with_removed_columns(collator, description="training")
-        sampler = DistributedSampler(dataset, num_replicas=self.cp_state.size("dp"), rank=self.cp_state.rank_in("dp"),
+        sampler: DistributedSampler[Any] = DistributedSampler(dataset, num_replicas=self.cp_state.size("dp"), rank=self.cp_state.rank_in("dp"),
                                      shuffle=True, seed=self.args.seed, drop_last=self.args.dataloader_drop_last)
-        return DataLoader(dataset, batch_size=self._train_batch_size, sampler=sampler, collate_fn=collator,
+        return _EpochLoader(dataset, batch_size=self._train_batch_size, sampler=sampler, collate_fn=collator,
                           drop_last=self.args.dataloader_drop_last, num_workers=self.args.dataloader_num_workers)
 
     def get_batch_samples(self, epoch_iterator: Iterator, num_batches: int,
@@ -89,7 +97,7 @@ class CPTrainer(Trainer):
                 break
             unknown = sorted(set(batch) - BATCH_KEYS)
             if unknown:
-                raise ValueError(f"CPTrainer batches hold {', '.join(BATCH_KEYS)}; this one also has {', '.join(unknown)}")
+                raise ValueError(f"CPTrainer batches hold {', '.join(sorted(BATCH_KEYS))}; this one also has {', '.join(unknown)}")
             shards.append(prepare_batch(batch["input_ids"], labels=batch.get("labels"),
                                         position_ids=batch.get("position_ids"),
                                         attention_mask=batch.get("attention_mask"), state=self.cp_state))
