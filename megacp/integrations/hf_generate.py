@@ -16,7 +16,7 @@ implement (:func:`megacp.checkpoint.hf.transformers_only`, :func:`load_for_gener
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -90,7 +90,7 @@ class HFModelInfo:
     num_kv_heads: int
     head_dim: int
     eos_token_id: int | list[int] | None = None
-    num_experts: int = field(default=0)
+    num_experts: int = 0
 
     @property
     def eos_token_ids(self) -> list[int]:
