@@ -49,10 +49,11 @@ class CPCache(Cache):
         self.step = step
 
     def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, cache_kwargs: Any = None,
-               kwargs: Any = None, **_: Any) -> tuple[Tensor, Tensor]:
-        """The new keys and values, unchanged (the step writes them when it attends)."""
-        passed = {**(cache_kwargs if isinstance(cache_kwargs, dict) else {}), **(kwargs or {})}
-        if passed.get(STEP_KWARG) is not self.step:
+               kwargs: dict[str, Any] | None = None) -> tuple[Tensor, Tensor]:
+        """The new keys and values, unchanged (the step writes them when it attends). ``kwargs``:
+        the attention's keyword arguments, when transformers hands them to the cache (they must
+        then carry this cache's step)."""
+        if kwargs is not None and kwargs.get(STEP_KWARG) is not self.step:
             raise ValueError(f"a model called with a CPCache needs its step too: pass {STEP_KWARG}=cache.step")
         return key_states, value_states
 
