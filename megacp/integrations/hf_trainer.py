@@ -50,7 +50,8 @@ class CPTrainer(Trainer):
         args, kwargs: as ``Trainer``'s. The model must use ``attn_implementation="megacp"``.
 
     Raises:
-        ValueError: TP or PP > 1, or a model without megacp's attention (one line, before training).
+        ValueError: TP or PP > 1, ``average_tokens_across_devices=False``, or a model without megacp's
+            attention (one line, before training).
     """
 
     loss_is_scaled_for_ga = True  # normalised over the whole accumulated batch (get_batch_samples)
@@ -59,6 +60,9 @@ class CPTrainer(Trainer):
         if cp_state.size("tp") > 1 or cp_state.size("pp") > 1:
             raise ValueError("CPTrainer runs a transformers model under CP and DP only: TP and PP sizes must be 1")
         super().__init__(*args, **kwargs)
+        if not self.args.average_tokens_across_devices:
+            raise ValueError("CPTrainer divides the loss by the valid labels of every rank's sequences: "
+                             "average_tokens_across_devices=False is not supported")
         impl = getattr(getattr(self.model, "config", None), "_attn_implementation", None)
         if impl != "megacp":
             raise ValueError(f"CPTrainer needs the model loaded with attn_implementation=\"megacp\", it has {impl!r}")

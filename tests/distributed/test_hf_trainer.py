@@ -1,7 +1,8 @@
 """``megacp.integrations.hf_trainer.CPTrainer``: three AdamW steps of a tiny transformers Qwen3
 (fp32, gloo, two sequences per step in gradient accumulation, labels with ignored tokens, gradient
 clipping) at CP = 2 give the losses and parameters of a plain PyTorch loop over transformers' SDPA
-attention in one process (the loss over the step's valid labels, as ``num_items_in_batch``)."""
+attention in one process (the loss over the step's valid labels, as ``num_items_in_batch``); a model
+without megacp's attention, and ``average_tokens_across_devices=False``, are refused."""
 
 from __future__ import annotations
 
@@ -44,6 +45,11 @@ def _train(rank: int, world: int, out_dir: str) -> tuple[list[float], dict[str, 
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    with pytest.raises(ValueError, match='attn_implementation="megacp"'):
+        CPTrainer(model=make_model("qwen3", attn_implementation="sdpa"), args=args, cp_state=state)
+    args.average_tokens_across_devices = False
+    with pytest.raises(ValueError, match="average_tokens_across_devices=False is not supported"):
+        CPTrainer(model=trainer.model, args=args, cp_state=state)
     megacp.shutdown()
     return losses, params
 
