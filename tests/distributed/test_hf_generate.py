@@ -10,6 +10,7 @@ from __future__ import annotations
 import tempfile
 
 import pytest
+import torch
 
 from tests.helpers.distributed import run_distributed
 from tests.helpers.hf_archs import make_model
@@ -45,6 +46,8 @@ def _generate(rank: int, world: int) -> dict[str, tuple[list[list[int]], list[in
         LLM(make_model("qwen3", attn_logit_softcapping=30.0), state=state)
     with pytest.raises(ValueError, match="cuda_graphs=True needs one of megacp's own models"):
         LLM(make_model("qwen3"), cuda_graphs=True, state=state)
+    with pytest.raises(ValueError, match="takes a transformers causal LM object"):
+        LLM(torch.nn.Linear(2, 2), state=state)
     with pytest.raises(ValueError, match="tokenizer= goes with a transformers model object"):
         LLM("no-such-dir", tokenizer=object(), state=state)
     shutdown()
