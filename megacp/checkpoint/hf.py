@@ -222,6 +222,26 @@ def _moe_from_hf(arch: str, hf_config: dict[str, Any]) -> dict[str, Any]:
     return {}
 
 
+def implements(hf_config: dict[str, Any]) -> bool:
+    """Whether megacp's own models implement the architecture a Hugging Face ``config.json`` names
+    (its one ``architectures`` class, else its ``model_type``)."""
+    classes = hf_config.get("architectures") or []
+    return len(classes) == 1 and classes[0] in _ARCH_OF_CLASS if classes else hf_config.get("model_type") in _HF_CLASSES
+
+
+def transformers_only(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is a Hugging Face model directory whose architecture megacp's own models
+    do not implement (:class:`megacp.LLM` then runs it through transformers' modules)."""
+    config = Path(path) / "config.json"
+    if not config.is_file():
+        return False
+    try:
+        hf_config = json.loads(config.read_text())
+    except (OSError, ValueError):  # unreadable: megacp's loader says why
+        return False
+    return isinstance(hf_config, dict) and not implements(hf_config)
+
+
 def _architecture(hf_config: dict[str, Any]) -> str:
     classes = hf_config.get("architectures") or []
     if classes:

@@ -29,12 +29,12 @@ import torch.distributed as dist
 from megacp.attention.strategy import STRATEGIES
 from megacp.checkpoint.dtypes import DTYPES
 from megacp.checkpoint.front import default_model_path, read_model_config
+from megacp.checkpoint.hf import transformers_only
 from megacp.config import OneLineArgumentParser, add_launcher_args, print_error_once
 from megacp.generate.llm import LLM
 from megacp.generate.outputs import TextStream, chat_ids, stop_string_check
-from megacp.generate.requests import check_context, check_prompt, check_text
+from megacp.generate.requests import ModelLimits, check_context, check_prompt, check_text
 from megacp.generate.sampling import SamplingParams
-from megacp.models.config import ModelConfig
 from megacp.parallel import initialize, peak_memory_mib
 
 PROG = "megacp.generate"
@@ -139,7 +139,7 @@ def _prompt_ids(path: str) -> tuple[list[list[int]], bool]:
     return prompts, nested
 
 
-def check_model_limits(cfg: ModelConfig, params: SamplingParams, prompt_ids: list[list[int]] | None) -> None:
+def check_model_limits(cfg: ModelLimits, params: SamplingParams, prompt_ids: list[list[int]] | None) -> None:
     """What the model's config alone can refuse before its weights load: ``max_tokens`` beyond
     its context, token ids outside its vocabulary, a prompt that does not fit its context.
 
@@ -180,7 +180,13 @@ def _run(args: argparse.Namespace) -> int:
     _set_threads()
     state = initialize(args.deepspeed_config)
     model_path = args.model or default_model_path()
-    cfg = read_model_config(model_path)
+    cfg: ModelLimits | None
+    if transformers_only(model_path):  # an architecture megacp's own models lack: transformers' modules
+        from megacp.integrations.hf_generate import HFModelInfo
+
+        cfg = HFModelInfo.of_directory(model_path)
+    else:
+        cfg = read_model_config(model_path)
     if cfg is not None:
         check_model_limits(cfg, params, prompt_ids)
     llm = LLM(model_path, dtype=args.dtype, strategy=args.strategy, prefill_chunk=args.prefill_chunk,

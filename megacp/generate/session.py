@@ -13,10 +13,9 @@ from typing import Any, Sequence
 
 from megacp.generate.loop import Generator
 from megacp.generate.outputs import GenerationOutput, chat_ids, complete, with_eos
-from megacp.generate.requests import check_context, check_prompt, encode
+from megacp.generate.requests import ModelLimits, check_context, check_prompt, encode
 from megacp.generate.sampling import SamplingParams
 from megacp.kv_cache import CacheCapacityError, ShardedKVCache
-from megacp.models.config import ModelConfig
 
 
 class Session:
@@ -26,7 +25,7 @@ class Session:
     or call :meth:`close` to give its slot back.
     """
 
-    def __init__(self, gen: Generator, cache: ShardedKVCache, slot: int, model_config: ModelConfig,
+    def __init__(self, gen: Generator, cache: ShardedKVCache, slot: int, model_config: ModelLimits,
                  tokenizer: Any, max_tokens: int) -> None:
         self._gen, self._cache, self._slot, self._cfg, self._tokenizer = gen, cache, slot, model_config, tokenizer
         self.max_tokens = max_tokens

@@ -18,7 +18,8 @@ ring as megacp's own models. Without a step the call is CP = 1 attention over th
 What megacp cannot reproduce exactly is refused with one ``ValueError`` naming the model's feature
 (:func:`check_model` before any work; :func:`megacp_attention` at every call): non-causal
 attention, attention-logit soft-capping, ALiBi, attention sinks, sliding windows shorter than a
-document, custom 4-D or padding masks, attention dropout in training, a cache holding past tokens,
+document, custom 4-D or padding masks, attention dropout in training, a cache holding past tokens
+(generation keeps them in megacp's CP-sharded cache: :mod:`megacp.integrations.hf_generate`),
 returned attention weights, and any attention argument this module does not know.
 """
 
@@ -177,7 +178,7 @@ def megacp_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tenso
     if step is not None and not isinstance(step, CPStep):
         raise TypeError(f"{STEP_KWARG} must be a megacp CPStep (from prepare_batch), got {type(step).__name__}")
     b, hq, s, d = query.shape
-    lengths = step.plan.new if step is not None else _documents(query, kwargs)
+    lengths = [c + n for c, n in zip(step.plan.cached, step.plan.new)] if step is not None else _documents(query, kwargs)
     problem = _call_problem(module, query, key, attention_mask, dropout, is_causal, kwargs, max(lengths))
     if problem is not None:
         raise ValueError(problem)

@@ -1,0 +1,127 @@
+"""Hugging Face ``Trainer`` under megacp's context parallelism: :class:`CPTrainer`.
+
+An existing Trainer script changes in three lines::
+
+    state = megacp.initialize(config)                                   # the CP x DP mesh
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="megacp")
+    trainer = CPTrainer(model=model, args=args, train_dataset=ds, cp_state=state)   # was Trainer(...)
+
+and runs under ``torchrun`` / ``deepspeed`` as before. Every CP rank of a group iterates the same
+batches (a sampler over the DP ranks only); each batch (``input_ids`` with ``labels``, and
+``attention_mask`` or ``position_ids`` as transformers' collators produce them) becomes this
+rank's load-balanced share (:func:`~megacp.integrations.transformers.prepare_batch`: ``input_ids``,
+``position_ids``, pre-shifted ``shift_labels``); the loss is each rank's share of the token mean
+over the valid labels of every sequence of the optimizer step (all gradient-accumulation batches,
+all CP and DP ranks: transformers' ``num_items_in_batch``), and is multiplied by the world size so
+that the data-parallel mean of gradients (DDP's or DeepSpeed's, over every rank) is their sum over
+the CP ranks, averaged over DP.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler
+from transformers import Trainer
+
+from megacp.integrations.transformers import STEP_KWARG, prepare_batch
+
+BATCH_KEYS = frozenset({"input_ids", "labels", "attention_mask", "position_ids"})
+"""What a batch of :class:`CPTrainer` may hold (a collator's output)."""
+
+
+class _EpochLoader(DataLoader):
+    """A ``DataLoader`` whose ``set_epoch`` (what the Trainer calls each epoch) reshuffles its
+    :class:`~torch.utils.data.DistributedSampler`."""
+
+    def set_epoch(self, epoch: int) -> None:
+        self.sampler.set_epoch(epoch)  # type: ignore[attr-defined]  # always the DistributedSampler below
+
+
+class CPTrainer(Trainer):
+    """``transformers.Trainer`` whose batches are sharded over megacp's CP group.
+
+    Args:
+        cp_state: the :class:`megacp.ParallelState` (CP and DP groups; TP and PP must be 1).
+        args, kwargs: as ``Trainer``'s. The model must use ``attn_implementation="megacp"``.
+
+    Raises:
+        ValueError: TP or PP > 1, ``average_tokens_across_devices=False``, or a model without megacp's
+            attention (one line, before training).
+    """
+
+    loss_is_scaled_for_ga = True  # normalised over the whole accumulated batch (get_batch_samples)
+
+    def __init__(self, *args: Any, cp_state: Any, **kwargs: Any) -> None:
+        if cp_state.size("tp") > 1 or cp_state.size("pp") > 1:
+            raise ValueError("CPTrainer runs a transformers model under CP and DP only: TP and PP sizes must be 1")
+        super().__init__(*args, **kwargs)
+        if not self.args.average_tokens_across_devices:
+            raise ValueError("CPTrainer divides the loss by the valid labels of every rank's sequences: "
+                             "average_tokens_across_devices=False is not supported")
+        impl = getattr(getattr(self.model, "config", None), "_attn_implementation", None)
+        if impl != "megacp":
+            raise ValueError(f"CPTrainer needs the model loaded with attn_implementation=\"megacp\", it has {impl!r}")
+        self.cp_state = cp_state
+
+    def get_train_dataloader(self) -> DataLoader:
+        """The training batches of this rank's DP group (the same on every CP rank of it), shuffled
+        per epoch with ``args.seed``; not sharded further by accelerate."""
+        dataset: Any = self.train_dataset
+        if dataset is None:
+            raise ValueError("CPTrainer needs a train_dataset")
+        collator = self.data_collator
+        try:
+            import datasets
+
+            if isinstance(dataset, datasets.Dataset):
+                dataset = self._remove_unused_columns(dataset, description="training")
+            else:
+                collator = self._get_collator_with_removed_columns(collator, description="training")
+        except ImportError:
+            collator = self._get_collator_with_removed_columns(collator, description="training")
+        sampler: DistributedSampler[Any] = DistributedSampler(dataset, num_replicas=self.cp_state.size("dp"), rank=self.cp_state.rank_in("dp"),
+                                     shuffle=True, seed=self.args.seed, drop_last=self.args.dataloader_drop_last)
+        return _EpochLoader(dataset, batch_size=self._train_batch_size, sampler=sampler, collate_fn=collator,
+                          drop_last=self.args.dataloader_drop_last, num_workers=self.args.dataloader_num_workers)
+
+    def get_batch_samples(self, epoch_iterator: Iterator, num_batches: int,
+                          device: torch.device) -> tuple[list, torch.Tensor | int | None]:
+        """The next ``num_batches`` batches as this rank's shares, and the valid labels of all of
+        them on every rank (``num_items_in_batch``, an int; one all-reduce)."""
+        shards = []
+        for _ in range(num_batches):
+            try:
+                batch = next(epoch_iterator)
+            except StopIteration:
+                break
+            unknown = sorted(set(batch) - BATCH_KEYS)
+            if unknown:
+                raise ValueError(f"CPTrainer batches hold {', '.join(sorted(BATCH_KEYS))}; this one also has {', '.join(unknown)}")
+            shards.append(prepare_batch(batch["input_ids"], labels=batch.get("labels"),
+                                        position_ids=batch.get("position_ids"),
+                                        attention_mask=batch.get("attention_mask"), state=self.cp_state))
+        if not shards:
+            return shards, None
+        valid = torch.stack([s["shift_labels"].ne(-100).sum() for s in shards]).sum().to(device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(valid)  # every CP rank's share of every DP rank's sequences
+        total = max(int(valid), 1)
+        for s in shards:
+            s["num_items_in_batch"] = total
+        return shards, total
+
+    def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
+                     num_items_in_batch: torch.Tensor | int | None = None) -> Any:
+        """This rank's share of the step's token mean (``inputs`` from :meth:`get_batch_samples`),
+        times the world size (the data-parallel gradient mean then sums the CP ranks' shares)."""
+        if STEP_KWARG not in inputs:
+            raise ValueError("CPTrainer shards its training batches only; evaluate with a plain Trainer")
+        outputs = model(**inputs)
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        loss = outputs.loss * world
+        return (loss, outputs) if return_outputs else loss
