@@ -1,0 +1,114 @@
+"""The training memory options and plan: config parsing with one-line refusals, the ZeRO placement
+of model states, and the plan's choices against hand-computed sizes (Llama-3.1-8B shape)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megacp.config import ConfigError
+from megacp.models.config import ModelConfig
+from megacp.train.memory import (
+    MemoryOptions,
+    MemoryPlanError,
+    ZeroSettings,
+    longest_fitting,
+    plan_memory,
+    read_memory_options,
+    state_bytes,
+)
+
+GIB = 2**30
+LLAMA = ModelConfig(architecture="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=4,
+                    num_heads=32, num_kv_heads=8, head_dim=128, max_position_embeddings=1 << 22,
+                    tie_word_embeddings=False)
+PARAMS = 1_920_000_000
+
+
+def test_options_from_the_deepspeed_config():
+    assert read_memory_options({}) == MemoryOptions(False, "none", "auto")
+    assert read_memory_options({}, activation_checkpointing=True).activation_checkpointing
+    got = read_memory_options({"activation_checkpointing": {"enabled": True, "offload": "cpu"},
+                               "sequence_tiling": {"mlp": 4096}})
+    assert got == MemoryOptions(True, "cpu", 4096)
+    assert read_memory_options({"activation_checkpointing": {"cpu_checkpointing": False}}).offload == "none"
+
+
+@pytest.mark.parametrize("raw, message", [
+    ({"activation_checkpointing": {"offload": "cpu"}},
+     'activation_checkpointing.offload: "cpu" needs checkpointing on ("enabled": true or --activation-checkpointing)'),
+    ({"activation_checkpointing": {"enabled": True, "offload": "gpu"}},
+     "activation_checkpointing.offload: got 'gpu'; allowed values: 'none', 'cpu', 'auto'"),
+    ({"activation_checkpointing": {"cpu_checkpointing": True}},
+     "activation_checkpointing.cpu_checkpointing: configures deepspeed.checkpointing, which megacp's layers do not "
+     'use (they checkpoint themselves); use "offload": "cpu"'),
+    ({"activation_checkpointing": {"partition_activations": True}},
+     "activation_checkpointing.partition_activations: configures deepspeed.checkpointing, which megacp's layers do "
+     "not use (they checkpoint themselves); remove it"),
+    ({"activation_checkpointing": {"enable": True}},
+     "activation_checkpointing.enable: unknown key; allowed keys: enabled, offload"),
+    ({"sequence_tiling": {"mlp": -1}}, "sequence_tiling.mlp: got -1; allowed values: 'auto' or an integer >= 0"),
+])
+def test_bad_options_are_one_line(raw, message):
+    with pytest.raises(ConfigError) as err:
+        read_memory_options(raw)
+    assert str(err.value) == message
+
+
+def test_state_bytes_follow_the_zero_stage():
+    bf16 = dict(partition=1, dtype=torch.bfloat16)
+    n, big = 1000, 10
+    # ZeRO 1 on one rank: bf16 weights + grads, fp32 master + grad partition + two Adam moments
+    assert state_bytes(n, big, ZeroSettings.from_config({"zero_optimization": {"stage": 1}}, **bf16)) == (20 * n, 0)
+    # the optimizer's part on the host; reduced gradients stream there under stage 2
+    z2 = ZeroSettings.from_config({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}, **bf16)
+    assert state_bytes(n, big, z2) == (2 * n, 16 * n)
+    # stage 3 over 4 ranks with parameters offloaded: two gathered modules stay on the GPU
+    z3 = ZeroSettings.from_config({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},
+                                   "offload_optimizer": {"device": "cpu"}}}, partition=4, dtype=torch.bfloat16)
+    assert state_bytes(n, big, z3) == (2 * big * 2, 4 * n + n // 2)
+    z3b = ZeroSettings.from_config({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}},
+                                    "bf16": {"enabled": True, "bf16_master_weights_and_grads": True,
+                                             "bf16_optimizer_states": True}}, partition=1, dtype=torch.bfloat16)
+    assert state_bytes(n, big, z3b)[1] == 8 * n
+
+
+def test_plan_picks_the_cheapest_settings_that_fit():
+    zero1 = ZeroSettings.from_config({"zero_optimization": {"stage": 1}}, partition=1, dtype=torch.bfloat16)
+    auto = MemoryOptions(True, "auto", "auto")
+    cap = 134 * GIB
+    short = plan_memory(LLAMA, params=PARAMS, tokens=64 << 10, options=auto, zero=zero1, capacity=cap)
+    assert (short.mlp_tile, short.offloaded_layers) == (0, frozenset())  # fits as it is: nothing traded
+    long = plan_memory(LLAMA, params=PARAMS, tokens=512 << 10, options=auto, zero=zero1, capacity=cap)
+    assert long.mlp_tile == 8192 and long.gpu_bytes <= cap
+    with pytest.raises(MemoryPlanError, match="will not fit: 1048576 tokens per rank.*try ZeRO 3 with offload"):
+        plan_memory(LLAMA, params=PARAMS, tokens=1 << 20, options=auto, zero=zero1, capacity=cap)
+    zero2 = ZeroSettings.from_config({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}},
+                                     partition=1, dtype=torch.bfloat16)
+    million = plan_memory(LLAMA, params=PARAMS, tokens=1 << 20, options=MemoryOptions(True, "cpu", 8192), zero=zero2,
+                          capacity=cap, host=120 * GIB)
+    assert million.offloaded_layers == frozenset(range(4))
+    assert million.host_bytes == 16 * PARAMS + 4 * 2 * 4096 * (1 << 20)  # optimizer + four offloaded layer inputs
+    with pytest.raises(MemoryPlanError, match="host memory"):
+        plan_memory(LLAMA, params=PARAMS, tokens=1 << 20, options=MemoryOptions(True, "cpu", 8192), zero=zero2,
+                    capacity=cap, host=40 * GIB)
+    longest = longest_fitting(LLAMA, params=PARAMS, options=auto, zero=zero1, capacity=cap, host=None, multiple=2)
+    assert 512 << 10 <= longest < 1 << 20
+    plan_memory(LLAMA, params=PARAMS, tokens=longest, options=auto, zero=zero1, capacity=cap)
+    with pytest.raises(MemoryPlanError):
+        plan_memory(LLAMA, params=PARAMS, tokens=longest + 2, options=auto, zero=zero1, capacity=cap)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is of a machine without a GPU")
+def test_seq_len_auto_needs_a_gpu(capsys):
+    from megacp.train.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--deepspeed_config", "configs/train_cpu_cp1.json", "--seq-len", "auto"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "megacp.train: error: --seq-len auto fits a megacp model's step into GPU memory: it needs a GPU and no "
+        "--hf-native"]
+    with pytest.raises(SystemExit):
+        main(["--deepspeed_config", "configs/train_cpu_cp1.json", "--seq-len", "long"])
+    assert "--seq-len: expected a number of tokens or 'auto', got 'long'" in capsys.readouterr().err
