@@ -199,7 +199,7 @@ def run(args: argparse.Namespace) -> int:
         from megacp.integrations.transformers import load_pretrained, shard_loss
 
         model = load_pretrained(model_path, dtype=settings.dtype, state=state,
-                                activation_checkpointing=args.activation_checkpointing)
+                                activation_checkpointing=settings.memory.activation_checkpointing)
         model_config, tokenizer, loss = model.config, load_tokenizer(model_path), shard_loss
     else:
         loaded = load_on_mesh(model_path, state, dtype=settings.dtype, settings=cp, backend=args.backend,

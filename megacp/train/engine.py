@@ -269,11 +269,18 @@ class Trainer:
         cfg = getattr(model, "cfg", None)
         self._cfg: ModelConfig | None = cfg if isinstance(cfg, ModelConfig) else None  # a megacp model's
         self._params = count_parameters(model)
-        if settings.memory.activation_checkpointing and self._cfg is not None:
-            setattr(model, "activation_checkpointing", True)  # noqa: B010 - a CausalLM attribute
-        elif self._cfg is None and (settings.memory.offload != "none" or settings.memory.mlp_tile not in (0, "auto")):
+        memory = settings.memory
+        if self._cfg is None and (memory.offload != "none" or memory.mlp_tile not in (0, "auto")):
             raise ConfigError("activation_checkpointing.offload and sequence_tiling.mlp apply to megacp's own models; "
                               "a transformers model checkpoints through its own gradient checkpointing")
+        if memory.activation_checkpointing and self._cfg is not None:
+            setattr(model, "activation_checkpointing", True)  # noqa: B010 - a CausalLM attribute
+        elif memory.activation_checkpointing:  # a transformers model: its own (non-reentrant) checkpointing
+            enable = getattr(model, "gradient_checkpointing_enable", None)
+            if enable is None:
+                raise ConfigError(f"activation_checkpointing.enabled: {type(model).__name__} has no gradient "
+                                  "checkpointing megacp can switch on")
+            enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         cp = cp or CPSettings.from_state(state)
         if self.zero3:
             model = LossModule(model, loss, cp)
@@ -323,7 +330,7 @@ class Trainer:
         return dict(params=self._params, options=self.settings.memory,
                     zero=ZeroSettings.from_config(self.config, partition=self.state.size("dp_cp"), dtype=self.settings.dtype),
                     capacity=gpu_capacity(device), host=host_available() if device.type == "cuda" else None,
-                    tp=self.state.size("tp"), dense_mlp=dense)
+                    tp=self.state.size("tp"), cp=self.state.size("cp"), dense_mlp=dense)
 
     def longest_seq_len(self, micro_batch: int, *, limit: int | None = None) -> int:
         """The longest packed-sequence length (a multiple of ``2 x CP``, at most ``limit``) whose
@@ -331,8 +338,7 @@ class Trainer:
         if self._cfg is None or self.state.device.type != "cuda":
             raise ConfigError("the longest sequence is planned for megacp's own models on a GPU")
         cp = self.state.size("cp")
-        return longest_fitting(self._cfg, multiple=2 * cp, cp=cp, batch=micro_batch, limit=limit,
-                               **self._plan_inputs())
+        return longest_fitting(self._cfg, multiple=2 * cp, batch=micro_batch, limit=limit, **self._plan_inputs())
 
     def step(self, batches: Iterator[PackedSequence]) -> StepResult:
         """One optimizer step over ``gradient_accumulation_steps`` micro-batches from ``batches``

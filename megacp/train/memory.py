@@ -174,7 +174,8 @@ def state_bytes(params: int, largest_module: int, zero: ZeroSettings) -> tuple[i
     return int(gpu), int(host)
 
 
-def working_bytes_per_token(cfg: ModelConfig, elem: int, tokens: int, *, tp: int = 1, mlp_tiled: bool) -> int:
+def working_bytes_per_token(cfg: ModelConfig, elem: int, tokens: int, *, tp: int = 1, cp: int = 1,
+                            mlp_tiled: bool) -> int:
     """GPU bytes per local token of one decoder layer's recompute and backward at their peak (the
     attention's backward), with the residual stream's gradients, for a step of ``tokens`` tokens.
 
@@ -182,8 +183,10 @@ def working_bytes_per_token(cfg: ModelConfig, elem: int, tokens: int, *, tp: int
     (kept for the backward), the gradients autograd holds at once, dQ/dK/dV and the fused kernel's
     fp32 dQ accumulator of one call (:func:`~megacp.attention.partial_backward.head_groups`). The
     MLP untiled adds gate/up ``[2F]``, ``silu(gate)`` and the product ``[F]`` and their gradients
-    (``F`` per TP rank); tiled it adds nothing per token. Fitted to a memory trace of the
-    Llama-3.1-8B shape at 128K tokens on an H200 (``docs/PERFORMANCE.md``).
+    (``F`` per TP rank); tiled it adds nothing per token. Under CP (``cp`` > 1) the ring adds the KV
+    blocks in flight and the travelling fp32 dK/dV accumulators (sent and received), and an fp32
+    dQ accumulator beyond two ranks. Fitted to a memory trace of the Llama-3.1-8B shape at 128K
+    tokens on an H200 (``docs/PERFORMANCE.md``); the CP terms count the buffers, unmeasured.
     """
     from megacp.attention.partial_backward import head_groups
 
@@ -192,7 +195,8 @@ def working_bytes_per_token(cfg: ModelConfig, elem: int, tokens: int, *, tp: int
     groups = head_groups(tokens, cfg.num_heads // tp, max(cfg.num_kv_heads // tp, 1), cfg.head_dim)
     attention = elem * (8 * h + 3 * q + 4 * kv) + 4 * q // groups
     mlp = 0 if mlp_tiled else elem * 8 * cfg.intermediate_size // tp
-    return attention + mlp
+    ring = 0 if cp == 1 else 2 * elem * 2 * kv + 2 * 4 * 2 * kv + (4 * q if cp > 2 else 0)
+    return attention + mlp + ring
 
 
 LOSS_BYTES_PER_ROW = 18
@@ -261,7 +265,8 @@ def host_available() -> int:
 
 
 def plan_memory(cfg: ModelConfig, *, params: int, tokens: int, options: MemoryOptions, zero: ZeroSettings,
-                capacity: int | None, host: int | None = None, tp: int = 1, dense_mlp: bool = True) -> MemoryPlan:
+                capacity: int | None, host: int | None = None, tp: int = 1, cp: int = 1,
+                dense_mlp: bool = True) -> MemoryPlan:
     """The settings and estimated peaks of a step of ``tokens`` local tokens.
 
     Args:
@@ -269,7 +274,8 @@ def plan_memory(cfg: ModelConfig, *, params: int, tokens: int, options: MemoryOp
         options: the configured memory options (``"auto"`` parts resolved here).
         zero: where the model states live; capacity: usable GPU bytes (``None``: do not check);
         host: host bytes available (``None``: do not check).
-        tp: tensor-parallel size; dense_mlp: the model's MLPs can be tiled (megacp's torch layers).
+        tp / cp: tensor- and context-parallel sizes; dense_mlp: the model's MLPs can be tiled
+            (megacp's torch layers).
 
     Raises:
         MemoryPlanError: the step does not fit even with the configured options at their most frugal.
@@ -284,7 +290,7 @@ def plan_memory(cfg: ModelConfig, *, params: int, tokens: int, options: MemoryOp
     def estimate(tile: int, offloaded: int) -> tuple[int, int]:
         """(GPU, host) peaks: the states plus the larger of the loss's forward and a layer's backward."""
         kept = (layers - offloaded) if options.activation_checkpointing else 0
-        work = working_bytes_per_token(cfg, elem, tokens, tp=tp, mlp_tiled=tile > 0) * tokens
+        work = working_bytes_per_token(cfg, elem, tokens, tp=tp, cp=cp, mlp_tiled=tile > 0) * tokens
         if not options.activation_checkpointing:  # every layer's activations stay for the backward
             work *= layers
         tile_work = elem * tile * 10 * cfg.intermediate_size // tp if tile else 0
@@ -342,7 +348,7 @@ def longest_fitting(cfg: ModelConfig, *, params: int, options: MemoryOptions, ze
     def fits(length: int) -> bool:
         try:
             plan_memory(cfg, params=params, tokens=-(-length * batch // cp), options=options, zero=zero,
-                        capacity=capacity, host=host, tp=tp, dense_mlp=dense_mlp)
+                        capacity=capacity, host=host, tp=tp, cp=cp, dense_mlp=dense_mlp)
             return True
         except MemoryPlanError:
             return False
