@@ -51,13 +51,14 @@ class HostStash:
         self.cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self._free: dict[tuple[tuple[int, ...], torch.dtype], list[Tensor]] = {}
-        self._entries: list[_Entry] = []
+        self._entries: list[_Entry | None] = []  # None once fetched (its buffer is back in the pool)
         self.bytes_offloaded = 0
 
     def begin(self) -> None:
         """Start a step: buffers of entries a previous step left unfetched return to the pool."""
         for entry in self._entries:
-            self._release(entry)
+            if entry is not None:
+                self._release(entry)
         self._entries = []
         self.bytes_offloaded = 0
 
@@ -99,15 +100,19 @@ class HostStash:
         """The input of entry ``index`` back on its device (ready on the current stream); starts
         copying entry ``index - 1`` back as well, for the layer whose backward comes next."""
         entry = self._entries[index]
+        if entry is None:
+            raise RuntimeError(f"checkpointed layer input {index} was already fetched (a second backward needs "
+                               "retain_graph, which offloaded checkpoints do not support)")
         self._prefetch(entry)
-        if index > 0:
-            self._prefetch(self._entries[index - 1])
+        previous = self._entries[index - 1] if index > 0 else None
+        if previous is not None:
+            self._prefetch(previous)
         x = entry.fetched
         assert x is not None
         if self.stream is not None:
             torch.cuda.current_stream(self.device).wait_event(entry.event)
-        entry.fetched = None
         self._release(entry)
+        self._entries[index] = None
         return x
 
     def _release(self, entry: _Entry) -> None:

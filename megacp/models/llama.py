@@ -53,7 +53,7 @@ from megacp.models.config import ModelConfig
 from megacp.models.moe import MoEMLP
 from megacp.models.ops import copy_to_tp, group_size, reduce_from_tp, rms_norm, swiglu, tp_shard
 from megacp.models.rope import RotaryEmbedding, apply_rotary
-from megacp.models.tiling import tiled_norm_swiglu
+from megacp.models.tiling import INFERENCE_TILE_TOKENS, tiled_norm_swiglu
 
 
 def _param(*shape: int, dtype: torch.dtype | None, device: Any) -> nn.Parameter:
@@ -163,7 +163,9 @@ class LayerNormMLP(nn.Module):
 
     ``tile_tokens`` (a plain attribute, 0 = untiled): inputs longer than that run over sequence
     tiles of that many tokens (:func:`~megacp.models.tiling.tiled_norm_swiglu`: only the input is
-    kept for the backward).
+    kept for the backward). Under ``torch.inference_mode()`` (generation) inputs longer than
+    :data:`~megacp.models.tiling.INFERENCE_TILE_TOKENS` always run in such tiles: a long prefill
+    chunk then never holds its whole ``[T, 2F]`` gate/up, at no extra compute.
     """
 
     tile_tokens: int = 0
@@ -182,8 +184,9 @@ class LayerNormMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[T, H] -> [T, H]."""
-        if 0 < self.tile_tokens < x.shape[0]:
-            return reduce_from_tp(tiled_norm_swiglu(self, x, self.tile_tokens), self.tp_group)
+        tile = self.tile_tokens or (INFERENCE_TILE_TOKENS if torch.is_inference_mode_enabled() else 0)
+        if 0 < tile < x.shape[0]:
+            return reduce_from_tp(tiled_norm_swiglu(self, x, tile), self.tp_group)
         x = copy_to_tp(rms_norm(x, self.layer_norm_weight, self.eps), self.tp_group)
         return reduce_from_tp(swiglu(x, self.fc1_weight, self.fc2_weight), self.tp_group)
 
