@@ -100,6 +100,7 @@ def check_kernel(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -
 
 def check_step(llm: Any, dtype: torch.dtype) -> tuple[str, str]:
     from megacp.generate.graph import GraphDecoder
+    from megacp.generate.sampling import Sampler, SamplingParams
 
     gen = llm.generator
     ps = prompts(llm.model_config.vocab_size)
@@ -107,8 +108,10 @@ def check_step(llm: Any, dtype: torch.dtype) -> tuple[str, str]:
     worst, bad = 0.0, 0
     with torch.inference_mode():
         tok = gen.prefill(eager, se, ps)[0].argmax(-1)
-        dec = GraphDecoder(gen.model, static, ss, gen.settings, gen.device)
-        dec.load(gen.prefill(static, ss, ps)[0].argmax(-1))
+        logits = gen.prefill(static, ss, ps)[0]
+        greedy = Sampler([SamplingParams()] * len(ss), logits.shape[-1], gen.device)
+        dec = GraphDecoder(gen.model, static, ss, gen.settings, gen.device, greedy)
+        dec.load(logits.argmax(-1), greedy)
         for _ in range(STEPS):
             ref = gen.decode_step(eager, se, tok)
             got = dec.step().clone()
