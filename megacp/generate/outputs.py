@@ -73,7 +73,7 @@ class StopStrings:
         window = self.tail + piece
         found = any(s in window for s in self.stop)
         if not now.endswith("\ufffd"):
-            self.tail = window[len(window) - self.look_back:] if self.look_back else ""
+            self.tail = window[-self.look_back:] if self.look_back else ""
             self.prefix, self.read = self.read, len(tokens)
         return found
 
