@@ -17,8 +17,12 @@ CPU = torch.device("cpu")
 
 
 def _hf_warped(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    from transformers.generation.logits_process import (MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper,
-                                                        TopPLogitsWarper)
+    from transformers.generation.logits_process import (
+        MinPLogitsWarper,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
 
     x = TemperatureLogitsWarper(p.temperature)(None, row[None].clone())
     if p.top_k:
