@@ -133,12 +133,12 @@ def seed_key(seed: int) -> int:
     return mix32(mix32(seed & _MASK32) ^ (seed >> 32))
 
 
-def uniform_noise(keys: Tensor, steps: Tensor, vocab: int) -> Tensor:
-    """Uniform noise in (0, 1), fp32 ``[B, vocab]``: a hash of (``keys[b]``, ``steps[b]``, vocabulary
-    index) per element (``keys``, ``steps`` ``[B]`` int64; 24 bits of resolution)."""
+def uniform_noise(keys: Tensor, steps: Tensor, columns: Tensor) -> Tensor:
+    """Uniform noise in (0, 1), fp32 ``[B, V]``: a hash of (``keys[b]``, ``steps[b]``, vocabulary
+    index) per element (``keys``, ``steps`` ``[B]`` int64; ``columns [V]`` int64: the hashes
+    :func:`mix32` of the vocabulary indices; 24 bits of resolution)."""
     row = mix32((keys + mix32(steps)) & _MASK32)
-    col = mix32(torch.arange(vocab, dtype=torch.long, device=keys.device))
-    bits = mix32(row[:, None] ^ col[None, :]) >> 8
+    bits = mix32(row[:, None] ^ columns[None, :]) >> 8
     return (bits.float() + 0.5) * 2.0 ** -24
 
 
@@ -186,7 +186,7 @@ class Sampler:
     The tensors (``[B]`` unless said): ``temperature`` fp32 (1 on greedy rows), ``top_k`` int64
     (V = off), ``top_p_floor`` fp32 (``1 - top_p``), ``min_p``, ``repetition``, ``presence``,
     ``frequency`` fp32, ``keys`` int64 (:func:`seed_key`), ``steps`` int64 (index of the token
-    each row draws next), ``counts [B, V]`` int32 (generated tokens; with penalties) and
+    each row draws next), ``columns [V]`` int64 (vocabulary hashes, when a row samples), ``counts [B, V]`` int32 (generated tokens; with penalties) and
     ``prompt_seen [B, V]`` bool (with a repetition penalty). Which steps run is fixed by the batch
     (:attr:`kind`): an all-greedy batch without penalties is one argmax.
     """
@@ -212,6 +212,7 @@ class Sampler:
         self.frequency = col([p.frequency_penalty for p in params], torch.float32)
         self.keys = col([seed_key(p.seed) for p in params], torch.long)
         self.steps = torch.zeros(len(params), dtype=torch.long, device=device)
+        self.columns = mix32(torch.arange(vocab if self.sampled else 0, dtype=torch.long, device=device))
         shape = (len(params), vocab) if self.penalised else (len(params), 0)
         self.counts = torch.zeros(shape, dtype=torch.int32, device=device)
         self.ones = torch.ones(len(params), 1, dtype=torch.int32, device=device)
@@ -229,10 +230,12 @@ class Sampler:
         """What fixes the computation: batch size, V, and which steps run (a captured graph's key)."""
         return (len(self.keys), self.vocab, self.sampled, self.filtered, self.penalised, self.prompt_seen is not None)
 
-    def _tensors(self) -> list[Tensor]:
-        names = ("greedy", "temperature", "top_k", "top_p_floor", "min_p", "repetition", "presence", "frequency",
-                 "keys", "steps", "counts", "ones")
-        return [getattr(self, n) for n in names] + ([self.prompt_seen] if self.prompt_seen is not None else [])
+    _ROWS = ("greedy", "temperature", "top_k", "top_p_floor", "min_p", "repetition", "presence", "frequency", "keys",
+             "steps", "counts", "ones", "prompt_seen")
+    """The tensors with one row per request (``columns`` is shared by every row)."""
+
+    def _rows(self) -> list[Tensor]:
+        return [t for t in (getattr(self, n) for n in self._ROWS) if t is not None]
 
     def state(self) -> list[Tensor]:
         """The tensors a draw advances (to save and restore around a warm-up)."""
@@ -240,18 +243,21 @@ class Sampler:
 
     def _map(self, fn: Callable[[Tensor], Tensor]) -> Sampler:
         out = Sampler.__new__(Sampler)
-        out.__dict__.update({k: fn(v) if isinstance(v, Tensor) else v for k, v in vars(self).items()})
+        out.__dict__.update(vars(self))
+        for name in self._ROWS:
+            if getattr(self, name) is not None:
+                setattr(out, name, fn(getattr(self, name)))
         return out
 
     def clone(self) -> Sampler:
-        """A copy with tensors of its own (a graph's static buffers)."""
+        """A copy with per-row tensors of its own (a graph's static buffers)."""
         return self._map(Tensor.clone)
 
     def load(self, other: Sampler) -> None:
         """Copy ``other``'s values into this sampler's tensors (same :attr:`kind`)."""
         if other.kind != self.kind:
             raise ValueError(f"a sampler of kind {other.kind} cannot load into one of kind {self.kind}")
-        for dst, src in zip(self._tensors(), other._tensors()):
+        for dst, src in zip(self._rows(), other._rows()):
             dst.copy_(src)
 
     def select(self, rows: Tensor) -> Sampler:
@@ -270,7 +276,7 @@ class Sampler:
             scaled = logits / self.temperature[:, None]
             if self.filtered:
                 scaled = filter_logits(scaled, self.top_k, self.top_p_floor, self.min_p)
-            gumbel = -torch.log(-torch.log(uniform_noise(self.keys, self.steps, self.vocab)))
+            gumbel = -torch.log(-torch.log(uniform_noise(self.keys, self.steps, self.columns)))
             tokens = torch.where(self.greedy, tokens, (scaled + gumbel).argmax(dim=-1))
         if self.penalised:
             self.counts.scatter_add_(1, tokens[:, None], self.ones)
