@@ -104,11 +104,6 @@ class SamplingParams:
         """Whether a repetition, presence or frequency penalty is on."""
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
-    @property
-    def filtered(self) -> bool:
-        """Whether a top-k, top-p or min-p filter is on (for sampled requests)."""
-        return not self.greedy and (self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0)
-
 
 def _check_float(name: str, value: object, ok, rule: str) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or not ok(value):
@@ -116,6 +111,7 @@ def _check_float(name: str, value: object, ok, rule: str) -> None:
 
 
 _MASK32 = 0xFFFFFFFF
+_WEYL = 0x9E3779B1  # 2**32 / golden ratio: successive token indices land far apart before the hash
 _Int = TypeVar("_Int", int, Tensor)
 
 
@@ -133,13 +129,14 @@ def seed_key(seed: int) -> int:
     return mix32(mix32(seed & _MASK32) ^ (seed >> 32))
 
 
-def uniform_noise(keys: Tensor, steps: Tensor, columns: Tensor) -> Tensor:
-    """Uniform noise in (0, 1), fp32 ``[B, V]``: a hash of (``keys[b]``, ``steps[b]``, vocabulary
-    index) per element (``keys``, ``steps`` ``[B]`` int64; ``columns [V]`` int64: the hashes
-    :func:`mix32` of the vocabulary indices; 24 bits of resolution)."""
-    row = mix32((keys + mix32(steps)) & _MASK32)
+def gumbel_noise(keys: Tensor, steps: Tensor, columns: Tensor) -> Tensor:
+    """``log(-log(u))`` fp32 ``[B, V]`` (a negated Gumbel(0, 1) draw) of uniform ``u`` in (0, 1)
+    hashed from (``keys[b]``, ``steps[b]``, vocabulary index) per element (``keys``, ``steps`` ``[B]``
+    int64, ``steps`` < 2**31; ``columns [V]`` int64: :func:`mix32` of the vocabulary indices; 24 bits
+    of ``u``). ``argmax(logits - noise)`` draws from ``softmax(logits)``."""
+    row = mix32((keys + steps * _WEYL) & _MASK32)
     bits = mix32(row[:, None] ^ columns[None, :]) >> 8
-    return (bits.float() + 0.5) * 2.0 ** -24
+    return torch.log(-torch.log((bits.float() + 0.5) * 2.0 ** -24))
 
 
 def penalise(logits: Tensor, prompt_seen: Tensor | None, counts: Tensor, repetition: Tensor, presence: Tensor,
@@ -156,21 +153,23 @@ def penalise(logits: Tensor, prompt_seen: Tensor | None, counts: Tensor, repetit
     return logits - frequency[:, None] * counts - presence[:, None] * generated
 
 
-def filter_logits(logits: Tensor, top_k: Tensor, top_p_floor: Tensor, min_p: Tensor) -> Tensor:
-    """Temperature-scaled ``logits [B, V]`` fp32 with the tokens each row's filters drop set to
-    ``-inf``, as Hugging Face's ``TopKLogitsWarper``, ``TopPLogitsWarper`` and ``MinPLogitsWarper``
-    in turn (one token at least survives). ``top_k [B]`` int64 in [1, V] (V = off);
-    ``top_p_floor [B]`` fp32 = ``1 - top_p`` (0 = off); ``min_p [B]`` fp32 (0 = off)."""
-    ordered, index = logits.sort(dim=-1)  # ascending, as the warpers sort
-    vocab = logits.shape[-1]
-    kth = ordered.gather(-1, (vocab - top_k)[:, None])
-    ordered = ordered.masked_fill(ordered < kth, float("-inf"))
-    drop = ordered.softmax(-1).cumsum(-1) <= top_p_floor[:, None]
-    drop[:, -1] = False
-    ordered = ordered.masked_fill(drop, float("-inf"))
-    probs = ordered.softmax(-1)
-    drop = drop | (probs < min_p[:, None] * probs[:, -1:])
-    return logits.masked_fill(torch.zeros_like(drop).scatter(-1, index, drop), float("-inf"))
+def filter_sorted(ordered: Tensor, top_k: Tensor | None, top_p_floor: Tensor | None, min_p: Tensor | None) -> Tensor:
+    """Temperature-scaled logits sorted ascending ``[B, V]`` fp32 with the tokens each row's filters
+    drop set to ``-inf``, as Hugging Face's ``TopKLogitsWarper``, ``TopPLogitsWarper`` and
+    ``MinPLogitsWarper`` in turn (one token at least survives; ``None`` skips a filter for every
+    row). ``top_k [B]`` int64 in [1, V] (V = off); ``top_p_floor [B]`` fp32 = ``1 - top_p`` (0 =
+    off); ``min_p [B]`` fp32 (0 = off)."""
+    if top_k is not None:
+        kth = ordered.gather(-1, (ordered.shape[-1] - top_k)[:, None])
+        ordered = ordered.masked_fill(ordered < kth, float("-inf"))
+    if top_p_floor is not None:
+        drop = ordered.softmax(-1).cumsum(-1) <= top_p_floor[:, None]
+        drop[:, -1] = False
+        ordered = ordered.masked_fill(drop, float("-inf"))
+    if min_p is not None:
+        probs = ordered.softmax(-1)
+        ordered = ordered.masked_fill(probs < min_p[:, None] * probs[:, -1:], float("-inf"))
+    return ordered
 
 
 class Sampler:
@@ -195,7 +194,8 @@ class Sampler:
                  context: Sequence[Sequence[int]] | None = None) -> None:
         self.vocab, self.device = vocab, device
         self.sampled = any(not p.greedy for p in params)
-        self.filtered = any(p.filtered for p in params)
+        drawn = [p for p in params if not p.greedy]
+        self.filters = (any(p.top_k > 0 for p in drawn), any(p.top_p < 1.0 for p in drawn), any(p.min_p > 0 for p in drawn))
         self.penalised = any(p.penalised for p in params)
         repeats = any(p.repetition_penalty != 1.0 for p in params)
 
@@ -226,9 +226,9 @@ class Sampler:
             self.prompt_seen = seen.to(device)
 
     @property
-    def kind(self) -> tuple[int, int, bool, bool, bool, bool]:
+    def kind(self) -> tuple[int, int, bool, tuple[bool, bool, bool], bool, bool]:
         """What fixes the computation: batch size, V, and which steps run (a captured graph's key)."""
-        return (len(self.keys), self.vocab, self.sampled, self.filtered, self.penalised, self.prompt_seen is not None)
+        return (len(self.keys), self.vocab, self.sampled, self.filters, self.penalised, self.prompt_seen is not None)
 
     _ROWS = ("greedy", "temperature", "top_k", "top_p_floor", "min_p", "repetition", "presence", "frequency", "keys",
              "steps", "counts", "ones", "prompt_seen")
@@ -274,10 +274,15 @@ class Sampler:
         tokens = logits.argmax(dim=-1)
         if self.sampled:
             scaled = logits / self.temperature[:, None]
-            if self.filtered:
-                scaled = filter_logits(scaled, self.top_k, self.top_p_floor, self.min_p)
-            gumbel = -torch.log(-torch.log(uniform_noise(self.keys, self.steps, self.columns)))
-            tokens = torch.where(self.greedy, tokens, (scaled + gumbel).argmax(dim=-1))
+            noise = gumbel_noise(self.keys, self.steps, self.columns)
+            if any(self.filters):
+                ordered, index = scaled.sort(dim=-1)  # ascending, as the warpers sort
+                k, p, m = (t if on else None for t, on in zip((self.top_k, self.top_p_floor, self.min_p), self.filters))
+                pick = (filter_sorted(ordered, k, p, m) - noise.gather(-1, index)).argmax(dim=-1, keepdim=True)
+                drawn = index.gather(-1, pick).squeeze(-1)
+            else:
+                drawn = (scaled - noise).argmax(dim=-1)
+            tokens = torch.where(self.greedy, tokens, drawn)
         if self.penalised:
             self.counts.scatter_add_(1, tokens[:, None], self.ones)
         self.steps.add_(1)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megacp.generate.sampling import Sampler, SamplingParams, filter_logits
+from megacp.generate.sampling import Sampler, SamplingParams, filter_sorted
 
 CPU = torch.device("cpu")
 
@@ -42,7 +42,8 @@ def test_filters_equal_transformers_warpers(seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(len(params), 400, generator=g) * 3
     s = Sampler(params, 400, CPU)
-    ours = filter_logits(logits / s.temperature[:, None], s.top_k, s.top_p_floor, s.min_p)
+    ordered, index = (logits / s.temperature[:, None]).sort(dim=-1)
+    ours = torch.empty_like(logits).scatter(-1, index, filter_sorted(ordered, s.top_k, s.top_p_floor, s.min_p))
     for row, p in enumerate(params):
         ref = _hf_warped(logits[row], p)
         assert torch.equal(ours[row].isinf(), ref.isinf()), (row, p)
