@@ -53,29 +53,43 @@ def cut_at_stop(text: str, stop: Sequence[str]) -> tuple[str, bool]:
     return (text[: min(hits)], True) if hits else (text, False)
 
 
-class StopStrings:
-    """Whether one request's generated tokens contain one of ``stop``, checked incrementally: call
-    it with the tokens after each new token. Only the new tokens' text is decoded (with the tokens
-    of the previous piece as context, so a piece starts as it does in the whole text) and searched
-    together with the last ``len(longest stop) - 1`` characters before it; a piece that ends in an
-    incomplete UTF-8 character is searched but decoded again with the next token."""
+class IncrementalText:
+    """The text of a growing token list, decoded piece by piece: :meth:`update` decodes only the
+    tokens since the last settled point, with the tokens of the piece before as context (so a piece
+    starts as it does in the whole text). A piece that ends in an incomplete UTF-8 character is
+    not settled: it is decoded again, longer, with the next token."""
 
-    def __init__(self, tokenizer: Any, stop: Sequence[str]) -> None:
-        self.tokenizer, self.stop = tokenizer, tuple(stop)
-        self.look_back = max(len(s) for s in self.stop) - 1
-        self.tail = ""  # the last look_back characters of the settled text
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
         self.prefix = self.read = 0  # token offsets: context of the next piece, end of the settled text
 
-    def __call__(self, tokens: Sequence[int]) -> bool:
+    def update(self, tokens: Sequence[int]) -> tuple[str, bool]:
+        """The text ``tokens`` add after the settled text, and whether it is settled now."""
         before = decode(self.tokenizer, tokens[self.prefix: self.read])
         now = decode(self.tokenizer, tokens[self.prefix:])
         piece = now[len(before):] if now.startswith(before) else now
-        window = self.tail + piece
-        found = any(s in window for s in self.stop)
-        if not now.endswith("\ufffd"):
-            self.tail = window[-self.look_back:] if self.look_back else ""
+        settled = not now.endswith("\ufffd")
+        if settled:
             self.prefix, self.read = self.read, len(tokens)
-        return found
+        return piece, settled
+
+
+class StopStrings:
+    """Whether one request's generated tokens contain one of ``stop``, checked incrementally: call
+    it with the tokens after each new token. Only the new text (:class:`IncrementalText`) is
+    searched, together with the last ``len(longest stop) - 1`` characters before it."""
+
+    def __init__(self, tokenizer: Any, stop: Sequence[str]) -> None:
+        self.text, self.stop = IncrementalText(tokenizer), tuple(stop)
+        self.look_back = max(len(s) for s in self.stop) - 1
+        self.tail = ""  # the last look_back characters of the settled text
+
+    def __call__(self, tokens: Sequence[int]) -> bool:
+        piece, settled = self.text.update(tokens)
+        window = self.tail + piece
+        if settled:
+            self.tail = window[-self.look_back:] if self.look_back else ""
+        return any(s in window for s in self.stop)
 
 
 def stop_string_check(tokenizer: Any, params: SamplingParams) -> StopStrings | None:
@@ -108,17 +122,27 @@ class TextStream:
     holding back a tail that could still turn into a stop string (released when the request ends)."""
 
     def __init__(self, tokenizer: Any, stop: Sequence[str]) -> None:
-        self.tokenizer, self.stop = tokenizer, tuple(stop)
+        self.text, self.stop = IncrementalText(tokenizer), tuple(stop)
         self.hold = max((len(s) for s in self.stop), default=1) - 1
-        self.sent = 0
+        self.unsent = ""  # settled text not returned yet
+        self.done = False
 
     def piece(self, tokens: Sequence[int], finished: bool) -> str:
-        text, stopped = cut_at_stop(decode(self.tokenizer, tokens), self.stop)
-        end = len(text) if finished or stopped else max(self.sent, len(text) - self.hold)
-        if not finished and not stopped and text.endswith("\ufffd"):  # an incomplete UTF-8 character
-            end = min(end, len(text) - 1)
-        out, self.sent = text[self.sent: end], max(self.sent, end)
-        return out
+        """The text to show now of a request's generated ``tokens`` (``finished``: its last call)."""
+        if self.done:
+            return ""
+        piece, settled = self.text.update(tokens)
+        window, stopped = cut_at_stop(self.unsent + piece, self.stop)
+        if finished or stopped:
+            self.done, self.unsent = True, ""
+            return window
+        end = max(0, len(window) - self.hold)
+        if not settled:  # the piece ends in an incomplete UTF-8 character: it is decoded again
+            end = min(end, len(self.unsent))
+            self.unsent = self.unsent[end:]
+        else:
+            self.unsent = window[end:]
+        return window[:end]
 
 
 def chat_ids(tokenizer: Any, messages: Sequence[dict[str, str]]) -> list[int]:

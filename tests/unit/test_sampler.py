@@ -152,3 +152,27 @@ def test_stop_strings_equal_the_full_decode_check() -> None:
             assert got == ref, (k, stop, got, ref)
             fired += ref is not None
     assert fired >= 10  # most cases compared fire
+
+
+def test_text_stream_pieces_join_to_the_cut_text() -> None:
+    """:class:`~megacp.generate.outputs.TextStream` fed each prefix of a token stream until it ends
+    (its last token, or the first with a stop string): the pieces join to the whole text cut
+    before its stop string, and no piece holds a broken character before the end."""
+    from megacp.generate.outputs import StopStrings, TextStream, cut_at_stop, decode
+
+    tokenizer = _byte_bpe()
+    g = torch.Generator().manual_seed(8)
+    streams = [tokenizer("naïve café stop here. END 日本語 🙂 done")["input_ids"]]
+    streams += [torch.randint(0, len(tokenizer), (40,), generator=g).tolist() for _ in range(3)]
+    for tokens in streams:
+        text = decode(tokenizer, tokens)
+        for stop in (["here."], ["🙂", "END"], [text[len(text) // 2: len(text) // 2 + 2]], ["zz"]):
+            stream, check = TextStream(tokenizer, stop), StopStrings(tokenizer, stop)
+            pieces = []
+            for t in range(1, len(tokens) + 1):
+                end = check(tokens[:t]) or t == len(tokens)
+                pieces.append(stream.piece(tokens[:t], end))
+                if end:
+                    break
+            assert "".join(pieces) == cut_at_stop(decode(tokenizer, tokens[:t]), stop)[0], (stop, pieces)
+            assert all("\ufffd" not in p for p in pieces[:-1]) or "\ufffd" in text, pieces
