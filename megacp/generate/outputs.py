@@ -125,6 +125,8 @@ class TextStream:
         self.text, self.stop = IncrementalText(tokenizer), tuple(stop)
         self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.unsent = ""  # settled text not returned yet
+        self.sent = 0
+        """Characters returned so far."""
         self.done = False
 
     def piece(self, tokens: Sequence[int], finished: bool) -> str:
@@ -134,14 +136,14 @@ class TextStream:
         piece, settled = self.text.update(tokens)
         window, stopped = cut_at_stop(self.unsent + piece, self.stop)
         if finished or stopped:
-            self.done, self.unsent = True, ""
-            return window
-        end = max(0, len(window) - self.hold)
-        if not settled:  # the piece ends in an incomplete UTF-8 character: it is decoded again
-            end = min(end, len(self.unsent))
-            self.unsent = self.unsent[end:]
-        else:
+            self.done, self.unsent, end = True, "", len(window)
+        elif settled:
+            end = max(0, len(window) - self.hold)
             self.unsent = window[end:]
+        else:  # the piece ends in an incomplete UTF-8 character: it is decoded again
+            end = min(max(0, len(window) - self.hold), len(self.unsent))
+            self.unsent = self.unsent[end:]
+        self.sent += end
         return window[:end]
 
 
