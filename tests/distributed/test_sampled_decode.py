@@ -1,6 +1,6 @@
 """Seeded sampled and penalised requests through ``LLM.generate`` on the eager decode loop and on
 the graph decode loop (its static step run eagerly: CPU): a request's tokens are the same alone
-and inside a batch of mixed settings, on both paths, at CP = 1 and CP = 2."""
+and inside a batch of mixed settings, on both paths, at CP = 1, 2 and 3."""
 
 from __future__ import annotations
 
@@ -35,14 +35,14 @@ def _runs(rank: int, n: int, path: str, prompts: list[list[int]]) -> dict:
     return runs
 
 
-def test_seeded_requests_alone_and_in_a_mixed_batch_cp1_cp2(tiny: str) -> None:
+def test_seeded_requests_alone_and_in_a_mixed_batch_cp1_cp2_cp3(tiny: str) -> None:
     """A greedy request that stops early, a nucleus-sampled one and a penalised top-k / min-p one
     in one batch: the sampled requests give the tokens they give alone, the graph loop the eager
-    loop's, every rank the same, and CP = 2 the tokens of CP = 1."""
+    loop's, every rank the same, and CP = 2 and 3 the tokens of CP = 1."""
     g = torch.Generator().manual_seed(11)
     prompts = [torch.randint(3, 256, (k,), generator=g).tolist() for k in (5, 19, 8)]
     by_cp = {}
-    for cp in (1, 2):
+    for cp in (1, 2, 3):
         results = run_distributed(_runs, cp, tiny, prompts, timeout=300)
         runs = results[0]
         assert all(r == runs for r in results)
@@ -52,4 +52,4 @@ def test_seeded_requests_alone_and_in_a_mixed_batch_cp1_cp2(tiny: str) -> None:
         assert eager["alone"] == eager["batch"][1:], cp
         by_cp[cp] = eager["batch"]
     assert len(by_cp[1][0]) == 6 and len(set(by_cp[1][2])) > 5  # the greedy row stops early; the others sample
-    assert by_cp[2] == by_cp[1]
+    assert by_cp[2] == by_cp[1] and by_cp[3] == by_cp[1]
