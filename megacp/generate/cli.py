@@ -70,8 +70,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (so is anything below 1e-5)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the most likely tokens up to this mass")
     p.add_argument("--top-k", type=int, default=0, help="0 = all tokens")
+    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below this fraction of the top probability; 0 = off")
     p.add_argument("--repetition-penalty", type=float, default=1.0, help="Hugging Face's rule; 1 = off")
-    p.add_argument("--seed", type=int, default=0, help="sampler seed (the same on every rank)")
+    p.add_argument("--presence-penalty", type=float, default=0.0, help="subtracted from generated tokens' logits; 0 = off")
+    p.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="subtracted per occurrence in the generated tokens; 0 = off")
+    p.add_argument("--seed", type=int, default=0, help="the request's sampler seed (the same on every rank)")
     p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable; default: none)")
     p.add_argument("--no-stop", action="store_true", help="ignore the model's end-of-sequence tokens")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
@@ -109,7 +113,8 @@ def validate(args: argparse.Namespace) -> tuple[SamplingParams, list[list[int]] 
     try:
         params = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k, seed=args.seed, stop=tuple(args.stop), ignore_eos=args.no_stop,
-                                repetition_penalty=args.repetition_penalty)
+                                repetition_penalty=args.repetition_penalty, min_p=args.min_p,
+                                presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty)
         for text in args.prompt or ():
             check_text(text, "--prompt")
     except ValueError as err:

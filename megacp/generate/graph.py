@@ -1,4 +1,4 @@
-"""Greedy decode steps replayed from a CUDA graph (gpt-fast style).
+"""Decode steps replayed from a CUDA graph (gpt-fast style).
 
 A :class:`GraphDecoder` holds, for a fixed batch of B requests on slots of one KV cache, static
 device buffers: the tokens fed ``[B]`` int64, their positions ``[B]`` int64, the tokens each request
@@ -7,8 +7,9 @@ step writes and reads. One step computes everything from these buffers with no h
 host synchronisation: the CP layers (given a :class:`~megacp.layers.step.StaticDecodeStep`) write
 the new keys/values with ``index_copy_`` at device indices and attend with lengths read from device
 memory (:func:`~megacp.attention.decode.static_decode`; under CP = N the (out, LSE) of every rank
-travel in one all-gather and merge exactly), the argmax of the logits becomes the next input token,
-and the positions and lengths advance on the device. The step is warmed up on a side stream, then
+travel in one all-gather and merge exactly), the decoder's :class:`~megacp.generate.sampling.Sampler`
+(static buffers too: each row's settings, seed, token index and token counts) draws the next input
+token of every row, and the positions and lengths advance on the device. The step is warmed up on a side stream, then
 captured once (NCCL collectives are captured with it; gloo ones cannot be) and replayed per token.
 
 A request that finishes while others go on keeps running in its row (padding: the batch keeps its
@@ -25,19 +26,22 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from megacp.generate.sampling import Sampler
 from megacp.kv_cache import ShardedKVCache
 from megacp.layers.settings import CPSettings
 from megacp.layers.step import static_decode_step
 
 
 class GraphDecoder:
-    """The static greedy decode step of a batch of ``len(slots)`` requests on ``cache``.
+    """The static decode step of a batch of ``len(slots)`` requests on ``cache``.
 
     Args:
         model: a CP-swapped megacp ``CausalLM``.
         cache, slots: the KV cache and each request's slot (in batch order).
         settings: the CP settings (ring, kernel backend).
         device: where the buffers live.
+        sampler: the batch's sampler; the decoder draws with a copy of its own
+            (:meth:`load` refills it).
         capture: capture the step in a CUDA graph (needs CUDA and, under CP, NCCL); ``False`` runs
             the same step eagerly each time.
         warmup: eager steps on a side stream before the capture (each undone: the buffers are
@@ -45,10 +49,11 @@ class GraphDecoder:
     """
 
     def __init__(self, model: torch.nn.Module, cache: ShardedKVCache, slots: Sequence[int], settings: CPSettings,
-                 device: torch.device, *, capture: bool = True, warmup: int = 2) -> None:
+                 device: torch.device, sampler: Sampler, *, capture: bool = True, warmup: int = 2) -> None:
         if capture and device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device; the decoder runs on {device}")
         self.model, self.cache, self.slots, self.device = model, cache, list(slots), device
+        self.sampler = sampler.clone()
         self.ring, self.cp_size, self.cp_rank = settings.ring, settings.cp_size, settings.cp_rank
         b = len(self.slots)
         self.tokens = torch.zeros(b, dtype=torch.long, device=device)
@@ -66,13 +71,15 @@ class GraphDecoder:
         torch.add(self.held, owned, out=self.params.used)
         logits = self.model(self.tokens, self.positions, cu_seqlens=self.cu_seqlens,
                             inference_params=self.params).float()
-        self.tokens.copy_(logits.argmax(dim=-1))
+        self.tokens.copy_(self.sampler(logits))
         self.held.add_(owned)
         self.positions.add_(1)
         return logits
 
-    def load(self, tokens: Tensor) -> None:
-        """Start from the cache's bookkeeping of every slot, feeding ``tokens [B]`` int64 next."""
+    def load(self, tokens: Tensor, sampler: Sampler) -> None:
+        """Start from the cache's bookkeeping of every slot, feeding ``tokens [B]`` int64 next and
+        drawing on from ``sampler``'s state (of this decoder's sampler's kind)."""
+        self.sampler.load(sampler)
         positions, held, _ = self.cache.decode_state(self.slots, self.device)
         self.positions.copy_(positions)
         self.held.copy_(held)
@@ -85,10 +92,11 @@ class GraphDecoder:
     def capture(self) -> None:
         """Warm the step up on a side stream (undoing each step) and capture it (every CP rank
         together); nothing advances."""
-        saved = [t.clone() for t in (self.tokens, self.positions, self.held)]
+        state = [self.tokens, self.positions, self.held, *self.sampler.state()]
+        saved = [t.clone() for t in state]
 
         def restore() -> None:
-            for dst, src in zip((self.tokens, self.positions, self.held), saved):
+            for dst, src in zip(state, saved):
                 dst.copy_(src)
 
         side = torch.cuda.Stream(device=self.device)

@@ -19,7 +19,7 @@ from megacp.attention.strategy import STRATEGIES
 from megacp.checkpoint.dtypes import DTYPES
 from megacp.checkpoint.front import default_model_path, load_on_mesh, read_model_config
 from megacp.checkpoint.hf import transformers_only
-from megacp.generate.loop import Generator
+from megacp.generate.loop import Generator, batch_params
 from megacp.generate.outputs import GenerationOutput, TextStream, chat_ids, complete, stop_string_check, with_eos
 from megacp.generate.requests import check_prompt, encode
 from megacp.generate.sampling import SamplingParams
@@ -188,34 +188,40 @@ class LLM:
         """``prompt``'s token ids (text through the tokenizer, with its special tokens)."""
         return encode(self.tokenizer, prompt, what)
 
-    def _batch(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams) -> list[list[int]]:
-        """Token ids of one prompt or many, each checked against the model."""
+    def _batch(self, prompts: Prompt | Sequence[Prompt], sampling: SamplingParams | Sequence[SamplingParams] | None
+               ) -> tuple[list[list[int]], list[SamplingParams]]:
+        """Token ids of one prompt or many and each one's settings (``sampling``: one for all or
+        one per prompt), each prompt checked against the model with its ``max_tokens``."""
         one = isinstance(prompts, str) or (len(prompts) > 0 and all(type(t) is int for t in prompts))
         batch = [prompts] if one else list(prompts)
         if not batch:
             raise ValueError("no prompts given")
+        params = [self._params(p) for p in batch_params(SamplingParams() if sampling is None else sampling, len(batch))]
         ids = [self.token_ids(p, f"prompt {i}") for i, p in enumerate(batch)]  # type: ignore[arg-type]  # each item is one prompt
         for i, p in enumerate(ids):
-            check_prompt(self.model_config, p, params.max_tokens, f"prompt {i}")
-        return ids
+            check_prompt(self.model_config, p, params[i].max_tokens, f"prompt {i}")
+        return ids, params
 
-    def _params(self, sampling: SamplingParams | None) -> SamplingParams:
-        params = with_eos(sampling or SamplingParams(), self.model_config.eos_token_ids)
+    def _params(self, sampling: SamplingParams) -> SamplingParams:
+        params = with_eos(sampling, self.model_config.eos_token_ids)
         stop_string_check(self.tokenizer, params)  # stop strings need a tokenizer: say so before any work
         return params
 
-    def generate(self, prompts: Prompt | Sequence[Prompt], sampling: SamplingParams | None = None, *,
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling: SamplingParams | Sequence[SamplingParams] | None = None, *,
                  on_token: Callable[[int, int], None] | None = None, progress: bool = False) -> list[GenerationOutput]:
         """Generate for one prompt or a batch (text or token ids); one :class:`GenerationOutput`
-        per prompt, in order. ``on_token(i, token)`` sees every token of prompt ``i`` as it comes.
+        per prompt, in order. ``sampling``: one :class:`SamplingParams` for all prompts or a list
+        of one per prompt (the batch decodes together, each request with its own settings).
+        ``on_token(i, token)`` sees every token of prompt ``i`` as it comes.
 
         Raises:
             ValueError: a prompt is empty, outside the vocabulary, not valid UTF-8, or with
-                ``max_tokens`` longer than the model's context (before any work).
+                ``max_tokens`` longer than the model's context; a list of ``sampling`` of another
+                length than the prompts (before any work).
         """
-        params = self._params(sampling)
-        ids = self._batch(prompts, params)
-        cache, slots = self.generator.batch_cache(ids, params.max_tokens)
+        ids, params = self._batch(prompts, sampling)
+        cache, slots = self.generator.batch_cache(ids, max(p.max_tokens for p in params))
         outputs, self.last_report = complete(self.generator, cache, slots, ids, params, self.tokenizer,
                                              on_token=on_token, progress=progress)
         return outputs
@@ -230,10 +236,9 @@ class LLM:
     def stream(self, prompt: Prompt, sampling: SamplingParams | None = None) -> Iterator[StreamPiece]:
         """Generate for one prompt, yielding each token with its new text as it comes (the prompt
         and parameters are checked on the call, before the iterator starts)."""
-        params = self._params(sampling)
-        ids = self._batch([prompt], params)
+        ids, (params,) = self._batch([prompt], sampling)
         cache, slots = self.generator.batch_cache(ids, params.max_tokens)
-        run = self.generator.start(cache, slots, ids, params, stopped=stop_string_check(self.tokenizer, params))
+        run = self.generator.start(cache, slots, ids, params, stop_check=lambda p: stop_string_check(self.tokenizer, p))
         text = TextStream(self.tokenizer, params.stop) if self.tokenizer is not None else None
 
         def pieces() -> Iterator[StreamPiece]:

@@ -18,10 +18,28 @@ import torch.distributed as dist
 from torch import Tensor
 
 from megacp.generate.graph import GraphDecoder, TokenReader
-from megacp.generate.sampling import SamplingParams, sample
+from megacp.generate.sampling import Sampler, SamplingParams
 from megacp.kv_cache import CacheCapacityError, ShardedKVCache
 from megacp.layers.settings import CPSettings
 from megacp.layers.step import CPStep, HeadShape, begin_step
+
+
+def batch_params(params: SamplingParams | Sequence[SamplingParams], n: int) -> list[SamplingParams]:
+    """One :class:`SamplingParams` per request of a batch of ``n``: ``params`` for all, or a list of ``n``.
+
+    Raises:
+        ValueError: a list of another length.
+    """
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    rows = list(params)
+    if len(rows) != n:
+        raise ValueError(f"{len(rows)} SamplingParams for {n} prompts; give one for all or one per prompt")
+    return rows
+
+
+StopCheckFactory = Callable[[SamplingParams], "Callable[[list[int]], bool] | None"]
+"""Makes the stop-string check of one request (stateful: called with its tokens after each token)."""
 
 
 @dataclass
@@ -47,11 +65,11 @@ class Generator:
         num_layers, num_heads, num_kv_heads, head_dim: attention shape on this rank (heads of this
             TP rank): the cache's shape and the ``auto`` prefill rule's inputs.
         prefill_chunk: split prompts into chunks of this many tokens (chunked prefill), 0 = whole.
-        cuda_graphs: decode greedy requests with :class:`~megacp.generate.graph.GraphDecoder` (a
-            CUDA graph per batch, replayed per token, no host synchronisation per token; needs a
-            CUDA device and, under CP, NCCL). Sampled requests (temperature, repetition penalty),
-            and runs whose cache lacks the one spare row per request the static step writes, decode
-            eagerly; the run's report says which (``"decode"``).
+        cuda_graphs: decode with :class:`~megacp.generate.graph.GraphDecoder` (a CUDA graph per
+            batch and kind of sampling, replayed per token, no host synchronisation per token;
+            needs a CUDA device and, under CP, NCCL). Runs whose cache lacks the one spare row per
+            request the static step writes decode eagerly; the run's report says which
+            (``"decode"``).
     """
 
     def __init__(self, model: torch.nn.Module, *, settings: CPSettings, num_layers: int, num_heads: int,
@@ -125,14 +143,15 @@ class Generator:
         step = self._begin(cache, slots, [1] * len(slots))
         return self._forward(step, tokens)
 
-    def graph_decoder(self, cache: ShardedKVCache, slots: Sequence[int]) -> GraphDecoder:
-        """The captured decode step of ``slots`` on ``cache``: the latest one when it was made for
-        the same cache and slots (a session's turns, a benchmark's repeats), else a new one (the
-        previous graph is released first). Off CUDA the same static step runs eagerly."""
+    def graph_decoder(self, cache: ShardedKVCache, slots: Sequence[int], sampler: Sampler) -> GraphDecoder:
+        """The captured decode step of ``slots`` on ``cache`` drawing with ``sampler``'s kind: the
+        latest one when it was made for the same cache, slots and kind of sampler (a session's
+        turns, a benchmark's repeats), else a new one (the previous graph is released first). Off
+        CUDA the same static step runs eagerly."""
         g = self._graph
-        if g is None or g.cache is not cache or g.slots != list(slots):
+        if g is None or g.cache is not cache or g.slots != list(slots) or g.sampler.kind != sampler.kind:
             self._graph = None
-            g = self._graph = GraphDecoder(self.model, cache, slots, self.settings, self.device,
+            g = self._graph = GraphDecoder(self.model, cache, slots, self.settings, self.device, sampler,
                                            capture=self.device.type == "cuda")
         return g
 
@@ -174,25 +193,29 @@ class Generator:
         return torch.stack([t for t in last if t is not None]), strategies  # every prompt has a token
 
     def start(self, cache: ShardedKVCache, slots: Sequence[int], prompts: Sequence[Sequence[int]],
-              params: SamplingParams, *, context: Sequence[Sequence[int]] | None = None,
-              stopped: Callable[[list[int]], bool] | None = None, progress: bool = False) -> Run:
+              params: SamplingParams | Sequence[SamplingParams], *, context: Sequence[Sequence[int]] | None = None,
+              stop_check: StopCheckFactory | None = None, progress: bool = False) -> Run:
         """A :class:`Run` of ``prompts`` (new tokens) on ``slots`` of ``cache`` (which the caller
-        owns and frees). ``context[i]``: every token of request ``i`` so far (default: its prompt),
-        for the repetition penalty; ``stopped(tokens)``: whether generated ``tokens`` end in a stop
-        string. Every CP rank must drive the run alike."""
+        owns and frees) with ``params`` (one for all requests or one each). ``context[i]``: every
+        token of request ``i`` so far (default: its prompt), for the repetition penalty;
+        ``stop_check(params[i])``: a fresh check of request ``i``'s generated tokens, called with
+        them after each token, whether they end in a stop string (``None``: none). Every CP rank
+        must drive the run alike."""
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
-        return Run(self, cache, list(slots), prompts, params, context or prompts, stopped, progress)
+        rows = batch_params(params, len(prompts))
+        return Run(self, cache, list(slots), prompts, rows, context or prompts, stop_check, progress)
 
     @torch.inference_mode()
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, on_token: Any = None,
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
+                 on_token: Any = None,
                  progress: bool = False) -> GenerationResult:
         """Generate for a batch of prompts of any lengths in a cache of their own.
 
         ``on_token(i, token)`` is called for every generated token; ``progress`` shows a prefill
         progress bar (tokens prefilled; one update per chunk with ``prefill_chunk``).
         """
-        cache, slots = self.batch_cache(prompts, params.max_tokens)
+        cache, slots = self.batch_cache(prompts, max(p.max_tokens for p in batch_params(params, len(prompts))))
         run = self.start(cache, slots, prompts, params, progress=progress)
         for i, tok in run:
             if on_token is not None:
@@ -205,10 +228,12 @@ class Run:
     generated (each decode step's tokens together), then read :meth:`result`."""
 
     def __init__(self, gen: Generator, cache: ShardedKVCache, slots: list[int], prompts: Sequence[Sequence[int]],
-                 params: SamplingParams, context: Sequence[Sequence[int]],
-                 stopped: Callable[[list[int]], bool] | None, progress: bool) -> None:
+                 params: list[SamplingParams], context: Sequence[Sequence[int]],
+                 stop_check: StopCheckFactory | None, progress: bool) -> None:
         self.gen, self.cache, self.slots, self.prompts, self.params = gen, cache, slots, prompts, params
-        self.context, self.stopped, self.progress = context, stopped, progress
+        self.context, self.progress = context, progress
+        self.stop_checks = [None if stop_check is None else stop_check(p) for p in params]
+        self.max_tokens = max(p.max_tokens for p in params)
         self.tokens: list[list[int]] = [[] for _ in prompts]
         self.finish: list[str | None] = [None] * len(prompts)
         self.first_at = [0.0] * len(prompts)
@@ -220,28 +245,23 @@ class Run:
         self.capture_s = 0.0
 
     def _finished(self, i: int) -> str | None:
-        out = self.tokens[i]
-        if out[-1] in self.params.stop_token_ids or (self.stopped is not None and self.stopped(out)):
+        out, params, check = self.tokens[i], self.params[i], self.stop_checks[i]
+        if out[-1] in params.stop_token_ids or (check is not None and check(out)):
             return "stop"
-        return "length" if len(out) >= self.params.max_tokens else None
+        return "length" if len(out) >= params.max_tokens else None
 
     @torch.inference_mode()
     def __iter__(self) -> Iterator[tuple[int, int]]:
-        gen, params = self.gen, self.params
+        gen = self.gen
         sync = torch.cuda.synchronize if gen.device.type == "cuda" else (lambda: None)
-        rng = torch.Generator().manual_seed(params.seed)
         t0 = time.perf_counter()
         logits, self.strategies = gen.prefill(self.cache, self.slots, self.prompts, self.progress)
-        seen = None
-        if params.repetition_penalty != 1.0:
-            seen = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
-            for row, ctx in enumerate(self.context):
-                seen[row, torch.tensor(ctx, dtype=torch.long)] = True
-        next_tok = sample(logits, params, rng, seen)
+        sampler = Sampler(self.params, logits.shape[-1], logits.device, self.context)
+        next_tok = sampler(logits)
         sync()
         self.ttft = time.perf_counter() - t0
         if self._graph_decode_fits():
-            yield from self._graph_steps(next_tok)
+            yield from self._graph_steps(next_tok, sampler)
             return
         active = list(range(len(self.prompts)))
         while True:
@@ -253,26 +273,25 @@ class Run:
             keep = [row for row, i in enumerate(active) if self.finish[i] is None]
             if not keep:
                 break
-            index = torch.tensor(keep, dtype=torch.long)
-            active = [active[row] for row in keep]
             t1 = time.perf_counter()
-            logits = gen.decode_step(self.cache, [self.slots[i] for i in active], next_tok[index.to(next_tok.device)])
-            if seen is not None:
-                seen = seen[index.to(seen.device)]
-                seen[torch.arange(len(keep)), next_tok[index.to(next_tok.device)].to(seen.device)] = True
-            next_tok = sample(logits, params, rng, seen)
+            if len(keep) < len(active):
+                index = torch.tensor(keep, dtype=torch.long, device=next_tok.device)
+                next_tok, sampler = next_tok[index], sampler.select(index)
+                active = [active[row] for row in keep]
+            logits = gen.decode_step(self.cache, [self.slots[i] for i in active], next_tok)
+            next_tok = sampler(logits)
             sync()
             self.decode_s += time.perf_counter() - t1
 
     def _graph_decode_fits(self) -> bool:
-        """Whether this run decodes from the generator's CUDA graph: greedy, no repetition penalty,
-        and one spare cache row per request on every rank (the static step writes it)."""
-        p = self.params
-        if not (self.gen.cuda_graphs and p.greedy and p.repetition_penalty == 1.0 and p.max_tokens > 1):
+        """Whether this run decodes from the generator's CUDA graph: more than one token and one
+        spare cache row per request on every rank (the static step writes it; every row runs
+        until the longest ``max_tokens``)."""
+        if not (self.gen.cuda_graphs and self.max_tokens > 1):
             return False
         try:
             for s in self.slots:
-                self.cache.check_room(s, [1] * (p.max_tokens - 1), spare=1)
+                self.cache.check_room(s, [1] * (self.max_tokens - 1), spare=1)
         except CacheCapacityError:
             return False
         return True
@@ -284,14 +303,14 @@ class Run:
         self.last_at[i] = now
         self.finish[i] = self._finished(i)
 
-    def _graph_steps(self, first: Tensor) -> Iterator[tuple[int, int]]:
+    def _graph_steps(self, first: Tensor, sampler: Sampler) -> Iterator[tuple[int, int]]:
         """Decode from the CUDA graph: each step is replayed before the previous step's tokens
         (copied to pinned memory without blocking) are read, so stop conditions act one step
         late and a finished request's extra token is dropped; no step runs past ``max_tokens``."""
         gen, b = self.gen, len(self.slots)
         t0 = time.perf_counter()
-        dec = gen.graph_decoder(self.cache, self.slots)
-        dec.load(first)
+        dec = gen.graph_decoder(self.cache, self.slots, sampler)
+        dec.load(first, sampler)
         if dec.use_graph and dec.graph is None:  # warm up and capture before the first token is out
             dec.capture()
         self.decode_mode, self.capture_s = "cuda_graph", time.perf_counter() - t0
@@ -305,7 +324,7 @@ class Run:
             t1 = time.perf_counter()
             while True:
                 cur = None
-                if steps < self.params.max_tokens - 1 and any(f is None for f in self.finish):
+                if steps < self.max_tokens - 1 and any(f is None for f in self.finish):
                     cur = steps % 2
                     reader.put(cur, dec.step())
                     steps += 1

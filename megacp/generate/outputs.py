@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from megacp.generate.loop import GenerationResult, Generator
+from megacp.generate.loop import GenerationResult, Generator, batch_params
 from megacp.generate.sampling import SamplingParams
 from megacp.kv_cache import ShardedKVCache
 
@@ -53,8 +53,48 @@ def cut_at_stop(text: str, stop: Sequence[str]) -> tuple[str, bool]:
     return (text[: min(hits)], True) if hits else (text, False)
 
 
-def stop_string_check(tokenizer: Any, params: SamplingParams) -> Callable[[list[int]], bool] | None:
-    """A check of generated tokens for ``params.stop`` strings (``None`` without stop strings).
+class IncrementalText:
+    """The text of a growing token list, decoded piece by piece: :meth:`update` decodes only the
+    tokens since the last settled point, with the tokens of the piece before as context (so a piece
+    starts as it does in the whole text). A piece that ends in an incomplete UTF-8 character is
+    not settled: it is decoded again, longer, with the next token."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.prefix = self.read = 0  # token offsets: context of the next piece, end of the settled text
+
+    def update(self, tokens: Sequence[int]) -> tuple[str, bool]:
+        """The text ``tokens`` add after the settled text, and whether it is settled now."""
+        before = decode(self.tokenizer, tokens[self.prefix: self.read])
+        now = decode(self.tokenizer, tokens[self.prefix:])
+        piece = now[len(before):] if now.startswith(before) else now
+        settled = not now.endswith("\ufffd")
+        if settled:
+            self.prefix, self.read = self.read, len(tokens)
+        return piece, settled
+
+
+class StopStrings:
+    """Whether one request's generated tokens contain one of ``stop``, checked incrementally: call
+    it with the tokens after each new token. Only the new text (:class:`IncrementalText`) is
+    searched, together with the last ``len(longest stop) - 1`` characters before it."""
+
+    def __init__(self, tokenizer: Any, stop: Sequence[str]) -> None:
+        self.text, self.stop = IncrementalText(tokenizer), tuple(stop)
+        self.look_back = max(len(s) for s in self.stop) - 1
+        self.tail = ""  # the last look_back characters of the settled text
+
+    def __call__(self, tokens: Sequence[int]) -> bool:
+        piece, settled = self.text.update(tokens)
+        window = self.tail + piece
+        if settled:
+            self.tail = window[-self.look_back:] if self.look_back else ""
+        return any(s in window for s in self.stop)
+
+
+def stop_string_check(tokenizer: Any, params: SamplingParams) -> StopStrings | None:
+    """A fresh :class:`StopStrings` check of one request's ``params.stop`` strings (``None``
+    without stop strings).
 
     Raises:
         ValueError: stop strings without a tokenizer.
@@ -63,17 +103,17 @@ def stop_string_check(tokenizer: Any, params: SamplingParams) -> Callable[[list[
         return None
     if tokenizer is None:
         raise ValueError("stop strings need a model with a tokenizer; use stop_token_ids instead")
-    return lambda tokens: cut_at_stop(decode(tokenizer, tokens), params.stop)[1]
+    return StopStrings(tokenizer, params.stop)
 
 
 def outputs_of(result: GenerationResult, prompts: Sequence[Sequence[int]], tokenizer: Any,
-               params: SamplingParams) -> list[GenerationOutput]:
-    """One :class:`GenerationOutput` per request of ``result``."""
+               params: Sequence[SamplingParams]) -> list[GenerationOutput]:
+    """One :class:`GenerationOutput` per request of ``result`` (``params[i]``: request ``i``'s)."""
     return [
-        GenerationOutput(list(p), toks, None if tokenizer is None else cut_at_stop(decode(tokenizer, toks), params.stop)[0],
+        GenerationOutput(list(p), toks, None if tokenizer is None else cut_at_stop(decode(tokenizer, toks), sp.stop)[0],
                          reason, ttft, rate)
-        for p, toks, reason, ttft, rate in zip(prompts, result.tokens, result.finish_reasons, result.ttft_s,
-                                               result.decode_tokens_per_s)
+        for p, sp, toks, reason, ttft, rate in zip(prompts, params, result.tokens, result.finish_reasons,
+                                                   result.ttft_s, result.decode_tokens_per_s)
     ]
 
 
@@ -82,17 +122,29 @@ class TextStream:
     holding back a tail that could still turn into a stop string (released when the request ends)."""
 
     def __init__(self, tokenizer: Any, stop: Sequence[str]) -> None:
-        self.tokenizer, self.stop = tokenizer, tuple(stop)
+        self.text, self.stop = IncrementalText(tokenizer), tuple(stop)
         self.hold = max((len(s) for s in self.stop), default=1) - 1
+        self.unsent = ""  # settled text not returned yet
         self.sent = 0
+        """Characters returned so far."""
+        self.done = False
 
     def piece(self, tokens: Sequence[int], finished: bool) -> str:
-        text, stopped = cut_at_stop(decode(self.tokenizer, tokens), self.stop)
-        end = len(text) if finished or stopped else max(self.sent, len(text) - self.hold)
-        if not finished and not stopped and text.endswith("\ufffd"):  # an incomplete UTF-8 character
-            end = min(end, len(text) - 1)
-        out, self.sent = text[self.sent: end], max(self.sent, end)
-        return out
+        """The text to show now of a request's generated ``tokens`` (``finished``: its last call)."""
+        if self.done:
+            return ""
+        piece, settled = self.text.update(tokens)
+        window, stopped = cut_at_stop(self.unsent + piece, self.stop)
+        if finished or stopped:
+            self.done, self.unsent, end = True, "", len(window)
+        elif settled:
+            end = max(0, len(window) - self.hold)
+            self.unsent = window[end:]
+        else:  # the piece ends in an incomplete UTF-8 character: it is decoded again
+            end = min(max(0, len(window) - self.hold), len(self.unsent))
+            self.unsent = self.unsent[end:]
+        self.sent += end
+        return window[:end]
 
 
 def chat_ids(tokenizer: Any, messages: Sequence[dict[str, str]]) -> list[int]:
@@ -111,16 +163,17 @@ def chat_ids(tokenizer: Any, messages: Sequence[dict[str, str]]) -> list[int]:
 
 
 def complete(gen: Generator, cache: ShardedKVCache, slots: Sequence[int], prompts: Sequence[Sequence[int]],
-             params: SamplingParams, tokenizer: Any, *, context: Sequence[Sequence[int]] | None = None,
+             params: SamplingParams | Sequence[SamplingParams], tokenizer: Any, *, context: Sequence[Sequence[int]] | None = None,
              on_token: Callable[[int, int], None] | None = None,
              progress: bool = False) -> tuple[list[GenerationOutput], dict[str, Any]]:
-    """Run ``prompts`` on ``slots`` of ``cache`` to the end (``params`` already holding the stop
-    tokens; see :func:`with_eos`); return one :class:`GenerationOutput` per prompt and the batch
+    """Run ``prompts`` on ``slots`` of ``cache`` to the end (``params``, one for all or one per
+    prompt, already holding the stop tokens; see :func:`with_eos`); return one :class:`GenerationOutput` per prompt and the batch
     report (:attr:`GenerationResult.report`). ``on_token(i, token)`` sees every generated token."""
-    run = gen.start(cache, slots, prompts, params, context=context, stopped=stop_string_check(tokenizer, params),
-                    progress=progress)
+    rows = batch_params(params, len(prompts))
+    run = gen.start(cache, slots, prompts, rows, context=context,
+                    stop_check=lambda p: stop_string_check(tokenizer, p), progress=progress)
     for i, tok in run:
         if on_token is not None:
             on_token(i, tok)
     result = run.result()
-    return outputs_of(result, prompts, tokenizer, params), result.report
+    return outputs_of(result, prompts, tokenizer, rows), result.report

@@ -1,16 +1,23 @@
-"""Sampling the next token: greedy, or temperature with top-k / nucleus (top-p) filtering and a
-repetition penalty, seeded alike on every rank.
+"""Sampling the next token of a batch of requests with settings of their own: greedy, or
+temperature with top-k / top-p / min-p filtering, after repetition / presence / frequency penalties.
 
-Everything is computed on the batch's fp32 logits ``[B, V]`` as tensors (no Python work per
-request), so the step can stay on the device. Temperatures below :data:`GREEDY_BELOW` are greedy:
-dividing by a tiny temperature overflows fp32 and would hand ``multinomial`` NaNs.
+A :class:`Sampler` holds one row per request: its settings as device tensors, its seed, the index of
+the token it draws next, and (with penalties) the prompt tokens and counts of generated tokens
+``[B, V]``. :meth:`Sampler.__call__` turns fp32 logits ``[B, V]`` into tokens ``[B]`` with tensor
+ops of static shapes only (no host synchronisation), so the same function runs in the eager loop
+and inside the captured decode graph. Filters follow Hugging Face's warpers in their order
+(temperature, top-k, top-p, min-p); the draw is Gumbel-max with noise hashed from (seed, token
+index, vocabulary index) in integer tensor ops: a request's tokens depend on its logits and seed
+only, not on the batch around it, the CP size or the path (eager or graph). Temperatures below
+:data:`GREEDY_BELOW` are greedy (argmax).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Sequence, TypeVar
 
 import torch
 from torch import Tensor
@@ -30,12 +37,16 @@ class SamplingParams:
         temperature: 0 (or below :data:`GREEDY_BELOW`) = greedy.
         top_p: nucleus sampling, in (0, 1].
         top_k: keep the ``top_k`` most likely tokens (0 = all).
-        seed: seed of the sampler (the same on every rank, so every rank draws the same token).
+        min_p: drop tokens less likely than ``min_p`` times the most likely one, in [0, 1] (0 = off).
+        seed: seed of the request's draws (its tokens depend on its seed and logits only: the same
+            alone or in any batch, on every rank and CP size).
         stop: strings that end a request (found in the decoded text; the text ends before it).
         stop_token_ids: token ids that end a request (kept in ``token_ids``).
         ignore_eos: do not add the model's end-of-sequence tokens to ``stop_token_ids``.
         repetition_penalty: Hugging Face's rule: a token already in the prompt or output has its
             logit divided by it when positive, multiplied when negative (1 = off).
+        presence_penalty: subtracted from the logit of every token generated so far (0 = off).
+        frequency_penalty: subtracted once per time a token was generated so far (0 = off).
 
     Raises:
         ValueError: one value out of range (NaN included), naming it.
@@ -50,6 +61,9 @@ class SamplingParams:
     stop_token_ids: Sequence[int] = ()
     ignore_eos: bool = False
     repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     max_new_tokens: int | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -62,6 +76,9 @@ class SamplingParams:
         _check_float("temperature", self.temperature, lambda x: x >= 0, ">= 0 (0 = greedy)")
         _check_float("top_p", self.top_p, lambda x: 0 < x <= 1, "in (0, 1]")
         _check_float("repetition_penalty", self.repetition_penalty, lambda x: x > 0, "> 0 (1 = off)")
+        _check_float("min_p", self.min_p, lambda x: 0 <= x <= 1, "in [0, 1] (0 = off)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            _check_float(name, getattr(self, name), math.isfinite, "a finite number (0 = off)")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 = all tokens), got {self.top_k!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
@@ -82,40 +99,199 @@ class SamplingParams:
         """Whether the next token is the argmax."""
         return self.temperature < GREEDY_BELOW
 
+    @property
+    def penalised(self) -> bool:
+        """Whether a repetition, presence or frequency penalty is on."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
 
 def _check_float(name: str, value: object, ok, rule: str) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or not ok(value):
         raise ValueError(f"{name} must be {rule}, got {value!r}")
 
 
-def apply_repetition_penalty(logits: Tensor, seen: Tensor, penalty: float) -> Tensor:
-    """``logits [B, V]`` fp32 with Hugging Face's repetition penalty on the tokens marked in
-    ``seen [B, V]`` (bool): divided by ``penalty`` where positive, multiplied where negative."""
-    if penalty == 1.0:
-        return logits
-    scaled = torch.where(logits > 0, logits / penalty, logits * penalty)
-    return torch.where(seen, scaled, logits)
+_MASK32 = 0xFFFFFFFF
+_WEYL = 0x9E3779B1  # 2**32 / golden ratio: successive token indices land far apart before the hash
+_Int = TypeVar("_Int", int, Tensor)
 
 
-def sample(logits: Tensor, params: SamplingParams, gen: torch.Generator, seen: Tensor | None = None) -> Tensor:
-    """``logits [B, V]`` → next tokens ``[B]`` int64 (identical on every rank: same logits, same seed).
+def mix32(x: _Int) -> _Int:
+    """A 32-bit integer hash of ``x`` in [0, 2**32) (an int, or an int64 tensor elementwise): two
+    xor-shift-multiply rounds whose odd multiplier is below 2**31, so no int64 product overflows."""
+    for _ in range(2):
+        x = (((x >> 16) ^ x) * 0x45D9F3B) & _MASK32
+    return (x >> 16) ^ x
 
-    ``seen [B, V]`` (bool) marks each request's prompt and output tokens for the repetition penalty.
-    Sampling divides the fp32 logits by the temperature and draws from their softmax after top-k
-    and top-p filtering (the most likely token always survives).
+
+def seed_key(seed: int) -> int:
+    """The 32-bit key of a request's ``seed`` (any Python int; its low 64 bits count)."""
+    seed &= (1 << 64) - 1
+    return mix32(mix32(seed & _MASK32) ^ (seed >> 32))
+
+
+def gumbel_noise(keys: Tensor, steps: Tensor, columns: Tensor) -> Tensor:
+    """``log(-log(u))`` fp32 ``[B, V]`` (a negated Gumbel(0, 1) draw) of uniform ``u`` in (0, 1)
+    hashed from (``keys[b]``, ``steps[b]``, vocabulary index) per element (``keys``, ``steps`` ``[B]``
+    int64, ``steps`` < 2**31; ``columns [V]`` int64: :func:`mix32` of the vocabulary indices; 24 bits
+    of ``u``). ``argmax(logits - noise)`` draws from ``softmax(logits)``."""
+    row = mix32((keys + steps * _WEYL) & _MASK32)
+    bits = mix32(row[:, None] ^ columns[None, :]) >> 8
+    return torch.log(-torch.log((bits.float() + 0.5) * 2.0 ** -24))
+
+
+def penalise(logits: Tensor, prompt_seen: Tensor | None, counts: Tensor, repetition: Tensor, presence: Tensor,
+             frequency: Tensor) -> Tensor:
+    """``logits [B, V]`` fp32 after the penalties of each row (``repetition``, ``presence``,
+    ``frequency`` ``[B]`` fp32). ``counts [B, V]`` int32: times each token was generated so far;
+    ``prompt_seen [B, V]`` bool: the tokens of each request's context. The repetition penalty
+    (Hugging Face's rule) acts on prompt and generated tokens, presence and frequency penalties
+    (OpenAI's rule: ``logit - frequency * count - presence * (count > 0)``) on generated ones."""
+    generated = counts > 0
+    seen = generated if prompt_seen is None else generated | prompt_seen
+    rep = repetition[:, None]
+    logits = torch.where(seen, torch.where(logits < 0, logits * rep, logits / rep), logits)
+    return logits - frequency[:, None] * counts - presence[:, None] * generated
+
+
+def filter_sorted(ordered: Tensor, top_k: Tensor | None, top_p_floor: Tensor | None, min_p: Tensor | None) -> Tensor:
+    """Temperature-scaled logits sorted ascending ``[B, V]`` fp32 with the tokens each row's filters
+    drop set to ``-inf``, as Hugging Face's ``TopKLogitsWarper``, ``TopPLogitsWarper`` and
+    ``MinPLogitsWarper`` in turn (one token at least survives; ``None`` skips a filter for every
+    row). ``top_k [B]`` int64 in [1, V] (V = off); ``top_p_floor [B]`` fp32 = ``1 - top_p`` (0 =
+    off); ``min_p [B]`` fp32 (0 = off)."""
+    if top_k is not None:
+        kth = ordered.gather(-1, (ordered.shape[-1] - top_k)[:, None])
+        ordered = ordered.masked_fill(ordered < kth, float("-inf"))
+    if top_p_floor is not None:
+        drop = ordered.softmax(-1).cumsum(-1) <= top_p_floor[:, None]
+        drop[:, -1] = False
+        ordered = ordered.masked_fill(drop, float("-inf"))
+    if min_p is not None:
+        probs = ordered.softmax(-1)
+        ordered = ordered.masked_fill(probs < min_p[:, None] * probs[:, -1:], float("-inf"))
+    return ordered
+
+
+class Sampler:
+    """The sampling state of a batch of ``len(params)`` requests (row ``i``: ``params[i]``).
+
+    Args:
+        params: each request's settings.
+        vocab: the vocabulary size V.
+        device: where the state lives.
+        context: each request's tokens so far (its prompt; a session's whole conversation) for the
+            repetition penalty; needed when a row has one.
+
+    The tensors (``[B]`` unless said): ``temperature`` fp32 (1 on greedy rows), ``top_k`` int64
+    (V = off), ``top_p_floor`` fp32 (``1 - top_p``), ``min_p``, ``repetition``, ``presence``,
+    ``frequency`` fp32, ``keys`` int64 (:func:`seed_key`), ``steps`` int64 (index of the token
+    each row draws next), ``columns [V]`` int64 (vocabulary hashes, when a row samples), ``counts [B, V]`` int32 (generated tokens; with penalties) and
+    ``prompt_seen [B, V]`` bool (with a repetition penalty). Which steps run is fixed by the batch
+    (:attr:`kind`): an all-greedy batch without penalties is one argmax.
     """
-    logits = logits.float()
-    if seen is not None:
-        logits = apply_repetition_penalty(logits, seen, params.repetition_penalty)
-    if params.greedy:
-        return logits.argmax(dim=-1)
-    logits = logits / params.temperature
-    if params.top_k and params.top_k < logits.shape[-1]:
-        kth = logits.topk(params.top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if params.top_p < 1.0:
-        sorted_p, idx = probs.sort(dim=-1, descending=True)
-        keep = sorted_p.cumsum(-1) - sorted_p < params.top_p
-        probs = torch.zeros_like(probs).scatter(-1, idx, sorted_p * keep)
-    return torch.multinomial(probs.cpu(), 1, generator=gen).squeeze(-1).to(logits.device)
+
+    def __init__(self, params: Sequence[SamplingParams], vocab: int, device: torch.device,
+                 context: Sequence[Sequence[int]] | None = None) -> None:
+        self.vocab, self.device = vocab, device
+        self.sampled = any(not p.greedy for p in params)
+        drawn = [p for p in params if not p.greedy]
+        self.filters = (any(p.top_k > 0 for p in drawn), any(p.top_p < 1.0 for p in drawn), any(p.min_p > 0 for p in drawn))
+        self.penalised = any(p.penalised for p in params)
+        repeats = any(p.repetition_penalty != 1.0 for p in params)
+
+        def col(values: Sequence[float | int], dtype: torch.dtype) -> Tensor:
+            return torch.tensor(list(values), dtype=dtype, device=device)
+
+        self.greedy = col([p.greedy for p in params], torch.bool)
+        self.temperature = col([1.0 if p.greedy else p.temperature for p in params], torch.float32)
+        self.top_k = col([p.top_k if 0 < p.top_k < vocab else vocab for p in params], torch.long)
+        self.top_p_floor = col([1.0 - p.top_p for p in params], torch.float32)
+        self.min_p = col([p.min_p for p in params], torch.float32)
+        self.repetition = col([p.repetition_penalty for p in params], torch.float32)
+        self.presence = col([p.presence_penalty for p in params], torch.float32)
+        self.frequency = col([p.frequency_penalty for p in params], torch.float32)
+        self.keys = col([seed_key(p.seed) for p in params], torch.long)
+        self.steps = torch.zeros(len(params), dtype=torch.long, device=device)
+        self.columns = mix32(torch.arange(vocab if self.sampled else 0, dtype=torch.long, device=device))
+        shape = (len(params), vocab) if self.penalised else (len(params), 0)
+        self.counts = torch.zeros(shape, dtype=torch.int32, device=device)
+        self.ones = torch.ones(len(params), 1, dtype=torch.int32, device=device)
+        self.prompt_seen: Tensor | None = None
+        if repeats:
+            if context is None:
+                raise ValueError("a repetition penalty needs each request's context tokens")
+            seen = torch.zeros(len(params), vocab, dtype=torch.bool)
+            for row, ctx in enumerate(context):
+                seen[row, torch.tensor(list(ctx), dtype=torch.long)] = True
+            self.prompt_seen = seen.to(device)
+
+    @property
+    def kind(self) -> tuple[int, int, bool, tuple[bool, bool, bool], bool, bool]:
+        """What fixes the computation: batch size, V, and which steps run (a captured graph's key)."""
+        return (len(self.keys), self.vocab, self.sampled, self.filters, self.penalised, self.prompt_seen is not None)
+
+    _ROWS = ("greedy", "temperature", "top_k", "top_p_floor", "min_p", "repetition", "presence", "frequency", "keys",
+             "steps", "counts", "ones", "prompt_seen")
+    """The tensors with one row per request (``columns`` is shared by every row)."""
+
+    def _rows(self) -> list[Tensor]:
+        return [t for t in (getattr(self, n) for n in self._ROWS) if t is not None]
+
+    def state(self) -> list[Tensor]:
+        """The tensors a draw advances (to save and restore around a warm-up)."""
+        return [self.steps, self.counts]
+
+    def _map(self, fn: Callable[[Tensor], Tensor]) -> Sampler:
+        out = Sampler.__new__(Sampler)
+        out.__dict__.update(vars(self))
+        for name in self._ROWS:
+            if getattr(self, name) is not None:
+                setattr(out, name, fn(getattr(self, name)))
+        return out
+
+    def clone(self) -> Sampler:
+        """A copy with per-row tensors of its own (a graph's static buffers)."""
+        return self._map(Tensor.clone)
+
+    def load(self, other: Sampler) -> None:
+        """Copy ``other``'s values into this sampler's tensors (same :attr:`kind`)."""
+        if other.kind != self.kind:
+            raise ValueError(f"a sampler of kind {other.kind} cannot load into one of kind {self.kind}")
+        for dst, src in zip(self._rows(), other._rows()):
+            dst.copy_(src)
+
+    def select(self, rows: Tensor) -> Sampler:
+        """The sampler of rows ``rows`` (int64 indices) only, e.g. the requests still running."""
+        rows = rows.to(self.device)
+        return self._map(lambda t: t[rows])
+
+    def __call__(self, logits: Tensor) -> Tensor:
+        """Next tokens ``[B]`` int64 of ``logits [B, V]`` (identical on every rank given identical
+        logits); the counts and token indices advance by the drawn tokens."""
+        logits = logits.float()
+        if self.penalised:
+            logits = penalise(logits, self.prompt_seen, self.counts, self.repetition, self.presence, self.frequency)
+        tokens = logits.argmax(dim=-1)
+        if self.sampled:
+            scaled = logits / self.temperature[:, None]
+            noise = gumbel_noise(self.keys, self.steps, self.columns)
+            if any(self.filters):
+                ordered, index = scaled.sort(dim=-1)  # ascending, as the warpers sort
+                k, p, m = (t if on else None for t, on in zip((self.top_k, self.top_p_floor, self.min_p), self.filters))
+                pick = (filter_sorted(ordered, k, p, m) - noise.gather(-1, index)).argmax(dim=-1, keepdim=True)
+                drawn = index.gather(-1, pick).squeeze(-1)
+            else:
+                drawn = (scaled - noise).argmax(dim=-1)
+            tokens = torch.where(self.greedy, tokens, drawn)
+        if self.penalised:
+            self.counts.scatter_add_(1, tokens[:, None], self.ones)
+        self.steps.add_(1)
+        return tokens
+
+
+def sample(logits: Tensor, params: SamplingParams | Sequence[SamplingParams],
+           context: Sequence[Sequence[int]] | None = None) -> Tensor:
+    """The first tokens ``[B]`` int64 that requests with ``params`` (one for all rows, or one per
+    row) and ``context`` (for the repetition penalty) draw from ``logits [B, V]``."""
+    rows = [params] * logits.shape[0] if isinstance(params, SamplingParams) else list(params)
+    return Sampler(rows, logits.shape[-1], logits.device, context)(logits)

@@ -38,6 +38,7 @@ def _static_vs_eager(rank: int, n: int, path: str, prompts: list[list[int]], ste
     from megacp.generate import Generator
     from megacp.layers.settings import CPSettings
     from megacp.generate.graph import GraphDecoder
+    from megacp.generate.sampling import Sampler, SamplingParams
 
     state = megacp.initialize()
     model, cfg, _ = load_model(path, dtype=torch.float32, device="cpu")
@@ -48,8 +49,10 @@ def _static_vs_eager(rank: int, n: int, path: str, prompts: list[list[int]], ste
     errs, same = [], True
     with torch.inference_mode():
         tok = gen.prefill(eager, se, prompts)[0].argmax(-1)
-        dec = GraphDecoder(model, static, ss, gen.settings, cpu, capture=False)
-        dec.load(gen.prefill(static, ss, prompts)[0].argmax(-1))
+        logits = gen.prefill(static, ss, prompts)[0]
+        greedy = Sampler([SamplingParams()] * len(ss), logits.shape[-1], cpu)
+        dec = GraphDecoder(model, static, ss, gen.settings, cpu, greedy, capture=False)
+        dec.load(logits.argmax(-1), greedy)
         for _ in range(steps):
             ref = gen.decode_step(eager, se, tok)
             got = dec.step().clone()

@@ -147,24 +147,23 @@ def test_sampling_params_validate_each_value() -> None:
 
 def test_sampling_numbers() -> None:
     from megacp import SamplingParams
-    from megacp.generate.sampling import apply_repetition_penalty, sample
+    from megacp.generate.sampling import penalise, sample
 
     logits = torch.tensor([[0.0, 3.0, 2.9, -1.0], [1.0, 0.0, 0.0, 5.0]])
-    for t in (1e-30, 1e-6):  # below the greedy floor: argmax, no NaN into multinomial
-        assert sample(logits * 1e30, SamplingParams(temperature=t), torch.Generator()).tolist() == [1, 3]
-    draws = {tuple(sample(logits * 100, SamplingParams(temperature=1e-4, seed=s), torch.Generator().manual_seed(s))
-                   .tolist()) for s in range(5)}
+    for t in (1e-30, 1e-6):  # below the greedy floor: argmax, no NaN
+        assert sample(logits * 1e30, SamplingParams(temperature=t)).tolist() == [1, 3]
+    draws = {tuple(sample(logits * 100, SamplingParams(temperature=1e-4, seed=s)).tolist()) for s in range(5)}
     assert draws == {(1, 3)}  # a small temperature above the floor: finite, near-greedy
-    top1 = {tuple(sample(logits, SamplingParams(temperature=5.0, top_k=1), torch.Generator().manual_seed(s)).tolist())
-            for s in range(10)}
+    top1 = {tuple(sample(logits, SamplingParams(temperature=5.0, top_k=1, seed=s)).tolist()) for s in range(10)}
     assert top1 == {(1, 3)}
-    top2 = {sample(logits, SamplingParams(temperature=50.0, top_k=2), torch.Generator().manual_seed(s))[0].item()
-            for s in range(40)}
+    top2 = {sample(logits, SamplingParams(temperature=50.0, top_k=2, seed=s))[0].item() for s in range(40)}
     assert top2 == {1, 2}
     seen = torch.tensor([[True, True, False, True], [False, False, False, False]])
-    pen = apply_repetition_penalty(torch.tensor([[2.0, -2.0, 1.0, 0.5], [1.0, 1.0, 1.0, 1.0]]), seen, 2.0)
+    none = torch.zeros(2, 4, dtype=torch.int32)
+    pen = penalise(torch.tensor([[2.0, -2.0, 1.0, 0.5], [1.0, 1.0, 1.0, 1.0]]), seen, none, torch.tensor([2.0, 2.0]),
+                   torch.zeros(2), torch.zeros(2))
     assert pen.tolist() == [[1.0, -4.0, 1.0, 0.25], [1.0, 1.0, 1.0, 1.0]]
-    assert sample(logits, SamplingParams(repetition_penalty=2.0), torch.Generator(), seen).tolist() == [2, 3]
+    assert sample(logits, SamplingParams(repetition_penalty=2.0), [[0, 1, 3], []]).tolist() == [2, 3]
 
 
 def _non_finite_body(rank: int, n: int, path: str) -> tuple[str, bool]:

@@ -19,6 +19,9 @@ shape (``scripts.bench.decode_hf.MODELS["smollm2"]``), each in float32 and bfloa
   extra token): identical tokens; the report says ``decode: cuda_graph``.
 * ``session``: two turns of a session on each LLM: identical tokens (the graph of turn 1 replays
   in turn 2).
+* ``sampled``: a mixed batch (greedy; temperature 0.8 / top-p 0.9 / seed 1; top-k, min-p and
+  repetition / presence / frequency penalties) through both LLMs, and the nucleus request alone on
+  the graph LLM: identical tokens (the sampler runs inside the captured step).
 
 Every check prints one ``PASS``/``FAIL``/``WARN`` line (bf16 end-to-end token differences after the
 first are ``WARN``: a near-tie under bf16 noise; the ``step`` check judges bf16). Exceptions are
@@ -100,6 +103,7 @@ def check_kernel(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -
 
 def check_step(llm: Any, dtype: torch.dtype) -> tuple[str, str]:
     from megacp.generate.graph import GraphDecoder
+    from megacp.generate.sampling import Sampler, SamplingParams
 
     gen = llm.generator
     ps = prompts(llm.model_config.vocab_size)
@@ -107,8 +111,10 @@ def check_step(llm: Any, dtype: torch.dtype) -> tuple[str, str]:
     worst, bad = 0.0, 0
     with torch.inference_mode():
         tok = gen.prefill(eager, se, ps)[0].argmax(-1)
-        dec = GraphDecoder(gen.model, static, ss, gen.settings, gen.device)
-        dec.load(gen.prefill(static, ss, ps)[0].argmax(-1))
+        logits = gen.prefill(static, ss, ps)[0]
+        greedy = Sampler([SamplingParams()] * len(ss), logits.shape[-1], gen.device)
+        dec = GraphDecoder(gen.model, static, ss, gen.settings, gen.device, greedy)
+        dec.load(logits.argmax(-1), greedy)
         for _ in range(STEPS):
             ref = gen.decode_step(eager, se, tok)
             got = dec.step().clone()
@@ -162,6 +168,25 @@ def check_session(graph: Any, eager: Any, dtype: torch.dtype) -> tuple[str, str]
     return compare(outs[0], outs[1], dtype)
 
 
+def check_sampled(graph: Any, eager: Any, dtype: torch.dtype) -> tuple[str, str]:
+    from megacp import SamplingParams
+
+    ps = prompts(graph.model_config.vocab_size)
+    mixed = [SamplingParams(max_tokens=NEW // 2, ignore_eos=True),
+             SamplingParams(max_tokens=NEW, ignore_eos=True, temperature=0.8, top_p=0.9, seed=1),
+             SamplingParams(max_tokens=NEW, ignore_eos=True, temperature=1.1, top_k=30, min_p=0.02,
+                            repetition_penalty=1.2, presence_penalty=0.2, frequency_penalty=0.3, seed=5)]
+    e = [o.token_ids for o in eager.generate(ps, mixed)]
+    gr = [o.token_ids for o in graph.generate(ps, mixed)]
+    if graph.last_report.get("decode") != "cuda_graph":
+        return "FAIL", f"decode mode {graph.last_report.get('decode')}"
+    alone = graph.generate(ps[1], mixed[1])[0].token_ids
+    verdict, detail = compare(e, gr, dtype)
+    v2, d2 = compare([gr[1]], [alone], dtype)
+    worst = max((verdict, v2), key=("PASS", "WARN", "FAIL").index)
+    return worst, f"graph vs eager: {detail}; alone vs in the batch: {d2}"
+
+
 def main() -> int:
     import megacp
     from megacp import LLM
@@ -199,6 +224,7 @@ def main() -> int:
             checks.run(f"{case} step", lambda: check_step(graph, dtype))
             checks.run(f"{case} generate", lambda: check_generate(graph, eager, dtype))
             checks.run(f"{case} session", lambda: check_session(graph, eager, dtype))
+            checks.run(f"{case} sampled", lambda: check_sampled(graph, eager, dtype))
             del graph, eager
             torch.cuda.empty_cache()
     if rank == 0:

@@ -1,0 +1,178 @@
+"""The batched sampler (:class:`megacp.generate.sampling.Sampler`) and the incremental stop-string
+check against independent references: top-k / top-p / min-p masks against transformers' logits
+warpers on random logits, penalties against transformers' ``RepetitionPenaltyLogitsProcessor``
+and a plain PyTorch presence / frequency rule token for token, seeded draws that follow the
+softmax and do not depend on the batch around them, and :class:`~megacp.generate.outputs.StopStrings`
+against searching the whole decoded text after every token (a byte-level BPE tokenizer whose
+token streams split UTF-8 characters)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megacp.generate.sampling import Sampler, SamplingParams, filter_sorted
+
+CPU = torch.device("cpu")
+
+
+def _hf_warped(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    from transformers.generation.logits_process import (
+        MinPLogitsWarper,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    x = TemperatureLogitsWarper(p.temperature)(None, row[None].clone())
+    if p.top_k:
+        x = TopKLogitsWarper(p.top_k)(None, x)
+    if p.top_p < 1.0:
+        x = TopPLogitsWarper(p.top_p)(None, x)
+    if p.min_p:
+        x = MinPLogitsWarper(p.min_p)(None, x)
+    return x[0]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_filters_equal_transformers_warpers(seed: int) -> None:
+    params = [SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m) for t, k, p, m in [
+        (0.7, 0, 0.9, 0.0), (1.0, 40, 1.0, 0.0), (1.3, 0, 1.0, 0.1), (0.5, 100, 0.8, 0.05),
+        (1.0, 0, 1.0, 0.0), (2.0, 7, 0.5, 0.0), (0.9, 0, 0.95, 0.2), (1.1, 300, 0.3, 0.0)]]
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(len(params), 400, generator=g) * 3
+    s = Sampler(params, 400, CPU)
+    ordered, index = (logits / s.temperature[:, None]).sort(dim=-1)
+    ours = torch.empty_like(logits).scatter(-1, index, filter_sorted(ordered, s.top_k, s.top_p_floor, s.min_p))
+    for row, p in enumerate(params):
+        ref = _hf_warped(logits[row], p)
+        assert torch.equal(ours[row].isinf(), ref.isinf()), (row, p)
+        kept = ~ref.isinf()
+        assert torch.allclose(ours[row][kept], ref[kept]), row
+    dropped = ours.isinf().sum(-1)
+    assert dropped[4] == 0 and all(0 < d < 400 for i, d in enumerate(dropped.tolist()) if i != 4), dropped
+
+
+def test_penalties_equal_transformers_token_for_token() -> None:
+    """Greedy rows with penalties over 16 steps of random logits: the tokens equal transformers'
+    repetition penalty on prompt + generated ids, then ``logit - f * count - p * (count > 0)``."""
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    vocab, steps = 40, 16
+    params = [SamplingParams(repetition_penalty=1.4, presence_penalty=0.3, frequency_penalty=0.2),
+              SamplingParams(repetition_penalty=0.7), SamplingParams(frequency_penalty=0.5),
+              SamplingParams(presence_penalty=0.8), SamplingParams()]
+    prompts = [[1, 5, 5, 9], [2, 3], [7], [4, 4, 8], [6]]
+    g = torch.Generator().manual_seed(3)
+    stream = torch.randn(steps, len(params), vocab, generator=g) * 0.5 + torch.linspace(1, 0, vocab)
+    sampler = Sampler(params, vocab, CPU, prompts)
+    ours = torch.stack([sampler(stream[t]) for t in range(steps)], dim=1).tolist()
+    for row, (p, prompt) in enumerate(zip(params, prompts)):
+        out: list[int] = []
+        for t in range(steps):
+            x = stream[t, row][None].clone()
+            if p.repetition_penalty != 1.0:
+                x = RepetitionPenaltyLogitsProcessor(p.repetition_penalty)(torch.tensor([prompt + out]), x)
+            counts = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=vocab).float()
+            x = x - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).float()
+            out.append(int(x.argmax()))
+        assert ours[row] == out, (row, ours[row], out)
+        plain = stream[:, row].argmax(-1).tolist()
+        assert (ours[row] == plain) == (row == 4), row  # every penalty changes some token
+
+
+def test_seeded_draws_do_not_depend_on_the_batch() -> None:
+    vocab, steps = 64, 12
+    a = SamplingParams(temperature=0.8, top_p=0.9, seed=1)
+    others = [SamplingParams(repetition_penalty=1.3), SamplingParams(temperature=1.5, top_k=5, min_p=0.1, seed=1),
+              SamplingParams(temperature=1.0, frequency_penalty=0.5, seed=99)]
+    g = torch.Generator().manual_seed(4)
+    stream = torch.randn(steps, 4, vocab, generator=g)
+    alone = Sampler([a], vocab, CPU, [[3]])
+    batch = Sampler([others[0], a, *others[1:]], vocab, CPU, [[1], [3], [2], [5]])
+    reseeded = Sampler([SamplingParams(temperature=0.8, top_p=0.9, seed=2)], vocab, CPU, [[3]])
+    got = [(int(alone(stream[t, 1:2])[0]), int(batch(stream[t])[1]), int(reseeded(stream[t, 1:2])[0]))
+           for t in range(steps)]
+    assert [x for x, _, _ in got] == [y for _, y, _ in got]
+    assert [x for x, _, _ in got] != [z for _, _, z in got]  # another seed, other tokens
+    assert len({x for x, _, _ in got}) > 3  # it does sample
+
+
+def test_draws_follow_the_softmax() -> None:
+    """20000 seeds draw from one row of logits: the frequencies match the softmax at the temperature
+    (within 0.012, ~3.5 standard deviations), and top-p 0.8 keeps only its nucleus (the two most likely)."""
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0, 0.5])
+    n = 20000
+    for top_p in (1.0, 0.8):
+        params = [SamplingParams(temperature=0.7, top_p=top_p, seed=s) for s in range(n)]
+        tokens = Sampler(params, 5, CPU)(logits.expand(n, 5))
+        freq = torch.bincount(tokens, minlength=5).float() / n
+        probs = torch.softmax(logits / 0.7, -1)
+        if top_p < 1:
+            probs = torch.where(torch.tensor([True, True, False, False, False]), probs, 0.0)
+            probs = probs / probs.sum()
+        assert (freq - probs).abs().max() < 0.012, (freq, probs)
+
+
+def _byte_bpe():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    corpus = ["héllo wörld, naïve café ", "日本語のテキスト ", "stop here. END of line\n", "emoji 🙂🙃 done "] * 20
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>"],
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>")
+
+
+def test_stop_strings_equal_the_full_decode_check() -> None:
+    """Random token streams (byte-level pieces split characters) and encoded text, stop strings cut
+    from their text: the first token at which the incremental check fires equals the first at
+    which the whole decoded text contains a stop string."""
+    from megacp.generate.outputs import StopStrings, decode
+
+    tokenizer = _byte_bpe()
+    vocab = len(tokenizer)
+    g = torch.Generator().manual_seed(6)
+    streams = [torch.randint(0, vocab, (50,), generator=g).tolist() for _ in range(6)]
+    streams += [tokenizer("naïve café stop here. END 日本語 🙂 done")["input_ids"]]
+    fired = 0
+    for k, tokens in enumerate(streams):
+        text = decode(tokenizer, tokens)
+        for start, size in ((len(text) // 2, 1), (len(text) // 3, 3), (2 * len(text) // 3, 6), (0, len(text) + 1)):
+            stop = [text[start: start + size] or "x", "zz"]
+            if "\ufffd" in stop[0]:  # stop strings are text: no piece of a broken character
+                continue
+            check = StopStrings(tokenizer, stop)
+            got = next((t for t in range(1, len(tokens) + 1) if check(tokens[:t])), None)
+            ref = next((t for t in range(1, len(tokens) + 1)
+                        if any(s in decode(tokenizer, tokens[:t]) for s in stop)), None)
+            assert got == ref, (k, stop, got, ref)
+            fired += ref is not None
+    assert fired >= 10  # most cases compared fire
+
+
+def test_text_stream_pieces_join_to_the_cut_text() -> None:
+    """:class:`~megacp.generate.outputs.TextStream` fed each prefix of a token stream until it ends
+    (its last token, or the first with a stop string): the pieces join to the whole text cut
+    before its stop string, and no piece holds a broken character before the end."""
+    from megacp.generate.outputs import StopStrings, TextStream, cut_at_stop, decode
+
+    tokenizer = _byte_bpe()
+    g = torch.Generator().manual_seed(8)
+    streams = [tokenizer("naïve café stop here. END 日本語 🙂 done")["input_ids"]]
+    streams += [torch.randint(0, len(tokenizer), (40,), generator=g).tolist() for _ in range(3)]
+    for tokens in streams:
+        text = decode(tokenizer, tokens)
+        for stop in (["here."], ["🙂", "END"], [text[len(text) // 2: len(text) // 2 + 2]], ["zz"]):
+            stream, check = TextStream(tokenizer, stop), StopStrings(tokenizer, stop)
+            pieces = []
+            for t in range(1, len(tokens) + 1):
+                end = check(tokens[:t]) or t == len(tokens)
+                pieces.append(stream.piece(tokens[:t], end))
+                if end:
+                    break
+            assert "".join(pieces) == cut_at_stop(decode(tokenizer, tokens[:t]), stop)[0], (stop, pieces)
+            assert all("\ufffd" not in p for p in pieces[:-1]) or "\ufffd" in text, pieces
