@@ -25,6 +25,7 @@ SHIPPED = {
     "train_cp2_zero2.json": (2, ParallelLayout(cp=2)),
     "train_cpu_cp1.json": (1, ParallelLayout()),
     "train_cpu_cp2.json": (2, ParallelLayout(cp=2)),
+    "train_long_cp1.json": (1, ParallelLayout()),
 }
 CPU_CONFIGS = ("cpu_demo.json", "train_cpu_cp1.json", "train_cpu_cp2.json")  # fp32 on CPU: bf16 off
 
