@@ -65,7 +65,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="recompute each decoder layer's activations in backward")
     p.add_argument("--backend", choices=("auto", "torch", "te"), default="auto",
                    help="model layers: Transformer Engine or torch (default: TE on CUDA when installed)")
-    p.add_argument("--save", metavar="DIR", help="engine.save_checkpoint(DIR) after the last step")
+    p.add_argument("--save", metavar="DIR", help="write DeepSpeed checkpoints (tags step<N>) into DIR")
+    p.add_argument("--save-every", type=int, metavar="N", help="save after every N-th optimizer step")
+    p.add_argument("--save-at-end", action=argparse.BooleanOptionalAction, default=None,
+                   help="save after the last step (default: on with --save)")
+    p.add_argument("--keep-last", type=int, metavar="K", help="keep only the newest K checkpoints of --save")
+    p.add_argument("--resume", metavar="DIR|auto",
+                   help="continue from a checkpoint (a --save directory's latest, or one of its step<N> "
+                        "directories) exactly as if the run had not stopped; 'auto': --save's latest, if any")
     p.add_argument("--metrics", metavar="FILE", help="write one JSON line per step here (rank 0)")
     p.add_argument("--quiet", action="store_true", help="no progress bar and no summary line")
     p.add_argument("--allow-non-finite", action="store_true", help="load weights that hold NaN or inf")
@@ -89,6 +96,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             raise UsageError(f"{flag} {value}: the parent directory does not exist")
     if args.save is not None and Path(args.save).exists() and not Path(args.save).is_dir():
         raise UsageError(f"--save {args.save}: exists and is not a directory")
+    _check_checkpointing(args)
     if args.model is not None and not Path(args.model).exists():
         raise UsageError(f"--model {args.model} does not exist")
     if args.hf_native:
@@ -103,6 +111,24 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         if not torch.cuda.is_available() or te_import_error() is not None:
             raise UsageError(f"--backend te needs CUDA and Transformer Engine: {te_import_error() or 'no CUDA device'}")
     return args
+
+
+def _check_checkpointing(args: argparse.Namespace) -> None:
+    """Check the checkpoint flags and settle ``args.save_at_end`` (default: whether ``--save`` is given)."""
+    for flag, value in (("--save-every", args.save_every), ("--keep-last", args.keep_last)):
+        if value is not None and value < 1:
+            raise UsageError(f"{flag} must be >= 1, got {value}")
+        if value is not None and args.save is None:
+            raise UsageError(f"{flag} needs --save DIR")
+    if args.save_at_end and args.save is None:
+        raise UsageError("--save-at-end needs --save DIR")
+    if args.save_at_end is None:
+        args.save_at_end = args.save is not None
+    if args.save is not None and not args.save_at_end and args.save_every is None:
+        raise UsageError("--no-save-at-end without --save-every saves nothing: drop --save or add --save-every N")
+    if args.hf_native and (args.save_every or args.keep_last or args.resume):
+        raise UsageError("--hf-native saves save_pretrained files at the end only: --save-every, --keep-last "
+                         "and --resume need DeepSpeed checkpoints (drop --hf-native)")
 
 
 def _eos_id(tokenizer: Any, model_config: Any) -> int:
@@ -155,9 +181,10 @@ def run(args: argparse.Namespace) -> int:
     from megacp.checkpoint.front import default_model_path, load_on_mesh, read_model_config
     from megacp.layers.settings import CPSettings
     from megacp.parallel import peak_memory_mib
-    from megacp.train.data import CorpusBatches, Prefetcher, resolve_corpus
+    from megacp.train.data import CorpusBatches, Prefetcher, StreamPosition, resolve_corpus
     from megacp.train.engine import Trainer, check_batch_config, read_settings
     from megacp.train.loss import lm_loss
+    from megacp.train.resume import ResumePoint, locate
 
     if not torch.cuda.is_available():  # before DeepSpeed is imported: gloo on CPU, as megacp.initialize
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -171,9 +198,16 @@ def run(args: argparse.Namespace) -> int:
     sources = resolve_corpus(args.corpus)
     model_path = args.model or default_model_path()  # CheckpointError (one line) when the package is missing
     check_seq_len(args.seq_len, config.context_parallel.size or 1, read_model_config(model_path))
+    resume_at = locate(args.resume, args.save) if args.resume else None
+    point = ResumePoint.read(resume_at[0] / resume_at[1]) if resume_at else None
+    if point is not None and point.step >= args.steps:
+        raise UsageError(f"--resume: {resume_at[0] / resume_at[1]} has {point.step} steps done, --steps is {args.steps}")
     _world_of_one_env()
     state = megacp.initialize(config)
     micro_batch = check_batch_config(config.deepspeed, state)
+    if point is not None:
+        point.check_layout(seq_len=args.seq_len, micro_batch=micro_batch, dp_size=state.size("dp"),
+                           world_size=dist.get_world_size())
     rank0 = state.rank == 0
 
     cp = CPSettings.from_state(state, prefill="pass_kv")
@@ -195,6 +229,19 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--model {model_path} has no tokenizer to read the corpus with")
     model.train()
     trainer = Trainer(model, config.deepspeed, state, settings, cp=cp, loss=loss)
+    start = StreamPosition()
+    if resume_at is not None:
+        start = trainer.load(*resume_at).data
+    first = trainer.steps_done + 1
+
+    def save(data: StreamPosition | None) -> str:
+        """Checkpoint the run after its current step (a tag of ``--save``)."""
+        resume = None if data is None else ResumePoint(
+            step=trainer.steps_done, data=data, seq_len=args.seq_len, micro_batch=micro_batch,
+            dp_size=state.size("dp"), world_size=dist.get_world_size())
+        tag = trainer.save(args.save, model_config=model_config, tokenizer=tokenizer, resume=resume,
+                           keep_last=args.keep_last)
+        return str(Path(args.save) / tag)
 
     layout = f"CP={state.size('cp')} TP={state.size('tp')} DP={state.size('dp')}" + (
         f" EP={state.size('ep')}" if trainer.sharded_experts else "")
@@ -203,19 +250,23 @@ def run(args: argparse.Namespace) -> int:
               f"ZeRO {settings.zero_stage}, model {Path(model_path).name}, {args.seq_len} tokens per sequence, "
               f"{micro_batch} per micro-batch, {trainer.engine.gradient_accumulation_steps()} micro-batches per step",
               flush=True)
+        if resume_at is not None:
+            print(f"{PROG}: resumed from {resume_at[0] / resume_at[1]} after step {first - 1}", flush=True)
     losses, tokens, seconds = [], 0, 0.0
+    saved, data = "", None
     with contextlib.ExitStack() as stack:
         metrics = stack.enter_context(open(args.metrics, "w", encoding="utf-8")) if rank0 and args.metrics else None
         batches = stack.enter_context(Prefetcher(CorpusBatches(
             sources, tokenizer, eos_id=_eos_id(tokenizer, model_config), seq_len=args.seq_len, micro_batch=micro_batch,
-            dp_size=state.size("dp"), dp_rank=state.rank_in("dp"))))
-        bar = stack.enter_context(tqdm(total=args.steps, unit="step", desc=f"train {layout}",
+            dp_size=state.size("dp"), dp_rank=state.rank_in("dp"), start=start)))
+        bar = stack.enter_context(tqdm(total=args.steps, initial=first - 1, unit="step", desc=f"train {layout}",
                                        disable=not rank0 or args.quiet))
-        for step in range(1, args.steps + 1):
+        for step in range(first, args.steps + 1):
             result = trainer.step(batches)
+            data = result.data
             peak = peak_memory_mib(state.device)
             losses.append(result.loss)
-            if step > 1 or args.steps == 1:  # the first step pays for warm-up: left out of the rate
+            if step > first or args.steps == first:  # the first step pays for warm-up: left out of the rate
                 tokens, seconds = tokens + result.tokens, seconds + result.seconds
             rate = result.tokens / result.seconds
             bar.set_postfix_str(f"loss {result.loss:.4f} | {rate:,.0f} tok/s | peak {peak:,.0f} MiB | lr {result.lr:.2e}")
@@ -225,20 +276,20 @@ def run(args: argparse.Namespace) -> int:
                                           "seconds": round(result.seconds, 4), "tokens_per_s": round(rate, 1),
                                           "peak_memory_mib": round(peak, 1)}) + "\n")
                 metrics.flush()
+            if args.save_every and step % args.save_every == 0:
+                saved = f", saved {save(data)}"
     peak_t = torch.tensor([peak_memory_mib(state.device)], device=state.device)
     dist.all_reduce(peak_t, op=dist.ReduceOp.MAX)
     peak = float(peak_t)
-    saved = ""
     if args.save and args.hf_native:
         from megacp.integrations.transformers import save_pretrained
 
         save_pretrained(trainer.module, args.save, tokenizer=tokenizer)
         saved = f", saved {args.save}"
-    elif args.save:
-        tag = trainer.save(args.save, model_config=model_config, tokenizer=tokenizer)
-        saved = f", saved {Path(args.save) / tag}"
+    elif args.save_at_end and not (args.save_every and args.steps % args.save_every == 0):
+        saved = f", saved {save(data)}"
     if rank0 and not args.quiet:
-        print(f"{PROG}: {args.steps} steps, loss {losses[0]:.4f} -> {losses[-1]:.4f}, "
+        print(f"{PROG}: {args.steps - first + 1} steps, loss {losses[0]:.4f} -> {losses[-1]:.4f}, "
               f"{tokens / seconds:,.0f} tokens/s, peak memory {peak:,.0f} MiB per rank{saved}", flush=True)
     dist.barrier()
     dist.destroy_process_group()

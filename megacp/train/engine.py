@@ -37,8 +37,9 @@ from megacp.layers.settings import CPSettings
 from megacp.parallel.mpu import DeepSpeedMPU
 from megacp.parallel.state import ParallelState
 from megacp.placement.batch import shard_batch
-from megacp.train.data import PackedSequence
+from megacp.train.data import PackedSequence, StreamPosition
 from megacp.train.loss import lm_loss, logged_loss
+from megacp.train.resume import ResumePoint, load_rng_file, prune, rng_file, rng_state, set_rng_state
 
 ZERO_STAGES = (0, 1, 2, 3)
 """ZeRO stages megacp trains with."""
@@ -206,12 +207,14 @@ def mark_tensor_parallel(model: torch.nn.Module, tp_size: int) -> None:
 @dataclass(frozen=True)
 class StepResult:
     """One optimizer step: ``loss`` (CP = 1's mean token loss, averaged over the micro-batches and
-    the DP replicas), ``tokens`` (all DP replicas), ``seconds`` (wall clock), ``lr``."""
+    the DP replicas), ``tokens`` (all DP replicas), ``seconds`` (wall clock), ``lr``, and ``data``,
+    the stream position after the step's last batch (``None`` for batches made by hand)."""
 
     loss: float
     tokens: int
     seconds: float
     lr: float
+    data: StreamPosition | None = None
 
 
 class Trainer:
@@ -294,13 +297,16 @@ class Trainer:
         sync()
         self.steps_done += 1
         return StepResult(loss=sum(losses) / len(losses), tokens=tokens * self.state.size("dp"),
-                          seconds=time.perf_counter() - start, lr=lr)
+                          seconds=time.perf_counter() - start, lr=lr, data=batch.end)
 
-    def save(self, directory: str | Path, *, model_config: Any, tokenizer: Any) -> str:
+    def save(self, directory: str | Path, *, model_config: Any, tokenizer: Any, resume: ResumePoint | None = None,
+             keep_last: int | None = None) -> str:
         """``engine.save_checkpoint(directory)`` (tag ``step<N>``, ZeRO shards included), plus, from
         global rank 0, the model description and tokenizer files that
-        :func:`~megacp.checkpoint.deepspeed.read_deepspeed_checkpoint` needs. Collective; returns
-        the tag."""
+        :func:`~megacp.checkpoint.deepspeed.read_deepspeed_checkpoint` needs. With ``resume``, the
+        tag also gets what :meth:`load` restores (:mod:`megacp.train.resume`: the point and every
+        rank's generator states); with ``keep_last``, only that many ``step<N>`` tags remain.
+        Collective; returns the tag."""
         from megacp.checkpoint.deepspeed import write_train_state
 
         if self.sharded_experts:
@@ -317,6 +323,10 @@ class Trainer:
         # every file goes to a staging directory first: a save killed part-way leaves the previous
         # checkpoint (its tag directory and the 'latest' naming it) untouched
         self.engine.save_checkpoint(str(staging), tag=tag, save_latest=False)
+        if resume is not None:
+            torch.save(rng_state(), rng_file(staging / tag, dist.get_rank()))
+            if dist.get_rank() == 0:
+                resume.write(staging / tag)
         dist.barrier()
         if dist.get_rank() == 0:
             old = directory / f".{tag}.old"
@@ -332,5 +342,29 @@ class Trainer:
             os.replace(latest, directory / "latest")  # 'latest' moves last
             shutil.rmtree(old, ignore_errors=True)
             shutil.rmtree(staging, ignore_errors=True)
+            if keep_last is not None:
+                prune(directory, keep_last, tag)
         dist.barrier()
         return tag
+
+    def load(self, directory: str | Path, tag: str) -> ResumePoint:
+        """Restore checkpoint ``tag`` of ``directory`` (written by :meth:`save` with ``resume``):
+        the model, optimizer and LR scheduler through ``engine.load_checkpoint``, this rank's
+        generator states and the step count. Collective; returns the checkpoint's point (its
+        ``data`` is where the next batch starts).
+
+        Raises:
+            CheckpointError: the tag lacks the resume files or DeepSpeed finds no checkpoint.
+        """
+        from megacp.checkpoint.errors import CheckpointError
+
+        tag_dir = Path(directory) / tag
+        point = ResumePoint.read(tag_dir)
+        rng = load_rng_file(rng_file(tag_dir, dist.get_rank()))
+        path, _ = self.engine.load_checkpoint(str(directory), tag=tag, load_optimizer_states=True,
+                                              load_lr_scheduler_states=True)
+        if path is None:
+            raise CheckpointError(f"DeepSpeed found no checkpoint {tag} in {directory}")
+        set_rng_state(rng)
+        self.steps_done = point.step
+        return point
