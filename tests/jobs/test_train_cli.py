@@ -27,6 +27,7 @@ import torch
 from tests.helpers.distributed import free_port
 from tests.helpers.paths import ROOT
 from tests.helpers.reference import rel_err
+from tests.helpers.train_cli import make_corpus, make_tiny_model
 
 CPU_CONFIG = ROOT / "configs" / "train_cpu_cp2.json"
 STEPS = 3
@@ -34,41 +35,12 @@ SEQ_LEN = 40
 TIMEOUT_S = 300
 
 
-def _make_tiny_model(directory: Path, *, moe: bool = False) -> None:
-    """A random fp32 Llama (2 layers, hidden 64, 4 / 2 heads; with ``moe`` a Qwen2-MoE of 4 experts,
-    top-2, and a shared expert) with a byte-level tokenizer (256 byte tokens + ``<s>`` and ``</s>``),
-    saved with ``save_pretrained``."""
-    import transformers
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    vocab.update({"<s>": len(vocab), "</s>": len(vocab) + 1})
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
-    common = dict(vocab_size=len(vocab), hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=256, bos_token_id=vocab["<s>"], eos_token_id=vocab["</s>"])
-    torch.manual_seed(0)
-    if moe:
-        config = transformers.Qwen2MoeConfig(**common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
-                                             shared_expert_intermediate_size=80, use_sliding_window=False)
-        transformers.Qwen2MoeForCausalLM(config).float().save_pretrained(directory)
-    else:
-        transformers.LlamaForCausalLM(transformers.LlamaConfig(**common)).float().save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-
-
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """(model directory, corpus directory: a text file and a JSONL file)."""
     root = tmp_path_factory.mktemp("train_cli")
-    _make_tiny_model(root / "model")
-    corpus = root / "corpus"
-    corpus.mkdir()
-    (corpus / "a.txt").write_text("Context parallelism splits one long sequence over several ranks.\n" * 6)
-    (corpus / "b.jsonl").write_text("\n".join(json.dumps({"text": t}) for t in ("ring attention", "x", "pass-KV " * 9)))
-    return root / "model", corpus
+    make_tiny_model(root / "model")
+    return root / "model", make_corpus(root / "corpus")
 
 
 def _env() -> dict[str, str]:
@@ -146,7 +118,7 @@ def test_torchrun_trains_experts_sharded_over_ep(tiny: tuple[Path, Path], tmp_pa
     pytest.importorskip("deepspeed", reason="DeepSpeed not installed")
     _, corpus = tiny
     model_dir, metrics = tmp_path / "moe", tmp_path / "metrics.jsonl"
-    _make_tiny_model(model_dir, moe=True)
+    make_tiny_model(model_dir, moe=True)
     train = _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_port",
                   str(free_port()), "-m", "megacp.train", "--model", str(model_dir), "--corpus", str(corpus),
                   "--seq-len", str(SEQ_LEN), "--steps", "2", "--metrics", str(metrics),
