@@ -1,0 +1,135 @@
+"""``python -m megacp.train`` killed and resumed continues exactly as if it had not stopped.
+
+A CP 2 run (2 gloo processes, fp32, ZeRO 1, 2 micro-batches per step, checkpoints every 7 steps,
+keeping 1) is killed with SIGKILL while it trains; ``--resume`` from its latest checkpoint (step
+``K``) for 5 more steps must give the losses and learning rates of an uninterrupted run of ``K + 5``
+steps at steps ``K + 1 ...`` and the same final parameters (fp32 master weights, 1e-6 relative).
+ZeRO 0 and 2 at CP 2 are checked the same way: their uninterrupted runs of 12 steps save every
+3 steps keeping the last 2, which must leave exactly ``step9`` and ``step12``, and a run resumed
+from ``step9`` must end as they do. The killed job is two plain ``python -m megacp.train`` processes (rank
+environment set by hand); the other runs call the CLI's ``main`` in ``run_distributed``'s ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.distributed import free_port, run_distributed
+from tests.helpers.paths import ROOT
+from tests.helpers.reference import rel_err
+from tests.helpers.train_cli import make_corpus, make_tiny_model
+
+pytest.importorskip("deepspeed", reason="DeepSpeed not installed")
+
+SEQ_LEN = 40
+MORE = 5
+"""Steps the killed run is resumed for."""
+
+
+def _write_configs(tmp: Path) -> None:
+    """``configs/train_cpu_cp2.json`` at ZeRO 0, 1 and 2, as ``tmp/zero<stage>.json``."""
+    config = json.loads((ROOT / "configs" / "train_cpu_cp2.json").read_text())
+    for stage in (0, 1, 2):
+        (tmp / f"zero{stage}.json").write_text(json.dumps({**config, "zero_optimization": {"stage": stage}}))
+
+
+def _args(tmp: Path, stage: int, *extra: str) -> list[str]:
+    return ["--deepspeed_config", str(tmp / f"zero{stage}.json"), "--model", str(tmp / "model"), "--corpus",
+            str(tmp / "corpus"), "--seq-len", str(SEQ_LEN), "--quiet", *extra]
+
+
+def _kill_after_a_checkpoint(tmp: Path) -> int:
+    """Train at CP 2 (ZeRO 1) for up to 1000 steps, saving every 7; SIGKILL both ranks as soon as a
+    checkpoint is complete. Returns the step of the checkpoint ``latest`` names."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+               DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+               WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
+    command = [sys.executable, "-m", "megacp.train",
+               *_args(tmp, 1, "--steps", "1000", "--save", str(tmp / "killed"), "--save-every", "7", "--keep-last",
+                      "1", "--metrics", str(tmp / "killed.jsonl"))]
+    ranks = [subprocess.Popen(command, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, cwd=ROOT,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    latest, deadline = tmp / "killed" / "latest", time.monotonic() + 120
+    try:
+        while not latest.is_file():
+            failed = [p for p in ranks if p.poll() is not None]
+            assert not failed and time.monotonic() < deadline, failed[0].stderr.read()[-3000:] if failed else "timeout"
+            time.sleep(0.005)
+    finally:
+        for p in ranks:
+            p.send_signal(signal.SIGKILL)
+    assert [p.wait() for p in ranks] == [-signal.SIGKILL] * 2  # killed while training, not finished
+    return int(latest.read_text().removeprefix("step"))
+
+
+def _main(port: int, args: list[str]) -> int:
+    """The CLI's ``main`` in this rank, its world rendezvousing on a ``port`` of its own (a second
+    rendezvous on the first run's store would meet that run's stale keys)."""
+    from megacp.train.cli import main
+
+    os.environ["MASTER_PORT"] = str(port)
+    return main(args)
+
+
+def _runs(rank: int, world_size: int, tmp: Path, stage: int, killed_at: int | None, ports: list[int]) -> None:
+    """ZeRO 1: the uninterrupted run and the resumed killed one; ZeRO 0 / 2: the uninterrupted run
+    and one resumed from its ``step9``."""
+
+    if killed_at is not None:
+        ref = str(killed_at + MORE)
+        assert _main(ports.pop(), _args(tmp, stage, "--steps", ref, "--save", str(tmp / "ref1"), "--metrics", str(tmp / "ref1.jsonl"))) == 0
+        assert _main(ports.pop(), _args(tmp, stage, "--steps", ref, "--save", str(tmp / "killed"), "--resume", str(tmp / "killed"),
+                          "--metrics", str(tmp / "resumed1.jsonl"))) == 0
+        return
+    assert _main(ports.pop(), _args(tmp, stage, "--steps", "12", "--save", str(tmp / f"ref{stage}"), "--save-every", "3",
+                      "--keep-last", "2", "--metrics", str(tmp / f"ref{stage}.jsonl"))) == 0
+    assert _main(ports.pop(), _args(tmp, stage, "--steps", "12", "--save", str(tmp / f"resumed{stage}"), "--resume",
+                      str(tmp / f"ref{stage}" / "step9"), "--metrics", str(tmp / f"resumed{stage}.jsonl"))) == 0
+
+
+def _rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _assert_same_run(ref: list[dict], resumed: list[dict], ref_dir: Path, resumed_dir: Path) -> None:
+    from megacp.checkpoint.deepspeed import read_deepspeed_checkpoint
+
+    by_step = {r["step"]: r for r in ref}
+    assert resumed and resumed[-1]["step"] == ref[-1]["step"]
+    for row in resumed:
+        assert (row["loss"], row["lr"], row["tokens"]) == pytest.approx(
+            (by_step[row["step"]]["loss"], by_step[row["step"]]["lr"], by_step[row["step"]]["tokens"]), rel=1e-6)
+    a, b = read_deepspeed_checkpoint(ref_dir), read_deepspeed_checkpoint(resumed_dir)
+    assert a.tag == b.tag == f"step{ref[-1]['step']}"
+    assert max(rel_err(b.tensors[n], t) for n, t in a.tensors.items()) <= 1e-6
+
+
+def test_killed_and_resumed_runs_continue_exactly(tmp_path: Path) -> None:
+    make_tiny_model(tmp_path / "model")
+    make_corpus(tmp_path / "corpus")
+    _write_configs(tmp_path)
+    killed_at = _kill_after_a_checkpoint(tmp_path)
+    assert killed_at % 7 == 0
+    run_distributed(_runs, 2, tmp_path, 1, killed_at, [free_port(), free_port()], timeout=120.0)
+
+    ref = _rows(tmp_path / "ref1.jsonl")
+    before = _rows(tmp_path / "killed.jsonl")[:killed_at]  # the killed run, up to its checkpoint
+    assert [(r["step"], r["loss"]) for r in before] == [(r["step"], r["loss"]) for r in ref[:killed_at]]
+    resumed = _rows(tmp_path / "resumed1.jsonl")
+    assert [r["step"] for r in resumed] == list(range(killed_at + 1, killed_at + MORE + 1))
+    _assert_same_run(ref, resumed, tmp_path / "ref1", tmp_path / "killed")
+    for stage in (0, 2):
+        run_distributed(_runs, 2, tmp_path, stage, None, [free_port(), free_port()], timeout=120.0)
+        ref = _rows(tmp_path / f"ref{stage}.jsonl")
+        resumed = _rows(tmp_path / f"resumed{stage}.jsonl")
+        assert [r["step"] for r in resumed] == list(range(10, 13))
+        _assert_same_run(ref, resumed, tmp_path / f"ref{stage}", tmp_path / f"resumed{stage}")
+        assert sorted(p.name for p in (tmp_path / f"ref{stage}").glob("step*")) == ["step12", "step9"]
