@@ -6,8 +6,8 @@ keeping 1) is killed with SIGKILL while it trains; ``--resume`` from its latest 
 steps at steps ``K + 1 ...`` and the same final parameters (fp32 master weights, 1e-6 relative).
 ZeRO 0 and 2 at CP 2 are checked the same way: their uninterrupted runs of 12 steps save every
 3 steps keeping the last 2, which must leave exactly ``step9`` and ``step12``, and a run resumed
-from ``step9`` must end as they do. The killed job is two plain ``python -m megacp.train`` processes (rank
-environment set by hand); the other runs call the CLI's ``main`` in ``run_distributed``'s ranks.
+from ``step9`` must end as they do. The killed job's two processes run the CLI's ``main`` (rank environment set
+by hand), as do ``run_distributed``'s ranks for the other runs.
 """
 
 from __future__ import annotations
@@ -15,13 +15,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+import torch
 
+from tests.helpers import distributed
 from tests.helpers.distributed import free_port, run_distributed
 from tests.helpers.paths import ROOT
 from tests.helpers.reference import rel_err
@@ -46,27 +46,38 @@ def _args(tmp: Path, stage: int, *extra: str) -> list[str]:
             str(tmp / "corpus"), "--seq-len", str(SEQ_LEN), "--quiet", *extra]
 
 
+def _killed_rank(rank: int, port: int, args: list[str]) -> None:
+    """One rank of the run that is killed: the CLI's ``main`` in a world of 2 on ``port``."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", DS_ACCELERATOR="cpu")
+    torch.set_num_threads(1)
+    from megacp.train.cli import main
+
+    main(args)
+
+
 def _kill_after_a_checkpoint(tmp: Path) -> int:
-    """Train at CP 2 (ZeRO 1) for up to 1000 steps, saving every 7; SIGKILL both ranks as soon as a
+    """Train at CP 2 (ZeRO 1) for up to 1000 steps, saving every 7 and keeping 1, in two processes
+    (forked from the test harness's server, where torch is loaded); SIGKILL both as soon as a
     checkpoint is complete. Returns the step of the checkpoint ``latest`` names."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-               DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
-               WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
-    command = [sys.executable, "-m", "megacp.train",
-               *_args(tmp, 1, "--steps", "1000", "--save", str(tmp / "killed"), "--save-every", "7", "--keep-last",
-                      "1", "--metrics", str(tmp / "killed.jsonl"))]
-    ranks = [subprocess.Popen(command, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, cwd=ROOT,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    args = _args(tmp, 1, "--steps", "1000", "--save", str(tmp / "killed"), "--save-every", "7", "--keep-last", "1",
+                 "--metrics", str(tmp / "killed.jsonl"))
+    port, context = free_port(), distributed._context()
+    ranks = [context.Process(target=_killed_rank, args=(r, port, args)) for r in range(2)]  # type: ignore[attr-defined]
+    for p in ranks:
+        p.start()
     latest, deadline = tmp / "killed" / "latest", time.monotonic() + 120
     try:
         while not latest.is_file():
-            failed = [p for p in ranks if p.poll() is not None]
-            assert not failed and time.monotonic() < deadline, failed[0].stderr.read()[-3000:] if failed else "timeout"
+            assert all(p.is_alive() for p in ranks), "a rank of the run to be killed ended early"
+            assert time.monotonic() < deadline, "no checkpoint within 120 s"
             time.sleep(0.005)
     finally:
         for p in ranks:
-            p.send_signal(signal.SIGKILL)
-    assert [p.wait() for p in ranks] == [-signal.SIGKILL] * 2  # killed while training, not finished
+            p.kill()
+    for p in ranks:
+        p.join()
+    assert [p.exitcode for p in ranks] == [-signal.SIGKILL] * 2  # killed while training, not finished
     return int(latest.read_text().removeprefix("step"))
 
 
@@ -79,20 +90,20 @@ def _main(port: int, args: list[str]) -> int:
     return main(args)
 
 
-def _runs(rank: int, world_size: int, tmp: Path, stage: int, killed_at: int | None, ports: list[int]) -> None:
-    """ZeRO 1: the uninterrupted run and the resumed killed one; ZeRO 0 / 2: the uninterrupted run
-    and one resumed from its ``step9``."""
-
-    if killed_at is not None:
-        ref = str(killed_at + MORE)
-        assert _main(ports.pop(), _args(tmp, stage, "--steps", ref, "--save", str(tmp / "ref1"), "--metrics", str(tmp / "ref1.jsonl"))) == 0
-        assert _main(ports.pop(), _args(tmp, stage, "--steps", ref, "--save", str(tmp / "killed"), "--resume", str(tmp / "killed"),
-                          "--metrics", str(tmp / "resumed1.jsonl"))) == 0
-        return
-    assert _main(ports.pop(), _args(tmp, stage, "--steps", "12", "--save", str(tmp / f"ref{stage}"), "--save-every", "3",
-                      "--keep-last", "2", "--metrics", str(tmp / f"ref{stage}.jsonl"))) == 0
-    assert _main(ports.pop(), _args(tmp, stage, "--steps", "12", "--save", str(tmp / f"resumed{stage}"), "--resume",
-                      str(tmp / f"ref{stage}" / "step9"), "--metrics", str(tmp / f"resumed{stage}.jsonl"))) == 0
+def _runs(rank: int, world_size: int, tmp: Path, killed_at: int, ports: list[int]) -> None:
+    """ZeRO 1: the uninterrupted run and the resumed killed one; ZeRO 0 and 2: the uninterrupted
+    run and one resumed from its ``step9``."""
+    ref = str(killed_at + MORE)
+    assert _main(ports.pop(), _args(tmp, 1, "--steps", ref, "--save", str(tmp / "ref1"), "--metrics",
+                                    str(tmp / "ref1.jsonl"))) == 0
+    assert _main(ports.pop(), _args(tmp, 1, "--steps", ref, "--save", str(tmp / "killed"), "--resume",
+                                    str(tmp / "killed"), "--metrics", str(tmp / "resumed1.jsonl"))) == 0
+    for stage in (0, 2):
+        assert _main(ports.pop(), _args(tmp, stage, "--steps", "12", "--save", str(tmp / f"ref{stage}"), "--save-every",
+                                        "3", "--keep-last", "2", "--metrics", str(tmp / f"ref{stage}.jsonl"))) == 0
+        assert _main(ports.pop(), _args(tmp, stage, "--steps", "12", "--save", str(tmp / f"resumed{stage}"), "--resume",
+                                        str(tmp / f"ref{stage}" / "step9"), "--metrics",
+                                        str(tmp / f"resumed{stage}.jsonl"))) == 0
 
 
 def _rows(path: Path) -> list[dict]:
@@ -118,7 +129,7 @@ def test_killed_and_resumed_runs_continue_exactly(tmp_path: Path) -> None:
     _write_configs(tmp_path)
     killed_at = _kill_after_a_checkpoint(tmp_path)
     assert killed_at % 7 == 0
-    run_distributed(_runs, 2, tmp_path, 1, killed_at, [free_port(), free_port()], timeout=120.0)
+    run_distributed(_runs, 2, tmp_path, killed_at, [free_port() for _ in range(6)], timeout=120.0)
 
     ref = _rows(tmp_path / "ref1.jsonl")
     before = _rows(tmp_path / "killed.jsonl")[:killed_at]  # the killed run, up to its checkpoint
@@ -127,7 +138,6 @@ def test_killed_and_resumed_runs_continue_exactly(tmp_path: Path) -> None:
     assert [r["step"] for r in resumed] == list(range(killed_at + 1, killed_at + MORE + 1))
     _assert_same_run(ref, resumed, tmp_path / "ref1", tmp_path / "killed")
     for stage in (0, 2):
-        run_distributed(_runs, 2, tmp_path, stage, None, [free_port(), free_port()], timeout=120.0)
         ref = _rows(tmp_path / f"ref{stage}.jsonl")
         resumed = _rows(tmp_path / f"resumed{stage}.jsonl")
         assert [r["step"] for r in resumed] == list(range(10, 13))
