@@ -305,8 +305,11 @@ class Trainer:
         global rank 0, the model description and tokenizer files that
         :func:`~megacp.checkpoint.deepspeed.read_deepspeed_checkpoint` needs. With ``resume``, the
         tag also gets what :meth:`load` restores (:mod:`megacp.train.resume`: the point and every
-        rank's generator states); with ``keep_last``, only that many ``step<N>`` tags remain.
+        rank's generator states); with ``keep_last``, only that many ``step<N>`` tags remain. The
+        directory's ``zero_to_fp32.py`` is megacp's (:mod:`megacp.checkpoint.zero_to_fp32`: it
+        writes a Hugging Face directory), not DeepSpeed's.
         Collective; returns the tag."""
+        from megacp.checkpoint import zero_to_fp32
         from megacp.checkpoint.deepspeed import write_train_state
 
         if self.sharded_experts:
@@ -337,6 +340,7 @@ class Trainer:
             write_train_state(directory, model_config=model_config, dtype=self.settings.dtype,
                               tp_size=self.state.size("tp"), zero_stage=self.settings.zero_stage, tag=tag,
                               tokenizer=tokenizer)
+            shutil.copyfile(zero_to_fp32.__file__, directory / zero_to_fp32.SCRIPT_NAME)  # HF files, not DeepSpeed's
             latest = directory / ".latest.tmp"
             latest.write_text(tag, encoding="utf-8")
             os.replace(latest, directory / "latest")  # 'latest' moves last

@@ -4,7 +4,8 @@ A CP 2 run (2 gloo processes, fp32, ZeRO 1, 2 micro-batches per step, checkpoint
 keeping 1) is killed with SIGKILL while it trains; ``--resume`` from its latest checkpoint (step
 ``K``) for 5 more steps must give the losses and learning rates of an uninterrupted run of ``K + 5``
 steps at steps ``K + 1 ...`` and the same final parameters (fp32 master weights, 1e-6 relative).
-ZeRO 0 and 2 at CP 2 are checked the same way: their uninterrupted runs of 12 steps save every
+The resumed run's save folder holds megacp's ``zero_to_fp32.py``, whose Hugging Face output loads in
+transformers with megacp's logits. ZeRO 0 and 2 at CP 2 are checked the same way: their uninterrupted runs of 12 steps save every
 3 steps keeping the last 2, which must leave exactly ``step9`` and ``step12``, and a run resumed
 from ``step9`` must end as they do. The killed job's two processes run the CLI's ``main`` (rank environment set
 by hand), as do ``run_distributed``'s ranks for the other runs.
@@ -143,3 +144,26 @@ def test_killed_and_resumed_runs_continue_exactly(tmp_path: Path) -> None:
         assert [r["step"] for r in resumed] == list(range(10, 13))
         _assert_same_run(ref, resumed, tmp_path / f"ref{stage}", tmp_path / f"resumed{stage}")
         assert sorted(p.name for p in (tmp_path / f"ref{stage}").glob("step*")) == ["step12", "step9"]
+    _check_save_folder_script(tmp_path / "killed", tmp_path / "hf")
+
+
+def _check_save_folder_script(save: Path, output: Path) -> None:
+    """``save``'s ``zero_to_fp32.py`` writes a Hugging Face directory whose logits in transformers
+    equal megacp's from the checkpoint's weights."""
+    import runpy
+
+    from transformers import AutoModelForCausalLM
+
+    from megacp.checkpoint.deepspeed import read_deepspeed_checkpoint
+    from megacp.models import CausalLM
+
+    script = runpy.run_path(str(save / "zero_to_fp32.py"))  # the copy in the folder, as a user runs it
+    assert script["main"]([str(save), str(output)]) == 0
+    trained = read_deepspeed_checkpoint(save)
+    model = CausalLM(trained.config, dtype=torch.float32)
+    model.load_state_dict(trained.tensors)
+    ids = torch.arange(3, 30)
+    with torch.no_grad():
+        expected = model.eval()(ids, torch.arange(ids.numel()))
+        got = AutoModelForCausalLM.from_pretrained(output).float().eval()(ids[None]).logits[0]
+    assert rel_err(got, expected) < 1e-5
