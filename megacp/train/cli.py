@@ -27,6 +27,7 @@ import argparse
 import contextlib
 import importlib.metadata
 import json
+import math
 import os
 import socket
 import sys
@@ -59,6 +60,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--corpus", nargs="+", metavar="PATH",
                    help="text files, .jsonl files (a 'text' field per line), directories of them, or a "
                         "datasets directory (default: the Python standard library's .py files)")
+    p.add_argument("--eval-corpus", nargs="+", metavar="PATH",
+                   help="held-out documents (as --corpus) whose exact mean token loss and perplexity are reported")
+    p.add_argument("--eval-every", type=int, metavar="N",
+                   help="evaluate after every N-th step (default with --eval-corpus: after the last step)")
     p.add_argument("--seq-len", type=int, default=2048, help="tokens per packed sequence (default: 2048)")
     p.add_argument("--steps", type=int, default=100, help="optimizer steps (default: 100)")
     p.add_argument("--activation-checkpointing", action="store_true",
@@ -97,6 +102,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.save is not None and Path(args.save).exists() and not Path(args.save).is_dir():
         raise UsageError(f"--save {args.save}: exists and is not a directory")
     _check_checkpointing(args)
+    if args.eval_every is not None and (args.eval_every < 1 or args.eval_corpus is None):
+        raise UsageError(f"--eval-every must be >= 1 and needs --eval-corpus, got {args.eval_every}"
+                         + ("" if args.eval_corpus else " without --eval-corpus"))
     if args.model is not None and not Path(args.model).exists():
         raise UsageError(f"--model {args.model} does not exist")
     if args.hf_native:
@@ -181,7 +189,7 @@ def run(args: argparse.Namespace) -> int:
     from megacp.checkpoint.front import default_model_path, load_on_mesh, read_model_config
     from megacp.layers.settings import CPSettings
     from megacp.parallel import peak_memory_mib
-    from megacp.train.data import CorpusBatches, Prefetcher, StreamPosition, resolve_corpus
+    from megacp.train.data import CorpusBatches, Prefetcher, StreamPosition, held_out_sequences, resolve_corpus
     from megacp.train.engine import Trainer, check_batch_config, read_settings
     from megacp.train.loss import lm_loss
     from megacp.train.resume import ResumePoint, locate
@@ -196,6 +204,7 @@ def run(args: argparse.Namespace) -> int:
         check_expert_training(config.deepspeed, settings.zero_stage, config.expert_model_parallel.size or 1,
                               save=args.save is not None)
     sources = resolve_corpus(args.corpus)
+    eval_sources = resolve_corpus(args.eval_corpus) if args.eval_corpus else None
     model_path = args.model or default_model_path()  # CheckpointError (one line) when the package is missing
     check_seq_len(args.seq_len, config.context_parallel.size or 1, read_model_config(model_path))
     resume_at = locate(args.resume, args.save) if args.resume else None
@@ -233,6 +242,12 @@ def run(args: argparse.Namespace) -> int:
     if resume_at is not None:
         start = trainer.load(*resume_at).data
     first = trainer.steps_done + 1
+    eos_id = _eos_id(tokenizer, model_config)
+    eval_set = None if eval_sources is None else held_out_sequences(
+        eval_sources, tokenizer, eos_id=eos_id, seq_len=args.seq_len, dp_size=state.size("dp"),
+        dp_rank=state.rank_in("dp"))
+    eval_every = args.eval_every or args.steps
+    evaluated = ""
 
     def save(data: StreamPosition | None) -> str:
         """Checkpoint the run after its current step (a tag of ``--save``)."""
@@ -257,7 +272,7 @@ def run(args: argparse.Namespace) -> int:
     with contextlib.ExitStack() as stack:
         metrics = stack.enter_context(open(args.metrics, "w", encoding="utf-8")) if rank0 and args.metrics else None
         batches = stack.enter_context(Prefetcher(CorpusBatches(
-            sources, tokenizer, eos_id=_eos_id(tokenizer, model_config), seq_len=args.seq_len, micro_batch=micro_batch,
+            sources, tokenizer, eos_id=eos_id, seq_len=args.seq_len, micro_batch=micro_batch,
             dp_size=state.size("dp"), dp_rank=state.rank_in("dp"), start=start)))
         bar = stack.enter_context(tqdm(total=args.steps, initial=first - 1, unit="step", desc=f"train {layout}",
                                        disable=not rank0 or args.quiet))
@@ -271,10 +286,16 @@ def run(args: argparse.Namespace) -> int:
             rate = result.tokens / result.seconds
             bar.set_postfix_str(f"loss {result.loss:.4f} | {rate:,.0f} tok/s | peak {peak:,.0f} MiB | lr {result.lr:.2e}")
             bar.update()
+            row = {"step": step, "loss": result.loss, "lr": result.lr, "tokens": result.tokens,
+                   "seconds": round(result.seconds, 4), "tokens_per_s": round(rate, 1), "peak_memory_mib": round(peak, 1)}
+            if eval_set is not None and (step % eval_every == 0 or step == args.steps):
+                eval_loss, eval_tokens = trainer.evaluate(eval_set)
+                row.update(eval_loss=eval_loss, eval_perplexity=math.exp(eval_loss), eval_tokens=eval_tokens)
+                evaluated = f", eval loss {eval_loss:.4f} (perplexity {math.exp(eval_loss):.2f})"
+                if rank0 and not args.quiet:
+                    bar.write(f"{PROG}: step {step}{evaluated[1:]} over {eval_tokens:,} tokens")
             if metrics is not None:
-                metrics.write(json.dumps({"step": step, "loss": result.loss, "lr": result.lr, "tokens": result.tokens,
-                                          "seconds": round(result.seconds, 4), "tokens_per_s": round(rate, 1),
-                                          "peak_memory_mib": round(peak, 1)}) + "\n")
+                metrics.write(json.dumps(row) + "\n")
                 metrics.flush()
             if args.save_every and step % args.save_every == 0:
                 saved = f", saved {save(data)}"
@@ -290,7 +311,7 @@ def run(args: argparse.Namespace) -> int:
         saved = f", saved {save(data)}"
     if rank0 and not args.quiet:
         print(f"{PROG}: {args.steps - first + 1} steps, loss {losses[0]:.4f} -> {losses[-1]:.4f}, "
-              f"{tokens / seconds:,.0f} tokens/s, peak memory {peak:,.0f} MiB per rank{saved}", flush=True)
+              f"{tokens / seconds:,.0f} tokens/s, peak memory {peak:,.0f} MiB per rank{evaluated}{saved}", flush=True)
     dist.barrier()
     dist.destroy_process_group()
     return 0

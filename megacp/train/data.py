@@ -250,6 +250,34 @@ def concat_sequences(sequences: Sequence[PackedSequence]) -> PackedSequence:
     return PackedSequence(ids, torch.cat(bounds))
 
 
+def _encoder(tokenizer: Any) -> Callable[[str], list[int]]:
+    """A Hugging Face tokenizer as a text -> token ids function (no special tokens added)."""
+
+    def encode(text: str) -> list[int]:
+        return list(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
+
+    return encode
+
+
+def held_out_sequences(sources: Sequence[CorpusSource], tokenizer: Any, *, eos_id: int, seq_len: int,
+                       dp_size: int, dp_rank: int) -> list[PackedSequence]:
+    """An evaluation set: one pass over ``sources`` packed like the training corpus (the tail that
+    does not fill a sequence is left out), cut to a multiple of ``dp_size`` sequences; replica
+    ``dp_rank`` gets every ``dp_size``-th of them.
+
+    Raises:
+        CorpusError: the corpus gives fewer than ``dp_size`` sequences of ``seq_len`` tokens.
+    """
+    encode = _encoder(tokenizer)
+    docs = ([*ids, eos_id] if (ids := encode(text) if text else []) else []
+            for source in sources for text in read_documents(source))
+    packed = list(pack_documents(docs, seq_len))
+    if len(packed) < dp_size:
+        raise CorpusError(f"the evaluation corpus fills {len(packed)} sequences of {seq_len} tokens; "
+                          f"{dp_size} (one per data-parallel replica) are needed")
+    return packed[: len(packed) - len(packed) % dp_size][dp_rank::dp_size]
+
+
 class CorpusBatches:
     """Micro-batches of one data-parallel replica: ``micro_batch`` packed sequences of ``seq_len``
     tokens each, joined into one packed batch (:func:`concat_sequences`), without end.
@@ -274,10 +302,7 @@ class CorpusBatches:
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank must be in [0, {dp_size}), got {dp_rank}")
 
-        def encode(text: str) -> list[int]:
-            return list(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
-
-        docs = tokenized_documents(sources, encode, eos_id, skip=start.document)
+        docs = tokenized_documents(sources, _encoder(tokenizer), eos_id, skip=start.document)
         self._sequences = pack_documents(docs, seq_len, start)
         self.micro_batch, self.dp_size, self.dp_rank = micro_batch, dp_size, dp_rank
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -298,6 +298,26 @@ class Trainer:
         self.steps_done += 1
         return StepResult(loss=sum(losses) / len(losses), tokens=tokens * self.state.size("dp"),
                           seconds=time.perf_counter() - start, lr=lr, data=batch.end)
+
+    def evaluate(self, sequences: Sequence[PackedSequence]) -> tuple[float, int]:
+        """The exact mean token loss (natural log) of an evaluation set, without gradients.
+
+        ``sequences`` are this DP replica's part of the set (every CP rank of the replica passes
+        the same ones; every replica as many, which ZeRO 3's parameter gathers need). Returns
+        ``(loss, tokens)``: the sum of every predicted token's cross-entropy over all replicas
+        divided by their number ``tokens``, the same at every CP size. Collective.
+        """
+        sums = torch.zeros(2, dtype=torch.float64, device=self.state.device)  # [loss sum, tokens]
+        first_cp_rank = self.state.rank_in("cp") == 0  # every CP rank sees the whole batch's count
+        with torch.no_grad():
+            for seq in sequences:
+                shard = shard_batch(seq.input_ids, cu_seqlens=seq.cu_seqlens, cp_size=self.state.size("cp"),
+                                    cp_rank=self.state.rank_in("cp"), load_balance=self.cp.load_balance)
+                loss = self.engine(shard) if self.zero3 else self.loss(self.module, shard, settings=self.cp)
+                sums[0] += loss.double() * shard.num_valid_tokens
+                sums[1] += shard.num_valid_tokens if first_cp_rank else 0
+        dist.all_reduce(sums, group=self.state.group("dp_cp"))
+        return float(sums[0] / sums[1].clamp(min=1)), int(sums[1])
 
     def save(self, directory: str | Path, *, model_config: Any, tokenizer: Any, resume: ResumePoint | None = None,
              keep_last: int | None = None) -> str:

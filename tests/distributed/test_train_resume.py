@@ -4,7 +4,8 @@ A CP 2 run (2 gloo processes, fp32, ZeRO 1, 2 micro-batches per step, checkpoint
 keeping 1) is killed with SIGKILL while it trains; ``--resume`` from its latest checkpoint (step
 ``K``) for 5 more steps must give the losses and learning rates of an uninterrupted run of ``K + 5``
 steps at steps ``K + 1 ...`` and the same final parameters (fp32 master weights, 1e-6 relative).
-The resumed run's save folder holds megacp's ``zero_to_fp32.py``, whose Hugging Face output loads in
+Both also report the evaluation loss of a held-out file after their last step: the same, and
+transformers' mean token loss of its packed document pieces. The resumed run's save folder holds megacp's ``zero_to_fp32.py``, whose Hugging Face output loads in
 transformers with megacp's logits. ZeRO 0 and 2 at CP 2 are checked the same way: their uninterrupted runs of 12 steps save every
 3 steps keeping the last 2, which must leave exactly ``step9`` and ``step12``, and a run resumed
 from ``step9`` must end as they do. The killed job's two processes run the CLI's ``main`` (rank environment set
@@ -14,6 +15,7 @@ by hand), as do ``run_distributed``'s ranks for the other runs.
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import time
@@ -95,10 +97,11 @@ def _runs(rank: int, world_size: int, tmp: Path, killed_at: int, ports: list[int
     """ZeRO 1: the uninterrupted run and the resumed killed one; ZeRO 0 and 2: the uninterrupted
     run and one resumed from its ``step9``."""
     ref = str(killed_at + MORE)
+    evaluation = ["--eval-corpus", str(tmp / "corpus" / "a.txt")]
     assert _main(ports.pop(), _args(tmp, 1, "--steps", ref, "--save", str(tmp / "ref1"), "--metrics",
-                                    str(tmp / "ref1.jsonl"))) == 0
+                                    str(tmp / "ref1.jsonl"), *evaluation)) == 0
     assert _main(ports.pop(), _args(tmp, 1, "--steps", ref, "--save", str(tmp / "killed"), "--resume",
-                                    str(tmp / "killed"), "--metrics", str(tmp / "resumed1.jsonl"))) == 0
+                                    str(tmp / "killed"), "--metrics", str(tmp / "resumed1.jsonl"), *evaluation)) == 0
     for stage in (0, 2):
         assert _main(ports.pop(), _args(tmp, stage, "--steps", "12", "--save", str(tmp / f"ref{stage}"), "--save-every",
                                         "3", "--keep-last", "2", "--metrics", str(tmp / f"ref{stage}.jsonl"))) == 0
@@ -135,9 +138,10 @@ def test_killed_and_resumed_runs_continue_exactly(tmp_path: Path) -> None:
     ref = _rows(tmp_path / "ref1.jsonl")
     before = _rows(tmp_path / "killed.jsonl")[:killed_at]  # the killed run, up to its checkpoint
     assert [(r["step"], r["loss"]) for r in before] == [(r["step"], r["loss"]) for r in ref[:killed_at]]
-    resumed = _rows(tmp_path / "resumed1.jsonl")
-    assert [r["step"] for r in resumed] == list(range(killed_at + 1, killed_at + MORE + 1))
-    _assert_same_run(ref, resumed, tmp_path / "ref1", tmp_path / "killed")
+    resumed1 = _rows(tmp_path / "resumed1.jsonl")
+    assert [r["step"] for r in resumed1] == list(range(killed_at + 1, killed_at + MORE + 1))
+    _assert_same_run(ref, resumed1, tmp_path / "ref1", tmp_path / "killed")
+    ref1 = ref
     for stage in (0, 2):
         ref = _rows(tmp_path / f"ref{stage}.jsonl")
         resumed = _rows(tmp_path / f"resumed{stage}.jsonl")
@@ -145,6 +149,11 @@ def test_killed_and_resumed_runs_continue_exactly(tmp_path: Path) -> None:
         _assert_same_run(ref, resumed, tmp_path / f"ref{stage}", tmp_path / f"resumed{stage}")
         assert sorted(p.name for p in (tmp_path / f"ref{stage}").glob("step*")) == ["step12", "step9"]
     _check_save_folder_script(tmp_path / "killed", tmp_path / "hf")
+    eval_loss, eval_tokens = _hf_eval_loss(tmp_path / "hf", tmp_path / "corpus" / "a.txt")
+    for rows in (ref1, resumed1):  # evaluated after the last step only
+        assert "eval_loss" not in rows[-2] and rows[-1]["eval_tokens"] == eval_tokens
+        assert rows[-1]["eval_loss"] == pytest.approx(eval_loss, rel=1e-5)
+        assert rows[-1]["eval_perplexity"] == pytest.approx(math.exp(eval_loss), rel=1e-5)
 
 
 def _check_save_folder_script(save: Path, output: Path) -> None:
@@ -167,3 +176,25 @@ def _check_save_folder_script(save: Path, output: Path) -> None:
         expected = model.eval()(ids, torch.arange(ids.numel()))
         got = AutoModelForCausalLM.from_pretrained(output).float().eval()(ids[None]).logits[0]
     assert rel_err(got, expected) < 1e-5
+
+
+def _hf_eval_loss(hf_dir: Path, corpus: Path) -> tuple[float, int]:
+    """The mean token loss of ``corpus``'s packed sequences in transformers: each document piece
+    run on its own, every token but a piece's last predicting the next. Returns (loss, tokens)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from megacp.train.data import held_out_sequences, resolve_corpus
+
+    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+    model = AutoModelForCausalLM.from_pretrained(hf_dir).float().eval()
+    total, count = 0.0, 0
+    for seq in held_out_sequences(resolve_corpus([corpus]), tokenizer, eos_id=tokenizer.eos_token_id, seq_len=SEQ_LEN,
+                                  dp_size=1, dp_rank=0):
+        bounds = seq.cu_seqlens.tolist()
+        for a, b in zip(bounds, bounds[1:]):
+            piece = seq.input_ids[a:b]
+            with torch.no_grad():
+                logits = model(piece[None]).logits[0].double()
+            total += float(torch.nn.functional.cross_entropy(logits[:-1], piece[1:], reduction="sum"))
+            count += b - a - 1
+    return total / count, count
