@@ -208,9 +208,11 @@ def run(args: argparse.Namespace) -> int:
     model_path = args.model or default_model_path()  # CheckpointError (one line) when the package is missing
     check_seq_len(args.seq_len, config.context_parallel.size or 1, read_model_config(model_path))
     resume_at = locate(args.resume, args.save) if args.resume else None
-    point = ResumePoint.read(resume_at[0] / resume_at[1]) if resume_at else None
-    if point is not None and point.step >= args.steps:
-        raise UsageError(f"--resume: {resume_at[0] / resume_at[1]} has {point.step} steps done, --steps is {args.steps}")
+    point = None
+    if resume_at is not None:
+        point = ResumePoint.read(resume_at[0] / resume_at[1])
+        if point.step >= args.steps:
+            raise UsageError(f"--resume: {resume_at[0] / resume_at[1]} has {point.step} steps done, --steps is {args.steps}")
     _world_of_one_env()
     state = megacp.initialize(config)
     micro_batch = check_batch_config(config.deepspeed, state)

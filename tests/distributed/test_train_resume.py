@@ -158,7 +158,8 @@ def test_killed_and_resumed_runs_continue_exactly(tmp_path: Path) -> None:
 
 def _check_save_folder_script(save: Path, output: Path) -> None:
     """``save``'s ``zero_to_fp32.py`` writes a Hugging Face directory whose logits in transformers
-    equal megacp's from the checkpoint's weights."""
+    equal megacp's from the checkpoint's weights, as do those of the model ``load_model(save)``
+    (``--model save``) builds; one of its tags is refused naming the converter."""
     import runpy
 
     from transformers import AutoModelForCausalLM
@@ -176,6 +177,14 @@ def _check_save_folder_script(save: Path, output: Path) -> None:
         expected = model.eval()(ids, torch.arange(ids.numel()))
         got = AutoModelForCausalLM.from_pretrained(output).float().eval()(ids[None]).logits[0]
     assert rel_err(got, expected) < 1e-5
+    from megacp.checkpoint import CheckpointError, load_model
+
+    loaded, _, tokenizer = load_model(save, dtype=torch.float32, device="cpu")  # what --model DIR loads
+    with torch.no_grad():
+        assert rel_err(loaded(ids, torch.arange(ids.numel())), expected) < 1e-6
+    assert tokenizer == str(save)
+    with pytest.raises(CheckpointError, match="deepspeed-to-hf --input"):  # a tag: the converter is named
+        load_model(save / trained.tag, dtype=torch.float32, device="cpu")
 
 
 def _hf_eval_loss(hf_dir: Path, corpus: Path) -> tuple[float, int]:

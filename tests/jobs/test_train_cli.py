@@ -174,6 +174,13 @@ def _config(tmp_path: Path, name: str, **changes) -> str:
         ("hf_native_backend", "--hf-native trains the transformers modules as they are: --backend"),
         ("seq_len_context", "--seq-len 257 exceeds the model's context of 256 tokens"),
         ("seq_len_cp", "--seq-len 3 is too short for CP=2: every CP rank needs a token with a label"),
+        ("save_every_no_save", "--save-every needs --save DIR"),
+        ("keep_last", "--keep-last must be >= 1, got 0"),
+        ("saves_nothing", "--no-save-at-end without --save-every saves nothing"),
+        ("eval_every", "--eval-every must be >= 1 and needs --eval-corpus, got 5 without --eval-corpus"),
+        ("resume_not_checkpoint", "neither a --save directory of megacp.train (no 'latest' file)"),
+        ("resume_auto_no_save", "--resume auto resumes from the --save directory: pass --save DIR"),
+        ("missing_eval_corpus", "corpus /nonexistent/eval.txt does not exist"),
     ],
 )
 def test_bad_input_is_one_line(case: str, expected: str, tiny: tuple[Path, Path], tmp_path: Path,
@@ -201,6 +208,13 @@ def test_bad_input_is_one_line(case: str, expected: str, tiny: tuple[Path, Path]
         "hf_native_backend": ["--hf-native", "--backend", "torch", *base],
         "seq_len_context": base + ["--seq-len", "257"],
         "seq_len_cp": base + ["--seq-len", "3"],
+        "save_every_no_save": base + ["--save-every", "2"],
+        "keep_last": base + ["--save", str(tmp_path / "c"), "--keep-last", "0"],
+        "saves_nothing": base + ["--save", str(tmp_path / "c"), "--no-save-at-end"],
+        "eval_every": base + ["--eval-every", "5"],
+        "resume_not_checkpoint": base + ["--seq-len", "40", "--resume", str(tmp_path)],
+        "resume_auto_no_save": base + ["--seq-len", "40", "--resume", "auto"],
+        "missing_eval_corpus": base + ["--eval-corpus", "/nonexistent/eval.txt"],
     }[case]
     assert expected in _main_error(argv, capsys)
 
