@@ -162,6 +162,15 @@ def _world_of_one_env() -> None:
         os.environ.setdefault(key, value)
 
 
+MONITORED = ("loss", "lr", "tokens", "tokens_per_s", "eval_loss", "eval_perplexity")
+"""The ``--metrics`` fields also written to DeepSpeed's monitors, as ``Train/Steps/<field>``."""
+
+
+def monitor_events(row: dict[str, Any]) -> list[tuple[str, float, int]]:
+    """One step's ``--metrics`` row as DeepSpeed monitor events ``(name, value, step)``."""
+    return [(f"Train/Steps/{key}", float(row[key]), int(row["step"])) for key in MONITORED if key in row]
+
+
 def check_seq_len(seq_len: int, cp_size: int, model_config: Any) -> None:
     """Refuse a ``seq_len`` longer than the model's context (``max_position_embeddings`` of
     ``model_config``, ``None`` when unknown) or too short to give each of the ``2 x cp_size``
@@ -296,6 +305,8 @@ def run(args: argparse.Namespace) -> int:
                 evaluated = f", eval loss {eval_loss:.4f} (perplexity {math.exp(eval_loss):.2f})"
                 if rank0 and not args.quiet:
                     bar.write(f"{PROG}: step {step}{evaluated[1:]} over {eval_tokens:,} tokens")
+            if rank0 and trainer.engine.monitor.enabled:  # DeepSpeed's tensorboard / csv_monitor / wandb sections
+                trainer.engine.monitor.write_events(monitor_events(row))
             if metrics is not None:
                 metrics.write(json.dumps(row) + "\n")
                 metrics.flush()

@@ -21,6 +21,7 @@ or EP sharding (:func:`_check_zero3`).
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import time
@@ -82,14 +83,27 @@ def _check_optimizer(raw: Mapping[str, Any]) -> None:
         raise ConfigError(f"optimizer.params: expected an object, got {optimizer['params']!r}")
 
 
+MONITOR_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "comet": "comet_ml"}
+"""DeepSpeed's monitor sections and the package each needs (``csv_monitor`` needs none)."""
+
+
+def _check_monitors(raw: Mapping[str, Any]) -> None:
+    """Refuse an enabled DeepSpeed monitor whose package is missing (DeepSpeed would fail once the
+    model is loaded)."""
+    for section, package in MONITOR_PACKAGES.items():
+        if _section(raw, section).get("enabled", False) is True and importlib.util.find_spec(package) is None:
+            raise ConfigError(f"{section}.enabled: the {package} package is not installed: pip install {package}, "
+                              f"or disable the {section} monitor")
+
+
 def read_settings(raw: Mapping[str, Any]) -> TrainSettings:
     """Check the training parts of the DeepSpeed config ``raw`` that megacp depends on (no process
     group needed).
 
     Raises:
         ConfigError: fp16 is enabled (refused: use bf16), the ZeRO stage is not one of
-            :data:`ZERO_STAGES` (stage 3 is refused: see the module docstring), or the optimizer
-            is missing or unknown.
+            :data:`ZERO_STAGES`, the optimizer is missing or unknown, or an enabled monitor's
+            package (:data:`MONITOR_PACKAGES`) is missing.
     """
     if _section(raw, "fp16").get("enabled", False) is True:
         raise ConfigError("fp16.enabled: fp16 training (loss scaling) is not supported; "
@@ -105,6 +119,7 @@ def read_settings(raw: Mapping[str, Any]) -> TrainSettings:
     if stage < 3 and "offload_param" in zero:
         raise ConfigError(f"zero_optimization.offload_param: needs stage 3 (got stage {stage})")
     _check_optimizer(raw)
+    _check_monitors(raw)
     if stage == 3:
         _check_zero3(raw)
     return TrainSettings(dtype=torch.bfloat16 if enabled else torch.float32, zero_stage=stage)

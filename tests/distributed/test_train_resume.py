@@ -6,7 +6,8 @@ keeping 1) is killed with SIGKILL while it trains; ``--resume`` from its latest 
 steps at steps ``K + 1 ...`` and the same final parameters (fp32 master weights, 1e-6 relative).
 Both also report the evaluation loss of a held-out file after their last step: the same, and
 transformers' mean token loss of its packed document pieces. The resumed run's save folder holds megacp's ``zero_to_fp32.py``, whose Hugging Face output loads in
-transformers with megacp's logits. ZeRO 0 and 2 at CP 2 are checked the same way: their uninterrupted runs of 12 steps save every
+transformers with megacp's logits. ZeRO 0 and 2 at CP 2 are checked the same way (ZeRO 2 with DeepSpeed's
+``csv_monitor``, which must get every step's loss and tokens): their uninterrupted runs of 12 steps save every
 3 steps keeping the last 2, which must leave exactly ``step9`` and ``step12``, and a run resumed
 from ``step9`` must end as they do. The killed job's two processes run the CLI's ``main`` (rank environment set
 by hand), as do ``run_distributed``'s ranks for the other runs.
@@ -38,10 +39,12 @@ MORE = 5
 
 
 def _write_configs(tmp: Path) -> None:
-    """``configs/train_cpu_cp2.json`` at ZeRO 0, 1 and 2, as ``tmp/zero<stage>.json``."""
+    """``configs/train_cpu_cp2.json`` at ZeRO 0, 1 and 2, as ``tmp/zero<stage>.json`` (ZeRO 2 with
+    DeepSpeed's ``csv_monitor`` writing into ``tmp/csv/zero2``)."""
     config = json.loads((ROOT / "configs" / "train_cpu_cp2.json").read_text())
     for stage in (0, 1, 2):
-        (tmp / f"zero{stage}.json").write_text(json.dumps({**config, "zero_optimization": {"stage": stage}}))
+        monitor = {"csv_monitor": {"enabled": True, "output_path": str(tmp / "csv"), "job_name": "zero2"}} if stage == 2 else {}
+        (tmp / f"zero{stage}.json").write_text(json.dumps({**config, "zero_optimization": {"stage": stage}, **monitor}))
 
 
 def _args(tmp: Path, stage: int, *extra: str) -> list[str]:
@@ -148,6 +151,14 @@ def test_killed_and_resumed_runs_continue_exactly(tmp_path: Path) -> None:
         assert [r["step"] for r in resumed] == list(range(10, 13))
         _assert_same_run(ref, resumed, tmp_path / f"ref{stage}", tmp_path / f"resumed{stage}")
         assert sorted(p.name for p in (tmp_path / f"ref{stage}").glob("step*")) == ["step12", "step9"]
+    # DeepSpeed's csv_monitor got every step's loss and tokens from both ZeRO 2 runs
+    for field in ("loss", "tokens"):
+        lines = (tmp_path / "csv" / "zero2" / f"Train_Steps_{field}.csv").read_text().split()
+        assert lines.count(f"step,{field}") == 2  # each run starts with a header
+        values = [line.split(",") for line in lines if line != f"step,{field}"]
+        rows = ref + resumed
+        assert [int(step) for step, _ in values] == [r["step"] for r in rows]
+        assert [float(v) for _, v in values] == pytest.approx([r[field] for r in rows], rel=1e-6)
     _check_save_folder_script(tmp_path / "killed", tmp_path / "hf")
     eval_loss, eval_tokens = _hf_eval_loss(tmp_path / "hf", tmp_path / "corpus" / "a.txt")
     for rows in (ref1, resumed1):  # evaluated after the last step only

@@ -181,6 +181,7 @@ def _config(tmp_path: Path, name: str, **changes) -> str:
         ("resume_not_checkpoint", "neither a --save directory of megacp.train (no 'latest' file)"),
         ("resume_auto_no_save", "--resume auto resumes from the --save directory: pass --save DIR"),
         ("missing_eval_corpus", "corpus /nonexistent/eval.txt does not exist"),
+        ("monitor", "the comet_ml package is not installed: pip install comet_ml, or disable the comet monitor"),
     ],
 )
 def test_bad_input_is_one_line(case: str, expected: str, tiny: tuple[Path, Path], tmp_path: Path,
@@ -215,6 +216,7 @@ def test_bad_input_is_one_line(case: str, expected: str, tiny: tuple[Path, Path]
         "resume_not_checkpoint": base + ["--seq-len", "40", "--resume", str(tmp_path)],
         "resume_auto_no_save": base + ["--seq-len", "40", "--resume", "auto"],
         "missing_eval_corpus": base + ["--eval-corpus", "/nonexistent/eval.txt"],
+        "monitor": base[:4] + ["--deepspeed_config", _config(tmp_path, "monitor", comet={"enabled": True})],
     }[case]
     assert expected in _main_error(argv, capsys)
 
