@@ -27,10 +27,12 @@ import argparse
 import contextlib
 import importlib.metadata
 import json
+import logging
 import math
 import os
 import socket
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
@@ -148,6 +150,33 @@ def _eos_id(tokenizer: Any, model_config: Any) -> int:
     raise UsageError("the model's tokenizer has no EOS token to separate the packed documents")
 
 
+HARMLESS_DEEPSPEED_LOGS = (
+    "Setting accelerator to CPU. If you have GPU",  # no CUDA: megacp trains on CPU (gloo) by design
+    "Attempting to get learning rate from scheduler before it has started",  # the engine's set-up reads the LR
+)
+"""Starts of DeepSpeed log messages that every ``megacp.train`` run would print, none of them a problem."""
+
+HARMLESS_TORCH_WARNINGS = r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated"
+"""torch's deprecation notices for the collectives DeepSpeed's ZeRO calls (``FutureWarning``)."""
+
+
+class _DropHarmless(logging.Filter):
+    """Drops the DeepSpeed log records of :data:`HARMLESS_DEEPSPEED_LOGS`."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(HARMLESS_DEEPSPEED_LOGS)
+
+
+def silence_harmless_warnings() -> None:
+    """Hide :data:`HARMLESS_DEEPSPEED_LOGS` (a filter on DeepSpeed's ``"DeepSpeed"`` logger, in
+    place before DeepSpeed is imported) and :data:`HARMLESS_TORCH_WARNINGS`; every other log
+    record and warning shows as before."""
+    deepspeed_logger = logging.getLogger("DeepSpeed")
+    if not any(isinstance(f, _DropHarmless) for f in deepspeed_logger.filters):
+        deepspeed_logger.addFilter(_DropHarmless())
+    warnings.filterwarnings("ignore", message=HARMLESS_TORCH_WARNINGS, category=FutureWarning)
+
+
 def _world_of_one_env() -> None:
     """Without a launcher (no ``RANK``/``WORLD_SIZE``), set the environment of a world of one
     (rank 0 on a free localhost port) that ``deepspeed.initialize`` requires; a launcher's
@@ -203,6 +232,7 @@ def run(args: argparse.Namespace) -> int:
     from megacp.train.loss import lm_loss
     from megacp.train.resume import ResumePoint, locate
 
+    silence_harmless_warnings()
     if not torch.cuda.is_available():  # before DeepSpeed is imported: gloo on CPU, as megacp.initialize
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from megacp.train.experts import check_expert_training  # imports DeepSpeed

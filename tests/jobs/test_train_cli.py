@@ -282,3 +282,35 @@ def test_shipped_training_configs_parse(name: str) -> None:
     assert parsed.zero_optimization_stage == settings.zero_stage
     assert parsed.optimizer_name == "adamw" and parsed.gradient_clipping > 0
     assert settings.dtype == (torch.float32 if "cpu" in name else torch.bfloat16)
+
+
+def test_only_the_known_harmless_warnings_are_silenced() -> None:
+    import logging
+    import warnings
+
+    from megacp.train.cli import silence_harmless_warnings
+
+    logger, seen = logging.getLogger("DeepSpeed"), []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record.getMessage())
+
+    handler = Keep()
+    logger.addHandler(handler)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            silence_harmless_warnings()
+            logger.warning("Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to detect it.")
+            logger.warning("Attempting to get learning rate from scheduler before it has started")
+            logger.warning("ZeRO: something worth reading")
+            warnings.warn("`torch.distributed.all_gather_into_tensor` is deprecated. Please use ...", FutureWarning)
+            warnings.warn("`torch.distributed.reduce_scatter_tensor` is deprecated. Please use ...", FutureWarning)
+            warnings.warn("`torch.distributed.all_gather_into_tensor` is deprecated", UserWarning)  # another category
+            warnings.warn("some other deprecation", FutureWarning)
+    finally:
+        logger.removeHandler(handler)
+    assert seen == ["ZeRO: something worth reading"]
+    assert [(w.category, str(w.message)) for w in caught] == [
+        (UserWarning, "`torch.distributed.all_gather_into_tensor` is deprecated"), (FutureWarning, "some other deprecation")]
