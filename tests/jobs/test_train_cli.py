@@ -305,10 +305,10 @@ def test_only_the_known_harmless_warnings_are_silenced() -> None:
             logger.warning("Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to detect it.")
             logger.warning("Attempting to get learning rate from scheduler before it has started")
             logger.warning("ZeRO: something worth reading")
-            warnings.warn("`torch.distributed.all_gather_into_tensor` is deprecated. Please use ...", FutureWarning)
-            warnings.warn("`torch.distributed.reduce_scatter_tensor` is deprecated. Please use ...", FutureWarning)
-            warnings.warn("`torch.distributed.all_gather_into_tensor` is deprecated", UserWarning)  # another category
-            warnings.warn("some other deprecation", FutureWarning)
+            warnings.warn("`torch.distributed.all_gather_into_tensor` is deprecated. Please use ...", FutureWarning, stacklevel=2)
+            warnings.warn("`torch.distributed.reduce_scatter_tensor` is deprecated. Please use ...", FutureWarning, stacklevel=2)
+            warnings.warn("`torch.distributed.all_gather_into_tensor` is deprecated", UserWarning, stacklevel=2)  # another category
+            warnings.warn("some other deprecation", FutureWarning, stacklevel=2)
     finally:
         logger.removeHandler(handler)
     assert seen == ["ZeRO: something worth reading"]
