@@ -78,9 +78,9 @@ def test_batches_started_at_a_batch_end_continue_the_stream(tmp_path: Path) -> N
             self.texts.append(text)
             return super().__call__(text, add_special_tokens, verbose)
 
-    def batches(rank: int, start: StreamPosition = StreamPosition(), tokenizer: CharTokenizer = CharTokenizer()):
-        return CorpusBatches(sources, tokenizer, eos_id=EOS, seq_len=5, micro_batch=2, dp_size=2, dp_rank=rank,
-                             start=start)
+    def batches(rank: int, start: StreamPosition | None = None, tokenizer: CharTokenizer | None = None):
+        return CorpusBatches(sources, tokenizer or CharTokenizer(), eos_id=EOS, seq_len=5, micro_batch=2, dp_size=2,
+                             dp_rank=rank, start=start or StreamPosition())
 
     for rank in (0, 1):
         whole = batches(rank)
