@@ -14,6 +14,13 @@ Examples::
     DS_ACCELERATOR=cpu deepspeed --num_gpus 2 --module megacp.train --deepspeed_config configs/train_cpu_cp2.json \\
         --steps 4 --save /tmp/ckpt
     torchrun --nproc_per_node 2 -m megacp.train --deepspeed_config configs/train_cpu_cp2.json --corpus docs/ --steps 4
+    deepspeed --num_gpus 2 --module megacp.train --deepspeed_config configs/train_cp2.json --steps 1000 \
+        --save ckpt --save-every 200 --keep-last 3 --resume auto --eval-corpus heldout.jsonl --eval-every 100
+
+``--save-every`` / ``--keep-last`` / ``--resume`` make a run crash-safe: a resumed run continues
+exactly as if it had not stopped (:mod:`megacp.train.resume`); ``DIR/zero_to_fp32.py`` writes the
+latest checkpoint as a Hugging Face directory. ``--eval-corpus`` reports the exact mean token loss
+and perplexity of a held-out set; DeepSpeed's monitor sections receive every step's numbers.
 
 Without a launcher the job is a world of one (CP 1). Every argument, the config, ``--seq-len``
 against the model's context and CP size, and DeepSpeed's batch arithmetic are checked before any
