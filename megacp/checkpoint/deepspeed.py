@@ -88,6 +88,24 @@ def _read_meta(path: Path) -> dict[str, Any]:
     return meta
 
 
+def _config_and_dtype(path: Path, meta: dict[str, Any]) -> tuple[ModelConfig, torch.dtype]:
+    try:
+        return ModelConfig.from_dict(meta["model_config"]), dtype_from_name(meta["dtype"])
+    except (KeyError, TypeError, ValueError) as err:
+        raise CheckpointError(f"{path / TRAIN_STATE_FILE}: bad model_config or dtype ({err})") from None
+
+
+def read_train_config(directory: str | os.PathLike[str]) -> ModelConfig:
+    """The model config of a ``megacp.train`` checkpoint directory (its :data:`TRAIN_STATE_FILE`
+    only: no weights read).
+
+    Raises:
+        CheckpointError: not such a checkpoint, or a bad config.
+    """
+    path = Path(directory)
+    return _config_and_dtype(path, _read_meta(path))[0]
+
+
 def _latest_tag(path: Path) -> str:
     latest = path / "latest"
     if not latest.is_file():
@@ -170,11 +188,7 @@ def read_deepspeed_checkpoint(directory: str | os.PathLike[str], tag: str | None
     tag_dir = _tag_dir(path, tag)
     if not tag_dir.is_dir():
         raise CheckpointError(f"{path} has no checkpoint tag {tag!r}")
-    try:
-        config = ModelConfig.from_dict(meta["model_config"])
-        dtype = dtype_from_name(meta["dtype"])
-    except (KeyError, TypeError, ValueError) as err:
-        raise CheckpointError(f"{path / TRAIN_STATE_FILE}: bad model_config or dtype ({err})") from None
+    config, dtype = _config_and_dtype(path, meta)
     _check_data_only(tag_dir, trust)
     if any(tag_dir.glob("*_optim_states.pt")):  # ZeRO 1/2/3 partitions of the fp32 master weights
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint

@@ -48,6 +48,7 @@ def read_model_config(path: str | os.PathLike[str]) -> ModelConfig | None:
     Raises:
         CheckpointError: the checkpoint's config is invalid.
     """
+    from megacp.checkpoint.deepspeed import TRAIN_STATE_FILE, read_train_config
     from megacp.checkpoint.hf import open_hf_checkpoint
     from megacp.checkpoint.megacp_format import MANIFEST, open_megacp_checkpoint
 
@@ -66,6 +67,8 @@ def read_model_config(path: str | os.PathLike[str]) -> ModelConfig | None:
     if (path / "config.json").is_file():
         with open_hf_checkpoint(path) as checkpoint:
             return checkpoint.config
+    if (path / TRAIN_STATE_FILE).is_file():
+        return read_train_config(path)
     return None
 
 

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from megacp.checkpoint.deepspeed import TRAIN_STATE_FILE, read_deepspeed_checkpoint
 from megacp.checkpoint.errors import CheckpointError
 from megacp.checkpoint.hf import hf_to_megacp, open_hf_checkpoint
 from megacp.checkpoint.megacp_format import MANIFEST, load_megacp_checkpoint
@@ -52,7 +53,8 @@ def load_model(
 
     Args:
         path: a directory with ``config.json`` naming ``architectures`` or ``model_type`` (Hugging Face), a directory
-            with ``megacp_checkpoint.json`` (megacp, any stored TP size), or a ``.gguf`` file.
+            with ``megacp_checkpoint.json`` (megacp, any stored TP size), a ``megacp.train --save`` directory
+            (:func:`~megacp.checkpoint.deepspeed.read_deepspeed_checkpoint`: its latest tag), or a ``.gguf`` file.
         dtype / device: of the parameters.
         tp_group: this rank's tensor-parallel group (weights are sharded for its rank).
         ep_group: this rank's expert-parallel group: an MoE model keeps only its rank's experts
@@ -89,9 +91,18 @@ def load_model(
             cfg = checkpoint.config
             tensors = hf_to_megacp(cfg, checkpoint.get, checkpoint.names)
             return _load(cfg, tensors, sharded=False, **build), cfg, _tokenizer_dir(path)
+    if (path / TRAIN_STATE_FILE).is_file():  # a megacp.train --save directory: its latest tag
+        trained = read_deepspeed_checkpoint(path)
+        return _load(trained.config, trained.tensors.items(), sharded=False, **build), trained.config, _tokenizer_dir(path)
+    if (path.parent / TRAIN_STATE_FILE).is_file():
+        raise CheckpointError(
+            f"{path} is one tag of the megacp.train checkpoint {path.parent}: pass {path.parent} (its latest tag) or "
+            f"convert this one: python tools/convert_checkpoint.py deepspeed-to-hf --input {path.parent} "
+            f"--tag {path.name} --output HF_DIR")
     raise CheckpointError(
         f"{path} is neither a Hugging Face checkpoint directory (config.json with "
-        "'architectures' or 'model_type'), a megacp checkpoint (megacp_checkpoint.json) nor a .gguf file"
+        "'architectures' or 'model_type'), a megacp checkpoint (megacp_checkpoint.json), a megacp.train "
+        f"checkpoint ({TRAIN_STATE_FILE}) nor a .gguf file"
     )
 
 

@@ -14,6 +14,13 @@ Examples::
     DS_ACCELERATOR=cpu deepspeed --num_gpus 2 --module megacp.train --deepspeed_config configs/train_cpu_cp2.json \\
         --steps 4 --save /tmp/ckpt
     torchrun --nproc_per_node 2 -m megacp.train --deepspeed_config configs/train_cpu_cp2.json --corpus docs/ --steps 4
+    deepspeed --num_gpus 2 --module megacp.train --deepspeed_config configs/train_cp2.json --steps 1000 \
+        --save ckpt --save-every 200 --keep-last 3 --resume auto --eval-corpus heldout.jsonl --eval-every 100
+
+``--save-every`` / ``--keep-last`` / ``--resume`` make a run crash-safe: a resumed run continues
+exactly as if it had not stopped (:mod:`megacp.train.resume`); ``DIR/zero_to_fp32.py`` writes the
+latest checkpoint as a Hugging Face directory. ``--eval-corpus`` reports the exact mean token loss
+and perplexity of a held-out set; DeepSpeed's monitor sections receive every step's numbers.
 
 Without a launcher the job is a world of one (CP 1). Every argument, the config, ``--seq-len``
 against the model's context and CP size, and DeepSpeed's batch arithmetic are checked before any
@@ -27,9 +34,12 @@ import argparse
 import contextlib
 import importlib.metadata
 import json
+import logging
+import math
 import os
 import socket
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
@@ -59,6 +69,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--corpus", nargs="+", metavar="PATH",
                    help="text files, .jsonl files (a 'text' field per line), directories of them, or a "
                         "datasets directory (default: the Python standard library's .py files)")
+    p.add_argument("--eval-corpus", nargs="+", metavar="PATH",
+                   help="held-out documents (as --corpus) whose exact mean token loss and perplexity are reported")
+    p.add_argument("--eval-every", type=int, metavar="N",
+                   help="evaluate after every N-th step (default with --eval-corpus: after the last step)")
     p.add_argument("--seq-len", type=_seq_len_arg, default=2048,
                    help="tokens per packed sequence, or 'auto': the longest a step fits on the GPU by the memory "
                         "plan (default: 2048)")
@@ -68,7 +82,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         "activation_checkpointing.enabled; its 'offload' keeps the layer inputs on the host)")
     p.add_argument("--backend", choices=("auto", "torch", "te"), default="auto",
                    help="model layers: Transformer Engine or torch (default: TE on CUDA when installed)")
-    p.add_argument("--save", metavar="DIR", help="engine.save_checkpoint(DIR) after the last step")
+    p.add_argument("--save", metavar="DIR", help="write DeepSpeed checkpoints (tags step<N>) into DIR")
+    p.add_argument("--save-every", type=int, metavar="N", help="save after every N-th optimizer step")
+    p.add_argument("--save-at-end", action=argparse.BooleanOptionalAction, default=None,
+                   help="save after the last step (default: on with --save)")
+    p.add_argument("--keep-last", type=int, metavar="K", help="keep only the newest K checkpoints of --save")
+    p.add_argument("--resume", metavar="DIR|auto",
+                   help="continue from a checkpoint (a --save directory's latest, or one of its step<N> "
+                        "directories) exactly as if the run had not stopped; 'auto': --save's latest, if any")
     p.add_argument("--metrics", metavar="FILE", help="write one JSON line per step here (rank 0)")
     p.add_argument("--quiet", action="store_true", help="no progress bar and no summary line")
     p.add_argument("--allow-non-finite", action="store_true", help="load weights that hold NaN or inf")
@@ -94,6 +115,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             raise UsageError(f"{flag} {value}: the parent directory does not exist")
     if args.save is not None and Path(args.save).exists() and not Path(args.save).is_dir():
         raise UsageError(f"--save {args.save}: exists and is not a directory")
+    _check_checkpointing(args)
+    if args.eval_every is not None and (args.eval_every < 1 or args.eval_corpus is None):
+        raise UsageError(f"--eval-every must be >= 1 and needs --eval-corpus, got {args.eval_every}"
+                         + ("" if args.eval_corpus else " without --eval-corpus"))
     if args.model is not None and not Path(args.model).exists():
         raise UsageError(f"--model {args.model} does not exist")
     if args.hf_native:
@@ -119,6 +144,24 @@ def _seq_len_arg(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"expected a number of tokens or 'auto', got {text!r}") from None
 
 
+def _check_checkpointing(args: argparse.Namespace) -> None:
+    """Check the checkpoint flags and settle ``args.save_at_end`` (default: whether ``--save`` is given)."""
+    for flag, value in (("--save-every", args.save_every), ("--keep-last", args.keep_last)):
+        if value is not None and value < 1:
+            raise UsageError(f"{flag} must be >= 1, got {value}")
+        if value is not None and args.save is None:
+            raise UsageError(f"{flag} needs --save DIR")
+    if args.save_at_end and args.save is None:
+        raise UsageError("--save-at-end needs --save DIR")
+    if args.save_at_end is None:
+        args.save_at_end = args.save is not None
+    if args.save is not None and not args.save_at_end and args.save_every is None:
+        raise UsageError("--no-save-at-end without --save-every saves nothing: drop --save or add --save-every N")
+    if args.hf_native and (args.save_every or args.keep_last or args.resume):
+        raise UsageError("--hf-native saves save_pretrained files at the end only: --save-every, --keep-last "
+                         "and --resume need DeepSpeed checkpoints (drop --hf-native)")
+
+
 def _eos_id(tokenizer: Any, model_config: Any) -> int:
     if tokenizer.eos_token_id is not None:
         return int(tokenizer.eos_token_id)
@@ -126,6 +169,33 @@ def _eos_id(tokenizer: Any, model_config: Any) -> int:
     if eos:
         return int(eos[0] if isinstance(eos, (list, tuple)) else eos)
     raise UsageError("the model's tokenizer has no EOS token to separate the packed documents")
+
+
+HARMLESS_DEEPSPEED_LOGS = (
+    "Setting accelerator to CPU. If you have GPU",  # no CUDA: megacp trains on CPU (gloo) by design
+    "Attempting to get learning rate from scheduler before it has started",  # the engine's set-up reads the LR
+)
+"""Starts of DeepSpeed log messages that every ``megacp.train`` run would print, none of them a problem."""
+
+HARMLESS_TORCH_WARNINGS = r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated"
+"""torch's deprecation notices for the collectives DeepSpeed's ZeRO calls (``FutureWarning``)."""
+
+
+class _DropHarmless(logging.Filter):
+    """Drops the DeepSpeed log records of :data:`HARMLESS_DEEPSPEED_LOGS`."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(HARMLESS_DEEPSPEED_LOGS)
+
+
+def silence_harmless_warnings() -> None:
+    """Hide :data:`HARMLESS_DEEPSPEED_LOGS` (a filter on DeepSpeed's ``"DeepSpeed"`` logger, in
+    place before DeepSpeed is imported) and :data:`HARMLESS_TORCH_WARNINGS`; every other log
+    record and warning shows as before."""
+    deepspeed_logger = logging.getLogger("DeepSpeed")
+    if not any(isinstance(f, _DropHarmless) for f in deepspeed_logger.filters):
+        deepspeed_logger.addFilter(_DropHarmless())
+    warnings.filterwarnings("ignore", message=HARMLESS_TORCH_WARNINGS, category=FutureWarning)
 
 
 def _world_of_one_env() -> None:
@@ -140,6 +210,15 @@ def _world_of_one_env() -> None:
     for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("LOCAL_WORLD_SIZE", "1"),
                        ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(port))):
         os.environ.setdefault(key, value)
+
+
+MONITORED = ("loss", "lr", "tokens", "tokens_per_s", "eval_loss", "eval_perplexity")
+"""The ``--metrics`` fields also written to DeepSpeed's monitors, as ``Train/Steps/<field>``."""
+
+
+def monitor_events(row: dict[str, Any]) -> list[tuple[str, float, int]]:
+    """One step's ``--metrics`` row as DeepSpeed monitor events ``(name, value, step)``."""
+    return [(f"Train/Steps/{key}", float(row[key]), int(row["step"])) for key in MONITORED if key in row]
 
 
 def check_seq_len(seq_len: int, cp_size: int, model_config: Any) -> None:
@@ -169,10 +248,12 @@ def run(args: argparse.Namespace) -> int:
     from megacp.checkpoint.front import default_model_path, load_on_mesh, read_model_config
     from megacp.layers.settings import CPSettings
     from megacp.parallel import peak_memory_mib
-    from megacp.train.data import CorpusBatches, Prefetcher, resolve_corpus
+    from megacp.train.data import CorpusBatches, Prefetcher, StreamPosition, held_out_sequences, resolve_corpus
     from megacp.train.engine import Trainer, check_batch_config, read_settings
     from megacp.train.loss import lm_loss
+    from megacp.train.resume import ResumePoint, locate
 
+    silence_harmless_warnings()
     if not torch.cuda.is_available():  # before DeepSpeed is imported: gloo on CPU, as megacp.initialize
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from megacp.train.experts import check_expert_training  # imports DeepSpeed
@@ -183,12 +264,24 @@ def run(args: argparse.Namespace) -> int:
         check_expert_training(config.deepspeed, settings.zero_stage, config.expert_model_parallel.size or 1,
                               save=args.save is not None)
     sources = resolve_corpus(args.corpus)
+    eval_sources = resolve_corpus(args.eval_corpus) if args.eval_corpus else None
     model_path = args.model or default_model_path()  # CheckpointError (one line) when the package is missing
     if args.seq_len != "auto":
         check_seq_len(args.seq_len, config.context_parallel.size or 1, read_model_config(model_path))
+    resume_at = locate(args.resume, args.save) if args.resume else None
+    point = None
+    if resume_at is not None:
+        point = ResumePoint.read(resume_at[0] / resume_at[1])
+        if point.step >= args.steps:
+            raise UsageError(f"--resume: {resume_at[0] / resume_at[1]} has {point.step} steps done, --steps is {args.steps}")
     _world_of_one_env()
     state = megacp.initialize(config)
     micro_batch = check_batch_config(config.deepspeed, state)
+    if point is not None and args.seq_len == "auto":  # a resumed run keeps its sequence length
+        args.seq_len = point.seq_len
+    if point is not None:
+        point.check_layout(seq_len=args.seq_len, micro_batch=micro_batch, dp_size=state.size("dp"),
+                           world_size=dist.get_world_size())
     rank0 = state.rank == 0
 
     cp = CPSettings.from_state(state, prefill="pass_kv")
@@ -215,6 +308,25 @@ def run(args: argparse.Namespace) -> int:
         if args.seq_len == 0:
             trainer.plan_memory(2 * cp_size)  # raises: not even the shortest step fits
     plan = trainer.plan_memory(-(-args.seq_len * micro_batch // cp_size))  # MemoryPlanError before any step
+    start = StreamPosition()
+    if resume_at is not None:
+        start = trainer.load(*resume_at).data
+    first = trainer.steps_done + 1
+    eos_id = _eos_id(tokenizer, model_config)
+    eval_set = None if eval_sources is None else held_out_sequences(
+        eval_sources, tokenizer, eos_id=eos_id, seq_len=args.seq_len, dp_size=state.size("dp"),
+        dp_rank=state.rank_in("dp"))
+    eval_every = args.eval_every or args.steps
+    evaluated = ""
+
+    def save(data: StreamPosition | None) -> str:
+        """Checkpoint the run after its current step (a tag of ``--save``)."""
+        resume = None if data is None else ResumePoint(
+            step=trainer.steps_done, data=data, seq_len=args.seq_len, micro_batch=micro_batch,
+            dp_size=state.size("dp"), world_size=dist.get_world_size())
+        tag = trainer.save(args.save, model_config=model_config, tokenizer=tokenizer, resume=resume,
+                           keep_last=args.keep_last)
+        return str(Path(args.save) / tag)
 
     layout = f"CP={state.size('cp')} TP={state.size('tp')} DP={state.size('dp')}" + (
         f" EP={state.size('ep')}" if trainer.sharded_experts else "")
@@ -225,43 +337,55 @@ def run(args: argparse.Namespace) -> int:
               flush=True)
         if plan is not None and state.device.type == "cuda":
             print(f"{PROG}: memory plan: {plan.describe()}", flush=True)
+        if resume_at is not None:
+            print(f"{PROG}: resumed from {resume_at[0] / resume_at[1]} after step {first - 1}", flush=True)
     losses, tokens, seconds = [], 0, 0.0
+    saved, data = "", None
     with contextlib.ExitStack() as stack:
         metrics = stack.enter_context(open(args.metrics, "w", encoding="utf-8")) if rank0 and args.metrics else None
         batches = stack.enter_context(Prefetcher(CorpusBatches(
-            sources, tokenizer, eos_id=_eos_id(tokenizer, model_config), seq_len=args.seq_len, micro_batch=micro_batch,
-            dp_size=state.size("dp"), dp_rank=state.rank_in("dp"))))
-        bar = stack.enter_context(tqdm(total=args.steps, unit="step", desc=f"train {layout}",
+            sources, tokenizer, eos_id=eos_id, seq_len=args.seq_len, micro_batch=micro_batch,
+            dp_size=state.size("dp"), dp_rank=state.rank_in("dp"), start=start)))
+        bar = stack.enter_context(tqdm(total=args.steps, initial=first - 1, unit="step", desc=f"train {layout}",
                                        disable=not rank0 or args.quiet))
-        for step in range(1, args.steps + 1):
+        for step in range(first, args.steps + 1):
             result = trainer.step(batches)
+            data = result.data
             peak = peak_memory_mib(state.device)
             losses.append(result.loss)
-            if step > 1 or args.steps == 1:  # the first step pays for warm-up: left out of the rate
+            if step > first or args.steps == first:  # the first step pays for warm-up: left out of the rate
                 tokens, seconds = tokens + result.tokens, seconds + result.seconds
             rate = result.tokens / result.seconds
             bar.set_postfix_str(f"loss {result.loss:.4f} | {rate:,.0f} tok/s | peak {peak:,.0f} MiB | lr {result.lr:.2e}")
             bar.update()
+            row = {"step": step, "loss": result.loss, "lr": result.lr, "tokens": result.tokens,
+                   "seconds": round(result.seconds, 4), "tokens_per_s": round(rate, 1), "peak_memory_mib": round(peak, 1)}
+            if eval_set is not None and (step % eval_every == 0 or step == args.steps):
+                eval_loss, eval_tokens = trainer.evaluate(eval_set)
+                row.update(eval_loss=eval_loss, eval_perplexity=math.exp(eval_loss), eval_tokens=eval_tokens)
+                evaluated = f", eval loss {eval_loss:.4f} (perplexity {math.exp(eval_loss):.2f})"
+                if rank0 and not args.quiet:
+                    bar.write(f"{PROG}: step {step}{evaluated[1:]} over {eval_tokens:,} tokens")
+            if rank0 and trainer.engine.monitor.enabled:  # DeepSpeed's tensorboard / csv_monitor / wandb sections
+                trainer.engine.monitor.write_events(monitor_events(row))
             if metrics is not None:
-                metrics.write(json.dumps({"step": step, "loss": result.loss, "lr": result.lr, "tokens": result.tokens,
-                                          "seconds": round(result.seconds, 4), "tokens_per_s": round(rate, 1),
-                                          "peak_memory_mib": round(peak, 1)}) + "\n")
+                metrics.write(json.dumps(row) + "\n")
                 metrics.flush()
+            if args.save_every and step % args.save_every == 0:
+                saved = f", saved {save(data)}"
     peak_t = torch.tensor([peak_memory_mib(state.device)], device=state.device)
     dist.all_reduce(peak_t, op=dist.ReduceOp.MAX)
     peak = float(peak_t)
-    saved = ""
     if args.save and args.hf_native:
         from megacp.integrations.transformers import save_pretrained
 
         save_pretrained(trainer.module, args.save, tokenizer=tokenizer)
         saved = f", saved {args.save}"
-    elif args.save:
-        tag = trainer.save(args.save, model_config=model_config, tokenizer=tokenizer)
-        saved = f", saved {Path(args.save) / tag}"
+    elif args.save_at_end and not (args.save_every and args.steps % args.save_every == 0):
+        saved = f", saved {save(data)}"
     if rank0 and not args.quiet:
-        print(f"{PROG}: {args.steps} steps, loss {losses[0]:.4f} -> {losses[-1]:.4f}, "
-              f"{tokens / seconds:,.0f} tokens/s, peak memory {peak:,.0f} MiB per rank{saved}", flush=True)
+        print(f"{PROG}: {args.steps - first + 1} steps, loss {losses[0]:.4f} -> {losses[-1]:.4f}, "
+              f"{tokens / seconds:,.0f} tokens/s, peak memory {peak:,.0f} MiB per rank{evaluated}{saved}", flush=True)
     dist.barrier()
     dist.destroy_process_group()
     return 0

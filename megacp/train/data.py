@@ -18,6 +18,11 @@ attention and the loss never cross a document boundary. The corpus is read again
 when it runs out, as often as training needs. Data-parallel replica ``d`` of ``D`` takes the
 sequences ``d, d + D, d + 2D, ...`` (:class:`CorpusBatches`); every CP and TP rank of the replica
 reads the same ones.
+
+Every sequence records where the stream stands after it (:class:`StreamPosition`: the number of
+documents read, every pass and empty document counted, and the tokens of the current one already
+packed). A batch stream started at such a position continues exactly where the first one was
+(the documents before it are read but not tokenised): that is how a resumed run gets its data.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ import sysconfig
 import threading
 import tokenize
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
@@ -62,6 +67,16 @@ class CorpusSource:
 
 
 @dataclass(frozen=True)
+class StreamPosition:
+    """A place in the endless document stream of a corpus: ``document`` documents (counted over
+    every pass, empty ones included) lie before it, and ``offset`` tokens of the next one are
+    already packed."""
+
+    document: int = 0
+    offset: int = 0
+
+
+@dataclass(frozen=True)
 class PackedSequence:
     """``seq_len`` tokens of the packed corpus.
 
@@ -69,10 +84,13 @@ class PackedSequence:
         input_ids: ``[seq_len]`` int64.
         cu_seqlens: ``[k+1]`` int32 starts of the ``k`` document pieces in the sequence, ending
             at ``seq_len``.
+        end: where the stream stands after this sequence (``None`` for a sequence made by hand);
+            for a batch of :class:`CorpusBatches`, after the last sequence of its last round.
     """
 
     input_ids: Tensor
     cu_seqlens: Tensor
+    end: StreamPosition | None = None
 
 
 def stdlib_sources() -> list[CorpusSource]:
@@ -173,43 +191,52 @@ def read_documents(source: CorpusSource) -> Iterator[str]:
 
 
 def tokenized_documents(
-    sources: Sequence[CorpusSource], encode: Callable[[str], list[int]], eos_id: int
+    sources: Sequence[CorpusSource], encode: Callable[[str], list[int]], eos_id: int, skip: int = 0
 ) -> Iterator[list[int]]:
-    """Every non-empty document of ``sources`` as token ids with ``eos_id`` appended, the corpus
-    repeated without end.
+    """Every document of ``sources`` as token ids with ``eos_id`` appended (an empty document as
+    ``[]``), the corpus repeated without end; the first ``skip`` documents are read but not
+    tokenised (each comes as ``[]``).
 
     Raises:
         CorpusError: a whole pass over the corpus found no text.
     """
+    count = 0
     for _ in itertools.count():
         found = False
         for source in sources:
             for text in read_documents(source):
-                ids = encode(text) if text else []
-                if ids:
-                    found = True
-                    yield [*ids, eos_id]
+                found = found or bool(text)
+                skipped, count = count < skip, count + 1
+                ids = encode(text) if text and not skipped else []
+                yield [*ids, eos_id] if ids else []
         if not found:
             raise CorpusError(f"the corpus ({len(sources)} sources) has no text to train on")
 
 
-def pack_documents(documents: Iterable[Sequence[int]], seq_len: int) -> Iterator[PackedSequence]:
+def pack_documents(documents: Iterable[Sequence[int]], seq_len: int,
+                   start: StreamPosition = StreamPosition()) -> Iterator[PackedSequence]:
     """Lay ``documents`` (token id lists) back to back and cut the stream into sequences of
-    ``seq_len`` tokens; a document longer than the room left continues in the next sequence."""
+    ``seq_len`` tokens; a document longer than the room left continues in the next sequence.
+
+    ``documents`` is the stream from its beginning; packing starts at ``start`` (the documents
+    before it are passed over, whatever they hold, and the first ``start.offset`` tokens of the
+    next one are left out). Each sequence's ``end`` is the position after it.
+    """
     if seq_len < 1:
         raise ValueError(f"seq_len must be >= 1, got {seq_len}")
     ids: list[int] = []
     starts: list[int] = []
-    for doc in documents:
-        offset = 0
+    for index, doc in enumerate(itertools.islice(documents, start.document, None), start.document):
+        offset = start.offset if index == start.document else 0
         while offset < len(doc):
             take = min(seq_len - len(ids), len(doc) - offset)
             starts.append(len(ids))
             ids.extend(doc[offset: offset + take])
             offset += take
             if len(ids) == seq_len:
+                end = StreamPosition(index, offset) if offset < len(doc) else StreamPosition(index + 1, 0)
                 yield PackedSequence(torch.tensor(ids, dtype=torch.long),
-                                     torch.tensor([*starts, seq_len], dtype=torch.int32))
+                                     torch.tensor([*starts, seq_len], dtype=torch.int32), end)
                 ids, starts = [], []
 
 
@@ -223,6 +250,34 @@ def concat_sequences(sequences: Sequence[PackedSequence]) -> PackedSequence:
     return PackedSequence(ids, torch.cat(bounds))
 
 
+def _encoder(tokenizer: Any) -> Callable[[str], list[int]]:
+    """A Hugging Face tokenizer as a text -> token ids function (no special tokens added)."""
+
+    def encode(text: str) -> list[int]:
+        return list(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
+
+    return encode
+
+
+def held_out_sequences(sources: Sequence[CorpusSource], tokenizer: Any, *, eos_id: int, seq_len: int,
+                       dp_size: int, dp_rank: int) -> list[PackedSequence]:
+    """An evaluation set: one pass over ``sources`` packed like the training corpus (the tail that
+    does not fill a sequence is left out), cut to a multiple of ``dp_size`` sequences; replica
+    ``dp_rank`` gets every ``dp_size``-th of them.
+
+    Raises:
+        CorpusError: the corpus gives fewer than ``dp_size`` sequences of ``seq_len`` tokens.
+    """
+    encode = _encoder(tokenizer)
+    docs = ([*ids, eos_id] if (ids := encode(text) if text else []) else []
+            for source in sources for text in read_documents(source))
+    packed = list(pack_documents(docs, seq_len))
+    if len(packed) < dp_size:
+        raise CorpusError(f"the evaluation corpus fills {len(packed)} sequences of {seq_len} tokens; "
+                          f"{dp_size} (one per data-parallel replica) are needed")
+    return packed[: len(packed) - len(packed) % dp_size][dp_rank::dp_size]
+
+
 class CorpusBatches:
     """Micro-batches of one data-parallel replica: ``micro_batch`` packed sequences of ``seq_len``
     tokens each, joined into one packed batch (:func:`concat_sequences`), without end.
@@ -234,28 +289,32 @@ class CorpusBatches:
         eos_id: the token appended to every document.
         seq_len: tokens per sequence.
         micro_batch: sequences per micro-batch (DeepSpeed's ``train_micro_batch_size_per_gpu``).
-        dp_size, dp_rank: replica ``dp_rank`` takes every ``dp_size``-th sequence.
+        dp_size, dp_rank: replica ``dp_rank`` takes every ``dp_size``-th sequence: the stream is
+            read in rounds of ``dp_size`` sequences, one for each replica, so the ``end`` of every
+            replica's n-th batch is the same position.
+        start: where the stream starts (a batch's ``end``: the batches that followed it).
     """
 
     def __init__(self, sources: Sequence[CorpusSource], tokenizer: Any, *, eos_id: int, seq_len: int,
-                 micro_batch: int, dp_size: int, dp_rank: int) -> None:
+                 micro_batch: int, dp_size: int, dp_rank: int, start: StreamPosition = StreamPosition()) -> None:
         if micro_batch < 1:
             raise ValueError(f"micro_batch must be >= 1, got {micro_batch}")
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank must be in [0, {dp_size}), got {dp_rank}")
 
-        def encode(text: str) -> list[int]:
-            return list(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
-
-        docs = tokenized_documents(sources, encode, eos_id)
-        self._sequences = itertools.islice(pack_documents(docs, seq_len), dp_rank, None, dp_size)
-        self.micro_batch = micro_batch
+        docs = tokenized_documents(sources, _encoder(tokenizer), eos_id, skip=start.document)
+        self._sequences = pack_documents(docs, seq_len, start)
+        self.micro_batch, self.dp_size, self.dp_rank = micro_batch, dp_size, dp_rank
 
     def __iter__(self) -> Iterator[PackedSequence]:
         return self
 
     def __next__(self) -> PackedSequence:
-        return concat_sequences([next(self._sequences) for _ in range(self.micro_batch)])
+        picked = []
+        for _ in range(self.micro_batch):
+            round_ = [next(self._sequences) for _ in range(self.dp_size)]
+            picked.append(round_[self.dp_rank])
+        return replace(concat_sequences(picked), end=round_[-1].end)
 
 
 T = TypeVar("T")

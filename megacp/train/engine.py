@@ -21,10 +21,11 @@ or EP sharding (:func:`_check_zero3`).
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,7 +39,7 @@ from megacp.models.config import ModelConfig
 from megacp.parallel.mpu import DeepSpeedMPU
 from megacp.parallel.state import ParallelState
 from megacp.placement.batch import shard_batch
-from megacp.train.data import PackedSequence
+from megacp.train.data import PackedSequence, StreamPosition
 from megacp.train.loss import lm_loss, logged_loss
 from megacp.train.memory import (
     MemoryOptions,
@@ -51,6 +52,7 @@ from megacp.train.memory import (
     plan_memory,
     read_memory_options,
 )
+from megacp.train.resume import ResumePoint, load_rng_file, prune, rng_file, rng_state, set_rng_state
 
 ZERO_STAGES = (0, 1, 2, 3)
 """ZeRO stages megacp trains with."""
@@ -95,14 +97,27 @@ def _check_optimizer(raw: Mapping[str, Any]) -> None:
         raise ConfigError(f"optimizer.params: expected an object, got {optimizer['params']!r}")
 
 
+MONITOR_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "comet": "comet_ml"}
+"""DeepSpeed's monitor sections and the package each needs (``csv_monitor`` needs none)."""
+
+
+def _check_monitors(raw: Mapping[str, Any]) -> None:
+    """Refuse an enabled DeepSpeed monitor whose package is missing (DeepSpeed would fail once the
+    model is loaded)."""
+    for section, package in MONITOR_PACKAGES.items():
+        if _section(raw, section).get("enabled", False) is True and importlib.util.find_spec(package) is None:
+            raise ConfigError(f"{section}.enabled: the {package} package is not installed: pip install {package}, "
+                              f"or disable the {section} monitor")
+
+
 def read_settings(raw: Mapping[str, Any], *, activation_checkpointing: bool = False) -> TrainSettings:
     """Check the training parts of the DeepSpeed config ``raw`` that megacp depends on (no process
     group needed); ``activation_checkpointing`` (the CLI flag) switches checkpointing on.
 
     Raises:
         ConfigError: fp16 is enabled (refused: use bf16), the ZeRO stage is not one of
-            :data:`ZERO_STAGES` (stage 3 is refused: see the module docstring), or the optimizer
-            is missing or unknown.
+            :data:`ZERO_STAGES`, the optimizer is missing or unknown, or an enabled monitor's
+            package (:data:`MONITOR_PACKAGES`) is missing.
     """
     if _section(raw, "fp16").get("enabled", False) is True:
         raise ConfigError("fp16.enabled: fp16 training (loss scaling) is not supported; "
@@ -118,6 +133,7 @@ def read_settings(raw: Mapping[str, Any], *, activation_checkpointing: bool = Fa
     if stage < 3 and "offload_param" in zero:
         raise ConfigError(f"zero_optimization.offload_param: needs stage 3 (got stage {stage})")
     _check_optimizer(raw)
+    _check_monitors(raw)
     if stage == 3:
         _check_zero3(raw)
     memory = read_memory_options(raw, activation_checkpointing=activation_checkpointing)
@@ -221,12 +237,14 @@ def mark_tensor_parallel(model: torch.nn.Module, tp_size: int) -> None:
 @dataclass(frozen=True)
 class StepResult:
     """One optimizer step: ``loss`` (CP = 1's mean token loss, averaged over the micro-batches and
-    the DP replicas), ``tokens`` (all DP replicas), ``seconds`` (wall clock), ``lr``."""
+    the DP replicas), ``tokens`` (all DP replicas), ``seconds`` (wall clock), ``lr``, and ``data``,
+    the stream position after the step's last batch (``None`` for batches made by hand)."""
 
     loss: float
     tokens: int
     seconds: float
     lr: float
+    data: StreamPosition | None = None
 
 
 class Trainer:
@@ -363,13 +381,39 @@ class Trainer:
         sync()
         self.steps_done += 1
         return StepResult(loss=sum(losses) / len(losses), tokens=tokens * self.state.size("dp"),
-                          seconds=time.perf_counter() - start, lr=lr)
+                          seconds=time.perf_counter() - start, lr=lr, data=batch.end)
 
-    def save(self, directory: str | Path, *, model_config: Any, tokenizer: Any) -> str:
+    def evaluate(self, sequences: Sequence[PackedSequence]) -> tuple[float, int]:
+        """The exact mean token loss (natural log) of an evaluation set, without gradients.
+
+        ``sequences`` are this DP replica's part of the set (every CP rank of the replica passes
+        the same ones; every replica as many, which ZeRO 3's parameter gathers need). Returns
+        ``(loss, tokens)``: the sum of every predicted token's cross-entropy over all replicas
+        divided by their number ``tokens``, the same at every CP size. Collective.
+        """
+        sums = torch.zeros(2, dtype=torch.float64, device=self.state.device)  # [loss sum, tokens]
+        first_cp_rank = self.state.rank_in("cp") == 0  # every CP rank sees the whole batch's count
+        with torch.no_grad():
+            for seq in sequences:
+                shard = shard_batch(seq.input_ids, cu_seqlens=seq.cu_seqlens, cp_size=self.state.size("cp"),
+                                    cp_rank=self.state.rank_in("cp"), load_balance=self.cp.load_balance)
+                loss = self.engine(shard) if self.zero3 else self.loss(self.module, shard, settings=self.cp)
+                sums[0] += loss.double() * shard.num_valid_tokens
+                sums[1] += shard.num_valid_tokens if first_cp_rank else 0
+        dist.all_reduce(sums, group=self.state.group("dp_cp"))
+        return float(sums[0] / sums[1].clamp(min=1)), int(sums[1])
+
+    def save(self, directory: str | Path, *, model_config: Any, tokenizer: Any, resume: ResumePoint | None = None,
+             keep_last: int | None = None) -> str:
         """``engine.save_checkpoint(directory)`` (tag ``step<N>``, ZeRO shards included), plus, from
         global rank 0, the model description and tokenizer files that
-        :func:`~megacp.checkpoint.deepspeed.read_deepspeed_checkpoint` needs. Collective; returns
-        the tag."""
+        :func:`~megacp.checkpoint.deepspeed.read_deepspeed_checkpoint` needs. With ``resume``, the
+        tag also gets what :meth:`load` restores (:mod:`megacp.train.resume`: the point and every
+        rank's generator states); with ``keep_last``, only that many ``step<N>`` tags remain. The
+        directory's ``zero_to_fp32.py`` is megacp's (:mod:`megacp.checkpoint.zero_to_fp32`: it
+        writes a Hugging Face directory), not DeepSpeed's.
+        Collective; returns the tag."""
+        from megacp.checkpoint import zero_to_fp32
         from megacp.checkpoint.deepspeed import write_train_state
 
         if self.sharded_experts:
@@ -386,6 +430,10 @@ class Trainer:
         # every file goes to a staging directory first: a save killed part-way leaves the previous
         # checkpoint (its tag directory and the 'latest' naming it) untouched
         self.engine.save_checkpoint(str(staging), tag=tag, save_latest=False)
+        if resume is not None:
+            torch.save(rng_state(), rng_file(staging / tag, dist.get_rank()))
+            if dist.get_rank() == 0:
+                resume.write(staging / tag)
         dist.barrier()
         if dist.get_rank() == 0:
             old = directory / f".{tag}.old"
@@ -396,10 +444,35 @@ class Trainer:
             write_train_state(directory, model_config=model_config, dtype=self.settings.dtype,
                               tp_size=self.state.size("tp"), zero_stage=self.settings.zero_stage, tag=tag,
                               tokenizer=tokenizer)
+            shutil.copyfile(zero_to_fp32.__file__, directory / zero_to_fp32.SCRIPT_NAME)  # HF files, not DeepSpeed's
             latest = directory / ".latest.tmp"
             latest.write_text(tag, encoding="utf-8")
             os.replace(latest, directory / "latest")  # 'latest' moves last
             shutil.rmtree(old, ignore_errors=True)
             shutil.rmtree(staging, ignore_errors=True)
+            if keep_last is not None:
+                prune(directory, keep_last, tag)
         dist.barrier()
         return tag
+
+    def load(self, directory: str | Path, tag: str) -> ResumePoint:
+        """Restore checkpoint ``tag`` of ``directory`` (written by :meth:`save` with ``resume``):
+        the model, optimizer and LR scheduler through ``engine.load_checkpoint``, this rank's
+        generator states and the step count. Collective; returns the checkpoint's point (its
+        ``data`` is where the next batch starts).
+
+        Raises:
+            CheckpointError: the tag lacks the resume files or DeepSpeed finds no checkpoint.
+        """
+        from megacp.checkpoint.errors import CheckpointError
+
+        tag_dir = Path(directory) / tag
+        point = ResumePoint.read(tag_dir)
+        rng = load_rng_file(rng_file(tag_dir, dist.get_rank()))
+        path, _ = self.engine.load_checkpoint(str(directory), tag=tag, load_optimizer_states=True,
+                                              load_lr_scheduler_states=True)
+        if path is None:
+            raise CheckpointError(f"DeepSpeed found no checkpoint {tag} in {directory}")
+        set_rng_state(rng)
+        self.steps_done = point.step
+        return point

@@ -27,6 +27,7 @@ import torch
 from tests.helpers.distributed import free_port
 from tests.helpers.paths import ROOT
 from tests.helpers.reference import rel_err
+from tests.helpers.train_cli import make_corpus, make_tiny_model
 
 CPU_CONFIG = ROOT / "configs" / "train_cpu_cp2.json"
 STEPS = 3
@@ -34,41 +35,12 @@ SEQ_LEN = 40
 TIMEOUT_S = 300
 
 
-def _make_tiny_model(directory: Path, *, moe: bool = False) -> None:
-    """A random fp32 Llama (2 layers, hidden 64, 4 / 2 heads; with ``moe`` a Qwen2-MoE of 4 experts,
-    top-2, and a shared expert) with a byte-level tokenizer (256 byte tokens + ``<s>`` and ``</s>``),
-    saved with ``save_pretrained``."""
-    import transformers
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    vocab.update({"<s>": len(vocab), "</s>": len(vocab) + 1})
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
-    common = dict(vocab_size=len(vocab), hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=256, bos_token_id=vocab["<s>"], eos_token_id=vocab["</s>"])
-    torch.manual_seed(0)
-    if moe:
-        config = transformers.Qwen2MoeConfig(**common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
-                                             shared_expert_intermediate_size=80, use_sliding_window=False)
-        transformers.Qwen2MoeForCausalLM(config).float().save_pretrained(directory)
-    else:
-        transformers.LlamaForCausalLM(transformers.LlamaConfig(**common)).float().save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-
-
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """(model directory, corpus directory: a text file and a JSONL file)."""
     root = tmp_path_factory.mktemp("train_cli")
-    _make_tiny_model(root / "model")
-    corpus = root / "corpus"
-    corpus.mkdir()
-    (corpus / "a.txt").write_text("Context parallelism splits one long sequence over several ranks.\n" * 6)
-    (corpus / "b.jsonl").write_text("\n".join(json.dumps({"text": t}) for t in ("ring attention", "x", "pass-KV " * 9)))
-    return root / "model", corpus
+    make_tiny_model(root / "model")
+    return root / "model", make_corpus(root / "corpus")
 
 
 def _env() -> dict[str, str]:
@@ -146,7 +118,7 @@ def test_torchrun_trains_experts_sharded_over_ep(tiny: tuple[Path, Path], tmp_pa
     pytest.importorskip("deepspeed", reason="DeepSpeed not installed")
     _, corpus = tiny
     model_dir, metrics = tmp_path / "moe", tmp_path / "metrics.jsonl"
-    _make_tiny_model(model_dir, moe=True)
+    make_tiny_model(model_dir, moe=True)
     train = _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_port",
                   str(free_port()), "-m", "megacp.train", "--model", str(model_dir), "--corpus", str(corpus),
                   "--seq-len", str(SEQ_LEN), "--steps", "2", "--metrics", str(metrics),
@@ -202,6 +174,14 @@ def _config(tmp_path: Path, name: str, **changes) -> str:
         ("hf_native_backend", "--hf-native trains the transformers modules as they are: --backend"),
         ("seq_len_context", "--seq-len 257 exceeds the model's context of 256 tokens"),
         ("seq_len_cp", "--seq-len 3 is too short for CP=2: every CP rank needs a token with a label"),
+        ("save_every_no_save", "--save-every needs --save DIR"),
+        ("keep_last", "--keep-last must be >= 1, got 0"),
+        ("saves_nothing", "--no-save-at-end without --save-every saves nothing"),
+        ("eval_every", "--eval-every must be >= 1 and needs --eval-corpus, got 5 without --eval-corpus"),
+        ("resume_not_checkpoint", "neither a --save directory of megacp.train (no 'latest' file)"),
+        ("resume_auto_no_save", "--resume auto resumes from the --save directory: pass --save DIR"),
+        ("missing_eval_corpus", "corpus /nonexistent/eval.txt does not exist"),
+        ("monitor", "the comet_ml package is not installed: pip install comet_ml, or disable the comet monitor"),
     ],
 )
 def test_bad_input_is_one_line(case: str, expected: str, tiny: tuple[Path, Path], tmp_path: Path,
@@ -229,6 +209,14 @@ def test_bad_input_is_one_line(case: str, expected: str, tiny: tuple[Path, Path]
         "hf_native_backend": ["--hf-native", "--backend", "torch", *base],
         "seq_len_context": base + ["--seq-len", "257"],
         "seq_len_cp": base + ["--seq-len", "3"],
+        "save_every_no_save": base + ["--save-every", "2"],
+        "keep_last": base + ["--save", str(tmp_path / "c"), "--keep-last", "0"],
+        "saves_nothing": base + ["--save", str(tmp_path / "c"), "--no-save-at-end"],
+        "eval_every": base + ["--eval-every", "5"],
+        "resume_not_checkpoint": base + ["--seq-len", "40", "--resume", str(tmp_path)],
+        "resume_auto_no_save": base + ["--seq-len", "40", "--resume", "auto"],
+        "missing_eval_corpus": base + ["--eval-corpus", "/nonexistent/eval.txt"],
+        "monitor": base[:4] + ["--deepspeed_config", _config(tmp_path, "monitor", comet={"enabled": True})],
     }[case]
     assert expected in _main_error(argv, capsys)
 
@@ -294,3 +282,35 @@ def test_shipped_training_configs_parse(name: str) -> None:
     assert parsed.zero_optimization_stage == settings.zero_stage
     assert parsed.optimizer_name == "adamw" and parsed.gradient_clipping > 0
     assert settings.dtype == (torch.float32 if "cpu" in name else torch.bfloat16)
+
+
+def test_only_the_known_harmless_warnings_are_silenced() -> None:
+    import logging
+    import warnings
+
+    from megacp.train.cli import silence_harmless_warnings
+
+    logger, seen = logging.getLogger("DeepSpeed"), []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record.getMessage())
+
+    handler = Keep()
+    logger.addHandler(handler)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            silence_harmless_warnings()
+            logger.warning("Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to detect it.")
+            logger.warning("Attempting to get learning rate from scheduler before it has started")
+            logger.warning("ZeRO: something worth reading")
+            warnings.warn("`torch.distributed.all_gather_into_tensor` is deprecated. Please use ...", FutureWarning, stacklevel=2)
+            warnings.warn("`torch.distributed.reduce_scatter_tensor` is deprecated. Please use ...", FutureWarning, stacklevel=2)
+            warnings.warn("`torch.distributed.all_gather_into_tensor` is deprecated", UserWarning, stacklevel=2)  # another category
+            warnings.warn("some other deprecation", FutureWarning, stacklevel=2)
+    finally:
+        logger.removeHandler(handler)
+    assert seen == ["ZeRO: something worth reading"]
+    assert [(w.category, str(w.message)) for w in caught] == [
+        (UserWarning, "`torch.distributed.all_gather_into_tensor` is deprecated"), (FutureWarning, "some other deprecation")]

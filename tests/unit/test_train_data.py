@@ -12,8 +12,9 @@ import torch
 
 from megacp.train.data import (
     CorpusBatches,
-    Prefetcher,
     CorpusError,
+    Prefetcher,
+    StreamPosition,
     concat_sequences,
     pack_documents,
     read_documents,
@@ -60,6 +61,42 @@ def test_sources_documents_and_dp_split(tmp_path: Path) -> None:
         assert first.input_ids.tolist() == seqs[rank] + seqs[rank + 2]
         assert second.input_ids.tolist() == seqs[rank + 4] + seqs[rank + 6]
     assert first.cu_seqlens.tolist()[0] == 0 and first.cu_seqlens.tolist()[-1] == 6
+
+
+def test_batches_started_at_a_batch_end_continue_the_stream(tmp_path: Path) -> None:
+    """A stream started at a batch's ``end`` gives what the uninterrupted stream gives after that
+    batch, for every replica (the corpus read again past its end; a document split over batches;
+    empty documents counted), without tokenising the documents it passes over."""
+    (tmp_path / "a.txt").write_text("abcdefgh")
+    (tmp_path / "b.jsonl").write_text("\n".join(json.dumps({"text": t}) for t in ("", "xy", "pqrstuvw", "z")))
+    sources = resolve_corpus([tmp_path])
+
+    class Counting(CharTokenizer):
+        texts: list[str] = []
+
+        def __call__(self, text: str, add_special_tokens: bool = True, verbose: bool = True) -> dict:
+            self.texts.append(text)
+            return super().__call__(text, add_special_tokens, verbose)
+
+    def batches(rank: int, start: StreamPosition | None = None, tokenizer: CharTokenizer | None = None):
+        return CorpusBatches(sources, tokenizer or CharTokenizer(), eos_id=EOS, seq_len=5, micro_batch=2, dp_size=2,
+                             dp_rank=rank, start=start or StreamPosition())
+
+    for rank in (0, 1):
+        whole = batches(rank)
+        expected = [next(whole) for _ in range(9)]
+        assert [b.end for b in expected[:2]] == [StreamPosition(3, 8), StreamPosition(8, 5)]
+        # the stream: abcdefgh EOS | (empty) | xy EOS | pqrstuvw EOS | z EOS | again; 20 tokens a batch
+        for stop, first_text in ((1, "pqrstuvw"), (2, "pqrstuvw"), (5, "abcdefgh")):
+            counting = Counting()
+            counting.texts = []
+            resumed = batches(rank, expected[stop - 1].end, counting)
+            for want in expected[stop:]:
+                got = next(resumed)
+                assert got.input_ids.tolist() == want.input_ids.tolist()
+                assert got.cu_seqlens.tolist() == want.cu_seqlens.tolist() and got.end == want.end
+            assert counting.texts[0] == first_text  # the documents before the start are not tokenised
+    assert next(batches(0, StreamPosition(3, 3))).input_ids.tolist()[:2] == [ord("s"), ord("t")]
 
 
 def test_corpus_errors(tmp_path: Path) -> None:
