@@ -31,10 +31,11 @@ gradient clipping 1.0. Both DeepSpeed configs share :func:`ds_config`: ZeRO ``--
 Each (method, length) runs in a child process (``--child METHOD --child-seq S``), so that running
 out of memory ends only that point; each method climbs ``--seq-lens`` and stops at its first
 failure, recorded as ``oom`` (GPU), ``host-oom`` (killed by a signal), ``plan`` (megacp's plan
-refused it) or ``error``. Per point: the build time, ``--steps`` step times after ``--warmup``,
-tokens/s of the median timed step, the loss, peak GPU memory allocated / reserved over the child's
-whole run, the child's peak host RSS (``os.wait4``), megacp's plan; then each method's longest
-sequence and megacp / ALST tokens/s at equal lengths. The header records the command, GPU, host
+refused it) or ``error``; ``--concurrent`` (CPU checks only) climbs the methods' ladders side by
+side. Per point: the build time, ``--steps`` step times after ``--warmup``, tokens/s of the median
+timed step, the loss, peak GPU memory allocated / reserved over the child's whole run, the child's
+peak host RSS (``os.wait4``), megacp's plan; then each method's longest sequence and megacp / ALST
+tokens/s at equal lengths. The header records the command, GPU, host
 RAM and the torch / DeepSpeed / transformers versions.
 """
 
@@ -50,6 +51,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 from typing import Any, Callable
 
@@ -104,7 +106,7 @@ def megacp_config(args: argparse.Namespace, cuda: bool) -> dict[str, Any]:
     """megacp's DeepSpeed config: :func:`ds_config` with ``--megacp-config``'s sections over it.
 
     Raises:
-        SystemExit: the file cannot be read or is not a JSON object (one line, status 2).
+        ValueError: the file cannot be read or is not a JSON object.
     """
     config = ds_config(zero=args.zero, offload_param=args.offload_param, bf16_states=args.bf16_optimizer_states,
                        cuda=cuda)
@@ -115,10 +117,10 @@ def megacp_config(args: argparse.Namespace, cuda: bool) -> dict[str, Any]:
         with open(name, encoding="utf-8") as f:
             extra = json.load(f)
     except (OSError, ValueError) as err:
-        raise SystemExit(f"error: --megacp-config {name!r} is neither a preset ({', '.join(MEGACP_PRESETS)}) "
+        raise ValueError(f"--megacp-config {name!r} is neither a preset ({', '.join(MEGACP_PRESETS)}) "
                          f"nor a readable JSON file: {err}") from None
     if not isinstance(extra, dict):
-        raise SystemExit(f"error: --megacp-config {name!r}: expected a JSON object, got {type(extra).__name__}")
+        raise ValueError(f"--megacp-config {name!r}: expected a JSON object, got {type(extra).__name__}")
     return {**config, **extra}
 
 
@@ -281,6 +283,18 @@ def run_point(argv: list[str], method: str, seq: int) -> dict[str, Any]:
     return row
 
 
+def ladder(argv: list[str], method: str, seq_lens: list[int]) -> list[dict[str, Any]]:
+    """``method``'s points up ``seq_lens``, to its first failure (included)."""
+    rows = []
+    for seq in seq_lens:
+        row = run_point(argv, method, seq)
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+        if "error" in row:
+            break
+    return rows
+
+
 def header(argv: list[str], device: str) -> dict[str, Any]:
     """The command, host, host RAM, GPU and library versions of this run."""
     info: dict[str, Any] = {"command": " ".join([sys.executable, "-m", "scripts.bench.train_long", *argv]),
@@ -317,6 +331,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--alst-tiled-loss", action=bool_flag, default=True)
     p.add_argument("--alst-checkpointing", action=bool_flag, default=True)
     p.add_argument("--alst-offload", action=bool_flag, default=True, help="checkpointed layer inputs on the host")
+    p.add_argument("--concurrent", action="store_true", help="CPU checks: the methods' ladders side by side")
     p.add_argument("--json", default=None)
     p.add_argument("--child", choices=("megacp", "alst"), help=argparse.SUPPRESS)
     p.add_argument("--child-seq", type=int, help=argparse.SUPPRESS)
@@ -331,10 +346,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error("--alst-offload offloads the checkpointed inputs: it needs --alst-checkpointing")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("no CUDA device (use --device cpu --tiny for a check of the logic)")
+    if args.concurrent and args.device == "cuda":
+        p.error("--concurrent would put both methods on one GPU at once: it is for --device cpu")
     if args.bf16_optimizer_states and args.device == "cpu":
         p.error("--bf16-optimizer-states needs bf16 training on CUDA")
-    if args.megacp_config not in MEGACP_PRESETS:
+    try:
         megacp_config(args, args.device == "cuda")  # an unreadable file: one line before any child runs
+    except ValueError as err:
+        p.error(str(err))
     return args
 
 
@@ -350,14 +369,12 @@ def main(argv: list[str] | None = None) -> int:
         return child(args)
     info = header(argv, args.device)
     print(json.dumps(info), flush=True)
-    rows: list[dict[str, Any]] = []
-    for method in args.methods:
-        for seq in args.seq_lens:
-            row = run_point(argv, method, seq)
-            print(json.dumps(row), flush=True)
-            rows.append(row)
-            if "error" in row:
-                break
+    if args.concurrent:
+        with ThreadPoolExecutor(len(args.methods)) as pool:
+            ladders = list(pool.map(lambda m: ladder(argv, m, args.seq_lens), args.methods))
+    else:
+        ladders = [ladder(argv, m, args.seq_lens) for m in args.methods]
+    rows = [row for rows_of_method in ladders for row in rows_of_method]
     ok = {(r["method"], r["seq"]): r for r in rows if "error" not in r}
     longest = {m: max((s for (mm, s) in ok if mm == m), default=0) for m in args.methods}
     ratios = {s: round(ok[("megacp", s)]["tokens_per_s"] / ok[("alst", s)]["tokens_per_s"], 3)
