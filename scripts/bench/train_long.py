@@ -350,10 +350,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error("--concurrent would put both methods on one GPU at once: it is for --device cpu")
     if args.bf16_optimizer_states and args.device == "cpu":
         p.error("--bf16-optimizer-states needs bf16 training on CUDA")
-    try:
-        megacp_config(args, args.device == "cuda")  # an unreadable file: one line before any child runs
-    except ValueError as err:
-        p.error(str(err))
+    if "megacp" in args.methods:
+        from megacp.train.engine import read_settings
+
+        try:  # a config megacp refuses: one line before any child runs
+            read_settings(megacp_config(args, args.device == "cuda"))
+        except ValueError as err:
+            p.error(str(err))
     return args
 
 
