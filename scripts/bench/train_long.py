@@ -152,7 +152,8 @@ def megacp_step(args: argparse.Namespace, cfg: Any, state: Any, seq: int) -> tup
 
     def step() -> float:
         return trainer.step(iter([batch])).loss
-    return step, trainer.engine, {"plan": plan.describe() if plan else None}
+    return step, trainer.engine, {"dtype": str(settings.dtype).replace("torch.", ""),
+                                  "plan": plan.describe() if plan else None}
 
 
 def alst_step(args: argparse.Namespace, cfg: Any, state: Any, seq: int) -> tuple[Step, Any, dict[str, Any]]:
@@ -178,15 +179,16 @@ def alst_step(args: argparse.Namespace, cfg: Any, state: Any, seq: int) -> tuple
                                                              self.up_proj.weight])
         modeling_llama.LlamaMLP.forward = tiled_mlp_forward  # this child's class, before the model is built
     config = alst_config(args, cuda)
-    with deepspeed.zero.Init(config_dict_or_path=config):
-        model = LlamaForCausalLM(hf_config(cfg, "sdpa")).to(torch.bfloat16 if cuda else torch.float32)
+    with deepspeed.zero.Init(config_dict_or_path=config):  # parameters in the config's dtype, partitioned
+        model = LlamaForCausalLM(hf_config(cfg, "sdpa"))
     if args.alst_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     engine, *_ = deepspeed.initialize(model=model.train(), model_parameters=model.parameters(), config=config)
     ids = torch.randint(0, cfg.vocab_size, (1, seq), device=state.device)
     labels = torch.cat([ids[:, 1:], torch.full((1, 1), -100, device=state.device)], dim=1)
     loss_shards = math.ceil(seq / DEFAULT_CHUNK_TOKENS)
-    notes: dict[str, Any] = {"alst_mlp_shards": mlp_shards if args.alst_tiled_mlp else None,
+    notes: dict[str, Any] = {"dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+                             "alst_mlp_shards": mlp_shards if args.alst_tiled_mlp else None,
                              "alst_loss_shards": loss_shards if args.alst_tiled_loss else None}
     if args.alst_offload and not cuda:
         notes["note"] = "activation offload: DeepSpeed offloads nothing on CPU (no accelerator streams)"

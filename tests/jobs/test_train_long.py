@@ -24,12 +24,12 @@ def test_both_methods_ladder_on_cpu(tmp_path):
     for r in rows:
         assert "error" not in r, r
         assert math.isfinite(r["loss"]) and abs(r["loss"] - math.log(TINY["vocab_size"])) < 0.5, r
-        assert r["tokens_per_s"] > 0 and 0 < r["host_rss_gib"] < 8, r
+        assert r["tokens_per_s"] > 0 and 0 < r["host_rss_gib"] < 8 and r["dtype"] == "float32", r
     megacp = {r["seq"]: r for r in rows if r["method"] == "megacp"}
     alst = {r["seq"]: r for r in rows if r["method"] == "alst"}
     assert "2 layer inputs offloaded" in megacp[32]["plan"]
     assert alst[64]["alst_mlp_shards"] == 1 and alst[64]["alst_loss_shards"] == 1
-    assert "offloads nothing on CPU" in alst[32]["note"]  # DeepSpeed's activation offload needs an accelerator
+    assert "offloads nothing on CPU" in alst[32]["note"] and alst[32]["alst_offloaded_gib"] == 0.0
     assert report["longest"] == {"megacp": 64, "alst": 64}
     ratio = megacp[64]["tokens_per_s"] / alst[64]["tokens_per_s"]
     assert math.isclose(report["megacp_over_alst_tokens_per_s"]["64"], ratio, rel_tol=1e-2)
