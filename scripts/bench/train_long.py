@@ -1,29 +1,42 @@
 #!/usr/bin/env python3
 """The longest sequence one GPU trains: megacp against DeepSpeed's long-sequence recipe (ALST), in
-one run, on the same model shape, optimizer, ZeRO placement, sequence and device.
+one run, on the same model shape, optimizer, sequence and device.
 
     python -m scripts.bench.train_long --layers 4 --seq-lens 256K,512K,1M --json out/train_long.json
+    python -m scripts.bench.train_long --layers 32 --bf16-optimizer-states --seq-lens 128K,256K,384K --json out/32.json
     python -m scripts.bench.train_long --tiny --device cpu --seq-lens 64,128     # a CPU check of the logic
 
 The model has Llama-3.1-8B's shape (hidden 4096, 32 Q / 8 KV heads of 128, SwiGLU 14336, vocab
-128256, untied head) with ``--layers`` layers (``--tiny``: a small shape), random weights, bf16 on
-CUDA, one packed sequence of random ids, torch AdamW (lr 1e-5), gradient clipping 1.0, and one
-DeepSpeed ZeRO placement for both (``--zero``, ``--offload-optimizer``, ``--offload-param``).
+128256, untied head, RoPE theta 500000) with ``--layers`` layers (``--tiny``: a small shape), random
+weights, bf16 on CUDA (fp32 on CPU), one packed sequence of random ids, torch AdamW (lr 1e-5),
+gradient clipping 1.0. Both DeepSpeed configs share :func:`ds_config`: ZeRO ``--zero`` (megacp) or
+3 (ALST) with ``offload_optimizer`` to pinned CPU memory, ``offload_param`` with
+``--offload-param`` (megacp) / ``--alst-offload-param`` (ALST, on by default), and with
+``--bf16-optimizer-states`` DeepSpeed's ``bf16_master_weights_and_grads`` + ``bf16_optimizer_states``
+(which need DeepSpeed's CPU Adam in place of torch's AdamW, for both methods).
 
-* ``megacp``: :func:`megacp.models.build_model` + CP attention + :class:`megacp.train.engine.Trainer`
-  with ``"activation_checkpointing": {"enabled": true, "offload": --megacp-offload}`` and
-  ``"sequence_tiling": {"mlp": --megacp-mlp-tile}`` (its memory plan must accept the step).
-* ``alst``: Hugging Face ``LlamaForCausalLM`` (SDPA) under ``deepspeed.initialize``, its
-  ``LlamaMLP.forward`` through DeepSpeed's ``TiledMLP`` (``ceil(S / hidden)`` shards, the recipe's
-  rule), the loss through ``TiledFusedLogitsLoss`` over the base model's hidden states (8192-token
-  shards), non-reentrant gradient checkpointing with DeepSpeed's ``CheckpointHiddenStatesOffload``
-  (``--no-alst-offload`` keeps the checkpoints on the GPU).
+* ``megacp``: ``build_model`` + ``swap_attention`` + ``read_settings`` + ``Trainer`` (as in
+  ``scripts/bench/train_step.py``); the memory sections come from ``--megacp-config``, a preset of
+  :data:`MEGACP_PRESETS` or a JSON file whose top-level sections replace the base config's. The
+  Trainer's memory plan must accept the step (a refusal ends the ladder as ``plan``).
+* ``alst``: Hugging Face ``LlamaForCausalLM`` (SDPA) under ``deepspeed.initialize`` (built inside
+  ``deepspeed.zero.Init``), with each piece of the recipe switchable: ``LlamaMLP.forward`` through
+  DeepSpeed's ``TiledMLP`` (``ceil(S / hidden)`` shards, its documented rule; ``--no-alst-tiled-mlp``),
+  the LM head + loss through ``TiledFusedLogitsLoss`` over the base model's hidden states (shards of
+  megacp's loss chunk, 8192 tokens; ``--no-alst-tiled-loss``: transformers' own loss), non-reentrant
+  gradient checkpointing (``--no-alst-checkpointing``) whose layer inputs go to the host through
+  DeepSpeed's ``CheckpointHiddenStatesOffload`` (``--no-alst-offload``; on CPU DeepSpeed offloads
+  nothing, which the row notes).
 
-Each (method, length) runs in a child process, so that running out of memory ends only that point;
-each method climbs the ladder of ``--seq-lens`` and stops at its first failure. Reported per point:
-the step times, tokens/s of the fastest timed step, peak GPU memory allocated / reserved, the
-child's peak host RSS, and megacp's plan; then each method's longest sequence and megacp / ALST
-tokens/s at equal lengths.
+Each (method, length) runs in a child process (``--child METHOD --child-seq S``), so that running
+out of memory ends only that point; each method climbs ``--seq-lens`` and stops at its first
+failure, recorded as ``oom`` (GPU), ``host-oom`` (killed by a signal), ``plan`` (megacp's plan
+refused it) or ``error``; ``--concurrent`` (CPU checks only) climbs the methods' ladders side by
+side. Per point: the build time, ``--steps`` step times after ``--warmup``, tokens/s of the median
+timed step, the loss, peak GPU memory allocated / reserved over the child's whole run, the child's
+peak host RSS (``os.wait4``), megacp's plan; then each method's longest sequence and megacp / ALST
+tokens/s at equal lengths. The header records the command, GPU, host
+RAM and the torch / DeepSpeed / transformers versions.
 """
 
 from __future__ import annotations
@@ -33,18 +46,34 @@ import json
 import math
 import os
 import platform
-import resource
+import statistics
 import subprocess
 import sys
+import tempfile
 import time
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
+from typing import Any, Callable
 
 import torch
 
+from scripts.bench import harness as bh
+
+MEGACP_PRESETS: dict[str, dict[str, Any]] = {
+    "offload": {"activation_checkpointing": {"enabled": True, "offload": "cpu"}, "sequence_tiling": {"mlp": "auto"}},
+    "auto": {"activation_checkpointing": {"enabled": True, "offload": "auto"}, "sequence_tiling": {"mlp": "auto"}},
+}
+"""``--megacp-config`` presets: every layer input on the host (``offload``, the default), or as few
+as the plan needs (``auto``); the MLP tiled when the plan needs it."""
+
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2, head_dim=16)
+"""``--tiny``: the model shape of the CPU check."""
+
+Step = Callable[[], float]
 
 
 def model_config(args: argparse.Namespace) -> Any:
+    """Llama-3.1-8B's shape (or :data:`TINY`) with ``args.layers`` layers, positions up to 4M."""
     from megacp.models import ModelConfig
     from scripts.bench.train_step import model_config as llama8b
 
@@ -56,111 +85,141 @@ def model_config(args: argparse.Namespace) -> Any:
     return cfg
 
 
-def ds_config(args: argparse.Namespace, cuda: bool) -> dict:
-    """The DeepSpeed config both methods train with (megacp adds its memory sections)."""
-    zero: dict[str, Any] = {"stage": args.zero}
-    if args.offload_optimizer:
-        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": cuda}
-    if args.offload_param:
-        zero["offload_param"] = {"device": "cpu", "pin_memory": cuda}
+def ds_config(*, zero: int, offload_param: bool, bf16_states: bool, cuda: bool) -> dict[str, Any]:
+    """The DeepSpeed config of one method: ZeRO ``zero`` with the optimizer states on pinned host
+    memory, parameters too with ``offload_param``, bf16 on CUDA, and with ``bf16_states`` bf16 master
+    weights, gradients and Adam moments (DeepSpeed's CPU Adam, which those need)."""
+    offload = {"device": "cpu", "pin_memory": cuda}
+    section: dict[str, Any] = {"stage": zero, "offload_optimizer": dict(offload)}
+    if offload_param:
+        section["offload_param"] = dict(offload)
+    bf16: dict[str, Any] = {"enabled": cuda}
+    if bf16_states:
+        bf16.update(bf16_master_weights_and_grads=True, bf16_optimizer_states=True)
     return {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
-            "bf16": {"enabled": cuda}, "zero_optimization": zero, "zero_force_ds_cpu_optimizer": False,
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-5, "weight_decay": 0.0, "torch_adam": True}},
+            "bf16": bf16, "zero_optimization": section, "zero_force_ds_cpu_optimizer": False,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-5, "weight_decay": 0.0, "torch_adam": not bf16_states}},
             "steps_per_print": 10**9}
 
 
-def megacp_trainer(args: argparse.Namespace, cfg: Any, state: Any, seq: int) -> tuple[Any, Any, str | None]:
+def megacp_config(args: argparse.Namespace, cuda: bool) -> dict[str, Any]:
+    """megacp's DeepSpeed config: :func:`ds_config` with ``--megacp-config``'s sections over it.
+
+    Raises:
+        ValueError: the file cannot be read or is not a JSON object.
+    """
+    config = ds_config(zero=args.zero, offload_param=args.offload_param, bf16_states=args.bf16_optimizer_states,
+                       cuda=cuda)
+    name = args.megacp_config
+    if name in MEGACP_PRESETS:
+        return {**config, **MEGACP_PRESETS[name]}
+    try:
+        with open(name, encoding="utf-8") as f:
+            extra = json.load(f)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"--megacp-config {name!r} is neither a preset ({', '.join(MEGACP_PRESETS)}) "
+                         f"nor a readable JSON file: {err}") from None
+    if not isinstance(extra, dict):
+        raise ValueError(f"--megacp-config {name!r}: expected a JSON object, got {type(extra).__name__}")
+    return {**config, **extra}
+
+
+def alst_config(args: argparse.Namespace, cuda: bool) -> dict[str, Any]:
+    """The ALST peer's DeepSpeed config: ZeRO 3, optimizer (and by default parameters) on the host."""
+    return ds_config(zero=3, offload_param=args.alst_offload_param, bf16_states=args.bf16_optimizer_states, cuda=cuda)
+
+
+def megacp_step(args: argparse.Namespace, cfg: Any, state: Any, seq: int) -> tuple[Step, Any, dict[str, Any]]:
+    """megacp's step at ``seq`` tokens, its engine, and what the row notes (the plan).
+
+    Raises:
+        MemoryPlanError: the Trainer's plan refuses the step.
+    """
     import megacp
     from megacp.models import build_model
     from megacp.train.data import PackedSequence
     from megacp.train.engine import Trainer, read_settings
 
-    config = ds_config(args, state.device.type == "cuda")
-    config["activation_checkpointing"] = {"enabled": True, "offload": args.megacp_offload}
-    config["sequence_tiling"] = {"mlp": args.megacp_mlp_tile if args.megacp_mlp_tile == "auto" else int(args.megacp_mlp_tile)}
+    config = megacp_config(args, state.device.type == "cuda")
     settings = read_settings(config)
-    model = build_model(cfg, dtype=settings.dtype, device="cpu" if args.zero == 3 else state.device, backend="torch")
+    device = "cpu" if settings.zero_stage == 3 else state.device  # ZeRO 3: partitioned as the Trainer builds
+    model = build_model(cfg, dtype=settings.dtype, device=device, backend="torch")
     megacp.swap_attention(model, state, strategy="pass_kv")
     trainer = Trainer(model.train(), config, state, settings)
-    plan = trainer.plan_memory(seq)  # MemoryPlanError: the plan refuses the step
+    plan = trainer.plan_memory(seq)
     ids = torch.randint(0, cfg.vocab_size, (seq,), device=state.device)
     batch = PackedSequence(ids, torch.tensor([0, seq], dtype=torch.int32))
 
     def step() -> float:
         return trainer.step(iter([batch])).loss
-    return step, trainer.engine, plan.describe() if plan else None
+    return step, trainer.engine, {"dtype": str(settings.dtype).replace("torch.", ""),
+                                  "plan": plan.describe() if plan else None}
 
 
-def alst_trainer(args: argparse.Namespace, cfg: Any, state: Any, seq: int) -> tuple[Any, Any, str | None]:
+def alst_step(args: argparse.Namespace, cfg: Any, state: Any, seq: int) -> tuple[Step, Any, dict[str, Any]]:
+    """The ALST recipe's step at ``seq`` tokens, its engine, and what the row notes (the pieces on)."""
     import deepspeed
     import torch.nn.functional as F
     from deepspeed.runtime.activation_checkpointing.offload_activations import CheckpointHiddenStatesOffload
     from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledFusedLogitsLoss, TiledMLP
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
     from transformers.models.llama import modeling_llama
 
+    from megacp.train.loss import DEFAULT_CHUNK_TOKENS
+    from scripts.bench.train_step import hf_config
+
     cuda = state.device.type == "cuda"
-    mlp_shards = max(1, math.ceil(seq / cfg.hidden_size))
+    if args.alst_tiled_mlp:
+        mlp_shards = math.ceil(seq / cfg.hidden_size)
 
-    def tiled_mlp_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
-        def mlp(self: Any, x: torch.Tensor) -> torch.Tensor:
-            return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
-        params = [self.down_proj.weight, self.gate_proj.weight, self.up_proj.weight]
-        return TiledMLP.apply(mlp, self, x, mlp_shards, params)
-
-    modeling_llama.LlamaMLP.forward = tiled_mlp_forward
-    hcfg = LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-                       num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
-                       num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps,
-                       rope_theta=cfg.rope_theta, max_position_embeddings=cfg.max_position_embeddings,
-                       tie_word_embeddings=False, attn_implementation="sdpa")
-    config = ds_config(args, cuda)
-    dtype = torch.bfloat16 if cuda else torch.float32
-    if args.zero == 3:
-        with deepspeed.zero.Init(config_dict_or_path=config):
-            model = LlamaForCausalLM(hcfg).to(dtype)
-    else:
-        with state.device:
-            model = LlamaForCausalLM(hcfg).to(dtype)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.train()
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+        def tiled_mlp_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
+            def mlp(self: Any, x: torch.Tensor) -> torch.Tensor:
+                return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+            return TiledMLP.apply(mlp, self, x, mlp_shards, [self.down_proj.weight, self.gate_proj.weight,
+                                                             self.up_proj.weight])
+        modeling_llama.LlamaMLP.forward = tiled_mlp_forward  # this child's class, before the model is built
+    config = alst_config(args, cuda)
+    with deepspeed.zero.Init(config_dict_or_path=config):  # parameters in the config's dtype, partitioned
+        model = LlamaForCausalLM(hf_config(cfg, "sdpa"))
+    if args.alst_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    engine, *_ = deepspeed.initialize(model=model.train(), model_parameters=model.parameters(), config=config)
     ids = torch.randint(0, cfg.vocab_size, (1, seq), device=state.device)
     labels = torch.cat([ids[:, 1:], torch.full((1, 1), -100, device=state.device)], dim=1)
-    loss_shards = max(1, math.ceil(seq / 8192))
-    vocab = cfg.vocab_size
+    loss_shards = math.ceil(seq / DEFAULT_CHUNK_TOKENS)
+    notes: dict[str, Any] = {"dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+                             "alst_mlp_shards": mlp_shards if args.alst_tiled_mlp else None,
+                             "alst_loss_shards": loss_shards if args.alst_tiled_loss else None}
+    if args.alst_offload and not cuda:
+        notes["note"] = "activation offload: DeepSpeed offloads nothing on CPU (no accelerator streams)"
 
-    def loss_fn(self: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(x).float()
-        return F.cross_entropy(logits.view(-1, vocab), y.view(-1), ignore_index=-100, reduction="sum")
+    def loss_sum(lm: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        logits = lm.lm_head(x).float()
+        return F.cross_entropy(logits.view(-1, cfg.vocab_size), y.view(-1), ignore_index=-100, reduction="sum")
 
     def step() -> float:
         module = engine.module
         offload = CheckpointHiddenStatesOffload(use_pin_memory=cuda, use_streams=cuda) if args.alst_offload else None
-        with offload if offload is not None else _null():
-            hidden = module.model(input_ids=ids).last_hidden_state
-            total = TiledFusedLogitsLoss.apply(loss_fn, module, hidden, labels, None, loss_shards,
-                                               [module.lm_head.weight], "sum")
-            loss = total / (seq - 1)
+        with offload if offload is not None else nullcontext():
+            if args.alst_tiled_loss:
+                hidden = module.model(input_ids=ids).last_hidden_state
+                loss = TiledFusedLogitsLoss.apply(loss_sum, module, hidden, labels, None, loss_shards,
+                                                  [module.lm_head.weight], "sum") / (seq - 1)
+            else:
+                loss = module(input_ids=ids, labels=ids).loss
             engine.backward(loss)
+        if offload is not None:
+            notes["alst_offloaded_gib"] = round(offload.stats.offloaded_bytes / 2**30, 2)
         engine.step()
         return float(loss)
-    return step, engine, None
-
-
-class _null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
+    return step, engine, notes
 
 
 def child(args: argparse.Namespace) -> int:
-    """One (method, length) point; prints ``RESULT {json}``."""
+    """One (method, length) point in a world of one; prints ``RESULT {json}``."""
     import socket
 
-    with socket.socket() as sock:  # a world of one on a free port, as DeepSpeed's engine needs
+    with socket.socket() as sock:  # DeepSpeed's engine joins a process group: a free port for it
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1"),
@@ -172,110 +231,168 @@ def child(args: argparse.Namespace) -> int:
     import megacp
     from megacp.train.memory import MemoryPlanError
 
-    state = megacp.initialize()
-    cfg = model_config(args)
-    seq = args.child_seq
-    cuda = state.device.type == "cuda"
+    state = megacp.initialize(backend="nccl" if args.device == "cuda" else "gloo")
+    cfg, seq, cuda = model_config(args), args.child_seq, args.device == "cuda"
+    row: dict[str, Any] = {"method": args.child, "seq": seq}
     torch.manual_seed(0)
     t0 = time.perf_counter()
     try:
-        build = megacp_trainer if args.child_method == "megacp" else alst_trainer
-        step, engine, plan = build(args, cfg, state, seq)
+        step, engine, notes = (megacp_step if args.child == "megacp" else alst_step)(args, cfg, state, seq)
     except MemoryPlanError as err:
-        print("RESULT " + json.dumps({"method": args.child_method, "seq": seq, "error": f"plan: {err}"}), flush=True)
+        print("RESULT " + json.dumps({**row, "error": "plan", "message": str(err)}), flush=True)
         return 0
-    init_s = time.perf_counter() - t0
-    times, losses = [], []
+    row["build_s"] = round(time.perf_counter() - t0, 1)
+    times, loss = [], math.nan
     for i in range(args.warmup + args.steps):
         if cuda:
             torch.cuda.synchronize()
-            if i == args.warmup:
-                torch.cuda.reset_peak_memory_stats()
         t = time.perf_counter()
-        losses.append(step())
+        loss = step()
         if cuda:
             torch.cuda.synchronize()
         if i >= args.warmup:
             times.append(time.perf_counter() - t)
-    out = {"method": args.child_method, "seq": seq, "layers": cfg.num_layers, "init_s": round(init_s, 1),
-           "step_s": [round(x, 2) for x in times], "tokens_per_s": round(seq / min(times), 1), "loss": losses[-1],
-           "peak_alloc_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
-           "peak_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 2) if cuda else None,
-           "host_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 1), "plan": plan}
-    print("RESULT " + json.dumps(out), flush=True)
+    sec = statistics.median(times)
+    row.update(step_s=[round(x, 3) for x in times], tokens_per_s=round(seq / sec, 1), loss=loss,
+               peak_alloc_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
+               peak_reserved_gib=round(torch.cuda.max_memory_reserved() / 2**30, 2) if cuda else None, **notes)
+    print("RESULT " + json.dumps(row), flush=True)
     engine.destroy()
     return 0
 
 
-def point(args: argparse.Namespace, argv: list[str], method: str, seq: int) -> dict:
-    cmd = [sys.executable, "-m", "scripts.bench.train_long", *argv, "--child-method", method, "--child-seq", str(seq)]
+def run_point(argv: list[str], method: str, seq: int) -> dict[str, Any]:
+    """Run one child; its ``RESULT`` row (or the failure) with its peak host RSS and wall time."""
+    cmd = [sys.executable, "-m", "scripts.bench.train_long", *argv, "--child", method, "--child-seq", str(seq)]
     t = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    found = [line[7:] for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True)
+        _, status, usage = os.wait4(proc.pid, 0)  # this child's own rusage (ru_maxrss: KiB on Linux)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(), err.read()
+    found = [line[len("RESULT "):] for line in stdout.splitlines() if line.startswith("RESULT ")]
     if found:
         row = json.loads(found[-1])
     else:
-        tail = [line for line in proc.stderr.splitlines() if line.strip()]
-        oom = "out of memory" in proc.stderr.lower()
-        row = {"method": method, "seq": seq, "error": ("out of memory: " if oom else "") + (tail[-1][:400] if tail else f"exit {proc.returncode}")}
-    row["wall_s"] = round(time.perf_counter() - t, 1)
-    print(json.dumps(row), flush=True)
+        tail = [line for line in stderr.splitlines() if line.strip()]
+        message = tail[-1][:400] if tail else f"exit status {proc.returncode}"
+        kind = ("oom" if "out of memory" in stderr.lower() else
+                "host-oom" if proc.returncode < 0 else "error")  # a signal: most often the kernel's OOM killer
+        row = {"method": method, "seq": seq, "error": kind, "message": message, "exit": proc.returncode}
+    row.update(host_rss_gib=round(usage.ru_maxrss / 2**20, 2), wall_s=round(time.perf_counter() - t, 1))
     return row
 
 
-def main(argv: list[str] | None = None) -> int:
-    from scripts.bench import harness as bh
+def ladder(argv: list[str], method: str, seq_lens: list[int]) -> list[dict[str, Any]]:
+    """``method``'s points up ``seq_lens``, to its first failure (included)."""
+    rows = []
+    for seq in seq_lens:
+        row = run_point(argv, method, seq)
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+        if "error" in row:
+            break
+    return rows
 
-    argv = list(sys.argv[1:] if argv is None else argv)
+
+def header(argv: list[str], device: str) -> dict[str, Any]:
+    """The command, host, host RAM, GPU and library versions of this run."""
+    info: dict[str, Any] = {"command": " ".join([sys.executable, "-m", "scripts.bench.train_long", *argv]),
+                            "host": platform.node(),
+                            "host_ram_gib": round(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30, 1),
+                            "gpu": torch.cuda.get_device_name() if device == "cuda" else None,
+                            "torch": torch.__version__}
+    for name in ("deepspeed", "transformers"):
+        try:
+            info[name] = __import__(name).__version__
+        except ImportError:
+            info[name] = None
+    return info
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    bool_flag = argparse.BooleanOptionalAction
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--seq-lens", type=bh.parse_sizes, default=bh.parse_sizes("256K,512K,1M"))
+    p.add_argument("--seq-lens", type=bh.parse_sizes, default=bh.parse_sizes("64K,128K,256K,512K,1M"))
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--methods", type=bh.parse_names, default=["megacp", "alst"])
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--tiny", action="store_true", help="a small model shape (CPU checks)")
-    p.add_argument("--zero", type=int, choices=(1, 2, 3), default=2)
-    p.add_argument("--offload-optimizer", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--offload-param", action="store_true", help="ZeRO 3 only")
-    p.add_argument("--megacp-offload", choices=("none", "cpu", "auto"), default="cpu")
-    p.add_argument("--megacp-mlp-tile", default="8192", help="tokens per MLP tile, 0, or auto")
-    p.add_argument("--alst-offload", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--warmup", type=int, default=0)
+    p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--steps", type=int, default=1)
+    p.add_argument("--zero", type=int, choices=(1, 2, 3), default=3, help="megacp's ZeRO stage")
+    p.add_argument("--offload-param", action="store_true", help="megacp: ZeRO 3 parameters on the host")
+    p.add_argument("--bf16-optimizer-states", action="store_true",
+                   help="bf16 master weights, gradients and Adam moments (DeepSpeed's CPU Adam), both methods")
+    p.add_argument("--megacp-config", default="offload",
+                   help=f"a preset ({', '.join(MEGACP_PRESETS)}) or a JSON file of DeepSpeed config sections")
+    p.add_argument("--alst-offload-param", action=bool_flag, default=True)
+    p.add_argument("--alst-tiled-mlp", action=bool_flag, default=True)
+    p.add_argument("--alst-tiled-loss", action=bool_flag, default=True)
+    p.add_argument("--alst-checkpointing", action=bool_flag, default=True)
+    p.add_argument("--alst-offload", action=bool_flag, default=True, help="checkpointed layer inputs on the host")
+    p.add_argument("--concurrent", action="store_true", help="CPU checks: the methods' ladders side by side")
     p.add_argument("--json", default=None)
-    p.add_argument("--child-method", help=argparse.SUPPRESS)
+    p.add_argument("--child", choices=("megacp", "alst"), help=argparse.SUPPRESS)
     p.add_argument("--child-seq", type=int, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.child_method:
-        return child(args)
-    if set(args.methods) - {"megacp", "alst"} or args.layers < 1 or args.steps < 1:
-        p.error("--methods is a subset of megacp,alst; --layers and --steps >= 1")
+    if set(args.methods) - {"megacp", "alst"} or not args.methods:
+        p.error(f"--methods: got {','.join(args.methods)!r}; a subset of megacp,alst")
+    if args.layers < 1 or args.steps < 1 or args.warmup < 0 or min(args.seq_lens, default=0) < 2:
+        p.error("--layers and --steps must be >= 1, --warmup >= 0, --seq-lens at least 2 each")
     if args.offload_param and args.zero != 3:
-        p.error("--offload-param needs --zero 3")
+        p.error(f"--offload-param needs --zero 3 (got --zero {args.zero})")
+    if args.alst_offload and not args.alst_checkpointing:
+        p.error("--alst-offload offloads the checkpointed inputs: it needs --alst-checkpointing")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("no CUDA device (use --device cpu --tiny for a check of the logic)")
-    header = {"argv": sys.argv, "host": platform.node(), "host_ram_gib": round(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30, 1),
-              "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None, "torch": torch.__version__}
-    for name in ("deepspeed", "transformers"):
-        try:
-            header[name] = __import__(name).__version__
-        except ImportError:
-            header[name] = None
-    print(json.dumps(header), flush=True)
-    rows = []
-    for method in args.methods:
-        for seq in args.seq_lens:
-            row = point(args, argv, method, seq)
-            rows.append(row)
-            if "error" in row:
-                break
+    if args.concurrent and args.device == "cuda":
+        p.error("--concurrent would put both methods on one GPU at once: it is for --device cpu")
+    if args.bf16_optimizer_states and args.device == "cpu":
+        p.error("--bf16-optimizer-states needs bf16 training on CUDA")
+    if "megacp" in args.methods:
+        from megacp.train.engine import read_settings
+
+        try:  # a config megacp refuses: one line before any child runs
+            read_settings(megacp_config(args, args.device == "cuda"))
+        except ValueError as err:
+            p.error(str(err))
+    return args
+
+
+COLUMNS = [("method", "method", "s"), ("seq", "S", "d"), ("step", "step s", ".2f"), ("tokens_per_s", "tokens/s", ".0f"),
+           ("peak_alloc_gib", "GPU alloc GiB", ".1f"), ("peak_reserved_gib", "GPU reserved GiB", ".1f"),
+           ("host_rss_gib", "host RSS GiB", ".1f"), ("loss", "loss", ".4f"), ("error", "failure", "s")]
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    if args.child:
+        return child(args)
+    info = header(argv, args.device)
+    print(json.dumps(info), flush=True)
+    if args.concurrent:
+        with ThreadPoolExecutor(len(args.methods)) as pool:
+            ladders = list(pool.map(lambda m: ladder(argv, m, args.seq_lens), args.methods))
+    else:
+        ladders = [ladder(argv, m, args.seq_lens) for m in args.methods]
+    rows = [row for rows_of_method in ladders for row in rows_of_method]
     ok = {(r["method"], r["seq"]): r for r in rows if "error" not in r}
-    summary = {m: max((s for (mm, s) in ok if mm == m), default=0) for m in args.methods}
-    ratios = {s: ok[("megacp", s)]["tokens_per_s"] / ok[("alst", s)]["tokens_per_s"]
+    longest = {m: max((s for (mm, s) in ok if mm == m), default=0) for m in args.methods}
+    ratios = {s: round(ok[("megacp", s)]["tokens_per_s"] / ok[("alst", s)]["tokens_per_s"], 3)
               for (m, s) in ok if m == "megacp" and ("alst", s) in ok}
-    print(json.dumps({"longest": summary, "megacp_over_alst_tokens_per_s": ratios}), flush=True)
+    table = [{**r, "step": statistics.median(r["step_s"]) if "step_s" in r else None} for r in rows]
+    bh.print_table(None, table, COLUMNS, f"training steps, {args.layers} layers, one sequence per step")
+    print("longest: " + ", ".join(f"{m} {bh.size_label(s) if s else 'none'}" for m, s in longest.items()))
+    if ratios:
+        print("megacp / ALST tokens/s: " + ", ".join(f"{bh.size_label(s)} {r:.3f}" for s, r in ratios.items()))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({**header, "results": rows, "longest": summary, "ratios": ratios}, f, indent=1)
+            json.dump({**info, "results": rows, "longest": longest, "megacp_over_alst_tokens_per_s": ratios}, f,
+                      indent=1)
     return 0
 
 

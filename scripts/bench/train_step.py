@@ -24,7 +24,7 @@ import os
 import statistics
 import sys
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -84,17 +84,23 @@ def megacp_step(state: megacp.ParallelState, cfg: ModelConfig, ids: torch.Tensor
     return step, trainer
 
 
-def hf_model(cfg: ModelConfig, attn_implementation: str) -> torch.nn.Module:
-    """Hugging Face's ``LlamaForCausalLM`` of ``cfg``'s shape (random weights, bf16, on the GPU)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+def hf_config(cfg: ModelConfig, attn_implementation: str) -> Any:
+    """Hugging Face's ``LlamaConfig`` of ``cfg``'s shape (untied head)."""
+    from transformers import LlamaConfig
 
-    hcfg = LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+    return LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
                        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
                        num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps,
                        rope_theta=cfg.rope_theta, max_position_embeddings=cfg.max_position_embeddings,
                        tie_word_embeddings=False, attn_implementation=attn_implementation)
+
+
+def hf_model(cfg: ModelConfig, attn_implementation: str) -> torch.nn.Module:
+    """Hugging Face's ``LlamaForCausalLM`` of ``cfg``'s shape (random weights, bf16, on the GPU)."""
+    from transformers import LlamaForCausalLM
+
     with torch.device("cuda"):
-        model = LlamaForCausalLM(hcfg).to(torch.bfloat16)
+        model = LlamaForCausalLM(hf_config(cfg, attn_implementation)).to(torch.bfloat16)
     return model.train()
 
 

@@ -132,9 +132,10 @@ def fmt(x: Any, spec: str = ".3f") -> str:
     return str(x)
 
 
-def print_table(ctx: Ctx, rows: list[dict], cols: list[tuple[str, str, str]], title: str = "") -> None:
-    """``cols``: (key, header, format spec) — rank 0 prints a fixed-width table."""
-    if ctx.rank != 0 or not rows:
+def print_table(ctx: Ctx | None, rows: list[dict], cols: list[tuple[str, str, str]], title: str = "") -> None:
+    """``cols``: (key, header, format spec) — rank 0 (any process when ``ctx`` is ``None``) prints a
+    fixed-width table."""
+    if (ctx is not None and ctx.rank != 0) or not rows:
         return
     cells = [[fmt(r.get(k), spec) for k, _, spec in cols] for r in rows]
     widths = [max(len(h), *(len(c[i]) for c in cells)) for i, (_, h, _) in enumerate(cols)]
