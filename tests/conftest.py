@@ -7,6 +7,8 @@
   repository root on the import path, and the harness passes it to its workers in ``PYTHONPATH``.
 * ``slow`` marks tests that launch whole jobs (``deepspeed``/``torchrun``); they run by default,
   ``-m "not slow"`` skips them.
+* ``MEGACP_CACHE_DIR`` points at a temporary directory for the session (token and calibration
+  caches of the jobs the tests start stay out of the user's home), unless it is set already.
 * With pytest-timeout installed, every test gets a 300 s default timeout (a hung collective must
   not hang CI); an explicit ``--timeout`` or ``timeout`` ini setting wins.
 """
@@ -14,6 +16,8 @@
 from __future__ import annotations
 
 import importlib.util
+import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -24,6 +28,7 @@ DEFAULT_TIMEOUT_S = 300
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    os.environ.setdefault("MEGACP_CACHE_DIR", tempfile.mkdtemp(prefix="megacp-test-cache-"))
     config.addinivalue_line("markers", "slow: launches whole multi-process jobs (deepspeed / torchrun)")
     for tier in TIERS:
         config.addinivalue_line("markers", f"{tier}: a test of tests/{tier}")

@@ -73,6 +73,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="held-out documents (as --corpus) whose exact mean token loss and perplexity are reported")
     p.add_argument("--eval-every", type=int, metavar="N",
                    help="evaluate after every N-th step (default with --eval-corpus: after the last step)")
+    p.add_argument("--token-cache", metavar="DIR|none",
+                   help="where the tokenised corpus is cached and found again (default: "
+                        "$MEGACP_CACHE_DIR/tokens or ~/.cache/megacp/tokens); 'none' tokenises as it trains")
     p.add_argument("--seq-len", type=_seq_len_arg, default=2048,
                    help="tokens per packed sequence, or 'auto': the longest a step fits on the GPU by the memory "
                         "plan (default: 2048)")
@@ -133,6 +136,29 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         if not torch.cuda.is_available() or te_import_error() is not None:
             raise UsageError(f"--backend te needs CUDA and Transformer Engine: {te_import_error() or 'no CUDA device'}")
     return args
+
+
+def _token_cache(sources: Any, tokenizer: Any, eos_id: int, root: str | None, device: torch.device) -> Any:
+    """The corpus's token cache (:mod:`megacp.train.token_cache`): each node's local rank 0 builds
+    it while the other ranks wait, then they open it. Collective; a builder's error is raised on
+    every rank."""
+    from megacp.train.data import CorpusError
+    from megacp.train.token_cache import build_token_cache
+
+    path = Path(root) if root else None
+    cache, error = None, None
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        try:
+            cache = build_token_cache(sources, tokenizer, eos_id=eos_id, root=path)
+        except CorpusError as err:
+            error = err
+    failed = torch.tensor([error is not None], dtype=torch.int32, device=device)
+    dist.all_reduce(failed)
+    if error is not None:
+        raise error
+    if int(failed):
+        raise CorpusError("the token cache could not be built (the first rank of a node names the problem)")
+    return cache if cache is not None else build_token_cache(sources, tokenizer, eos_id=eos_id, root=path)
 
 
 def _seq_len_arg(text: str) -> int | str:
@@ -328,6 +354,8 @@ def run(args: argparse.Namespace) -> int:
                            keep_last=args.keep_last)
         return str(Path(args.save) / tag)
 
+    cache = None if args.token_cache == "none" else _token_cache(sources, tokenizer, eos_id, args.token_cache,
+                                                                          state.device)
     layout = f"CP={state.size('cp')} TP={state.size('tp')} DP={state.size('dp')}" + (
         f" EP={state.size('ep')}" if trainer.sharded_experts else "")
     if rank0 and not args.quiet:
@@ -339,13 +367,16 @@ def run(args: argparse.Namespace) -> int:
             print(f"{PROG}: memory plan: {plan.describe()}", flush=True)
         if resume_at is not None:
             print(f"{PROG}: resumed from {resume_at[0] / resume_at[1]} after step {first - 1}", flush=True)
+        if cache is not None:
+            print(f"{PROG}: {cache.describe()}", flush=True)
     losses, tokens, seconds = [], 0, 0.0
     saved, data = "", None
     with contextlib.ExitStack() as stack:
         metrics = stack.enter_context(open(args.metrics, "w", encoding="utf-8")) if rank0 and args.metrics else None
         batches = stack.enter_context(Prefetcher(CorpusBatches(
             sources, tokenizer, eos_id=eos_id, seq_len=args.seq_len, micro_batch=micro_batch,
-            dp_size=state.size("dp"), dp_rank=state.rank_in("dp"), start=start)))
+            dp_size=state.size("dp"), dp_rank=state.rank_in("dp"), start=start,
+            documents=None if cache is None else cache.stream(skip=start.document))))
         bar = stack.enter_context(tqdm(total=args.steps, initial=first - 1, unit="step", desc=f"train {layout}",
                                        disable=not rank0 or args.quiet))
         for step in range(first, args.steps + 1):

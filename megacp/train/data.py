@@ -293,16 +293,21 @@ class CorpusBatches:
             read in rounds of ``dp_size`` sequences, one for each replica, so the ``end`` of every
             replica's n-th batch is the same position.
         start: where the stream starts (a batch's ``end``: the batches that followed it).
+        documents: the tokenised document stream from its beginning with the first
+            ``start.document`` documents passed over (:meth:`megacp.train.token_cache.TokenCache.stream`),
+            instead of tokenising ``sources`` here.
     """
 
     def __init__(self, sources: Sequence[CorpusSource], tokenizer: Any, *, eos_id: int, seq_len: int,
-                 micro_batch: int, dp_size: int, dp_rank: int, start: StreamPosition = StreamPosition()) -> None:
+                 micro_batch: int, dp_size: int, dp_rank: int, start: StreamPosition = StreamPosition(),
+                 documents: Iterator[list[int]] | None = None) -> None:
         if micro_batch < 1:
             raise ValueError(f"micro_batch must be >= 1, got {micro_batch}")
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank must be in [0, {dp_size}), got {dp_rank}")
 
-        docs = tokenized_documents(sources, _encoder(tokenizer), eos_id, skip=start.document)
+        docs = documents if documents is not None else tokenized_documents(
+            sources, _encoder(tokenizer), eos_id, skip=start.document)
         self._sequences = pack_documents(docs, seq_len, start)
         self.micro_batch, self.dp_size, self.dp_rank = micro_batch, dp_size, dp_rank
 
