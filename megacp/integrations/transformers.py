@@ -17,8 +17,7 @@ ring as megacp's own models. Without a step the call is CP = 1 attention over th
 
 What megacp cannot reproduce exactly is refused with one ``ValueError`` naming the model's feature
 (:func:`check_model` before any work; :func:`megacp_attention` at every call): non-causal
-attention, attention-logit soft-capping, ALiBi, attention sinks, sliding windows shorter than a
-document, custom 4-D or padding masks, attention dropout in training, a cache holding past tokens
+attention, attention-logit soft-capping, ALiBi, attention sinks, custom 4-D or padding masks, attention dropout in training, a cache holding past tokens
 (generation keeps them in megacp's CP-sharded cache: :mod:`megacp.integrations.hf_generate`),
 returned attention weights, and any attention argument this module does not know.
 """
@@ -113,9 +112,8 @@ def _call_problem(module: nn.Module, query: Tensor, key: Tensor, attention_mask:
     if kwargs.get("softcap"):
         return f"{what} soft-caps attention logits (softcap={kwargs['softcap']}); megacp's kernels have no soft-capping"
     window = kwargs.get("sliding_window")
-    if window is not None and window < max_document:
-        return (f"{what} uses a sliding window of {window} tokens, shorter than a {max_document}-token document; "
-                "megacp's ring attention has no sliding window yet")
+    if window is not None and (not isinstance(window, int) or window < 1):
+        return f"{what} passes sliding_window={window!r}; megacp takes a window of at least 1 token"
     if kwargs.get("output_attentions"):
         return f"{what} was asked for attention weights (output_attentions); megacp's attention does not form them"
     if attention_mask is not None:
@@ -185,7 +183,7 @@ def megacp_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tenso
     q, k, v = (x.transpose(1, 2).reshape(b * s, x.shape[1], d) for x in (query, key, value))
     if step is None:
         step = cacheless_step(CPSettings(), q, k, v, lengths)
-    out = step.attend(_Layer(getattr(module, "layer_idx", None) or 0), q, k, v, scaling)
+    out = step.attend(_Layer(getattr(module, "layer_idx", None) or 0), q, k, v, scaling, kwargs.get("sliding_window"))
     return out.view(b, s, hq, d), None
 
 
