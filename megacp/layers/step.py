@@ -23,7 +23,6 @@ every rank.
 
 from __future__ import annotations
 
-import bisect
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import ClassVar, Protocol, Sequence
@@ -38,7 +37,7 @@ from megacp.attention.strategy import Choice
 from megacp.attention.training import ring_attention
 from megacp.kv_cache import ShardedKVCache
 from megacp.layers.settings import CPSettings
-from megacp.placement import ShardPlan, positions_from_history
+from megacp.placement import ShardPlan
 
 
 class AttentionLayer(Protocol):
@@ -163,9 +162,6 @@ class CPStep(ABC):
         it reads the plan only)."""
         if window is not None and window < 1:
             return f"a sliding window must hold at least 1 key, got {window}"
-        if self.cached and not self.replicated and self.plan.with_window(window).window is not None and self.plan.has_cached_kv:
-            return (f"a prefill chunk over cached tokens under a sliding window of {window} (shorter than the context) "
-                    "is not supported: prefill the prompt in one step")
         return None
 
     def input_error(self, q: Tensor, k: Tensor, v: Tensor) -> str | None:
@@ -297,11 +293,12 @@ class DecodeStep(CPStep):
         (positions ``<= p - window`` for the token at position ``p``): this rank's positions of a
         request rise, so the visible keys are the last ones (views, no copy)."""
         plan, pairs = self.plan, list(zip(kv[0], kv[1])) if isinstance(kv, tuple) else kv
+        runs = plan.prefix_runs(plan.rank)
+        assert runs is not None  # the cache's plans carry the histories
         out = []
-        for i, (slot, n) in enumerate(zip(self.slots, lens)):
-            held = positions_from_history(self.cache.history(slot) + [plan.cached[i] + 1], plan.cp_size, plan.rank,
-                                          load_balance=plan.load_balance)
-            first = bisect.bisect_right(held, plan.cached[i] - window)
+        for i, n in enumerate(lens):
+            edge = plan.cached[i] - window  # keys at positions <= edge are outside the window
+            first = sum(min(b, edge + 1) - a for a, b in runs[i] if a <= edge)
             k_i, v_i = pairs[i]
             out.append((k_i[first:n], v_i[first:n]))
         return out

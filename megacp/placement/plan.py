@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from megacp.placement.layout import SeqLayout, pack_layouts
-from megacp.placement.sharding import shard_ranges
+from megacp.placement.sharding import Range, shard_ranges
 from megacp.placement.tiles import Tile, plan_tiles
 
 _T = TypeVar("_T")
@@ -29,6 +29,9 @@ class ShardPlan:
             (from the KV cache's bookkeeping); ``None`` means no cache (all zeros; then ``cached``
             only shifts positions).
         load_balance: 2N-chunk load balancing (default) or N contiguous chunks.
+        histories: per request, the computed-token counts after each earlier step (the KV cache's
+            :meth:`~megacp.kv_cache.ShardedKVCache.history`); they place the cached tokens, which a
+            windowed plan over a cache needs (``None``: no positions for cached tokens).
         window: sliding window of the attention the tiles serve (a query at position ``x`` sees the
             keys at ``x - window + 1 .. x``); ``None``: full causal. :meth:`with_window` gives a
             layer's windowed plan of the same step.
@@ -46,6 +49,7 @@ class ShardPlan:
         *,
         prefix_counts: Sequence[Sequence[int]] | None = None,
         load_balance: bool = True,
+        histories: Sequence[Sequence[int]] | None = None,
         window: int | None = None,
     ) -> None:
         if len(cached) != len(new):
@@ -60,6 +64,7 @@ class ShardPlan:
         if window is not None and window < 1:
             raise ValueError(f"a sliding window must hold at least 1 key, got {window}")
         self.window = window
+        self.histories = None if histories is None else [list(h) for h in histories]
         if prefix_counts is None:
             prefix_counts = [[0] * len(new) for _ in range(cp_size)]
         elif len(prefix_counts) != cp_size or any(len(row) != len(new) for row in prefix_counts):
@@ -148,8 +153,26 @@ class ShardPlan:
     def tiles(self, q_rank: int, kv_rank: int) -> list[Tile]:
         """Kernel calls for ``q_rank``'s queries over ``kv_rank``'s KV block; computed once per plan
         and reused by every layer."""
-        return self._memo(("tiles", q_rank, kv_rank), lambda: plan_tiles(self.q_layout(q_rank), self.kv_layout(kv_rank),
-                                                                       self.window))
+        return self._memo(("tiles", q_rank, kv_rank), lambda: plan_tiles(
+            self.q_layout(q_rank), self.kv_layout(kv_rank), self.window,
+            self.prefix_runs(kv_rank) if self.window is not None and self.has_cached_kv else None))
+
+    def prefix_runs(self, rank: int) -> list[list[Range]] | None:
+        """Per request, the position runs ``[a, b)`` of the cached tokens ``rank`` holds, in its
+        cache order (from :attr:`histories`; ``None`` without them)."""
+        if self.histories is None:
+            return None
+        out = []
+        for h in self.histories:
+            runs: list[Range] = []
+            for a, b in zip(h, h[1:]):
+                for lo, hi in shard_ranges(a, b - a, self.cp_size, rank, load_balance=self.load_balance):
+                    if runs and runs[-1][1] == lo:
+                        runs[-1] = (runs[-1][0], hi)
+                    else:
+                        runs.append((lo, hi))
+            out.append(runs)
+        return out
 
     def local_index(self, rank: int | None = None) -> Tensor:
         """Indices into the packed new tokens of ``rank``'s local tokens (LongTensor ``[n_local]``)."""

@@ -18,7 +18,8 @@ positions ``x - W + 1 .. x``): the planner splits the visible keys of a query ru
 queries past the last key's window, and skips a pair that keeps nothing (no tile: no kernel call,
 the ring still rotates). A pair the window covers for every query runs as without a window; a
 partially covered pair gets ``left``, the band bound of the flash kernels' ``window_size_left``.
-Cached prefixes carry no positions in the layout, so a windowed plan refuses them.
+Cached prefixes carry no positions in the layout: a windowed plan over them takes the position runs
+of each request's cached keys (``prefix_runs``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from megacp.placement.layout import SeqLayout
+from megacp.placement.sharding import Range
 
 
 @dataclass(frozen=True)
@@ -68,14 +70,15 @@ def _request_tiles(q: SeqLayout, kv: SeqLayout) -> list[Tile]:
     return tiles
 
 
-def _windowed_request_tiles(q: SeqLayout, kv: SeqLayout, window: int) -> list[Tile]:
+def _windowed_request_tiles(q: SeqLayout, kv: SeqLayout, window: int, prefix_runs: Sequence[Range] | None) -> list[Tile]:
     """:func:`_request_tiles` under a sliding window of ``window`` keys (one tile per query run and
-    key segment the window reaches)."""
-    if kv.prefix:
-        raise ValueError("a sliding-window plan needs the positions of cached keys; it takes layouts without a prefix")
+    key segment the window reaches); ``prefix_runs``: positions of the cached keys, in buffer order."""
+    runs = tuple(prefix_runs or ())
+    if sum(b - a for a, b in runs) != kv.prefix:
+        raise ValueError(f"a sliding-window plan needs the positions of the {kv.prefix} cached keys; got runs {list(runs)}")
     tiles: list[Tile] = []
     segs, off = [], kv.offset
-    for a, b in kv.ranges:
+    for a, b in (*runs, *kv.ranges):
         segs.append((off, a, b))
         off += b - a
     q_off = q.offset
@@ -114,9 +117,11 @@ def _coalesce(tiles: list[Tile]) -> list[Tile]:
     return out
 
 
-def plan_tiles(q_layout: Sequence[SeqLayout], kv_layout: Sequence[SeqLayout], window: int | None = None) -> list[Tile]:
+def plan_tiles(q_layout: Sequence[SeqLayout], kv_layout: Sequence[SeqLayout], window: int | None = None,
+               prefix_runs: Sequence[Sequence[Range]] | None = None) -> list[Tile]:
     """Kernel calls for queries laid out as ``q_layout`` over keys laid out as ``kv_layout``
-    (same requests, same order), under a sliding window of ``window`` keys (``None``: full causal).
+    (same requests, same order), under a sliding window of ``window`` keys (``None``: full causal;
+    ``prefix_runs[i]``: the position runs of request ``i``'s cached keys, needed with a window).
     Without a window the tiles of one request never overlap in queries; with one, a query run can
     meet several key segments (one tile each, merged as partial states)."""
     if len(q_layout) != len(kv_layout):
@@ -124,6 +129,9 @@ def plan_tiles(q_layout: Sequence[SeqLayout], kv_layout: Sequence[SeqLayout], wi
     if window is not None and window < 1:
         raise ValueError(f"a sliding window must hold at least 1 key, got {window}")
     tiles: list[Tile] = []
-    for q, kv in zip(q_layout, kv_layout):
-        tiles.extend(_coalesce(_request_tiles(q, kv) if window is None else _windowed_request_tiles(q, kv, window)))
+    for i, (q, kv) in enumerate(zip(q_layout, kv_layout)):
+        if window is None:
+            tiles.extend(_coalesce(_request_tiles(q, kv)))
+        else:
+            tiles.extend(_windowed_request_tiles(q, kv, window, prefix_runs[i] if prefix_runs else None))
     return tiles

@@ -77,8 +77,9 @@ def test_windowed_ring_backward_equals_autograd_of_reference() -> None:
 
 
 def _decode_body(rank: int, n: int) -> list[float]:
-    """A 23-token prefill then 9 decode steps through the CP-sharded cache (window 4: decode runs far
-    past it), each decode output against the reference over the whole history."""
+    """A 23-token prompt prefilled in two chunks (13, then 10 over the cached 13), then 9 decode steps
+    through the CP-sharded cache (window 4: decode runs far past it), each output against the
+    reference over the whole history."""
     import torch.distributed as dist
 
     from megacp.kv_cache import ShardedKVCache
@@ -96,10 +97,13 @@ def _decode_body(rank: int, n: int) -> list[float]:
     errors = []
     pos = torch.arange(prompt + steps)
     with torch.no_grad():
-        step = begin_step(settings, cache, [slot], [prompt])
-        idx = step.token_index()
-        step.attend(layer, q[idx], k[idx], v[idx], None, window)
-        step.commit()
+        for a, b in ((0, 13), (13, prompt)):
+            step = begin_step(settings, cache, [slot], [b - a])
+            idx = step.token_index() + a
+            out = step.attend(layer, q[idx], k[idx], v[idx], None, window)
+            step.commit()
+            ref = naive_attention(q[idx], k[:b], v[:b], q_positions=pos[idx], k_positions=pos[:b], window=window)
+            errors.append((out - ref).abs().max().item())
         for t in range(prompt, prompt + steps):
             step = begin_step(settings, cache, [slot], [1])
             out = step.attend(layer, q[t:t + 1], k[t:t + 1], v[t:t + 1], None, window)

@@ -62,10 +62,25 @@ def test_planner_skips_tiles_outside_the_window() -> None:
     assert ShardPlan([0], [64], 4, 0).with_window(64).window is None  # a window over the whole context is causal
 
 
-def test_windowed_plan_refuses_cached_prefix() -> None:
-    plan = ShardPlan([4], [6], 2, 0, prefix_counts=[[2], [2]])
-    with pytest.raises(ValueError, match="positions of cached keys"):
-        plan.with_window(3).tiles(0, 0)
+def test_windowed_plan_over_a_cache_places_cached_keys_by_history() -> None:
+    """A 10-token chunk after a 7-token chunk and two decoded tokens (CP 2): the tiles over each
+    rank's block (cached keys, then new) let through exactly the window; without the history the
+    windowed plan refuses."""
+    history, window = [0, 7, 8, 9], 4
+    from megacp.placement import positions_from_history
+
+    held = [positions_from_history(history, 2, j) for j in range(2)]
+    counts = [[len(h)] for h in held]
+    with pytest.raises(ValueError, match=r"positions of the \d+ cached keys"):
+        ShardPlan([9], [10], 2, 0, prefix_counts=counts).with_window(window).tiles(0, 0)
+    for r in range(2):
+        plan = ShardPlan([9], [10], 2, r, prefix_counts=counts, histories=[history]).with_window(window)
+        qpos = plan.local_positions(r)
+        for j in range(2):
+            kpos = torch.tensor(held[j] + plan.local_positions(j).tolist())
+            want = (kpos[None] <= qpos[:, None]) & (kpos[None] > qpos[:, None] - window)
+            got = _visible_by_tiles(plan, r, j)[:, : kpos.numel()]
+            assert torch.equal(got, want), (r, j)
 
 
 @pytest.mark.parametrize("window", [1, 3, 16, 100])
