@@ -159,9 +159,13 @@ class ShardPlan:
 
     def prefix_runs(self, rank: int) -> list[list[Range]] | None:
         """Per request, the position runs ``[a, b)`` of the cached tokens ``rank`` holds, in its
-        cache order (from :attr:`histories`; ``None`` without them)."""
+        cache order (from :attr:`histories`; ``None`` without them); computed once per plan."""
         if self.histories is None:
             return None
+        return self._memo(("runs", rank), lambda: self._prefix_runs(rank))
+
+    def _prefix_runs(self, rank: int) -> list[list[Range]]:
+        assert self.histories is not None
         out = []
         for h in self.histories:
             runs: list[Range] = []
