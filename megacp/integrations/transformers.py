@@ -12,7 +12,8 @@ The model's own modules compute q/k/v and RoPE (at the global positions of this 
 which :func:`prepare_batch` passes as ``position_ids``); the attention function receives them as
 ``[B, H, S_local, D]``, converts to megacp's packed ``[tokens, H, D]`` and runs the
 step :func:`prepare_batch` built (``megacp_step``) through its ``attend``: the same ring prefill, strategy rule, kernels and differentiable pass-KV
-ring as megacp's own models. Without a step the call is CP = 1 attention over this process's tokens
+ring as megacp's own models, with the module's ``sliding_window`` (transformers passes it per layer:
+Mistral, Qwen2's windowed layers, Gemma-style alternation) planned as in megacp's layers. Without a step the call is CP = 1 attention over this process's tokens
 (documents from ``cu_seq_lens_q`` or from position-id resets, else one per batch row).
 
 What megacp cannot reproduce exactly is refused with one ``ValueError`` naming the model's feature
@@ -98,7 +99,7 @@ def check_model(model: nn.Module, *, training: bool | None = None) -> None:
 
 
 def _call_problem(module: nn.Module, query: Tensor, key: Tensor, attention_mask: Any, dropout: float,
-                  is_causal: bool | None, kwargs: dict[str, Any], max_document: int) -> str | None:
+                  is_causal: bool | None, kwargs: dict[str, Any]) -> str | None:
     """Why this attention call cannot run exactly under megacp, or ``None``."""
     what = _label(module)
     config = getattr(module, "config", None)
@@ -177,7 +178,7 @@ def megacp_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tenso
         raise TypeError(f"{STEP_KWARG} must be a megacp CPStep (from prepare_batch), got {type(step).__name__}")
     b, hq, s, d = query.shape
     lengths = [c + n for c, n in zip(step.plan.cached, step.plan.new)] if step is not None else _documents(query, kwargs)
-    problem = _call_problem(module, query, key, attention_mask, dropout, is_causal, kwargs, max(lengths))
+    problem = _call_problem(module, query, key, attention_mask, dropout, is_causal, kwargs)
     if problem is not None:
         raise ValueError(problem)
     q, k, v = (x.transpose(1, 2).reshape(b * s, x.shape[1], d) for x in (query, key, value))

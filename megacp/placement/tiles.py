@@ -109,7 +109,7 @@ def _coalesce(tiles: list[Tile]) -> list[Tile]:
     for t in tiles:
         if out:
             p = out[-1]
-            if p.q1 == t.q0 and p.k0 == t.k0 and p.causal == t.causal and p.left is None and t.left is None:
+            if p.q1 == t.q0 and p.k0 == t.k0 and p.causal == t.causal:
                 if (not t.causal and p.k1 == t.k1) or (t.causal and t.k1 - p.k1 == t.q1 - t.q0):
                     out[-1] = Tile(p.q0, t.q1, p.k0, t.k1, t.causal)
                     continue
