@@ -137,7 +137,7 @@ class ShardedKVCache:
         plan = ShardPlan(
             [self.length(s) for s in slots], new_tokens, self.cp_size, self.cp_rank,
             prefix_counts=[[self._held[s][j] for s in slots] for j in range(self.cp_size)],
-            load_balance=self.load_balance,
+            load_balance=self.load_balance, histories=[self._history[s] for s in slots],
         )
         for j in range(self.cp_size):
             for i, s in enumerate(slots):

@@ -9,6 +9,14 @@ Results: ``out`` ``[(B,) Lq, Hq, D]`` in ``q.dtype`` and ``lse`` ``[(B,) Lq, Hq]
 Masks: ``causal=False`` — every key visible. ``causal=True`` — bottom-right aligned: query ``i``
 sees key ``j`` iff ``j <= i + (Lk - Lq)``; this is the plain causal mask when ``Lq == Lk`` and
 "causal with offset" (queries placed after a cached prefix of ``Lk - Lq`` keys) otherwise.
+``left=w`` (a sliding-window band, bottom-right aligned as FlashAttention's ``window_size_left``)
+also hides key ``j`` from query ``i`` when ``j < i + (Lk - Lq) - w``.
+
+Which kernel serves which tile: a tile without ``left`` (inside the window, or no window) runs as
+below; a banded tile runs FlashAttention-2 with its window arguments
+(``aten._flash_attention_forward(window_size_left=, window_size_right=)``) for fp16/bf16 CUDA
+tensors (``"auto"`` or ``"flash"``), and the reference path with the band masked by index everywhere
+else (cuDNN's SDPA op in torch takes no window).
 
 Backends (``backend=``; default ``"auto"``; a job configures it as ``runtime.attention_backend`` or
 env ``MEGACP_ATTN_BACKEND``, read once by :func:`megacp.initialize` and handed to the CP layers):
@@ -92,10 +100,12 @@ def partial_attention(
     causal: bool = False,
     scale: float | None = None,
     backend: str | None = None,
+    left: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Attention of ``q`` over ``k``/``v`` returning ``(out [Lq,Hq,D], lse [Lq,Hq] fp32)``.
 
-    See the module docstring for layouts, the (bottom-right) causal convention and backends.
+    See the module docstring for layouts, the (bottom-right) causal convention, the ``left`` band
+    and backends.
     """
     _check_shapes(q, k, v)
     lq, hq, d = q.shape[-3:]
@@ -104,6 +114,10 @@ def partial_attention(
     backend = resolve_backend(backend)
     if lq == 0 or lk == 0 or q.numel() == 0:
         return empty_state(*q.shape, dtype=q.dtype, device=q.device)
+    if left is not None:
+        if backend in ("auto", "flash") and kernels_apply(q) and q.dim() == 3:
+            return _flash_band(q, k, v, causal=causal, scale=scale, left=left)
+        return _reference_batched(q, k, v, causal=causal, scale=scale, left=left)
     if backend == "reference" or (backend == "auto" and not kernels_apply(q)):
         return _reference_batched(q, k, v, causal=causal, scale=scale)
     res = first_kernel(backend, (q.dtype, q.dim(), hq, k.shape[-2], d, causal),
@@ -144,6 +158,21 @@ def _flash(q4: Tensor, k4: Tensor, v4: Tensor, causal: bool, scale: float) -> tu
 
 
 _KERNELS: dict[str, Callable[..., tuple[Tensor, Tensor]]] = {"cudnn": _cudnn, "flash": _flash}
+
+
+def _flash_band(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float, left: int) -> tuple[Tensor, Tensor]:
+    """One banded tile (``[L, H, D]``) through FlashAttention-2's varlen forward: one sequence,
+    ``window_size_left=left``, ``window_size_right`` 0 (causal) or unbounded (-1). Queries that see
+    no key get ``out = 0``, ``lse = -inf`` (the kernel writes +inf there)."""
+    lq, lk = q.shape[0], k.shape[0]
+    cu_q = torch.tensor([0, lq], dtype=torch.int32, device=q.device)
+    cu_k = torch.tensor([0, lk], dtype=torch.int32, device=q.device)
+    res = torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, lq, lk, 0.0, causal, False, scale=scale,
+                                                  window_size_left=left, window_size_right=0 if causal else -1)
+    out, lse = res[0], res[1]
+    lse = (lse.transpose(0, 1) if lse.dim() == 2 else lse.reshape(q.shape[1], lq).t()).float()
+    empty = ~torch.isfinite(lse)
+    return out.masked_fill(empty.unsqueeze(-1), 0), lse.masked_fill(empty, float("-inf"))
 
 
 def _kernel_call(kernel: Callable, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
@@ -193,20 +222,30 @@ def hidden_by_causal_mask(i0: int, i1: int, j0: int, j1: int, offset: int, devic
     return torch.arange(j0, j1, device=device).unsqueeze(0) > rows
 
 
-def _reference_batched(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+def hidden_by_band(i0: int, i1: int, j0: int, j1: int, offset: int, left: int, device: torch.device) -> Tensor:
+    """Bool ``[i1-i0, j1-j0]``: True where key ``j`` lies before query ``i``'s band
+    (``j < i + offset - left``, ``offset = Lk - Lq``)."""
+    rows = torch.arange(i0, i1, device=device).unsqueeze(1) + offset - left
+    return torch.arange(j0, j1, device=device).unsqueeze(0) < rows
+
+
+def _reference_batched(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float,
+                       left: int | None = None) -> tuple[Tensor, Tensor]:
     if q.dim() == 3:
-        return _reference(q, k, v, causal=causal, scale=scale)
-    outs, lses = zip(*(_reference(qb, kb, vb, causal=causal, scale=scale) for qb, kb, vb in zip(q, k, v)))
+        return _reference(q, k, v, causal=causal, scale=scale, left=left)
+    outs, lses = zip(*(_reference(qb, kb, vb, causal=causal, scale=scale, left=left) for qb, kb, vb in zip(q, k, v)))
     return torch.stack(outs), torch.stack(lses)
 
 
 def _reference(
-    q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float, block_q: int = 256, block_k: int = 1024
+    q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float, left: int | None = None,
+    block_q: int = 256, block_k: int = 1024,
 ) -> tuple[Tensor, Tensor]:
-    """Exact blocked attention with an online softmax, fp32 accumulation.
+    """Exact blocked attention with an online softmax, fp32 accumulation (``left``: the band's
+    lower bound, see the module docstring).
 
-    Memory: ``Hq × block_q × block_k`` fp32 scores at a time; causal key blocks that no query of
-    the block can see are skipped.
+    Memory: ``Hq × block_q × block_k`` fp32 scores at a time; key blocks that no query of the block
+    can see (after the causal diagonal, before the band) are skipped.
     """
     lq, hq, d = q.shape
     lk, hkv, _ = k.shape
@@ -222,11 +261,14 @@ def _reference(
         s = torch.zeros(hkv, g, i1 - i0, device=q.device)
         acc = torch.zeros(hkv, g, i1 - i0, d, device=q.device)
         k_end = min(lk, i1 - 1 + offset + 1) if causal else lk
-        for j0 in range(0, max(k_end, 0), block_k):
+        k_start = 0 if left is None else max(0, i0 + offset - left)
+        for j0 in range(k_start, max(k_end, 0), block_k):
             j1 = min(j0 + block_k, k_end)
             scores = qb @ kf[:, :, j0:j1].transpose(-1, -2)  # [Hkv,G,bq,bk]
             if causal:
                 scores = scores.masked_fill(hidden_by_causal_mask(i0, i1, j0, j1, offset, q.device), float("-inf"))
+            if left is not None:
+                scores = scores.masked_fill(hidden_by_band(i0, i1, j0, j1, offset, left, q.device), float("-inf"))
             m_new = torch.maximum(m, scores.amax(dim=-1))
             m_safe = finite_or_zero(m_new)
             p = torch.exp(scores - m_safe.unsqueeze(-1))

@@ -12,7 +12,8 @@ share. This is what a fused attention backward kernel computes when it is fed th
 ``out``/``lse`` instead of those of its own forward.
 
 Layout as :mod:`~megacp.attention.partial`: ``q``/``out``/``dout`` ``[Lq, Hq, D]``, ``k``/``v``
-``[Lk, Hkv, D]``, ``lse`` ``[Lq, Hq]`` fp32 natural log; ``causal`` is bottom-right aligned.
+``[Lk, Hkv, D]``, ``lse`` ``[Lq, Hq]`` fp32 natural log; ``causal`` is bottom-right aligned and
+``left`` is the forward's sliding-window band (:func:`~megacp.attention.partial.partial_attention`).
 
 Backends (the forward's names and default, ``backend=``):
 
@@ -20,7 +21,9 @@ Backends (the forward's names and default, ``backend=``):
 * ``"flash"`` — ``aten._scaled_dot_product_flash_attention_backward`` (LSE ``[B,H,S]``);
 * ``"reference"`` — exact fp32 math on any device, ``Hq × block_q × Lk`` scores at a time.
 
-Both kernels take fewer KV heads than query heads and return dK/dV with the KV head count. ``"auto"``
+A banded tile (``left`` set) runs FlashAttention-2's varlen backward with its window arguments
+(``aten._flash_attention_backward``) for fp16/bf16 CUDA tensors under ``"auto"``/``"flash"``, and the
+reference with the band masked everywhere else. Both kernels take fewer KV heads than query heads and return dK/dV with the KV head count. ``"auto"``
 tries cuDNN then flash for fp16/bf16 CUDA tensors (a shape a kernel refuses falls back to the next,
 remembered per shape class as in the forward) and uses the reference elsewhere. Kernels return
 gradients in the input dtype, the reference in fp32; callers accumulate blocks in fp32.
@@ -36,7 +39,14 @@ import torch
 from torch import Tensor
 
 from megacp.attention.merge import finite_or_zero
-from megacp.attention.partial import first_kernel, heads_first, hidden_by_causal_mask, kernels_apply, resolve_backend
+from megacp.attention.partial import (
+    first_kernel,
+    heads_first,
+    hidden_by_band,
+    hidden_by_causal_mask,
+    kernels_apply,
+    resolve_backend,
+)
 
 Grads = tuple[Tensor, Tensor, Tensor]
 _refused: set[tuple] = set()
@@ -46,7 +56,7 @@ the installed kernels, not of any job)."""
 
 def partial_attention_backward(
     q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor,
-    *, causal: bool, scale: float | None = None, backend: str | None = None,
+    *, causal: bool, scale: float | None = None, backend: str | None = None, left: int | None = None,
 ) -> Grads:
     """Gradients of one block's share of attention.
 
@@ -55,6 +65,7 @@ def partial_attention_backward(
         k, v: ``[Lk, Hkv, D]`` the block's keys and values.
         lse: ``[Lq, Hq]`` fp32, the queries' final natural-log LSE.
         causal: bottom-right aligned mask (query ``i`` sees key ``j`` iff ``j <= i + Lk - Lq``).
+        left: the sliding-window band (key ``j`` hidden from query ``i`` when ``j < i + Lk - Lq - left``).
 
     Returns:
         ``(dq [Lq,Hq,D], dk [Lk,Hkv,D], dv [Lk,Hkv,D])`` — in ``q.dtype`` from a kernel, fp32 from
@@ -65,6 +76,10 @@ def partial_attention_backward(
     backend = resolve_backend(backend)
     if q.shape[0] == 0 or k.shape[0] == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    if left is not None:
+        if backend in ("auto", "flash") and kernels_apply(q):
+            return _flash_band_backward(q, k, v, out, lse, dout.contiguous(), causal=causal, scale=scale, left=left)
+        return reference_backward(q, k, v, out, lse, dout, causal=causal, scale=scale, left=left)
     if backend == "reference" or (backend == "auto" and not kernels_apply(q)):
         return reference_backward(q, k, v, out, lse, dout, causal=causal, scale=scale)
     dout = dout.contiguous()
@@ -100,6 +115,19 @@ def _flash_backward(dout4: Tensor, q4: Tensor, k4: Tensor, v4: Tensor, out4: Ten
 
 
 _KERNELS: dict[str, Callable[..., Grads]] = {"cudnn": _cudnn_backward, "flash": _flash_backward}
+
+
+def _flash_band_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor, *,
+                         causal: bool, scale: float, left: int) -> Grads:
+    """One banded tile (``[L, H, D]``) through FlashAttention-2's varlen backward (one sequence, the
+    forward's window: ``window_size_left=left``, right 0 when causal else unbounded)."""
+    lq, lk, seed = q.shape[0], k.shape[0], _zero_seed(q.device)
+    cu_q = torch.tensor([0, lq], dtype=torch.int32, device=q.device)
+    cu_k = torch.tensor([0, lk], dtype=torch.int32, device=q.device)
+    dq, dk, dv = torch.ops.aten._flash_attention_backward(
+        dout, q, k, v, out, lse.t().contiguous(), cu_q, cu_k, lq, lk, 0.0, causal, seed, seed, scale=scale,
+        window_size_left=left, window_size_right=0 if causal else -1)
+    return dq, dk, dv
 
 
 def _kernel_call(kernel: Callable[..., Grads], q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
@@ -173,9 +201,10 @@ def _kernel_backward(kernel: Callable[..., Grads], q: Tensor, k: Tensor, v: Tens
 
 def reference_backward(
     q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor,
-    *, causal: bool, scale: float, block_q: int = 256,
+    *, causal: bool, scale: float, left: int | None = None, block_q: int = 256,
 ) -> Grads:
-    """Exact fp32 gradients (the module formulas), ``Hq × block_q × Lk`` scores at a time.
+    """Exact fp32 gradients (the module formulas), ``Hq × block_q × Lk`` scores at a time
+    (``left``: the sliding-window band).
 
     Returns fp32 ``(dq [Lq,Hq,D], dk [Lk,Hkv,D], dv [Lk,Hkv,D])``.
     """
@@ -196,6 +225,8 @@ def reference_backward(
         scores = (qb @ kf[:, :, :k_end].transpose(-1, -2)) * scale  # [Hkv,G,bq,k_end]
         if causal:
             scores = scores.masked_fill(hidden_by_causal_mask(i0, i1, 0, k_end, offset, q.device), float("-inf"))
+        if left is not None:
+            scores = scores.masked_fill(hidden_by_band(i0, i1, 0, k_end, offset, left, q.device), float("-inf"))
         p = torch.exp(scores - lb.unsqueeze(-1))
         dv[:, :k_end] += (p.transpose(-1, -2) @ dob).sum(dim=1)
         ds = p * (dob @ vf[:, :, :k_end].transpose(-1, -2) - (dob * ob).sum(-1, keepdim=True))

@@ -145,6 +145,7 @@ def cp_attention(
     load_balance: bool = True,
     scale: float | None = None,
     backend: str | None = None,
+    window: int | None = None,
 ) -> Tensor:
     """Causal attention of whole packed sequences computed with CP over ``group``.
 
@@ -156,6 +157,8 @@ def cp_attention(
         group: the CP process group, or a :class:`~megacp.parallel.ring.Ring` over it (another
             transport or window size); ``None`` = the whole world (world of one without init).
         cu_seqlens: int32 ``[B+1]`` sequence boundaries (default: one sequence).
+        window: sliding window (a query at position ``x`` sees keys ``x - window + 1 .. x`` of its
+            sequence; ``None``: full causal). Tiles outside the window are skipped.
 
     Every rank must pass the same inputs and options: a difference in shapes, dtypes, lengths or
     options (or an input refused on one rank) is one ``ValueError`` on every rank, found by one small
@@ -170,11 +173,12 @@ def cp_attention(
     error, lens = _input_error(q, k, v, cu_seqlens)
     fields = [("q shape", tuple(q.shape)), ("k shape", tuple(k.shape)), ("v shape", tuple(v.shape)),
               ("dtypes of q, k, v", (str(q.dtype), str(k.dtype), str(v.dtype))), ("sequence lengths", lens),
-              ("strategy", strategy), ("load_balance", load_balance), ("scale", scale), ("backend", backend)]
+              ("strategy", strategy), ("load_balance", load_balance), ("scale", scale), ("backend", backend),
+              ("sliding window", window)]
     agree(ring, fields, device=q.device, what="cp_attention", local_error=error)
     assert lens is not None  # agree raised on every rank when this rank could not read them
     n, r = (ring.size, ring.rank) if ring else (1, 0)
-    plan = ShardPlan([0] * len(lens), lens, n, r, load_balance=load_balance)
+    plan = ShardPlan([0] * len(lens), lens, n, r, load_balance=load_balance).with_window(window)
     idx = plan.local_index().to(q.device)
     ql, kl, vl = q[idx], k[idx], v[idx]
     name = strategy_name(resolve_strategy(strategy, plan, q.shape[1], k.shape[1], k.element_size(), q.device,

@@ -26,22 +26,27 @@ def run_tiles(
     into the running state ``acc = (out [Lq,Hq,D], lse [Lq,Hq] fp32)``.
 
     With ``acc=None`` the tiles start a fresh state: rows no tile covers are ``out = 0``,
-    ``lse = -inf``, and a single tile covering every row becomes the state without a copy.
+    ``lse = -inf``, and a single tile covering every row becomes the state without a copy; tiles
+    that share query rows (a windowed plan: one tile per key segment) are merged there.
     Returns the (possibly new) state.
     """
     lq, hq, d = q.shape
+
+    def attend(t: Tile) -> tuple[Tensor, Tensor]:
+        return partial_attention(q[t.q0:t.q1], k[t.k0:t.k1], v[t.k0:t.k1], causal=t.causal, scale=scale,
+                                 backend=backend, left=t.left)
+
     if acc is None:
         if len(tiles) == 1 and tiles[0].q0 == 0 and tiles[0].q1 == lq:
-            t = tiles[0]
-            return partial_attention(q, k[t.k0:t.k1], v[t.k0:t.k1], causal=t.causal, scale=scale, backend=backend)
+            return attend(tiles[0])
         out, lse = empty_state(lq, hq, d, dtype=q.dtype, device=q.device)
-        for t in tiles:  # tiles never overlap in queries within one block
-            o, l = partial_attention(q[t.q0:t.q1], k[t.k0:t.k1], v[t.k0:t.k1], causal=t.causal, scale=scale, backend=backend)
-            out[t.q0:t.q1] = o
-            lse[t.q0:t.q1] = l
-        return out, lse
+        spans = sorted((t.q0, t.q1) for t in tiles)
+        if all(b0 <= a1 for (_, b0), (a1, _) in zip(spans, spans[1:])):
+            for t in tiles:
+                out[t.q0:t.q1], lse[t.q0:t.q1] = attend(t)
+            return out, lse
+        acc = out, lse
     out, lse = acc
     for t in tiles:
-        o, l = partial_attention(q[t.q0:t.q1], k[t.k0:t.k1], v[t.k0:t.k1], causal=t.causal, scale=scale, backend=backend)
-        merge_into(out[t.q0:t.q1], lse[t.q0:t.q1], o, l)
+        merge_into(out[t.q0:t.q1], lse[t.q0:t.q1], *attend(t))
     return out, lse

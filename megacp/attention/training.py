@@ -79,7 +79,7 @@ def block_gradients(q: Tensor, block: KVBlock, out: Tensor, lse: Tensor, dout: T
     for t in tiles:
         rows, keys = slice(t.q0, t.q1), slice(t.k0, t.k1)
         gq, gk, gv = partial_attention_backward(q[rows], k[keys], v[keys], out[rows], lse[rows], dout[rows],
-                                                causal=t.causal, scale=scale, backend=backend)
+                                                causal=t.causal, scale=scale, backend=backend, left=t.left)
         dq.append((t.q0, t.q1, gq))
         dk.append((t.k0, t.k1, gk))
         dv.append((t.k0, t.k1, gv))
@@ -118,16 +118,16 @@ class _RingAttention(torch.autograd.Function):
             whole = _whole(own, m, kv_shape[0])
             if whole is not None:  # one kernel call: its gradients are the answer, no fp32 accumulation
                 gq, gk, gv = partial_attention_backward(q, bk, bv, out, lse, dout, causal=whole.causal,
-                                                        scale=scale, backend=backend)
+                                                        scale=scale, backend=backend, left=whole.left)
                 return gq.to(q.dtype), gk.to(q.dtype), gv.to(q.dtype), None, None, None, None
             pq, pk, pv = block_gradients(q, (bk, bv), out, lse, dout, own, scale=scale, backend=backend)
             dq = accumulate(None, pq, q.shape, dev)
             home = [accumulate(None, pk, kv_shape, dev), accumulate(None, pv, kv_shape, dev)]
         else:
             dq, recv, pending = None, None, None
-            # the tiles of one block never overlap in queries, so a query row sums at most n partial
-            # gradients: with two, one rounding of their sum in q.dtype is what fp32 would give
-            dq_dtype = q.dtype if n == 2 else torch.float32
+            # without a window the tiles of one block never overlap in queries, so a query row sums at
+            # most n partial gradients: with two, one rounding of their sum in q.dtype is what fp32 would give
+            dq_dtype = q.dtype if n == 2 and plan.window is None else torch.float32
             need = [plan.kv_rows_read(j, r) for j in range(n)]
             for step, held in ring.rotate((bk, bv), rows=need):  # held: KV block of rank r - step
                 pq, pk, pv = block_gradients(q, held, out, lse, dout, plan.tiles(r, (r - step) % n),

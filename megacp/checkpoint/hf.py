@@ -117,7 +117,7 @@ def config_from_hf(hf_config: dict[str, Any]) -> ModelConfig:
     num_heads = _required(hf_config, "num_attention_heads")
     max_positions = hf_config.get("max_position_embeddings")
     max_positions = _DEFAULT_MAX_POSITIONS[arch] if max_positions is None else max_positions
-    _check_sliding_window(arch, hf_config, max_positions)
+    windows = _windows_from_hf(arch, hf_config, _required(hf_config, "num_hidden_layers"))
     rope_theta, rope_scaling = _rope_from_hf(hf_config)
     moe = _moe_from_hf(arch, hf_config)
     try:
@@ -139,6 +139,7 @@ def config_from_hf(hf_config: dict[str, Any]) -> ModelConfig:
             bos_token_id=hf_config.get("bos_token_id"),
             eos_token_id=hf_config.get("eos_token_id"),
             **moe,
+            **windows,
         )
     except (ValueError, TypeError) as err:
         raise CheckpointError(f"invalid Hugging Face config: {err}") from None
@@ -177,9 +178,13 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     if cfg.architecture == "llama":
         hf_config.update(attention_bias=False, mlp_bias=False)
     elif cfg.architecture in ("mistral", "mixtral"):
-        hf_config["sliding_window"] = None
+        hf_config["sliding_window"] = cfg.sliding_window
     else:
-        hf_config.update(use_sliding_window=False, sliding_window=None)
+        hf_config.update(use_sliding_window=cfg.sliding_window is not None, sliding_window=cfg.sliding_window,
+                         max_window_layers=0)
+    if cfg.sliding_window is not None:
+        hf_config["layer_types"] = [
+            "sliding_attention" if cfg.layer_window(i) is not None else "full_attention" for i in range(cfg.num_layers)]
     if cfg.architecture == "mixtral":
         hf_config.update(num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
                          router_jitter_noise=0.0)
@@ -269,18 +274,24 @@ def _required(hf_config: dict[str, Any], key: str) -> int:
     return value
 
 
-def _check_sliding_window(arch: str, hf_config: dict[str, Any], max_positions: int) -> None:
-    # transformers' MistralConfig defaults to a 4096-token window when config.json omits the key.
-    window = hf_config.get("sliding_window", 4096 if arch == "mistral" else None)
-    uses_window = arch in ("mistral", "mixtral") or (
-        arch in ("qwen2", "qwen2_moe") and hf_config.get("use_sliding_window")
-    )
-    if uses_window and window is not None and window < max_positions:
-        raise CheckpointError(
-            f"sliding_window={window} is smaller than max_position_embeddings={max_positions}: "
-            "megacp attends over the whole context; only checkpoints without a sliding window "
-            "(sliding_window null or >= max_position_embeddings) are supported"
-        )
+def _windows_from_hf(arch: str, hf_config: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """The :class:`ModelConfig` window fields: Mistral/Mixtral's ``sliding_window`` (transformers'
+    MistralConfig defaults to 4096 tokens when config.json omits the key), Qwen2's under
+    ``use_sliding_window`` on the layers from ``max_window_layers`` on, and ``layer_types`` where
+    the config lists them."""
+    if arch in ("mistral", "mixtral"):
+        window = hf_config.get("sliding_window", 4096 if arch == "mistral" else None)
+    elif arch in ("qwen2", "qwen2_moe") and hf_config.get("use_sliding_window"):
+        window = hf_config.get("sliding_window")
+    else:
+        window = None
+    if window is None:
+        return {}
+    types = hf_config.get("layer_types")
+    if types is None and arch in ("qwen2", "qwen2_moe"):
+        first = hf_config.get("max_window_layers", 28)
+        types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+    return {"sliding_window": window, "layer_types": list(types) if types is not None else None}
 
 
 def _rope_from_hf(hf_config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:

@@ -85,8 +85,8 @@ class LLM:
         max_session_tokens: tokens one session may hold (default: the model's context, at most 4096).
         cuda_graphs: decode greedy requests from a CUDA graph per batch
             (:class:`~megacp.generate.graph.GraphDecoder`); ``None`` (default): on CUDA for dense
-            models, ``False``: eager decode. ``True`` on a CPU or with a mixture-of-experts model
-            raises ``ValueError``.
+            models without a sliding window, ``False``: eager decode. ``True`` on a CPU, with a
+            mixture-of-experts model or with a sliding window raises ``ValueError``.
         allow_non_finite: load weights that hold NaN or inf (refused by default, naming the tensor).
         tokenizer: the tokenizer of a transformers model object (text prompts, chat, stop strings).
         state: an existing :class:`~megacp.parallel.ParallelState` to run on.
@@ -172,8 +172,12 @@ class LLM:
         mc = self.model_config
         if cuda_graphs and mc.num_experts:
             raise ValueError(MOE_GRAPHS)
+        windowed = isinstance(mc, ModelConfig) and mc.sliding_window is not None
+        if cuda_graphs and windowed:
+            raise ValueError("cuda_graphs=True does not support sliding-window attention (the graph's decode step has "
+                             "no window); pass cuda_graphs=False")
         if cuda_graphs is None:
-            cuda_graphs = device.type == "cuda" and not mc.num_experts and not hf
+            cuda_graphs = device.type == "cuda" and not mc.num_experts and not hf and not windowed
         self.generator = Generator.for_model(net, mc, settings, device=device, dtype=self.dtype, tp_size=tp,
                                              prefill_chunk=prefill_chunk, cuda_graphs=cuda_graphs)
         self.max_sessions = max_sessions

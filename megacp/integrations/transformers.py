@@ -12,13 +12,13 @@ The model's own modules compute q/k/v and RoPE (at the global positions of this 
 which :func:`prepare_batch` passes as ``position_ids``); the attention function receives them as
 ``[B, H, S_local, D]``, converts to megacp's packed ``[tokens, H, D]`` and runs the
 step :func:`prepare_batch` built (``megacp_step``) through its ``attend``: the same ring prefill, strategy rule, kernels and differentiable pass-KV
-ring as megacp's own models. Without a step the call is CP = 1 attention over this process's tokens
+ring as megacp's own models, with the module's ``sliding_window`` (transformers passes it per layer:
+Mistral, Qwen2's windowed layers, Gemma-style alternation) planned as in megacp's layers. Without a step the call is CP = 1 attention over this process's tokens
 (documents from ``cu_seq_lens_q`` or from position-id resets, else one per batch row).
 
 What megacp cannot reproduce exactly is refused with one ``ValueError`` naming the model's feature
 (:func:`check_model` before any work; :func:`megacp_attention` at every call): non-causal
-attention, attention-logit soft-capping, ALiBi, attention sinks, sliding windows shorter than a
-document, custom 4-D or padding masks, attention dropout in training, a cache holding past tokens
+attention, attention-logit soft-capping, ALiBi, attention sinks, custom 4-D or padding masks, attention dropout in training, a cache holding past tokens
 (generation keeps them in megacp's CP-sharded cache: :mod:`megacp.integrations.hf_generate`),
 returned attention weights, and any attention argument this module does not know.
 """
@@ -99,7 +99,7 @@ def check_model(model: nn.Module, *, training: bool | None = None) -> None:
 
 
 def _call_problem(module: nn.Module, query: Tensor, key: Tensor, attention_mask: Any, dropout: float,
-                  is_causal: bool | None, kwargs: dict[str, Any], max_document: int) -> str | None:
+                  is_causal: bool | None, kwargs: dict[str, Any]) -> str | None:
     """Why this attention call cannot run exactly under megacp, or ``None``."""
     what = _label(module)
     config = getattr(module, "config", None)
@@ -113,9 +113,8 @@ def _call_problem(module: nn.Module, query: Tensor, key: Tensor, attention_mask:
     if kwargs.get("softcap"):
         return f"{what} soft-caps attention logits (softcap={kwargs['softcap']}); megacp's kernels have no soft-capping"
     window = kwargs.get("sliding_window")
-    if window is not None and window < max_document:
-        return (f"{what} uses a sliding window of {window} tokens, shorter than a {max_document}-token document; "
-                "megacp's ring attention has no sliding window yet")
+    if window is not None and (not isinstance(window, int) or window < 1):
+        return f"{what} passes sliding_window={window!r}; megacp takes a window of at least 1 token"
     if kwargs.get("output_attentions"):
         return f"{what} was asked for attention weights (output_attentions); megacp's attention does not form them"
     if attention_mask is not None:
@@ -179,13 +178,13 @@ def megacp_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tenso
         raise TypeError(f"{STEP_KWARG} must be a megacp CPStep (from prepare_batch), got {type(step).__name__}")
     b, hq, s, d = query.shape
     lengths = [c + n for c, n in zip(step.plan.cached, step.plan.new)] if step is not None else _documents(query, kwargs)
-    problem = _call_problem(module, query, key, attention_mask, dropout, is_causal, kwargs, max(lengths))
+    problem = _call_problem(module, query, key, attention_mask, dropout, is_causal, kwargs)
     if problem is not None:
         raise ValueError(problem)
     q, k, v = (x.transpose(1, 2).reshape(b * s, x.shape[1], d) for x in (query, key, value))
     if step is None:
         step = cacheless_step(CPSettings(), q, k, v, lengths)
-    out = step.attend(_Layer(getattr(module, "layer_idx", None) or 0), q, k, v, scaling)
+    out = step.attend(_Layer(getattr(module, "layer_idx", None) or 0), q, k, v, scaling, kwargs.get("sliding_window"))
     return out.view(b, s, hq, d), None
 
 

@@ -58,6 +58,19 @@ def check_dropout(module: nn.Module) -> None:
         )
 
 
+def sliding_window_of(window_size: tuple[int, int] | None, attn_mask_type: str) -> int | None:
+    """The window ``W`` of TE's ``window_size = (W - 1, 0)`` (``None``: no window, also for ``(-1, 0)``
+    or ``(-1, -1)``); raises ``ValueError`` for a window megacp cannot run (keys after the query,
+    or a window on a non-causal layer)."""
+    if window_size is None or tuple(window_size) in ((-1, 0), (-1, -1)):
+        return None
+    left, right = window_size
+    if right not in (0, -1) or left < 0 or "causal" not in attn_mask_type:
+        raise ValueError(f"window_size={tuple(window_size)} is not supported: megacp runs causal sliding windows "
+                         "(W - 1, 0) only")
+    return left + 1
+
+
 class DotProductAttention(nn.Module):
     """Local attention, TE-compatible constructor and forward.
 
@@ -67,7 +80,9 @@ class DotProductAttention(nn.Module):
         module with a nonzero value refuses to run in training mode (dropout is not implemented);
         attn_mask_type: ``"causal"`` or ``"no_mask"`` (``padding*`` variants accepted: sequences are
         delimited by ``cu_seqlens``); qkv_format: default layout of inputs; layer_number: 1-based
-        index (TE convention); softmax_scale: default ``1/sqrt(D)``.
+        index (TE convention); softmax_scale: default ``1/sqrt(D)``; window_size: TE's sliding
+        window ``(left, right)`` of a causal layer: ``(W - 1, 0)`` lets a query at position ``x``
+        see keys ``x - W + 1 .. x`` (:attr:`sliding_window` ``= W``); ``None`` or ``(-1, 0)``: full causal.
     """
 
     # TE >= 2.16's MultiheadAttention reads and sets `core_attention.name` (quantizer roles)
@@ -83,10 +98,13 @@ class DotProductAttention(nn.Module):
         attn_mask_type: str = "causal",
         layer_number: int | None = None,
         softmax_scale: float | None = None,
+        window_size: tuple[int, int] | None = None,
         **_: Any,
     ) -> None:
         super().__init__()
         check_format(qkv_format, attn_mask_type)
+        self.window_size = window_size
+        self.sliding_window = sliding_window_of(window_size, attn_mask_type)
         self.num_attention_heads = num_attention_heads
         self.kv_channels = kv_channels
         self.num_gqa_groups = num_gqa_groups or num_attention_heads
@@ -134,17 +152,23 @@ class DotProductAttention(nn.Module):
             else:
                 b, s = (query_layer.shape[0], query_layer.shape[1]) if fmt == "bshd" else query_layer.shape[1::-1]
                 lens = [s] * b
-            plan = ShardPlan([0] * len(lens), lens, 1, 0)
+            plan = ShardPlan([0] * len(lens), lens, 1, 0).with_window(self.sliding_window)
             out = ring_attention(q, k, v, plan, None, scale=self.softmax_scale, backend=self.backend)
             return from_thd(out, query_layer, fmt)
         if fmt == "thd":
             bounds = [0, query_layer.shape[0]] if cu_seqlens_q is None else cu_seqlens_q.tolist()
             outs = [
                 partial_attention(query_layer[a:b], key_layer[a:b], value_layer[a:b], causal=causal,
-                                  scale=self.softmax_scale, backend=self.backend)[0]
+                                  scale=self.softmax_scale, backend=self.backend, left=self._left(b - a))[0]
                 for a, b in zip(bounds, bounds[1:])
             ]
             return from_thd(torch.cat(outs), query_layer, fmt)
         q, k, v = (x if fmt == "bshd" else x.transpose(0, 1) for x in (query_layer, key_layer, value_layer))
-        dense, _lse = partial_attention(q, k, v, causal=causal, scale=self.softmax_scale, backend=self.backend)
+        dense, _lse = partial_attention(q, k, v, causal=causal, scale=self.softmax_scale, backend=self.backend,
+                                        left=self._left(q.shape[1]))
         return from_thd(to_thd(dense, "bshd"), query_layer, fmt)
+
+    def _left(self, length: int) -> int | None:
+        """The band of a causal sequence of ``length`` tokens under the window (``None``: it covers all)."""
+        w = self.sliding_window
+        return w - 1 if w is not None and w < length else None

@@ -30,7 +30,7 @@ class CPDotProductAttention(DotProductAttention):
 
     Args:
         num_attention_heads, kv_channels, num_gqa_groups, attention_dropout, qkv_format,
-        attn_mask_type, layer_number, softmax_scale: as TE, in TE's order (``layer_number`` is
+        attn_mask_type, layer_number, softmax_scale, window_size: as TE, in TE's order (``layer_number`` is
         1-based and indexes the KV cache; ``attn_mask_type`` must be causal; see
         :class:`~megacp.layers.attention.DotProductAttention` for ``attention_dropout``).
         settings: the CP settings of a step the layer plans itself (no ``inference_params``);
@@ -47,12 +47,14 @@ class CPDotProductAttention(DotProductAttention):
         attn_mask_type: str = "causal",
         layer_number: int | None = None,
         softmax_scale: float | None = None,
+        window_size: tuple[int, int] | None = None,
         *,
         settings: CPSettings | None = None,
         **_: Any,
     ) -> None:
         super().__init__(num_attention_heads, kv_channels, num_gqa_groups, attention_dropout, qkv_format=qkv_format,
-                         attn_mask_type=attn_mask_type, layer_number=layer_number, softmax_scale=softmax_scale)
+                         attn_mask_type=attn_mask_type, layer_number=layer_number, softmax_scale=softmax_scale,
+                         window_size=window_size)
         _check_causal(attn_mask_type)
         self.settings = settings or CPSettings()
 
@@ -86,7 +88,7 @@ class CPDotProductAttention(DotProductAttention):
         step = inference_params if inference_params is not None else self._cacheless_step(q, k, v, fmt, query_layer, cu_seqlens_q)
         if not isinstance(step, CPStep):
             raise TypeError(f"inference_params must be a megacp CPStep (megacp.layers.step), got {type(inference_params).__name__}")
-        return from_thd(step.attend(self, q, k, v, self.softmax_scale), query_layer, fmt)
+        return from_thd(step.attend(self, q, k, v, self.softmax_scale, self.sliding_window), query_layer, fmt)
 
     def _cacheless_step(self, q: Tensor, k: Tensor, v: Tensor, fmt: str, like: Tensor, cu_seqlens: Tensor | None) -> CPStep:
         """The layer's own step for TE's convention (the whole sequences' lengths from ``cu_seqlens``

@@ -139,19 +139,30 @@ class CPStep(ABC):
         return None
 
     # ------------------------------------------------------------------ attention
-    def attend(self, layer: AttentionLayer, q: Tensor, k: Tensor, v: Tensor, scale: float | None) -> Tensor:
+    def attend(self, layer: AttentionLayer, q: Tensor, k: Tensor, v: Tensor, scale: float | None,
+               window: int | None = None) -> Tensor:
         """Causal attention of this rank's queries for ``layer``.
 
         Args:
             layer: the calling CP layer (its ``layer_index`` addresses the cache).
             q: ``[n, Hq, D]``; k, v: ``[n, Hkv, D]`` (this rank's new tokens, thd).
             scale: softmax scale (``None``: ``D ** -0.5``).
+            window: the layer's sliding window (a query at position ``x`` sees keys at
+                ``x - window + 1 .. x``; ``None``: full causal).
 
         Returns:
             ``[n, Hq, D]`` in ``q.dtype``.
         """
-        self.agree(q, k, v, scale=scale, local_error=check_inputs(q, k, v, "CP attention") or self.input_error(q, k, v))
-        return self._attention(layer, q, k, v, scale)
+        local_error = check_inputs(q, k, v, "CP attention") or self.input_error(q, k, v) or self.window_error(window)
+        self.agree(q, k, v, scale=scale, local_error=local_error)
+        return self._attention(layer, q, k, v, scale, window)
+
+    def window_error(self, window: int | None) -> str | None:
+        """Why this step cannot run a sliding ``window``, or ``None`` (the same verdict on every rank:
+        it reads the plan only)."""
+        if window is not None and window < 1:
+            return f"a sliding window must hold at least 1 key, got {window}"
+        return None
 
     def input_error(self, q: Tensor, k: Tensor, v: Tensor) -> str | None:
         """What this rank's inputs lack for the step (found before any collective), or ``None``."""
@@ -169,7 +180,8 @@ class CPStep(ABC):
         return None
 
     @abstractmethod
-    def _attention(self, layer: AttentionLayer, q: Tensor, k: Tensor, v: Tensor, scale: float | None) -> Tensor:
+    def _attention(self, layer: AttentionLayer, q: Tensor, k: Tensor, v: Tensor, scale: float | None,
+                   window: int | None) -> Tensor:
         """The kind's attention over inputs every rank agreed on (:meth:`attend` checks first)."""
 
     def agree(self, q: Tensor, k: Tensor, v: Tensor, *, scale: float | None, local_error: str | None = None) -> None:
@@ -196,9 +208,10 @@ class PrefillStep(CPStep):
     def strategy(self) -> str:
         return strategy_name(self.choice)
 
-    def _attention(self, layer: AttentionLayer, q: Tensor, k: Tensor, v: Tensor, scale: float | None) -> Tensor:
+    def _attention(self, layer: AttentionLayer, q: Tensor, k: Tensor, v: Tensor, scale: float | None,
+                   window: int | None) -> Tensor:
         block = build_kv_block(self.plan, k, v)
-        return cp_prefill(q, block, self.plan, self.settings.ring, strategy=self.strategy, scale=scale,
+        return cp_prefill(q, block, self.plan.with_window(window), self.settings.ring, strategy=self.strategy, scale=scale,
                           backend=self.settings.backend)
 
 
@@ -208,8 +221,9 @@ class TrainStep(CPStep):
 
     training: ClassVar[bool] = True
 
-    def _attention(self, layer: AttentionLayer, q: Tensor, k: Tensor, v: Tensor, scale: float | None) -> Tensor:
-        return ring_attention(q, k, v, self.plan, self.settings.ring, scale=scale, backend=self.settings.backend)
+    def _attention(self, layer: AttentionLayer, q: Tensor, k: Tensor, v: Tensor, scale: float | None,
+                   window: int | None) -> Tensor:
+        return ring_attention(q, k, v, self.plan.with_window(window), self.settings.ring, scale=scale, backend=self.settings.backend)
 
 
 @dataclass
@@ -221,12 +235,13 @@ class CachedStep(PrefillStep):
     slots: list[int] = field(kw_only=True)
     cached: ClassVar[bool] = True
 
-    def _attention(self, layer: AttentionLayer, q: Tensor, k: Tensor, v: Tensor, scale: float | None) -> Tensor:
+    def _attention(self, layer: AttentionLayer, q: Tensor, k: Tensor, v: Tensor, scale: float | None,
+                   window: int | None) -> Tensor:
         cache, slots, index, plan = self.cache, self.slots, layer.layer_index, self.plan
         cache.write(index, slots, plan, k, v)
         prefix = plan.prefix_counts[plan.rank]
         block = build_kv_block(plan, k, v, lambda i: cache.kv(index, slots[i], prefix[i]))
-        return cp_prefill(q, block, plan, self.settings.ring, strategy=self.strategy, scale=scale,
+        return cp_prefill(q, block, plan.with_window(window), self.settings.ring, strategy=self.strategy, scale=scale,
                           backend=self.settings.backend)
 
     def commit(self) -> None:
@@ -260,13 +275,33 @@ class DecodeStep(CPStep):
     def last_token_rows(self) -> list[int | None]:
         return list(range(self.plan.num_requests))
 
-    def _attention(self, layer: AttentionLayer, q: Tensor, k: Tensor, v: Tensor, scale: float | None) -> Tensor:
+    def _attention(self, layer: AttentionLayer, q: Tensor, k: Tensor, v: Tensor, scale: float | None,
+                   window: int | None) -> Tensor:
         plan, index = self.plan, layer.layer_index
         owned = plan.local_index().to(k.device)
         self.cache.write(index, self.slots, plan, k[owned], v[owned])
         lens = [plan.prefix_counts[plan.rank][i] + lay.num_new for i, lay in enumerate(plan.q_layout(plan.rank))]
         kv = self.cache.decode_kv(index, self.slots, lens)
+        if plan.with_window(window).window is not None:
+            assert window is not None
+            kv = self._in_window(kv, lens, window)
         return allgather_decode(q, kv, self.settings.ring, scale=scale, backend=self.settings.backend)
+
+    def _in_window(self, kv: tuple[Tensor, Tensor] | list[tuple[Tensor, Tensor]], lens: Sequence[int],
+                   window: int) -> list[tuple[Tensor, Tensor]]:
+        """Each request's keys and values on this rank, less those before the new token's window
+        (positions ``<= p - window`` for the token at position ``p``): this rank's positions of a
+        request rise, so the visible keys are the last ones (views, no copy)."""
+        plan, pairs = self.plan, list(zip(kv[0], kv[1])) if isinstance(kv, tuple) else kv
+        runs = plan.prefix_runs(plan.rank)
+        assert runs is not None  # the cache's plans carry the histories
+        out = []
+        for i, n in enumerate(lens):
+            edge = plan.cached[i] - window  # keys at positions <= edge are outside the window
+            first = sum(min(b, edge + 1) - a for a, b in runs[i] if a <= edge)
+            k_i, v_i = pairs[i]
+            out.append((k_i[first:n], v_i[first:n]))
+        return out
 
     def commit(self) -> None:
         self.cache.commit(self.slots, self.plan)
@@ -326,7 +361,14 @@ class StaticDecodeStep(CPStep):
         agree(self.settings.ring, fields, device=q.device, what="CP static decode step", local_error=local_error)
         self.agreed = True
 
-    def _attention(self, layer: AttentionLayer, q: Tensor, k: Tensor, v: Tensor, scale: float | None) -> Tensor:
+    def window_error(self, window: int | None) -> str | None:
+        if window is not None:
+            return (f"a static (CUDA-graph) decode step has no sliding window (got {window}); decode windowed models "
+                    "with eager steps")
+        return None
+
+    def _attention(self, layer: AttentionLayer, q: Tensor, k: Tensor, v: Tensor, scale: float | None,
+                   window: int | None) -> Tensor:
         kf, vf = self.cache.write_rows(layer.layer_index, self.rows, k, v)
         return static_decode(q, kf, vf, self.starts, self.used, self.cache.capacity, self.settings.ring, scale=scale)
 

@@ -75,13 +75,14 @@ def _convert(mod: Any, settings: CPSettings, te_cls: Any) -> CPDotProductAttenti
             attn_mask_type=mod.attn_mask_type,
             layer_number=mod.layer_number,
             softmax_scale=mod.softmax_scale,
+            window_size=getattr(mod, "window_size", None),
             settings=settings,
             extra_state=mod.get_extra_state(),
         )
     return CPDotProductAttention(
         mod.num_attention_heads, mod.kv_channels, mod.num_gqa_groups, mod.attention_dropout,
         qkv_format=mod.qkv_format, attn_mask_type=mod.attn_mask_type, layer_number=mod.layer_number,
-        softmax_scale=mod.softmax_scale, settings=settings,
+        softmax_scale=mod.softmax_scale, window_size=mod.window_size, settings=settings,
     )
 
 

@@ -1,7 +1,7 @@
 """The architecture description shared by models, checkpoints and generation.
 
 One :class:`ModelConfig` describes every member of the Llama family megacp runs: Llama 2/3/3.1
-(``llama3`` rope scaling), Mistral (no sliding window), Qwen2 (QKV bias), SmolLM-style tied
+(``llama3`` rope scaling), Mistral (sliding window), Qwen2 (QKV bias, windows on some layers), SmolLM-style tied
 embeddings, and the mixture-of-experts members Mixtral and Qwen2-MoE (``num_experts > 0``). It is a plain dataclass so that it serialises to JSON in megacp checkpoints.
 """
 
@@ -45,6 +45,11 @@ class ModelConfig:
         decoder_sparse_step / mlp_only_layers: layer i (0-based) is an MoE layer when
             ``(i + 1) % decoder_sparse_step == 0`` and i is not in ``mlp_only_layers`` (Qwen2-MoE's
             rule; every layer for Mixtral); other layers have the dense MLP of ``intermediate_size``.
+        sliding_window: keys a query sees under a sliding window (a query at position ``x`` sees
+            ``x - sliding_window + 1 .. x``, transformers' convention); ``None``: full causal.
+        layer_types: per layer ``"sliding_attention"`` or ``"full_attention"`` (transformers' name:
+            Qwen2's ``max_window_layers``, Gemma-style alternation); ``None``: every layer uses
+            ``sliding_window``.
         extra: free-form metadata saved and loaded with a megacp checkpoint's config; megacp
             itself reads none of it (every saved manifest has the key, so it stays).
     """
@@ -72,6 +77,8 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0
     decoder_sparse_step: int = 1
     mlp_only_layers: list[int] = field(default_factory=list)
+    sliding_window: int | None = None
+    layer_types: list[str] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -95,6 +102,12 @@ class ModelConfig:
             )
         if self.decoder_sparse_step < 1:
             raise ValueError(f"ModelConfig.decoder_sparse_step={self.decoder_sparse_step} must be >= 1")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"ModelConfig.sliding_window={self.sliding_window} must be >= 1 (or None)")
+        if self.layer_types is not None and (len(self.layer_types) != self.num_layers or not set(self.layer_types) <= {
+                "sliding_attention", "full_attention"}):
+            raise ValueError(f"ModelConfig.layer_types must list 'sliding_attention' or 'full_attention' for each of the "
+                             f"{self.num_layers} layers; got {self.layer_types}")
         if self.num_experts and self.moe_intermediate_size is None:
             self.moe_intermediate_size = self.intermediate_size
 
@@ -105,6 +118,12 @@ class ModelConfig:
             and (index + 1) % self.decoder_sparse_step == 0
             and index not in self.mlp_only_layers
         )
+
+    def layer_window(self, index: int) -> int | None:
+        """The sliding window of decoder layer ``index`` (0-based), or ``None`` (full causal)."""
+        if self.sliding_window is None or (self.layer_types is not None and self.layer_types[index] != "sliding_attention"):
+            return None
+        return self.sliding_window
 
     @property
     def has_dense_layers(self) -> bool:

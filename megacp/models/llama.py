@@ -132,6 +132,7 @@ class SelfAttention(nn.Module):
             attn_mask_type="causal",
             qkv_format="thd",
             layer_number=layer_number,
+            window_size=None if (w := cfg.layer_window(layer_number - 1)) is None else (w - 1, 0),
         )
         self.proj = nn.Linear(
             self.num_heads * cfg.head_dim, cfg.hidden_size, bias=False, dtype=dtype, device=device

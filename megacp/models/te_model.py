@@ -131,6 +131,7 @@ if te is not None:
                 attn_mask_type="causal",
                 qkv_format="thd",
                 layer_number=layer_number,
+                window_size=None if (w := cfg.layer_window(layer_number - 1)) is None else (w - 1, 0),
             )
 
         def forward(

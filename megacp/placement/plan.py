@@ -4,6 +4,7 @@ communication."""
 
 from __future__ import annotations
 
+import copy
 from functools import cached_property
 from typing import Callable, Sequence, TypeVar, cast
 
@@ -11,7 +12,7 @@ import torch
 from torch import Tensor
 
 from megacp.placement.layout import SeqLayout, pack_layouts
-from megacp.placement.sharding import shard_ranges
+from megacp.placement.sharding import Range, shard_ranges
 from megacp.placement.tiles import Tile, plan_tiles
 
 _T = TypeVar("_T")
@@ -28,6 +29,12 @@ class ShardPlan:
             (from the KV cache's bookkeeping); ``None`` means no cache (all zeros; then ``cached``
             only shifts positions).
         load_balance: 2N-chunk load balancing (default) or N contiguous chunks.
+        histories: per request, the computed-token counts after each earlier step (the KV cache's
+            :meth:`~megacp.kv_cache.ShardedKVCache.history`); they place the cached tokens, which a
+            windowed plan over a cache needs (``None``: no positions for cached tokens).
+        window: sliding window of the attention the tiles serve (a query at position ``x`` sees the
+            keys at ``x - window + 1 .. x``); ``None``: full causal. :meth:`with_window` gives a
+            layer's windowed plan of the same step.
 
     The new tokens are given packed: request after request, ``sum(new)`` tokens ("thd").
     A rank's local buffer holds its new tokens of each request in request order, in position order.
@@ -42,6 +49,8 @@ class ShardPlan:
         *,
         prefix_counts: Sequence[Sequence[int]] | None = None,
         load_balance: bool = True,
+        histories: Sequence[Sequence[int]] | None = None,
+        window: int | None = None,
     ) -> None:
         if len(cached) != len(new):
             raise ValueError(f"cached ({len(cached)}) and new ({len(new)}) must list the same requests")
@@ -52,6 +61,10 @@ class ShardPlan:
         self.cached = [int(p) for p in cached]
         self.new = [int(t) for t in new]
         self.cp_size, self.rank, self.load_balance = cp_size, rank, load_balance
+        if window is not None and window < 1:
+            raise ValueError(f"a sliding window must hold at least 1 key, got {window}")
+        self.window = window
+        self.histories = None if histories is None else [list(h) for h in histories]
         if prefix_counts is None:
             prefix_counts = [[0] * len(new) for _ in range(cp_size)]
         elif len(prefix_counts) != cp_size or any(len(row) != len(new) for row in prefix_counts):
@@ -66,6 +79,23 @@ class ShardPlan:
             [shard_ranges(p, t, cp_size, j, load_balance=load_balance) for p, t in zip(self.cached, self.new)]
             for j in range(cp_size)
         ]
+
+    def with_window(self, window: int | None) -> "ShardPlan":
+        """This step's plan for an attention of sliding ``window`` (``None``: full causal): the same
+        sharding, tiles planned for the window (once per window, shared by the layers that use it).
+        A window at least as long as every request's context is full causal attention (``self``
+        without a window)."""
+        if window is not None and window >= max(p + t for p, t in zip(self.cached, self.new)):
+            window = None
+        if window == self.window:
+            return self
+
+        def make() -> "ShardPlan":
+            plan = copy.copy(self)
+            plan.window, plan._cache = window, {}
+            return plan
+
+        return self._memo(("window", window), make)
 
     @property
     def num_requests(self) -> int:
@@ -123,7 +153,30 @@ class ShardPlan:
     def tiles(self, q_rank: int, kv_rank: int) -> list[Tile]:
         """Kernel calls for ``q_rank``'s queries over ``kv_rank``'s KV block; computed once per plan
         and reused by every layer."""
-        return self._memo(("tiles", q_rank, kv_rank), lambda: plan_tiles(self.q_layout(q_rank), self.kv_layout(kv_rank)))
+        return self._memo(("tiles", q_rank, kv_rank), lambda: plan_tiles(
+            self.q_layout(q_rank), self.kv_layout(kv_rank), self.window,
+            self.prefix_runs(kv_rank) if self.window is not None and self.has_cached_kv else None))
+
+    def prefix_runs(self, rank: int) -> list[list[Range]] | None:
+        """Per request, the position runs ``[a, b)`` of the cached tokens ``rank`` holds, in its
+        cache order (from :attr:`histories`; ``None`` without them); computed once per plan."""
+        if self.histories is None:
+            return None
+        return self._memo(("runs", rank), lambda: self._prefix_runs(rank))
+
+    def _prefix_runs(self, rank: int) -> list[list[Range]]:
+        assert self.histories is not None
+        out = []
+        for h in self.histories:
+            runs: list[Range] = []
+            for a, b in zip(h, h[1:]):
+                for lo, hi in shard_ranges(a, b - a, self.cp_size, rank, load_balance=self.load_balance):
+                    if runs and runs[-1][1] == lo:
+                        runs[-1] = (runs[-1][0], hi)
+                    else:
+                        runs.append((lo, hi))
+            out.append(runs)
+        return out
 
     def local_index(self, rank: int | None = None) -> Tensor:
         """Indices into the packed new tokens of ``rank``'s local tokens (LongTensor ``[n_local]``)."""

@@ -11,6 +11,15 @@ query runs produce no tile at all. This yields the paper's three tile kinds for 
 ring — causal on the local chunks, the first received chunk dense for all local queries, the whole
 received block dense for the second local chunk — and extends them to cached prefixes, ragged
 batches and any sharding, with one kernel call per tile.
+
+Sliding windows (``window=W``, transformers' convention: a query at position ``x`` sees the keys at
+positions ``x - W + 1 .. x``): the planner splits the visible keys of a query run by key segment
+(positions are contiguous within one), drops the keys before the first query's window and the
+queries past the last key's window, and skips a pair that keeps nothing (no tile: no kernel call,
+the ring still rotates). A pair the window covers for every query runs as without a window; a
+partially covered pair gets ``left``, the band bound of the flash kernels' ``window_size_left``.
+Cached prefixes carry no positions in the layout: a windowed plan over them takes the position runs
+of each request's cached keys (``prefix_runs``).
 """
 
 from __future__ import annotations
@@ -19,18 +28,22 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from megacp.placement.layout import SeqLayout
+from megacp.placement.sharding import Range
 
 
 @dataclass(frozen=True)
 class Tile:
     """Queries ``[q0, q1)`` of the query buffer attend keys ``[k0, k1)`` of the KV buffer;
-    ``causal`` means bottom-right aligned (the last query sees all ``k1 - k0`` keys)."""
+    ``causal`` means bottom-right aligned (the last query sees all ``k1 - k0`` keys). ``left`` (a
+    windowed tile) bounds the band from below, bottom-right aligned as the flash kernels'
+    ``window_size_left``: query ``i`` sees key ``j`` only if ``j >= i + (k1 - k0) - (q1 - q0) - left``."""
 
     q0: int
     q1: int
     k0: int
     k1: int
     causal: bool
+    left: int | None = None
 
 
 def _request_tiles(q: SeqLayout, kv: SeqLayout) -> list[Tile]:
@@ -57,6 +70,39 @@ def _request_tiles(q: SeqLayout, kv: SeqLayout) -> list[Tile]:
     return tiles
 
 
+def _windowed_request_tiles(q: SeqLayout, kv: SeqLayout, window: int, prefix_runs: Sequence[Range] | None) -> list[Tile]:
+    """:func:`_request_tiles` under a sliding window of ``window`` keys (one tile per query run and
+    key segment the window reaches); ``prefix_runs``: positions of the cached keys, in buffer order."""
+    runs = tuple(prefix_runs or ())
+    if sum(b - a for a, b in runs) != kv.prefix:
+        raise ValueError(f"a sliding-window plan needs the positions of the {kv.prefix} cached keys; got runs {list(runs)}")
+    tiles: list[Tile] = []
+    segs, off = [], kv.offset
+    for a, b in (*runs, *kv.ranges):
+        segs.append((off, a, b))
+        off += b - a
+    q_off = q.offset
+    for qa, qb in q.ranges:
+        cuts = sorted({qa, qb, *(s for _, s, _ in segs if qa < s < qb), *(e for _, _, e in segs if qa < e < qb)})
+        for x0, x1 in zip(cuts, cuts[1:]):
+            for buf, s, e in segs:
+                causal = s <= x0 < e
+                if not causal and e > x0:  # keys after these queries
+                    continue
+                hi = x1 if causal else e  # keys [s, hi) are visible by causality
+                lo = max(s, x0 - window + 1)  # before the first query's window
+                y1 = min(x1, hi - 1 + window)  # queries up to hi - 1 + window - 1 see a key
+                if lo >= hi or y1 <= x0:
+                    continue
+                k_hi = min(hi, y1) if causal else hi
+                left = None
+                if (y1 - 1) - window + 1 > lo:  # the last query's window starts after key lo: a band  # j >= i + (x0 - lo) - window + 1, as a bound from the bottom-right diagonal
+                    left = (k_hi - lo) - (y1 - x0) - (x0 - lo) + window - 1
+                tiles.append(Tile(q_off + x0 - qa, q_off + y1 - qa, buf + lo - s, buf + k_hi - s, causal, left))
+        q_off += qb - qa
+    return tiles
+
+
 def _coalesce(tiles: list[Tile]) -> list[Tile]:
     """Merge neighbouring tiles into one call where the union is still dense or causal."""
     out: list[Tile] = []
@@ -71,12 +117,21 @@ def _coalesce(tiles: list[Tile]) -> list[Tile]:
     return out
 
 
-def plan_tiles(q_layout: Sequence[SeqLayout], kv_layout: Sequence[SeqLayout]) -> list[Tile]:
+def plan_tiles(q_layout: Sequence[SeqLayout], kv_layout: Sequence[SeqLayout], window: int | None = None,
+               prefix_runs: Sequence[Sequence[Range]] | None = None) -> list[Tile]:
     """Kernel calls for queries laid out as ``q_layout`` over keys laid out as ``kv_layout``
-    (same requests, same order). Tiles of one request never overlap in queries."""
+    (same requests, same order), under a sliding window of ``window`` keys (``None``: full causal;
+    ``prefix_runs[i]``: the position runs of request ``i``'s cached keys, needed with a window).
+    Without a window the tiles of one request never overlap in queries; with one, a query run can
+    meet several key segments (one tile each, merged as partial states)."""
     if len(q_layout) != len(kv_layout):
         raise ValueError(f"query layout has {len(q_layout)} requests, KV layout {len(kv_layout)}")
+    if window is not None and window < 1:
+        raise ValueError(f"a sliding window must hold at least 1 key, got {window}")
     tiles: list[Tile] = []
-    for q, kv in zip(q_layout, kv_layout):
-        tiles.extend(_coalesce(_request_tiles(q, kv)))
+    for i, (q, kv) in enumerate(zip(q_layout, kv_layout)):
+        if window is None:
+            tiles.extend(_coalesce(_request_tiles(q, kv)))
+        else:
+            tiles.extend(_windowed_request_tiles(q, kv, window, prefix_runs[i] if prefix_runs else None))
     return tiles

@@ -27,7 +27,12 @@ def _reference(model: torch.nn.Module, ids: torch.Tensor, pos: torch.Tensor,
     return logits.detach(), loss.detach(), {n: p.grad for n, p in ref.named_parameters()}
 
 
-def _cp_matches_reference(rank: int, world: int) -> dict[str, tuple[float, float, float]]:
+WINDOWED = {"mistral_w4": ("mistral", dict(sliding_window=4))}
+"""A sliding window shorter than every document (9, 13, 5 tokens); the per-layer windows of Qwen2
+(``max_window_layers``) are checked at CP 1 in ``tests/unit/test_hf_attention_refusals.py``."""
+
+
+def _cp_matches_reference(rank: int, world: int, cases: dict | None = None) -> dict[str, tuple[float, float, float]]:
     import torch.distributed as dist
 
     import megacp
@@ -36,8 +41,8 @@ def _cp_matches_reference(rank: int, world: int) -> dict[str, tuple[float, float
     state = megacp.initialize()  # every rank in one CP group
     ids, pos, targets = packed_batch(seed=1)
     worst = {}
-    for arch in ARCHS:
-        model = make_model(arch).train()
+    for case, (arch, extra) in (cases or {a: (a, {}) for a in ARCHS}).items():
+        model = make_model(arch, **extra).train()
         ref_logits, ref_loss, ref_grads = _reference(model, ids, pos, targets)
         model.set_attn_implementation("megacp")
         batch = prepare_batch(ids, position_ids=pos, state=state)
@@ -52,7 +57,7 @@ def _cp_matches_reference(rank: int, world: int) -> dict[str, tuple[float, float
             g = p.grad.clone()
             dist.all_reduce(g)  # DP x CP reduction: CP ranks' gradients sum to CP = 1's
             grad_err = max(grad_err, float((g - ref_grads[name]).abs().max() / ref_grads[name].abs().max()))
-        worst[arch] = (logit_err, abs(float(loss - ref_loss)), grad_err)
+        worst[case] = (logit_err, abs(float(loss - ref_loss)), grad_err)
     megacp.shutdown()
     return worst
 
@@ -63,6 +68,15 @@ def test_hf_models_under_cp_match_one_process(cp: int) -> None:
         assert set(worst) == set(ARCHS)
         for arch, (logit_err, loss_err, grad_err) in worst.items():
             assert logit_err <= 1e-5 and loss_err <= 1e-5 and grad_err <= 1e-5, (cp, rank, arch, worst[arch])
+
+
+def test_hf_sliding_windows_under_cp2_match_one_process() -> None:
+    """Logits, loss and every parameter's gradient of windowed models at CP 2 = transformers' SDPA
+    with its own sliding-window mask in one process."""
+    for rank, worst in enumerate(run_distributed(_cp_matches_reference, 2, WINDOWED, timeout=240)):
+        assert set(worst) == set(WINDOWED)
+        for name, (logit_err, loss_err, grad_err) in worst.items():
+            assert logit_err <= 1e-5 and loss_err <= 1e-5 and grad_err <= 1e-5, (rank, name, worst[name])
 
 
 STEPS = 20

@@ -1,5 +1,5 @@
 """``megacp.LLM`` over transformers models whose architectures megacp's own models do not implement
-(Qwen3's q/k norm, Phi-3's fused qkv): greedy tokens at CP = 1 and 2 (real gloo
+(Qwen3's q/k norm, Phi-3's fused qkv; Mistral with a 4-token sliding window): greedy tokens at CP = 1 and 2 (real gloo
 ranks) equal transformers' own ``generate`` for a ragged batch of two prompts (one shorter than
 2N) and for both turns of a session on the CP-sharded cache, under pass-KV, pass-Q and chunked
 prefill; a model megacp cannot run exactly,
@@ -17,8 +17,11 @@ from tests.helpers.hf_archs import make_model
 from tests.helpers.hf_models import hf_greedy
 
 NEW = 8
-ARCHS = {"qwen3": dict(strategy="pass_q"), "phi3": dict(strategy="pass_kv", prefill_chunk=8)}
+ARCHS = {"qwen3": dict(strategy="pass_q"), "phi3": dict(strategy="pass_kv", prefill_chunk=8),
+         "mistral": dict(strategy="pass_kv", prefill_chunk=8)}
 """arch -> LLM options: each prefill strategy, and chunked prefill."""
+MODEL = {"mistral": dict(sliding_window=4)}
+"""arch -> config arguments: a sliding window shorter than the chunks, the prompts and the session."""
 PROMPTS = [[5, 17, 33, 9, 41, 12, 60, 7, 22, 50, 3, 28, 44, 19, 36, 11, 58, 25, 6, 47, 30], [14, 52, 8]]
 TURN = [23, 9, 61, 4, 38]
 NO_EOS = dict(eos_token_id=None)
@@ -32,7 +35,7 @@ def _generate(rank: int, world: int) -> dict[str, tuple[list[list[int]], list[in
     greedy = SamplingParams(max_tokens=NEW, ignore_eos=True)
     out = {}
     for arch, options in ARCHS.items():
-        llm = LLM(make_model(arch, **NO_EOS), max_session_tokens=64, state=state, **options)
+        llm = LLM(make_model(arch, **NO_EOS, **MODEL.get(arch, {})), max_session_tokens=64, state=state, **options)
         batch = [o.token_ids for o in llm.generate(PROMPTS, greedy)]
         with llm.session() as session:
             first = session.send(PROMPTS[0], greedy).token_ids
@@ -60,7 +63,7 @@ def reference() -> dict[str, tuple[list[list[int]], list[int]]]:
     prompt holding the first turn, its reply and the new turn."""
     ref = {}
     for arch in ARCHS:
-        model = make_model(arch, **NO_EOS).eval()
+        model = make_model(arch, **NO_EOS, **MODEL.get(arch, {})).eval()
         batch = hf_greedy(model, PROMPTS, NEW)
         ref[arch] = (batch, hf_greedy(model, [PROMPTS[0] + batch[0] + TURN], NEW)[0])
     return ref

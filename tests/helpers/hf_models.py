@@ -61,6 +61,18 @@ KINDS: dict[str, tuple[str, str, dict[str, Any]]] = {
         dict(num_hidden_layers=2, head_dim=24, sliding_window=None,
              rope_parameters=dict(rope_type="default", rope_theta=10000.0)),
     ),
+    "mistral_window": (  # a window shorter than the prompts: decode runs past it
+        "MistralForCausalLM",
+        "MistralConfig",
+        dict(num_hidden_layers=2, head_dim=24, sliding_window=5,
+             rope_parameters=dict(rope_type="default", rope_theta=10000.0)),
+    ),
+    "qwen2_window": (  # layer 0 full causal, layer 1 under a window of 7
+        "Qwen2ForCausalLM",
+        "Qwen2Config",
+        dict(num_hidden_layers=2, use_sliding_window=True, sliding_window=7, max_window_layers=1,
+             rope_parameters=dict(rope_type="default", rope_theta=10000.0)),
+    ),
     "llama_tied": (
         "LlamaForCausalLM",
         "LlamaConfig",

@@ -9,9 +9,10 @@ from torch import Tensor
 
 
 def naive_attention(q: Tensor, k: Tensor, v: Tensor, *, q_positions: Tensor, k_positions: Tensor,
-                    scale: float | None = None) -> Tensor:
+                    scale: float | None = None, window: int | None = None) -> Tensor:
     """Causal-by-position attention: query at position x sees keys at positions <= x (softmax
-    ``scale``, default ``1/sqrt(D)``).
+    ``scale``, default ``1/sqrt(D)``); with a sliding ``window`` only those at positions
+    ``> x - window`` (transformers' sliding-window mask).
 
     q ``[Lq, Hq, D]``, k/v ``[Lk, Hkv, D]`` (GQA by repeating heads here, which is fine for a
     reference). Returns float32 ``[Lq, Hq, D]``; a query seeing no key returns zeros.
@@ -20,17 +21,21 @@ def naive_attention(q: Tensor, k: Tensor, v: Tensor, *, q_positions: Tensor, k_p
     kk, vv = k.double().repeat_interleave(g, 1), v.double().repeat_interleave(g, 1)
     scores = torch.einsum("qhd,khd->hqk", q.double(), kk) * (1 / math.sqrt(q.shape[-1]) if scale is None else scale)
     visible = k_positions[None, :] <= q_positions[:, None]
+    if window is not None:
+        visible &= k_positions[None, :] > q_positions[:, None] - window
     scores = scores.masked_fill(~visible, float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
     return torch.einsum("hqk,khd->qhd", probs, vv).float()
 
 
-def packed_causal(q: Tensor, k: Tensor, v: Tensor, lens: list[int]) -> Tensor:
-    """Causal attention within each of the packed sequences of lengths ``lens``."""
+def packed_causal(q: Tensor, k: Tensor, v: Tensor, lens: list[int], window: int | None = None) -> Tensor:
+    """Causal attention within each of the packed sequences of lengths ``lens`` (optionally under a
+    sliding ``window``)."""
     outs, s = [], 0
     for n in lens:
         pos = torch.arange(n)
-        outs.append(naive_attention(q[s : s + n], k[s : s + n], v[s : s + n], q_positions=pos, k_positions=pos))
+        outs.append(naive_attention(q[s : s + n], k[s : s + n], v[s : s + n], q_positions=pos, k_positions=pos,
+                                    window=window))
         s += n
     return torch.cat(outs)
 

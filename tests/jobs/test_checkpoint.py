@@ -114,10 +114,10 @@ def test_config_styles_and_round_trip(hf_dirs: dict) -> None:
     "change, message",
     [
         ({"architectures": ["GPT2LMHeadModel"]}, "unsupported architecture GPT2LMHeadModel"),
+        ({"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": 0},
+         r"sliding_window=0 must be >= 1"),
         ({"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": 512,
-          "max_position_embeddings": 4096}, "sliding_window=512 is smaller than max_position_embeddings=4096"),
-        ({"architectures": ["MistralForCausalLM"], "model_type": "mistral", "max_position_embeddings": 8192},
-         "sliding_window=4096 is smaller than max_position_embeddings=8192"),  # transformers' default window
+          "layer_types": ["sliding_attention"]}, "layer_types must list 'sliding_attention' or 'full_attention' for each"),
         ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, "unsupported rope_type 'yarn'"),
         ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "rope_theta": 1e4}}, "needs low_freq_factor"),
         ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
@@ -129,7 +129,7 @@ def test_config_styles_and_round_trip(hf_dirs: dict) -> None:
         ({"rms_norm_eps": 0.0}, "rms_norm_eps=0.0 must be a finite number > 0"),
         ({"eos_token_id": [2, 256]}, "eos_token_id 256 is not a token id of the vocabulary of 256"),
     ],
-    ids=["arch", "sliding-window", "mistral-default-window", "rope-type", "rope-params", "act", "missing-key", "non-int-size",
+    ids=["arch", "zero-window", "window-layer-types", "rope-type", "rope-params", "act", "missing-key", "non-int-size",
          "llama-bias", "negative-theta", "zero-positions", "zero-eps", "eos-outside-vocab"],
 )
 def test_config_errors(hf_dirs: dict, change: dict, message: str) -> None:

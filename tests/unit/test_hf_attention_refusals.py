@@ -1,7 +1,7 @@
 """``attn_implementation="megacp"`` refuses, in one line naming the model's feature, what it cannot
-compute exactly (sliding windows shorter than a document, attention dropout in training,
-bidirectional attention, soft-capping, padding and 4-D masks, a cache with past tokens), and runs a
-window that covers every document exactly."""
+compute exactly (attention dropout in training, bidirectional attention, soft-capping, padding and
+4-D masks, a cache with past tokens), and runs sliding windows (shorter than a document, per layer)
+as transformers does."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.helpers.hf_archs import SMALL, make_model, packed_batch
+from tests.helpers.hf_archs import DOCS, SMALL, make_model, packed_batch
 
 
 def _batch(arch: str, **extra: Any) -> tuple[torch.nn.Module, dict[str, Any]]:
@@ -23,7 +23,6 @@ def _batch(arch: str, **extra: Any) -> tuple[torch.nn.Module, dict[str, Any]]:
 
 
 @pytest.mark.parametrize("arch, extra, train, message", [
-    ("mistral", dict(sliding_window=8), False, "mistral layer 0 uses a sliding window of 8 tokens, shorter than a 13-token"),
     ("llama", dict(attention_dropout=0.1), True, "attention dropout 0.1"),
     ("qwen3", dict(is_causal=False), False, r"qwen3 uses bidirectional \(non-causal\) attention"),
 ])
@@ -37,6 +36,24 @@ def test_window_covering_every_document_is_exact() -> None:
     model, batch = _batch("mistral", sliding_window=13)  # the longest document: the window changes nothing
     full, _ = _batch("mistral")
     torch.testing.assert_close(model(**batch).logits, full(**batch).logits, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("arch, extra", [
+    ("mistral", dict(sliding_window=4)),
+    ("qwen2", dict(use_sliding_window=True, sliding_window=3, max_window_layers=1)),  # layer 1 windowed, layer 0 full
+])
+def test_sliding_windows_shorter_than_a_document_equal_transformers(arch: str, extra: dict) -> None:
+    """Packed documents (9, 13, 5 tokens) under windows of 3-4 tokens: the logits of each document
+    equal transformers' eager attention with its own sliding-window mask, one document at a time."""
+    model, batch = _batch(arch, **extra)
+    ref = make_model(arch, **extra)
+    ref.set_attn_implementation("eager")
+    with torch.no_grad():
+        got = model(**batch).logits[0]
+        want = torch.cat([ref(doc.unsqueeze(0)).logits[0] for doc in batch["input_ids"][0].split(DOCS)])
+        plain = make_model(arch, **{**extra, "sliding_window": None})(batch["input_ids"], position_ids=batch["position_ids"])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert (got - plain.logits[0]).abs().max() > 1e-3  # the window changes the result
 
 
 def test_gemma2_soft_capping_is_refused_before_any_work() -> None:
