@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.helpers.distributed import run_distributed
-from tests.helpers.hf_models import CHARS, hf_greedy, make_hf_model, save_char_tokenizer
+from tests.helpers.hf_models import hf_greedy, make_hf_model, save_char_tokenizer
 
 NEW = 6
 
