@@ -24,6 +24,10 @@ HEARTBEAT_S = 30.0
 """An idle rank 0 broadcasts an empty step this often, so the followers' collective never times out."""
 
 
+IDLE_POLL_S = 0.1
+"""How often an idle rank 0 looks whether the server drains."""
+
+
 class QueueFull(RuntimeError):
     """The waiting queue is at its limit (HTTP 429)."""
 
@@ -129,19 +133,23 @@ class Engine:
         return [s.request for s in self.slots if s.request is not None]
 
     def _loop(self) -> None:
+        last = time.monotonic()  # of the latest broadcast
         while True:
             for s in self.slots:  # a disconnected client's request leaves the batch
                 if s.request is not None and s.request.cancelled:
                     s.request = None
             if not self._running() and not self.waiting:
                 try:
-                    self.waiting.append(self.inbox.get(timeout=0.05 if self.draining else HEARTBEAT_S))
+                    self.waiting.append(self.inbox.get(timeout=IDLE_POLL_S))
                 except queue.Empty:
                     if self.draining and self.inbox.empty():
                         self.worker.share(Work(stop=True))
                         return
-                    self.worker.run(self.worker.share(Work()))
+                    if time.monotonic() - last > HEARTBEAT_S:
+                        self.worker.run(self.worker.share(Work()))
+                        last = time.monotonic()
                     continue
+            last = time.monotonic()
             while True:
                 try:
                     self.waiting.append(self.inbox.get_nowait())
