@@ -11,8 +11,11 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import contextlib
+import signal
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch.distributed as dist
 
@@ -67,6 +70,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
 
+@contextlib.contextmanager
+def _drain_on_signals(server: Any) -> Iterator[None]:
+    """SIGTERM / SIGINT: uvicorn stops accepting, the app's lifespan drains the engine, and the
+    process exits 0 (uvicorn's own handlers re-raise the signal at exit)."""
+    def stop(*_: object) -> None:
+        server.should_exit = True
+
+    old = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
+
 def _serve(args: argparse.Namespace) -> int:
     from megacp.generate.cli import _set_threads
     from megacp.parallel import initialize
@@ -94,6 +112,8 @@ def _serve(args: argparse.Namespace) -> int:
     name = args.served_model_name or (args.model and Path(args.model).name) or "megacp"
     app = build_app(engine, cfg, model_name=name, max_model_len=max_len, api_key=args.api_key)
     print(f"megacp.serve: {name} CP={n} on http://{args.host}:{args.port}", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))
+    server.capture_signals = lambda: _drain_on_signals(server)  # type: ignore[method-assign]
+    server.run()
     dist.destroy_process_group()
     return 0
