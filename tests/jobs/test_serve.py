@@ -131,6 +131,7 @@ def test_openai_client_completions_chat_and_streaming(servers) -> None:
 def test_multi_turn_reuses_the_cached_prefix(servers) -> None:
     url, headers = servers["urls"][0], {"Authorization": f"Bearer {KEY}"}
     history = servers["prompts"][1][:30] + [5, 6, 7, 8, 9] * 4
+    previous = 0
     for turn in range(3):
         body = {"model": "tiny", "prompt": history, "max_tokens": NEW, "temperature": 0, "ignore_eos": True}
         r = httpx.post(url + "/v1/completions", json=body, headers=headers, timeout=30).json()

@@ -5,7 +5,6 @@ places its tokens as on such a cache."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from megacp.kv_cache import ShardedKVCache
 
