@@ -9,18 +9,20 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 
 from megacp.generate.outputs import chat_ids, with_eos
 from megacp.generate.requests import check_prompt, encode
 from megacp.models.config import ModelConfig
 from megacp.serve.engine import Draining, Engine, Event, QueueFull, Request
-from megacp.serve.protocol import APIError, ChatRequest, CompletionRequest
+from megacp.serve.protocol import APIError, ChatRequest, CompletionRequest, SamplingFields
+
+Body = TypeVar("Body", bound=SamplingFields)
 
 
 def build_app(engine: Engine, cfg: ModelConfig, *, model_name: str, max_model_len: int,
@@ -44,7 +46,7 @@ def build_app(engine: Engine, cfg: ModelConfig, *, model_name: str, max_model_le
         if api_key is not None and request.headers.get("authorization") != f"Bearer {api_key}":
             raise APIError(401, "invalid API key", kind="authentication_error", code="invalid_api_key")
 
-    async def parse(request: HTTPRequest, model: type[BaseModel]) -> Any:
+    async def parse(request: HTTPRequest, model: type[Body]) -> Body:
         authorize(request)
         try:
             body = json.loads(await request.body())
@@ -102,14 +104,16 @@ def build_app(engine: Engine, cfg: ModelConfig, *, model_name: str, max_model_le
             return c
 
         if not req.stream:
-            text, tokens = [], []
+            text: list[str] = []
+            tokens: list[int] = []
             try:
                 while True:
                     ev: Event = await r.events.get()
                     if ev.error:
                         raise APIError(500, ev.error, kind="server_error")
                     text.append(ev.text)
-                    tokens.append(ev.token)
+                    if ev.token is not None:
+                        tokens.append(ev.token)
                     if ev.finish_reason:
                         break
             finally:
@@ -143,7 +147,7 @@ def build_app(engine: Engine, cfg: ModelConfig, *, model_name: str, max_model_le
     @app.post("/v1/completions")
     async def completions(request: HTTPRequest) -> Any:
         req = await parse(request, CompletionRequest)
-        prompt = req.prompt
+        prompt: Any = req.prompt  # one prompt: text or token ids, maybe wrapped in a list of one
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             if len(prompt) != 1:
                 raise APIError(400, "only one prompt per request is supported", param="prompt")

@@ -33,7 +33,10 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _Sampling(BaseModel):
+class SamplingFields(BaseModel):
+    """The fields completions and chat share (OpenAI's names; ``top_k``, ``stop_token_ids``,
+    ``ignore_eos`` as in vLLM)."""
+
     model_config = ConfigDict(extra="forbid")
     model: str
     max_tokens: int | None = None
@@ -60,7 +63,7 @@ class _Sampling(BaseModel):
     def check_supported(self) -> None:
         for name, default in UNSUPPORTED_DEFAULTS.items():
             value = getattr(self, name, default)
-            if value is not None and value != default and not (name == "user"):
+            if name != "user" and value is not None and value != default:
                 raise APIError(400, f"{name}={value!r} is not supported (only {default!r})", param=name)
 
     def sampling(self, max_tokens: int | None, default_max: int) -> SamplingParams:
@@ -76,7 +79,7 @@ class _Sampling(BaseModel):
             raise APIError(400, str(err), param=str(err).split(" ", 1)[0]) from None
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(SamplingFields):
     prompt: Union[str, list[int], list[str], list[list[int]]]
 
 
@@ -94,6 +97,6 @@ class ChatMessage(BaseModel):
         return "".join(str(part.get("text", "")) for part in self.content)
 
 
-class ChatRequest(_Sampling):
+class ChatRequest(SamplingFields):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
