@@ -99,7 +99,9 @@ def _serve(args: argparse.Namespace) -> int:
     max_len = min(args.max_model_len or min(cfg.max_position_embeddings, 4096), cfg.max_position_embeddings)
     n = llm.generator.cp_size
     worker = Worker(llm.generator, args.max_num_seqs, max_len if n == 1 else -(-max_len // n) + SESSION_SLACK)
-    if state.rank != 0:
+    if state.rank != 0:  # a launcher's SIGTERM reaches every rank: rank 0 drains, then stops the others
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
         worker.follow()
         dist.destroy_process_group()
         return 0
