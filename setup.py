@@ -20,12 +20,14 @@ setup(
     ],
     extras_require={
         "deepspeed": ["deepspeed>=0.14"],
+        "serve": ["fastapi", "uvicorn"],
         "te": ["transformer-engine[pytorch]"],
         # transformers 5: the tokenizers megacp exports name its TokenizersBackend class (4.57 cannot load them)
         "hf": ["transformers>=5.0", "safetensors", "gguf>=0.10", "accelerate", "sentencepiece"],
         # triton: the fused merges run in Triton's CPU interpreter in the tests (GPUs compile them)
         "dev": ["pytest", "pytest-timeout", "hypothesis", "ruff", "mypy", "transformers>=5.0", "gguf>=0.10", "accelerate", "sentencepiece",
-                "triton; platform_system == 'Linux'"],
+                "triton; platform_system == 'Linux'",
+                "fastapi", "uvicorn", "httpx", "openai"],
     },
-    entry_points={"console_scripts": ["megacp-generate=megacp.generate:main"]},
+    entry_points={"console_scripts": ["megacp-generate=megacp.generate:main", "megacp-serve=megacp.serve:main"]},
 )

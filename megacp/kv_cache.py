@@ -234,6 +234,31 @@ class ShardedKVCache:
         start = held[self.cp_rank] - len(mine)
         self.positions[slot, start : start + len(mine)] = torch.tensor(mine, dtype=torch.long)
 
+    def truncate(self, slot: int, length: int) -> None:
+        """Keep only the first ``length`` tokens (positions ``< length``) of the request in ``slot``:
+        every rank drops its rows of later positions (its rows are in position order, so they are a
+        tail) and the next step continues at position ``length``. A no-op at the slot's length.
+
+        Raises:
+            ValueError: ``length`` is negative or more than the slot holds.
+        """
+        self._check_slot(slot)
+        history = self._history[slot]
+        if not 0 <= length <= history[-1]:
+            raise ValueError(f"cannot truncate KV cache slot {slot} of {history[-1]} tokens to {length}")
+        if length == history[-1]:
+            return
+        held = [0] * self.cp_size
+        for start, end in zip(history, history[1:]):  # replay the placement of every step, clipped at length
+            if start >= length:
+                break
+            for j in range(self.cp_size):
+                held[j] += sum(min(b, length) - a for a, b in
+                               shard_ranges(start, end - start, self.cp_size, j, load_balance=self.load_balance) if a < length)
+        self._history[slot] = [h for h in history if h < length] + [length]
+        self._held[slot] = held
+        self.positions[slot, held[self.cp_rank]:] = -1
+
     # ------------------------------------------------------------------ rollback of a failed step
     def snapshot(self, slot: int) -> tuple[list[int], list[int], Tensor]:
         """The bookkeeping of ``slot`` (its lengths history, tokens held per rank, positions row):

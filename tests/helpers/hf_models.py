@@ -128,3 +128,23 @@ def hf_greedy(model, prompts: list[list[int]], new_tokens: int, **options) -> li
             res = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=cfg)
         outs.append(res[0, len(p):].tolist())
     return outs
+
+
+CHARS = "abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ.,!?:0123456789"
+CHARS += "".join(chr(0x100 + i) for i in range(253 - len(CHARS)))  # one character for every id up to 255
+
+
+def save_char_tokenizer(directory: Path) -> None:
+    """A character-level tokenizer (ids 3..255 for :data:`CHARS`; 0 pad, 1 bos, 2 eos) with a chat
+    template, saved where the model is."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{c: 3 + i for i, c in enumerate(CHARS)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    fast.chat_template = ("{% for m in messages %}{{ m['role'][0] | upper }}:{{ m['content'] }}.{% endfor %}"
+                          "{% if add_generation_prompt %}A:{% endif %}")
+    fast.save_pretrained(str(directory))

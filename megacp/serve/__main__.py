@@ -1,0 +1,5 @@
+import sys
+
+from megacp.serve.cli import main
+
+sys.exit(main())

@@ -1,0 +1,185 @@
+"""The HTTP side (FastAPI): OpenAI's ``/v1/completions``, ``/v1/chat/completions`` (plain JSON or
+server-sent events), ``/v1/models``, ``/health`` and ``/metrics`` (the engine's counters as JSON)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar
+
+from fastapi import FastAPI
+from fastapi import Request as HTTPRequest
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
+
+from megacp.generate.outputs import chat_ids, with_eos
+from megacp.generate.requests import check_prompt, encode
+from megacp.models.config import ModelConfig
+from megacp.serve.engine import Draining, Engine, Event, QueueFull, Request
+from megacp.serve.protocol import APIError, ChatRequest, CompletionRequest, SamplingFields
+
+Body = TypeVar("Body", bound=SamplingFields)
+
+
+def build_app(engine: Engine, cfg: ModelConfig, *, model_name: str, max_model_len: int,
+              api_key: str | None) -> FastAPI:
+    """The FastAPI app over ``engine`` (started and drained with the app's lifespan)."""
+    tokenizer = engine.tokenizer
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        yield
+        await asyncio.to_thread(engine.drain)
+
+    app = FastAPI(title="megacp", lifespan=lifespan)
+
+    @app.exception_handler(APIError)
+    async def api_error(_: HTTPRequest, err: APIError) -> JSONResponse:
+        return JSONResponse(err.body(), status_code=err.status)
+
+    def authorize(request: HTTPRequest) -> None:
+        if api_key is not None and request.headers.get("authorization") != f"Bearer {api_key}":
+            raise APIError(401, "invalid API key", kind="authentication_error", code="invalid_api_key")
+
+    async def parse(request: HTTPRequest, model: type[Body]) -> Body:
+        authorize(request)
+        try:
+            body = json.loads(await request.body())
+        except ValueError as err:
+            raise APIError(400, f"the request body is not valid JSON: {err}") from None
+        try:
+            req = model.model_validate(body)
+        except ValidationError as err:
+            e = err.errors()[0]
+            where = ".".join(str(x) for x in e["loc"]) or None
+            msg = f"unsupported field {where}" if e["type"] == "extra_forbidden" else f"{where}: {e['msg']}"
+            raise APIError(400, msg, param=where) from None
+        if req.model != model_name:
+            raise APIError(404, f"the model `{req.model}` does not exist", param="model", code="model_not_found")
+        req.check_supported()
+        return req
+
+    def submit(prompt: list[int], req: Any, max_tokens: int | None) -> Request:
+        try:
+            check_prompt(cfg, prompt, 1)
+        except ValueError as err:
+            raise APIError(400, str(err), param="prompt") from None
+        if len(prompt) >= max_model_len:
+            raise APIError(400, f"the prompt of {len(prompt)} tokens leaves no room in the context of "
+                                f"{max_model_len} tokens", param="prompt", code="context_length_exceeded")
+        params = req.sampling(max_tokens, max_model_len - len(prompt))
+        if len(prompt) + params.max_tokens > max_model_len:
+            raise APIError(400, f"the prompt of {len(prompt)} tokens + max_tokens {params.max_tokens} exceeds the "
+                                f"context of {max_model_len} tokens", param="max_tokens", code="context_length_exceeded")
+        r = Request(prompt, with_eos(params, cfg.eos_token_ids), asyncio.get_running_loop())
+        try:
+            engine.submit(r)
+        except QueueFull as err:
+            raise APIError(429, str(err), kind="rate_limit_error", code="queue_full") from None
+        except Draining as err:
+            raise APIError(503, str(err), kind="server_error", code="shutting_down") from None
+        except ValueError as err:
+            raise APIError(400, str(err), param="stop") from None
+        return r
+
+    def usage(r: Request) -> dict[str, Any]:
+        return {"prompt_tokens": len(r.prompt), "completion_tokens": len(r.tokens),
+                "total_tokens": len(r.prompt) + len(r.tokens), "prompt_tokens_details": {"cached_tokens": r.cached}}
+
+    async def respond(r: Request, req: Any, chat: bool) -> Any:
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        created, obj = int(time.time()), "chat.completion" if chat else "text_completion"
+
+        def choice(text: str, tokens: list[int], finish: str | None, delta: bool) -> dict[str, Any]:
+            c: dict[str, Any] = {"index": 0, "finish_reason": finish, "token_ids": tokens}
+            if chat:
+                c["delta" if delta else "message"] = {"role": "assistant", "content": text}
+            else:
+                c["text"], c["logprobs"] = text, None
+            return c
+
+        if not req.stream:
+            text: list[str] = []
+            tokens: list[int] = []
+            try:
+                while True:
+                    ev: Event = await r.events.get()
+                    if ev.error:
+                        raise APIError(500, ev.error, kind="server_error")
+                    text.append(ev.text)
+                    if ev.token is not None:
+                        tokens.append(ev.token)
+                    if ev.finish_reason:
+                        break
+            finally:
+                r.cancelled = True
+            return {"id": rid, "object": obj, "created": created, "model": model_name,
+                    "choices": [choice("".join(text), tokens, ev.finish_reason, False)], "usage": usage(r)}
+
+        chunk_obj = "chat.completion.chunk" if chat else "text_completion"
+        include_usage = req.stream_options is not None and req.stream_options.include_usage
+
+        async def events() -> AsyncIterator[str]:
+            try:
+                while True:
+                    ev = await r.events.get()
+                    if ev.error:
+                        yield f"data: {json.dumps(APIError(500, ev.error, kind='server_error').body())}\n\n"
+                        break
+                    body = {"id": rid, "object": chunk_obj, "created": created, "model": model_name,
+                            "choices": [choice(ev.text, [ev.token] if ev.token is not None else [], ev.finish_reason, True)]}
+                    yield f"data: {json.dumps(body)}\n\n"
+                    if ev.finish_reason:
+                        if include_usage:
+                            yield f"data: {json.dumps(dict(body, choices=[], usage=usage(r)))}\n\n"
+                        break
+                yield "data: [DONE]\n\n"
+            finally:  # a client that went away frees its slot at the next step
+                r.cancelled = True
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    @app.post("/v1/completions")
+    async def completions(request: HTTPRequest) -> Any:
+        req = await parse(request, CompletionRequest)
+        prompt: Any = req.prompt  # one prompt: text or token ids, maybe wrapped in a list of one
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            if len(prompt) != 1:
+                raise APIError(400, "only one prompt per request is supported", param="prompt")
+            prompt = prompt[0]
+        try:
+            ids = encode(tokenizer, prompt)
+        except ValueError as err:
+            raise APIError(400, str(err), param="prompt") from None
+        return await respond(submit(ids, req, req.max_tokens), req, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: HTTPRequest) -> Any:
+        req = await parse(request, ChatRequest)
+        try:
+            ids = chat_ids(tokenizer, [{"role": m.role, "content": m.text()} for m in req.messages])
+        except ValueError as err:
+            raise APIError(400, str(err), param="messages") from None
+        return await respond(submit(ids, req, req.max_completion_tokens or req.max_tokens), req, chat=True)
+
+    @app.get("/v1/models")
+    async def models(request: HTTPRequest) -> Any:
+        authorize(request)
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "megacp",
+                                            "max_model_len": max_model_len}]}
+
+    @app.get("/health")
+    async def health() -> Any:
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics(request: HTTPRequest) -> Any:
+        authorize(request)
+        return engine.status()
+
+    return app

@@ -1,0 +1,121 @@
+"""``python -m megacp.serve --model PATH``: an OpenAI-compatible server with CP prefill, prefix
+reuse and continuous batching (plain Python = CP 1; ``torchrun`` / ``deepspeed`` with a CP config =
+CP N: rank 0 serves HTTP, the other ranks run the steps it broadcasts).
+
+Examples::
+
+    python -m megacp.serve --model HF_DIR --port 8000
+    torchrun --nproc_per_node 2 -m megacp.serve --model HF_DIR --api-key KEY
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch.distributed as dist
+
+from megacp.attention.strategy import STRATEGIES
+from megacp.checkpoint.dtypes import DTYPES
+from megacp.checkpoint.front import default_model_path
+from megacp.config import OneLineArgumentParser, add_launcher_args, print_error_once
+from megacp.generate.llm import LLM, SESSION_SLACK
+
+PROG = "megacp.serve"
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The command line (bad values: one line from rank 0, exit 2)."""
+    p = OneLineArgumentParser(prog="python -m megacp.serve", error_prefix=PROG, description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", help="HF directory, .gguf file or megacp checkpoint (default: SmolLM2-135M-Instruct GGUF)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (default: none)")
+    p.add_argument("--served-model-name", default=None, help="the model's name in the API (default: --model)")
+    p.add_argument("--max-num-seqs", type=int, default=16, help="requests decoded together (cache slots; default: 16)")
+    p.add_argument("--max-queue", type=int, default=256, help="requests waiting at most, then 429 (default: 256)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="tokens per request, prompt + output (default: the model's context, at most 4096)")
+    p.add_argument("--no-prefix-reuse", action="store_true", help="prefill every prompt whole")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: as megacp.generate")
+    p.add_argument("--strategy", choices=STRATEGIES, default=None, help="prefill strategy (default: the config's, else auto)")
+    p.add_argument("--prefill-chunk", type=int, default=0, help="chunked prefill: tokens per chunk (0 = whole prompt)")
+    p.add_argument("--deepspeed", action="store_true", help="DeepSpeed's own flag, accepted for its launchers")
+    add_launcher_args(p)
+    args = p.parse_args(argv)
+    for name in ("max_num_seqs", "max_queue"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if not 0 < args.port < 65536:
+        p.error(f"--port must be in 1..65535, got {args.port}")
+    if args.prefill_chunk < 0 or (args.max_model_len is not None and args.max_model_len < 2):
+        p.error("--prefill-chunk must be >= 0 and --max-model-len >= 2")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Serve until SIGTERM / Ctrl-C (then drain: running requests finish), exit 0."""
+    args = parse_args(argv)
+    from megacp.checkpoint import CheckpointError
+    from megacp.config import ConfigError
+
+    try:
+        return _serve(args)
+    except (ConfigError, CheckpointError, ValueError) as err:
+        print_error_once(PROG, str(err))
+        return 2
+
+
+@contextlib.contextmanager
+def _drain_on_signals(server: Any) -> Iterator[None]:
+    """SIGTERM / SIGINT: uvicorn stops accepting, the app's lifespan drains the engine, and the
+    process exits 0 (uvicorn's own handlers re-raise the signal at exit)."""
+    def stop(*_: object) -> None:
+        server.should_exit = True
+
+    old = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from megacp.generate.cli import _set_threads
+    from megacp.parallel import initialize
+    from megacp.serve.worker import Worker
+
+    _set_threads()
+    state = initialize(args.deepspeed_config)
+    model_path = args.model or default_model_path()
+    llm = LLM(model_path, dtype=args.dtype, strategy=args.strategy, prefill_chunk=args.prefill_chunk,
+              cuda_graphs=False, state=state)
+    cfg = llm.model_config
+    max_len = min(args.max_model_len or min(cfg.max_position_embeddings, 4096), cfg.max_position_embeddings)
+    n = llm.generator.cp_size
+    worker = Worker(llm.generator, args.max_num_seqs, max_len if n == 1 else -(-max_len // n) + SESSION_SLACK)
+    if state.rank != 0:  # a launcher's SIGTERM reaches every rank: rank 0 drains, then stops the others
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
+        worker.follow()
+        dist.destroy_process_group()
+        return 0
+    import uvicorn
+
+    from megacp.serve.app import build_app
+    from megacp.serve.engine import Engine
+
+    engine = Engine(worker, llm.tokenizer, max_queue=args.max_queue, prefix_reuse=not args.no_prefix_reuse)
+    name = args.served_model_name or (args.model and Path(args.model).name) or "megacp"
+    app = build_app(engine, cfg, model_name=name, max_model_len=max_len, api_key=args.api_key)
+    print(f"megacp.serve: {name} CP={n} on http://{args.host}:{args.port}", flush=True)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))
+    server.capture_signals = lambda: _drain_on_signals(server)  # type: ignore[method-assign]
+    server.run()
+    dist.destroy_process_group()
+    return 0

@@ -1,0 +1,232 @@
+"""The continuous-batching scheduler on rank 0: a bounded queue of requests, slots of the CP-sharded
+KV cache that keep their tokens after a request ends (prefix reuse, LRU eviction), and a step loop:
+newcomers are prefilled (only what their slot does not hold) between decode steps of the running
+batch, finished or disconnected requests leave it."""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from megacp.generate.outputs import TextStream, stop_string_check
+from megacp.generate.sampling import SamplingParams, sample
+from megacp.kv_cache import CacheCapacityError
+from megacp.serve.worker import Work, Worker
+
+HEARTBEAT_S = 30.0
+"""An idle rank 0 broadcasts an empty step this often, so the followers' collective never times out."""
+
+
+IDLE_POLL_S = 0.1
+"""How often an idle rank 0 looks whether the server drains."""
+
+
+class QueueFull(RuntimeError):
+    """The waiting queue is at its limit (HTTP 429)."""
+
+
+class Draining(RuntimeError):
+    """The server is shutting down and takes no new requests (HTTP 503)."""
+
+
+@dataclass
+class Event:
+    """What a request's stream receives: a token and its new text, then the last event with
+    ``finish_reason`` set (or ``error``)."""
+
+    token: int | None
+    text: str
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+@dataclass
+class Request:
+    """One request; its events go to ``events`` on the event loop ``loop``."""
+
+    prompt: list[int]
+    params: SamplingParams
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    tokens: list[int] = field(default_factory=list)
+    cached: int = 0
+    cancelled: bool = False
+    slot: int = -1
+    stream: TextStream | None = None
+    stopped: Callable[[list[int]], bool] | None = None
+    rng: torch.Generator | None = None
+
+    def put(self, event: Event) -> None:
+        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+
+
+@dataclass
+class Slot:
+    tokens: list[int] = field(default_factory=list)
+    """The tokens whose keys and values the slot holds."""
+    request: Request | None = None
+    used: float = -1.0
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class Engine:
+    """The scheduler and step loop (rank 0), on a :class:`Worker`.
+
+    Args:
+        worker: rank 0's worker (its cache has ``max_num_seqs`` slots).
+        tokenizer: for stop strings and streamed text (``None``: token ids only).
+        max_queue: requests waiting at most before :class:`QueueFull`.
+        prefix_reuse: reuse a finished request's cached tokens for a request that starts alike.
+    """
+
+    def __init__(self, worker: Worker, tokenizer: Any, *, max_queue: int, prefix_reuse: bool = True) -> None:
+        self.worker, self.tokenizer, self.prefix_reuse = worker, tokenizer, prefix_reuse
+        self.slots = [Slot() for _ in worker.slots]
+        self.inbox: queue.Queue[Request] = queue.Queue(maxsize=max_queue)
+        self.waiting: deque[Request] = deque()
+        self.draining = False
+        self.metrics: dict[str, Any] = dict(requests=0, steps=0, prompt_tokens=0, prefilled_tokens=0,
+                                            cached_tokens=0, generated_tokens=0, prefill_strategies={})
+        self._thread = threading.Thread(target=self._loop, name="megacp-engine", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, req: Request) -> None:
+        """Queue ``req`` (raises :class:`Draining` or :class:`QueueFull`)."""
+        if self.draining:
+            raise Draining("the server is shutting down")
+        req.stopped = stop_string_check(self.tokenizer, req.params)
+        req.stream = TextStream(self.tokenizer, req.params.stop) if self.tokenizer is not None else None
+        req.rng = torch.Generator().manual_seed(req.params.seed)
+        try:
+            self.inbox.put_nowait(req)
+        except queue.Full:
+            raise QueueFull(f"the queue holds {self.inbox.maxsize} waiting requests; retry later") from None
+
+    def drain(self) -> None:
+        """Stop taking requests, finish the running and queued ones, stop the followers."""
+        self.draining = True
+        self._thread.join()
+
+    def status(self) -> dict[str, Any]:
+        return dict(self.metrics, running=sum(s.request is not None for s in self.slots),
+                    waiting=len(self.waiting) + self.inbox.qsize())
+
+    # ------------------------------------------------------------------ the step loop
+    def _running(self) -> list[Request]:
+        return [s.request for s in self.slots if s.request is not None]
+
+    def _loop(self) -> None:
+        last = time.monotonic()  # of the latest broadcast
+        while True:
+            for s in self.slots:  # a disconnected client's request leaves the batch
+                if s.request is not None and s.request.cancelled:
+                    s.request = None
+            if not self._running() and not self.waiting:
+                try:
+                    self.waiting.append(self.inbox.get(timeout=IDLE_POLL_S))
+                except queue.Empty:
+                    if self.draining and self.inbox.empty():
+                        self.worker.share(Work(stop=True))
+                        return
+                    if time.monotonic() - last > HEARTBEAT_S:
+                        self.worker.run(self.worker.share(Work()))
+                        last = time.monotonic()
+                    continue
+            last = time.monotonic()
+            while True:
+                try:
+                    self.waiting.append(self.inbox.get_nowait())
+                except queue.Empty:
+                    break
+            try:
+                self._step()
+            except Exception as err:  # noqa: BLE001  # a failed step fails its requests, not the server
+                for s in self.slots:
+                    if s.request is not None:
+                        s.request.put(Event(None, "", error=f"{type(err).__name__}: {err}"))
+                    s.request, s.tokens = None, []
+                self.worker.run(self.worker.share(Work(truncate=[(i, 0) for i in range(len(self.slots))])))
+
+    def _admit(self, req: Request, work: Work) -> bool:
+        """Give ``req`` an idle slot (the one holding the longest prefix of its prompt, else the
+        least recently used) and add its prefill to ``work``; ``False`` when none is idle."""
+        idle = [i for i, s in enumerate(self.slots) if s.request is None]
+        if not idle:
+            return False
+        cache = self.worker.cache
+
+        def reuse(i: int) -> int:
+            return min(common_prefix(self.slots[i].tokens, req.prompt), len(req.prompt) - 1) if self.prefix_reuse else 0
+
+        i = max(idle, key=lambda i: (reuse(i), -self.slots[i].used))
+        keep = reuse(i)
+        steps = self.worker.gen.steps(len(req.prompt) - keep, req.params.max_tokens)
+        cache.truncate(i, keep)
+        try:
+            cache.check_room(i, steps)
+        except CacheCapacityError:  # the reused prefix's placement leaves too little room: prefill cold
+            keep = 0
+            cache.truncate(i, 0)
+        work.truncate.append((i, keep))
+        work.prefill.append((i, req.prompt[keep:]))
+        slot = self.slots[i]
+        slot.tokens, slot.request, slot.used, req.slot, req.cached = req.prompt[:], req, time.monotonic(), i, keep
+        m = self.metrics
+        m["requests"] += 1
+        m["prompt_tokens"] += len(req.prompt)
+        m["cached_tokens"] += keep
+        m["prefilled_tokens"] += len(req.prompt) - keep
+        return True
+
+    def _step(self) -> None:
+        work = Work()
+        decoding = self._running()
+        work.decode = [(r.slot, r.tokens[-1]) for r in decoding]
+        admitted: list[Request] = []
+        while self.waiting:
+            req = self.waiting[0]
+            if req.cancelled:
+                self.waiting.popleft()
+                continue
+            if not self._admit(req, work):
+                break
+            admitted.append(self.waiting.popleft())
+        pre, dec, strategies = self.worker.run(self.worker.share(work))
+        for r in decoding:
+            self.slots[r.slot].tokens.append(r.tokens[-1])
+        for s in strategies:
+            self.metrics["prefill_strategies"][s] = self.metrics["prefill_strategies"].get(s, 0) + 1
+        self.metrics["steps"] += 1
+        for reqs, logits in ((admitted, pre), (decoding, dec)):
+            for row, r in enumerate(reqs):
+                assert logits is not None
+                self._emit(r, int(sample(logits[row: row + 1], r.params, r.rng or torch.Generator())[0]))
+
+    def _emit(self, r: Request, tok: int) -> None:
+        r.tokens.append(tok)
+        self.metrics["generated_tokens"] += 1
+        p = r.params
+        done = ("stop" if tok in p.stop_token_ids or (r.stopped is not None and r.stopped(r.tokens))
+                else "length" if len(r.tokens) >= p.max_tokens else None)
+        text = r.stream.piece(r.tokens, done is not None) if r.stream is not None else ""
+        r.put(Event(tok, text, done))
+        if done is not None:
+            slot = self.slots[r.slot]
+            slot.request, slot.used = None, time.monotonic()

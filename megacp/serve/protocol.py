@@ -1,0 +1,102 @@
+"""The OpenAI request bodies the server takes (pydantic), their mapping onto
+:class:`~megacp.generate.sampling.SamplingParams`, and OpenAI-style errors."""
+
+from __future__ import annotations
+
+from typing import Any, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from megacp.generate.sampling import SamplingParams
+
+
+class APIError(Exception):
+    """An error answered as ``{"error": {"message", "type", "param", "code"}}`` with ``status``."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+UNSUPPORTED_DEFAULTS: dict[str, Any] = {"n": 1, "best_of": 1, "echo": False, "logprobs": None, "top_logprobs": None,
+                                        "presence_penalty": 0.0, "frequency_penalty": 0.0, "logit_bias": None,
+                                        "suffix": None, "user": None}
+"""Fields accepted only at these values (anything else is refused, naming the field)."""
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class SamplingFields(BaseModel):
+    """The fields completions and chat share (OpenAI's names; ``top_k``, ``stop_token_ids``,
+    ``ignore_eos`` as in vLLM)."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    stop: Union[str, list[str], None] = None
+    stop_token_ids: list[int] = Field(default_factory=list)
+    ignore_eos: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int | None = 1
+    best_of: int | None = 1
+    echo: bool | None = False
+    logprobs: Any = None
+    top_logprobs: Any = None
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
+    logit_bias: Any = None
+    suffix: Any = None
+    user: str | None = None
+
+    def check_supported(self) -> None:
+        for name, default in UNSUPPORTED_DEFAULTS.items():
+            value = getattr(self, name, default)
+            if name != "user" and value is not None and value != default:
+                raise APIError(400, f"{name}={value!r} is not supported (only {default!r})", param=name)
+
+    def sampling(self, max_tokens: int | None, default_max: int) -> SamplingParams:
+        """The request's :class:`SamplingParams` (``max_tokens`` default: what the context leaves)."""
+        if max_tokens is not None and max_tokens < 1:
+            raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        try:
+            return SamplingParams(max_tokens=max_tokens or default_max, temperature=self.temperature, top_p=self.top_p,
+                                  top_k=self.top_k, seed=self.seed, stop=stop, stop_token_ids=tuple(self.stop_token_ids),
+                                  ignore_eos=self.ignore_eos)
+        except ValueError as err:
+            raise APIError(400, str(err), param=str(err).split(" ", 1)[0]) from None
+
+
+class CompletionRequest(SamplingFields):
+    prompt: Union[str, list[int], list[str], list[list[int]]]
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: str
+    content: Union[str, list[dict[str, Any]]]
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        if any(part.get("type") != "text" for part in self.content):
+            raise APIError(400, "only text content parts are supported", param="messages")
+        return "".join(str(part.get("text", "")) for part in self.content)
+
+
+class ChatRequest(SamplingFields):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None

@@ -1,0 +1,194 @@
+"""``python -m megacp.serve`` as a subprocess on a tiny random Llama with a character tokenizer:
+the official ``openai`` client and raw httpx requests, 16 concurrent streaming clients at CP 1 and
+CP 2 (torchrun, gloo) against offline ``LLM.generate`` (greedy), multi-turn prefix reuse against
+transformers on the joined history, OpenAI-style errors, a disconnect freeing its slot, SIGTERM
+draining. Two servers in all (module-scoped)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+
+from tests.helpers.distributed import free_port, run_distributed
+from tests.helpers.hf_models import hf_greedy, make_hf_model, save_char_tokenizer
+from tests.helpers.paths import ROOT
+
+NEW = 6
+KEY = "sk-test"
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(11)
+    return [torch.randint(3, 256, (int(n),), generator=g).tolist() for n in torch.randint(3, 40, (16,), generator=g)]
+
+
+def _offline(rank: int, n: int, path: str, prompts: list[list[int]]) -> list[list[int]]:
+    from megacp import LLM, SamplingParams
+
+    llm = LLM(path, dtype="float32")
+    return [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=NEW, ignore_eos=True))]
+
+
+def _start(cmd: list[str], port: int) -> subprocess.Popen:
+    return subprocess.Popen(cmd + ["--port", str(port), "--dtype", "float32"], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+
+
+def _wait(proc: subprocess.Popen, url: str) -> None:
+    for _ in range(300):
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited {proc.returncode}: {proc.stdout.read() if proc.stdout else ''}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError("server did not come up")
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory: pytest.TempPathFactory):
+    d = tmp_path_factory.mktemp("serve")
+    hf = make_hf_model("llama3", d)
+    save_char_tokenizer(d)
+    ports = free_port(), free_port()
+    one = _start([sys.executable, "-m", "megacp.serve", "--model", str(d), "--api-key", KEY,
+                  "--served-model-name", "tiny", "--max-num-seqs", "16", "--max-model-len", "256"], ports[0])
+    two = _start([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                  str(free_port()), "-m", "megacp.serve", "--model", str(d), "--served-model-name", "tiny",
+                  "--max-model-len", "256"], ports[1])
+    prompts = _prompts()
+    ref = run_distributed(_offline, 1, str(d), prompts)[0]
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    try:
+        for proc, url in zip((one, two), urls):
+            _wait(proc, url)
+        yield dict(urls=urls, procs=(one, two), prompts=prompts, ref=ref, hf=hf, dir=str(d))
+    finally:
+        for proc in (one, two):
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+
+
+async def _stream(client: httpx.AsyncClient, url: str, prompt: list[int], headers: dict) -> list[int]:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": NEW, "temperature": 0, "ignore_eos": True, "stream": True}
+    tokens: list[int] = []
+    async with client.stream("POST", url + "/v1/completions", json=body, headers=headers) as r:
+        assert r.status_code == 200
+        lines = [line async for line in r.aiter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    for line in lines[:-1]:
+        tokens += json.loads(line[6:])["choices"][0]["token_ids"]
+    return tokens
+
+
+@pytest.mark.parametrize("cp", [1, 2])
+def test_concurrent_streams_equal_offline_generate(servers, cp: int) -> None:
+    url = servers["urls"][cp - 1]
+    headers = {"Authorization": f"Bearer {KEY}"} if cp == 1 else {}
+
+    async def main() -> list[list[int]]:
+        async with httpx.AsyncClient(timeout=60) as client:
+            return await asyncio.gather(*(_stream(client, url, p, headers) for p in servers["prompts"]))
+
+    assert asyncio.run(main()) == servers["ref"]
+
+
+def test_openai_client_completions_chat_and_streaming(servers) -> None:
+    from openai import OpenAI
+
+    client = OpenAI(base_url=servers["urls"][0] + "/v1", api_key=KEY)
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    p, ref = servers["prompts"][0], servers["ref"][0]
+    out = client.completions.create(model="tiny", prompt=p, max_tokens=NEW, temperature=0, extra_body={"ignore_eos": True})
+    assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == NEW
+    assert out.model_extra is not None and out.choices[0].model_extra["token_ids"] == ref
+    msgs = [{"role": "user", "content": "hello there"}]
+    chat = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=NEW, temperature=0,
+                                          extra_body={"ignore_eos": True})
+    pieces = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=NEW, temperature=0, stream=True,
+                                            extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].delta.content or "" for c in pieces) == chat.choices[0].message.content
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(servers["dir"])
+    ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    assert chat.choices[0].model_extra["token_ids"] == hf_greedy(servers["hf"], [list(ids)], NEW)[0]
+    assert chat.usage.prompt_tokens == len(ids)
+
+
+def test_multi_turn_reuses_the_cached_prefix(servers) -> None:
+    url, headers = servers["urls"][0], {"Authorization": f"Bearer {KEY}"}
+    history = servers["prompts"][1][:30] + [5, 6, 7, 8, 9] * 4
+    previous = 0
+    for turn in range(3):
+        body = {"model": "tiny", "prompt": history, "max_tokens": NEW, "temperature": 0, "ignore_eos": True}
+        r = httpx.post(url + "/v1/completions", json=body, headers=headers, timeout=30).json()
+        got = r["choices"][0]["token_ids"]
+        assert got == hf_greedy(servers["hf"], [history], NEW)[0]
+        if turn:  # everything but the new turn (and the last reply token, never fed back) came from the cache
+            assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == previous
+        previous = len(history) + NEW - 1
+        history = history + got + [10 + turn, 11, 12]
+
+
+def test_bad_requests_get_openai_errors_and_the_server_goes_on(servers) -> None:
+    url, headers = servers["urls"][0], {"Authorization": f"Bearer {KEY}"}
+    ok = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2}
+    cases = [
+        (dict(ok, model="gpt-9"), {}, 404, "model"),
+        (dict(ok, max_tokens=-3), {}, 400, "max_tokens"),
+        (dict(ok, prompt=[7] * 300), {}, 400, "prompt"),
+        (dict(ok, n=2), {}, 400, "n"),
+        (dict(ok, tools=[]), {}, 400, "tools"),
+        (ok, {"Authorization": "Bearer nope"}, 401, None),
+    ]
+    for body, extra, status, param in cases:
+        r = httpx.post(url + "/v1/completions", json=body, headers={**headers, **extra}, timeout=10)
+        assert r.status_code == status, (body, r.text)
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"} and err["param"] == param and err["message"]
+    r = httpx.post(url + "/v1/completions", content=b"{not json", headers=headers, timeout=10)
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    assert httpx.post(url + "/v1/completions", json=ok, headers=headers, timeout=10).json()["usage"]["completion_tokens"] >= 1
+
+
+def test_a_disconnect_frees_the_slot_and_sigterm_drains(servers) -> None:
+    url, headers = servers["urls"][0], {"Authorization": f"Bearer {KEY}"}
+    body = {"model": "tiny", "prompt": [4, 5, 6], "max_tokens": 200, "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body, headers=headers, timeout=30) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i == 3:
+                break
+    for _ in range(100):
+        m = httpx.get(url + "/metrics", headers=headers).json()
+        if m["running"] == 0:
+            break
+        time.sleep(0.05)
+    assert m["running"] == 0 and m["generated_tokens"] < 1000
+    done: dict = {}
+
+    def long() -> None:
+        done.update(httpx.post(url + "/v1/completions", headers=headers, timeout=60,
+                               json=dict(body, stream=False, max_tokens=120)).json())
+
+    t = threading.Thread(target=long)
+    t.start()
+    while httpx.get(url + "/metrics", headers=headers).json()["running"] == 0:
+        time.sleep(0.02)
+    proc = servers["procs"][0]
+    proc.send_signal(signal.SIGTERM)
+    t.join(60)
+    assert proc.wait(30) == 0
+    assert done["usage"]["completion_tokens"] == 120 and done["choices"][0]["finish_reason"] == "length"
