@@ -17,15 +17,14 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
 from megacp.generate.outputs import chat_ids, with_eos
-from megacp.generate.requests import check_prompt, encode
-from megacp.models.config import ModelConfig
+from megacp.generate.requests import ModelLimits, check_prompt, encode
 from megacp.serve.engine import Draining, Engine, Event, QueueFull, Request
 from megacp.serve.protocol import APIError, ChatRequest, CompletionRequest, SamplingFields
 
 Body = TypeVar("Body", bound=SamplingFields)
 
 
-def build_app(engine: Engine, cfg: ModelConfig, *, model_name: str, max_model_len: int,
+def build_app(engine: Engine, cfg: ModelLimits, *, model_name: str, max_model_len: int,
               api_key: str | None) -> FastAPI:
     """The FastAPI app over ``engine`` (started and drained with the app's lifespan)."""
     tokenizer = engine.tokenizer

@@ -13,10 +13,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-import torch
-
 from megacp.generate.outputs import TextStream, stop_string_check
-from megacp.generate.sampling import SamplingParams, sample
+from megacp.generate.sampling import Sampler, SamplingParams
 from megacp.kv_cache import CacheCapacityError
 from megacp.serve.worker import Work, Worker
 
@@ -61,7 +59,7 @@ class Request:
     slot: int = -1
     stream: TextStream | None = None
     stopped: Callable[[list[int]], bool] | None = None
-    rng: torch.Generator | None = None
+    sampler: Sampler | None = None  # made at the first logits (the request's draws and penalty counts)
 
     def put(self, event: Event) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, event)
@@ -113,7 +111,6 @@ class Engine:
             raise Draining("the server is shutting down")
         req.stopped = stop_string_check(self.tokenizer, req.params)
         req.stream = TextStream(self.tokenizer, req.params.stop) if self.tokenizer is not None else None
-        req.rng = torch.Generator().manual_seed(req.params.seed)
         try:
             self.inbox.put_nowait(req)
         except queue.Full:
@@ -217,7 +214,10 @@ class Engine:
         for reqs, logits in ((admitted, pre), (decoding, dec)):
             for row, r in enumerate(reqs):
                 assert logits is not None
-                self._emit(r, int(sample(logits[row: row + 1], r.params, r.rng or torch.Generator())[0]))
+                row_logits = logits[row: row + 1]
+                if r.sampler is None:
+                    r.sampler = Sampler([r.params], row_logits.shape[-1], row_logits.device, context=[r.prompt])
+                self._emit(r, int(r.sampler(row_logits)[0]))
 
     def _emit(self, r: Request, tok: int) -> None:
         r.tokens.append(tok)

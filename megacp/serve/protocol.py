@@ -23,8 +23,7 @@ class APIError(Exception):
 
 
 UNSUPPORTED_DEFAULTS: dict[str, Any] = {"n": 1, "best_of": 1, "echo": False, "logprobs": None, "top_logprobs": None,
-                                        "presence_penalty": 0.0, "frequency_penalty": 0.0, "logit_bias": None,
-                                        "suffix": None, "user": None}
+                                        "logit_bias": None, "suffix": None, "user": None}
 """Fields accepted only at these values (anything else is refused, naming the field)."""
 
 
@@ -34,8 +33,8 @@ class StreamOptions(BaseModel):
 
 
 class SamplingFields(BaseModel):
-    """The fields completions and chat share (OpenAI's names; ``top_k``, ``stop_token_ids``,
-    ``ignore_eos`` as in vLLM)."""
+    """The fields completions and chat share (OpenAI's names; ``top_k``, ``min_p``,
+    ``repetition_penalty``, ``stop_token_ids``, ``ignore_eos`` as in vLLM)."""
 
     model_config = ConfigDict(extra="forbid")
     model: str
@@ -43,6 +42,8 @@ class SamplingFields(BaseModel):
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
     seed: int = 0
     stop: Union[str, list[str], None] = None
     stop_token_ids: list[int] = Field(default_factory=list)
@@ -54,8 +55,8 @@ class SamplingFields(BaseModel):
     echo: bool | None = False
     logprobs: Any = None
     top_logprobs: Any = None
-    presence_penalty: float | None = 0.0
-    frequency_penalty: float | None = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     logit_bias: Any = None
     suffix: Any = None
     user: str | None = None
@@ -73,8 +74,10 @@ class SamplingFields(BaseModel):
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         try:
             return SamplingParams(max_tokens=max_tokens or default_max, temperature=self.temperature, top_p=self.top_p,
-                                  top_k=self.top_k, seed=self.seed, stop=stop, stop_token_ids=tuple(self.stop_token_ids),
-                                  ignore_eos=self.ignore_eos)
+                                  top_k=self.top_k, min_p=self.min_p, seed=self.seed, stop=stop,
+                                  stop_token_ids=tuple(self.stop_token_ids), ignore_eos=self.ignore_eos,
+                                  repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
+                                  frequency_penalty=self.frequency_penalty)
         except ValueError as err:
             raise APIError(400, str(err), param=str(err).split(" ", 1)[0]) from None
 

@@ -4,7 +4,7 @@ Layers, top first; a module may import its own package, and packages of its own 
 layers below it, never above (README, "Architecture"):
 
     megacp, generate, train  the package root (public re-exports), the entry points
-    integrations             (``python -m megacp.generate`` / ``python -m megacp.train``) and the
+    integrations, serve      (``python -m megacp.generate`` / ``train`` / ``serve``) and the
                              transformers attention interface
     checkpoint               formats, conversion, loading weights into a built model
     models                   the model, its config and parameter schema
@@ -28,7 +28,7 @@ from tests.helpers.paths import ROOT
 PACKAGE = ROOT / "megacp"
 
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("megacp", "generate", "train", "integrations"),
+    ("megacp", "generate", "train", "integrations", "serve"),
     ("checkpoint",),
     ("models",),
     ("layers",),
