@@ -66,6 +66,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--backend", choices=("auto", "torch", "te"), default="auto",
                    help="model layers: Transformer Engine or torch (default: TE on CUDA when installed)")
     p.add_argument("--save", metavar="DIR", help="engine.save_checkpoint(DIR) after the last step")
+    p.add_argument("--force", action="store_true",
+                   help="--save into a directory that holds a checkpoint of a different model")
     p.add_argument("--metrics", metavar="FILE", help="write one JSON line per step here (rank 0)")
     p.add_argument("--quiet", action="store_true", help="no progress bar and no summary line")
     p.add_argument("--allow-non-finite", action="store_true", help="load weights that hold NaN or inf")
@@ -158,6 +160,7 @@ def run(args: argparse.Namespace) -> int:
     from megacp.train.data import CorpusBatches, Prefetcher, resolve_corpus
     from megacp.train.engine import Trainer, check_batch_config, read_settings
     from megacp.train.loss import lm_loss
+    from megacp.train.save_target import check_save_target
 
     if not torch.cuda.is_available():  # before DeepSpeed is imported: gloo on CPU, as megacp.initialize
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -170,7 +173,14 @@ def run(args: argparse.Namespace) -> int:
                               save=args.save is not None)
     sources = resolve_corpus(args.corpus)
     model_path = args.model or default_model_path()  # CheckpointError (one line) when the package is missing
-    check_seq_len(args.seq_len, config.context_parallel.size or 1, read_model_config(model_path))
+    model_config_found = read_model_config(model_path)
+    check_seq_len(args.seq_len, config.context_parallel.size or 1, model_config_found)
+    if args.save is not None:  # --hf-native: save_pretrained files, checked for writability only
+        try:
+            check_save_target(args.save, None if args.hf_native else model_config_found, settings.dtype,
+                              force=args.force)
+        except ValueError as err:
+            raise UsageError(str(err)) from None
     _world_of_one_env()
     state = megacp.initialize(config)
     micro_batch = check_batch_config(config.deepspeed, state)
