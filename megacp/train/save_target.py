@@ -54,6 +54,6 @@ def check_save_target(save: str | os.PathLike[str], config: ModelConfig | None, 
         saved = json.loads(meta_file.read_text(encoding="utf-8")).get("model_config")
     except (OSError, ValueError, AttributeError):
         saved = None
-    if saved != config.to_dict():
+    if saved != json.loads(json.dumps(config.to_dict())):  # as the file holds it (lists, not tuples)
         raise ValueError(f"--save {save} holds a checkpoint of a different model ({TRAIN_STATE_FILE}); "
                          "use --force to save over it")

@@ -202,12 +202,20 @@ def _config(tmp_path: Path, name: str, **changes) -> str:
         ("hf_native_backend", "--hf-native trains the transformers modules as they are: --backend"),
         ("seq_len_context", "--seq-len 257 exceeds the model's context of 256 tokens"),
         ("seq_len_cp", "--seq-len 3 is too short for CP=2: every CP rank needs a token with a label"),
+        ("save_other_model", "holds a checkpoint of a different model (megacp_train.json); use --force to save over it"),
     ],
 )
 def test_bad_input_is_one_line(case: str, expected: str, tiny: tuple[Path, Path], tmp_path: Path,
                                capsys: pytest.CaptureFixture[str]) -> None:
     model_dir, corpus = tiny
     base = ["--model", str(model_dir), "--corpus", str(corpus), "--deepspeed_config", str(CPU_CONFIG)]
+    if case == "save_other_model":
+        from megacp.checkpoint.deepspeed import write_train_state
+        from tests.helpers.training import tiny_config
+
+        (tmp_path / "other").mkdir()
+        write_train_state(tmp_path / "other", model_config=tiny_config(tied=False), dtype=torch.float32, tp_size=1,
+                          zero_stage=1, tag="step1", tokenizer=None)
     argv = {
         "no_config": ["--model", str(model_dir)],
         "seq_len": base + ["--seq-len", "0"],
@@ -229,6 +237,7 @@ def test_bad_input_is_one_line(case: str, expected: str, tiny: tuple[Path, Path]
         "hf_native_backend": ["--hf-native", "--backend", "torch", *base],
         "seq_len_context": base + ["--seq-len", "257"],
         "seq_len_cp": base + ["--seq-len", "3"],
+        "save_other_model": base + ["--seq-len", "40", "--save", str(tmp_path / "other")],
     }[case]
     assert expected in _main_error(argv, capsys)
 
