@@ -20,6 +20,8 @@ import argparse
 import importlib.metadata
 import json
 import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -125,6 +127,11 @@ def validate(args: argparse.Namespace) -> tuple[SamplingParams, list[list[int]] 
             raise UsageError(f"--output {args.output}: the directory does not exist")
         if not os.access(folder, os.W_OK):
             raise UsageError(f"--output {args.output}: the directory is not writable")
+        if Path(args.output).is_dir():
+            raise UsageError(f"--output {args.output} is a directory")
+        if shutil.disk_usage(folder).free < OUTPUT_FREE_BYTES:
+            raise UsageError(f"--output {args.output}: {folder} has less than "
+                             f"{OUTPUT_FREE_BYTES // 2**20} MiB free")
     if args.prompt_ids:
         return params, *_prompt_ids(args.prompt_ids)
     return params, None, len(args.prompt or ()) > 1
@@ -157,6 +164,25 @@ def check_model_limits(cfg: ModelLimits, params: SamplingParams, prompt_ids: lis
             check_prompt(cfg, p, params.max_tokens, f"--prompt-ids prompt {i}")
     except ValueError as err:
         raise UsageError(str(err)) from None
+
+
+OUTPUT_FREE_BYTES = 2**20
+"""Free space ``--output``'s directory must have before the generation starts."""
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Write ``text`` (UTF-8) to ``path`` through a temporary file in the same directory, flushed to
+    disk and renamed over ``path``; on any error the temporary file is removed and ``path`` is as it was."""
+    fd, tmp = tempfile.mkstemp(dir=path.resolve().parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def _set_threads() -> None:
@@ -249,6 +275,4 @@ def _report(args: argparse.Namespace, llm: LLM, outputs: list[Any], text: TextSt
     if args.output:
         tokens = [o.token_ids for o in outputs]
         payload = {"tokens": tokens if nested else tokens[0], "report": report}
-        tmp = Path(args.output + ".tmp")
-        tmp.write_text(json.dumps(payload))
-        os.replace(tmp, args.output)
+        write_atomically(Path(args.output), json.dumps(payload))

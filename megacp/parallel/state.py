@@ -21,10 +21,13 @@ process or of a process group, never a setting:
 from __future__ import annotations
 
 import atexit
+import ctypes
 import datetime
 import importlib.util
 import os
 import resource
+import signal
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -260,6 +263,7 @@ def _init_process_group(backend: str, timeout: datetime.timedelta) -> None:
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if launched:
+        exit_with_parent()
         if backend != "gloo" and importlib.util.find_spec("deepspeed") is not None:
             import deepspeed
 
@@ -269,6 +273,14 @@ def _init_process_group(backend: str, timeout: datetime.timedelta) -> None:
         return
     store = dist.TCPStore("127.0.0.1", 0, world_size=1, is_master=True)
     dist.init_process_group(backend=backend, store=store, rank=0, world_size=1, timeout=timeout)
+
+
+def exit_with_parent() -> None:
+    """Have Linux send this process SIGTERM when its parent (the launcher that started it) ends, as
+    ``torchrun``'s agent ends its workers (``prctl(PR_SET_PDEATHSIG)``). A no-op on other systems."""
+    if sys.platform.startswith("linux"):
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None).prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0)
 
 
 def peak_memory_mib(device: torch.device) -> float:

@@ -93,6 +93,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--resume", metavar="DIR|auto",
                    help="continue from a checkpoint (a --save directory's latest, or one of its step<N> "
                         "directories) exactly as if the run had not stopped; 'auto': --save's latest, if any")
+    p.add_argument("--force", action="store_true",
+                   help="--save into a directory that holds a checkpoint of a different model")
     p.add_argument("--metrics", metavar="FILE", help="write one JSON line per step here (rank 0)")
     p.add_argument("--quiet", action="store_true", help="no progress bar and no summary line")
     p.add_argument("--allow-non-finite", action="store_true", help="load weights that hold NaN or inf")
@@ -278,6 +280,7 @@ def run(args: argparse.Namespace) -> int:
     from megacp.train.engine import Trainer, check_batch_config, read_settings
     from megacp.train.loss import lm_loss
     from megacp.train.resume import ResumePoint, locate
+    from megacp.train.save_target import check_save_target
 
     silence_harmless_warnings()
     if not torch.cuda.is_available():  # before DeepSpeed is imported: gloo on CPU, as megacp.initialize
@@ -292,8 +295,15 @@ def run(args: argparse.Namespace) -> int:
     sources = resolve_corpus(args.corpus)
     eval_sources = resolve_corpus(args.eval_corpus) if args.eval_corpus else None
     model_path = args.model or default_model_path()  # CheckpointError (one line) when the package is missing
+    model_config_found = read_model_config(model_path)
     if args.seq_len != "auto":
-        check_seq_len(args.seq_len, config.context_parallel.size or 1, read_model_config(model_path))
+        check_seq_len(args.seq_len, config.context_parallel.size or 1, model_config_found)
+    if args.save is not None:  # --hf-native: save_pretrained files, checked for writability only
+        try:
+            check_save_target(args.save, None if args.hf_native else model_config_found, settings.dtype,
+                              force=args.force)
+        except ValueError as err:
+            raise UsageError(str(err)) from None
     resume_at = locate(args.resume, args.save) if args.resume else None
     point = None
     if resume_at is not None:

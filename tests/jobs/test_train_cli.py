@@ -182,12 +182,20 @@ def _config(tmp_path: Path, name: str, **changes) -> str:
         ("resume_auto_no_save", "--resume auto resumes from the --save directory: pass --save DIR"),
         ("missing_eval_corpus", "corpus /nonexistent/eval.txt does not exist"),
         ("monitor", "the comet_ml package is not installed: pip install comet_ml, or disable the comet monitor"),
+        ("save_other_model", "holds a checkpoint of a different model (megacp_train.json); use --force to save over it"),
     ],
 )
 def test_bad_input_is_one_line(case: str, expected: str, tiny: tuple[Path, Path], tmp_path: Path,
                                capsys: pytest.CaptureFixture[str]) -> None:
     model_dir, corpus = tiny
     base = ["--model", str(model_dir), "--corpus", str(corpus), "--deepspeed_config", str(CPU_CONFIG)]
+    if case == "save_other_model":
+        from megacp.checkpoint.deepspeed import write_train_state
+        from tests.helpers.training import tiny_config
+
+        (tmp_path / "other").mkdir()
+        write_train_state(tmp_path / "other", model_config=tiny_config(tied=False), dtype=torch.float32, tp_size=1,
+                          zero_stage=1, tag="step1", tokenizer=None)
     argv = {
         "no_config": ["--model", str(model_dir)],
         "seq_len": base + ["--seq-len", "0"],
@@ -217,6 +225,7 @@ def test_bad_input_is_one_line(case: str, expected: str, tiny: tuple[Path, Path]
         "resume_auto_no_save": base + ["--seq-len", "40", "--resume", "auto"],
         "missing_eval_corpus": base + ["--eval-corpus", "/nonexistent/eval.txt"],
         "monitor": base[:4] + ["--deepspeed_config", _config(tmp_path, "monitor", comet={"enabled": True})],
+        "save_other_model": base + ["--seq-len", "40", "--save", str(tmp_path / "other")],
     }[case]
     assert expected in _main_error(argv, capsys)
 

@@ -142,3 +142,101 @@ def test_empty_config_file_is_refused(text: str, tmp_path: Path) -> None:
     path.write_text(text)
     with pytest.raises(ConfigError, match=r"ds\.json: the config file is empty$"):
         load_config(path)
+
+
+def test_save_target_checked_before_training(tmp_path: Path) -> None:
+    """``--save`` refusals: unwritable directory, too little free space, another model's checkpoint."""
+    import dataclasses
+    import math
+
+    from megacp.train.save_target import check_save_target, estimated_checkpoint_bytes
+
+    config = tiny_config(tied=False)
+    count = sum(math.prod(s) for s in parameter_shapes(config).values())
+    assert estimated_checkpoint_bytes(config, torch.bfloat16) == count * (2 + 12)
+    assert estimated_checkpoint_bytes(config, torch.float32) == count * (4 + 12)
+
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        if not os.access(locked, os.W_OK):  # root writes anywhere
+            with pytest.raises(ValueError, match=r"^--save .*/locked/ckpt: .*/locked is not writable$"):
+                check_save_target(locked / "ckpt", config, torch.float32, force=False)
+    finally:
+        locked.chmod(0o700)
+
+    huge = dataclasses.replace(config, vocab_size=2**31, hidden_size=2**20)  # petabytes: no disk holds it
+    with pytest.raises(ValueError, match=r"^--save .*: the checkpoint needs about [\d,]+ MiB, .* has [\d,]+ MiB free$"):
+        check_save_target(tmp_path / "ckpt", huge, torch.float32, force=False)
+
+    _checkpoint(tmp_path / "other")
+    other_model = dataclasses.replace(config, num_layers=1)
+    with pytest.raises(ValueError, match=r"^--save .*/other holds a checkpoint of a different model "
+                                         r"\(megacp_train.json\); use --force to save over it$"):
+        check_save_target(tmp_path / "other", other_model, torch.float32, force=False)
+    check_save_target(tmp_path / "other", other_model, torch.float32, force=True)
+    check_save_target(tmp_path / "other", config, torch.float32, force=False)  # the same model: a re-save
+
+
+def test_generate_output_written_atomically(tmp_path: Path) -> None:
+    """``--output`` is replaced whole or not at all, and no temporary file stays behind."""
+    from megacp.generate.cli import write_atomically
+
+    out = tmp_path / "out.json"
+    out.write_text("old")
+    write_atomically(out, '{"tokens": [1]}')
+    assert out.read_text() == '{"tokens": [1]}'
+    with pytest.raises(UnicodeEncodeError):
+        write_atomically(out, "\ud800")  # a lone surrogate cannot be encoded: fails part-way
+    assert out.read_text() == '{"tokens": [1]}'
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.json"]
+
+
+def test_generate_output_directory_refused_before_generation(tmp_path: Path) -> None:
+    from megacp.generate.cli import UsageError, parse_args, validate
+
+    with pytest.raises(UsageError, match=r"^--output .* is a directory$"):
+        validate(parse_args(["--prompt", "hi", "--output", str(tmp_path)]))
+    validate(parse_args(["--prompt", "hi", "--output", str(tmp_path / "out.json")]))
+
+
+def test_worker_ends_when_its_launcher_is_killed(tmp_path: Path) -> None:
+    """A launched worker (``exit_with_parent``, as ``megacp.initialize`` calls it) gets SIGTERM when
+    its launcher is SIGKILLed, instead of running on unsupervised."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.helpers.paths import ROOT
+
+    ready = tmp_path / "ready"
+    worker = ("from megacp.parallel.state import exit_with_parent; exit_with_parent(); import pathlib, time; "
+              f"pathlib.Path({str(ready)!r}).touch(); time.sleep(60)")
+    launcher = (f"import subprocess, sys; p = subprocess.Popen([sys.executable, '-c', {worker!r}]); "
+                "print(p.pid, flush=True); p.wait()")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    parent = subprocess.Popen([sys.executable, "-c", launcher], stdout=subprocess.PIPE, text=True, env=env)
+    assert parent.stdout is not None
+    child = int(parent.stdout.readline())
+    deadline = time.monotonic() + 60
+    while not ready.exists() and time.monotonic() < deadline:  # the worker has asked for the signal
+        time.sleep(0.05)
+    parent.kill()
+    parent.wait()
+
+    def alive(pid: int) -> bool:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            return False
+        return state != "Z"  # a zombie has ended (its new parent has not reaped it yet)
+
+    deadline = time.monotonic() + 10
+    while alive(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    ended = not alive(child)
+    if not ended:
+        os.kill(child, signal.SIGKILL)
+    assert ended, "the worker outlived its launcher"
