@@ -32,6 +32,22 @@ _WRITE_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EP
 """``OSError`` numbers that mean the destination cannot take the checkpoint."""
 
 
+def exchange_directories(a: Path, b: Path) -> bool:
+    """Swap the directories ``a`` and ``b`` in one atomic step (Linux ``renameat2`` with
+    ``RENAME_EXCHANGE``): at no moment is either path missing. ``False`` where the system or the
+    file system cannot (nothing was changed then); the caller falls back to two renames."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
+
+
 def _host() -> str:
     """This machine's name as a staging directory records it (word characters only)."""
     return re.sub(r"\W", "_", socket.gethostname()) or "_"

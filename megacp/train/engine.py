@@ -33,6 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megacp.checkpoint.staging import exchange_directories
 from megacp.config import ConfigError
 from megacp.layers.settings import CPSettings
 from megacp.models.config import ModelConfig
@@ -438,9 +439,11 @@ class Trainer:
         if dist.get_rank() == 0:
             old = directory / f".{tag}.old"
             shutil.rmtree(old, ignore_errors=True)
-            if (directory / tag).exists():
-                os.replace(directory / tag, old)
-            os.replace(staging / tag, directory / tag)
+            if not (directory / tag).exists():
+                os.replace(staging / tag, directory / tag)
+            elif not exchange_directories(staging / tag, directory / tag):  # re-saving a tag: swapped atomically
+                os.replace(directory / tag, old)  # where the system cannot swap: a kill here leaves it in .old
+                os.replace(staging / tag, directory / tag)
             write_train_state(directory, model_config=model_config, dtype=self.settings.dtype,
                               tp_size=self.state.size("tp"), zero_stage=self.settings.zero_stage, tag=tag,
                               tokenizer=tokenizer)
