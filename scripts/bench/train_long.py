@@ -158,15 +158,17 @@ def megacp_step(args: argparse.Namespace, cfg: Any, state: Any, seq: int) -> tup
 
 def alst_step(args: argparse.Namespace, cfg: Any, state: Any, seq: int) -> tuple[Step, Any, dict[str, Any]]:
     """The ALST recipe's step at ``seq`` tokens, its engine, and what the row notes (the pieces on)."""
-    import deepspeed
     import torch.nn.functional as F
     from deepspeed.runtime.activation_checkpointing.offload_activations import CheckpointHiddenStatesOffload
     from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledFusedLogitsLoss, TiledMLP
     from transformers import LlamaForCausalLM
     from transformers.models.llama import modeling_llama
 
+    from megacp.train.engine import deepspeed_for
     from megacp.train.loss import DEFAULT_CHUNK_TOKENS
     from scripts.bench.train_step import hf_config
+
+    deepspeed = deepspeed_for(state)  # as megacp's Trainer: no shared-memory op build on CPU
 
     cuda = state.device.type == "cuda"
     if args.alst_tiled_mlp:
