@@ -100,5 +100,5 @@ def test_trainer_memory_options_equal_plain_steps():
         l2, w2, tiles, offloaded = out[name + "_memory"]
         assert tiles == {5} and offloaded == frozenset(range(CFG.num_layers)), name
         assert max(abs(a - b) / abs(a) for a, b in zip(losses, l2)) <= 1e-6, (name, losses, l2)
-        assert rel_err(w2, weights) <= 1e-6, name
+        assert rel_err(w2, weights) <= 1e-5, name
         assert losses[-1] < losses[0]
