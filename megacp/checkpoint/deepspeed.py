@@ -11,7 +11,9 @@ model the tensors belong to, so the trainer adds, from rank 0, :data:`TRAIN_STAT
      "dtype": "bfloat16",          # the dtype the model was trained in
      "tp_size": 1, "zero_stage": 1, "tag": "step100"}
 
-and the tokenizer files. :func:`read_deepspeed_checkpoint` rebuilds the full weights: with ZeRO
+and the tokenizer files; each tag directory also gets a manifest of its files
+(:mod:`megacp.checkpoint.shard_manifest`), checked before anything is merged.
+:func:`read_deepspeed_checkpoint` rebuilds the full weights: with ZeRO
 shards through DeepSpeed's own ``zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint`` (fp32
 master weights, partitions merged), without them from the module states (the training dtype).
 """
@@ -31,6 +33,7 @@ import torch
 
 from megacp.checkpoint.dtypes import dtype_from_name, dtype_name
 from megacp.checkpoint.errors import CheckpointError
+from megacp.checkpoint.shard_manifest import canonical_sha256, verify_tag
 from megacp.checkpoint.tokenizer_files import TokenizerSource, write_tokenizer
 from megacp.models.config import ModelConfig
 from megacp.models.schema import parameter_shapes
@@ -61,12 +64,24 @@ class DeepSpeedCheckpoint:
     path: Path
 
 
+def train_state(*, model_config: ModelConfig, dtype: torch.dtype, tp_size: int, zero_stage: int,
+                tag: str) -> dict[str, Any]:
+    """The contents of :data:`TRAIN_STATE_FILE` (see the module docstring)."""
+    return {"format": FORMAT, "version": FORMAT_VERSION, "model_config": model_config.to_dict(),
+            "dtype": dtype_name(dtype), "tp_size": tp_size, "zero_stage": zero_stage, "tag": tag}
+
+
+def train_state_sha256(meta: dict[str, Any]) -> str:
+    """The checksum of :data:`TRAIN_STATE_FILE`'s values (canonical JSON) other than ``tag`` (which
+    names the newest save, while every tag's manifest records this checksum)."""
+    return canonical_sha256({key: value for key, value in meta.items() if key != "tag"})
+
+
 def write_train_state(directory: str | os.PathLike[str], *, model_config: ModelConfig, dtype: torch.dtype,
                       tp_size: int, zero_stage: int, tag: str, tokenizer: TokenizerSource) -> None:
     """Write :data:`TRAIN_STATE_FILE` (atomically) and the tokenizer files into ``directory``."""
     path = Path(directory)
-    meta = {"format": FORMAT, "version": FORMAT_VERSION, "model_config": model_config.to_dict(),
-            "dtype": dtype_name(dtype), "tp_size": tp_size, "zero_stage": zero_stage, "tag": tag}
+    meta = train_state(model_config=model_config, dtype=dtype, tp_size=tp_size, zero_stage=zero_stage, tag=tag)
     tmp = path / f".{TRAIN_STATE_FILE}.tmp"
     tmp.write_text(json.dumps(meta, indent=1), encoding="utf-8")
     tmp.replace(path / TRAIN_STATE_FILE)
@@ -104,6 +119,15 @@ def read_train_config(directory: str | os.PathLike[str]) -> ModelConfig:
     """
     path = Path(directory)
     return _config_and_dtype(path, _read_meta(path))[0]
+
+
+def train_state_checksum(directory: str | os.PathLike[str]) -> str:
+    """:func:`train_state_sha256` of ``directory``'s :data:`TRAIN_STATE_FILE` as it is now.
+
+    Raises:
+        CheckpointError: not a ``megacp.train`` checkpoint directory, or an unreadable sidecar.
+    """
+    return train_state_sha256(_read_meta(Path(directory)))
 
 
 def _latest_tag(path: Path) -> str:
@@ -175,9 +199,11 @@ def read_deepspeed_checkpoint(directory: str | os.PathLike[str], tag: str | None
         trust: unpickle the files without checking that they hold only data (they could run code).
 
     Raises:
-        CheckpointError: not such a checkpoint, a missing tag, a TP-sharded checkpoint (not
-            supported: the model was trained with tensor parallelism), or tensors that do not
-            match the model config.
+        CheckpointError: not such a checkpoint, a missing tag, files that do not match the tag's
+            manifest (:func:`~megacp.checkpoint.shard_manifest.verify_tag`: shards of another
+            run, swapped, missing or extra, an edited :data:`TRAIN_STATE_FILE`), a TP-sharded
+            checkpoint (not supported: the model was trained with tensor parallelism), or tensors
+            that do not match the model config.
     """
     path = Path(directory)
     meta = _read_meta(path)
@@ -189,6 +215,7 @@ def read_deepspeed_checkpoint(directory: str | os.PathLike[str], tag: str | None
     if not tag_dir.is_dir():
         raise CheckpointError(f"{path} has no checkpoint tag {tag!r}")
     config, dtype = _config_and_dtype(path, meta)
+    verify_tag(tag_dir, path / TRAIN_STATE_FILE, train_state_sha256(meta))
     _check_data_only(tag_dir, trust)
     if any(tag_dir.glob("*_optim_states.pt")):  # ZeRO 1/2/3 partitions of the fp32 master weights
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint

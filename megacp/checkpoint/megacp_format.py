@@ -36,7 +36,6 @@ one rank's shards returns that rank's state dict (the caller asked for it); a re
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from collections.abc import Iterable, Iterator
@@ -50,6 +49,7 @@ from safetensors import safe_open
 from megacp.checkpoint.dtypes import dtype_from_name, dtype_name
 from megacp.checkpoint.errors import CheckpointError
 from megacp.checkpoint.safetensors_io import ClosingContext, SafetensorsWriter, WriteSummary, tensor_sha256
+from megacp.checkpoint.shard_manifest import canonical_sha256
 from megacp.checkpoint.staging import CHECKPOINT_MARKERS, staged_directory
 from megacp.checkpoint.tokenizer_files import TokenizerSource, write_tokenizer
 from megacp.checkpoint.tp import (
@@ -71,8 +71,7 @@ FORMAT_VERSION = 1
 def manifest_sha256(manifest: dict[str, Any]) -> str:
     """Hex SHA-256 of the manifest's fields other than ``manifest_sha256`` (canonical JSON: sorted
     keys, no spaces), so that any edit of a value, order aside, changes it."""
-    body = {key: value for key, value in manifest.items() if key != "manifest_sha256"}
-    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode("utf-8")).hexdigest()
+    return canonical_sha256({key: value for key, value in manifest.items() if key != "manifest_sha256"})
 
 
 def rank_file_name(tp_rank: int, tp_size: int) -> str:

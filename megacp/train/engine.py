@@ -25,10 +25,11 @@ import importlib.util
 import os
 import shutil
 import time
+import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -54,6 +55,9 @@ from megacp.train.memory import (
     read_memory_options,
 )
 from megacp.train.resume import ResumePoint, load_rng_file, prune, rng_file, rng_state, set_rng_state
+
+if TYPE_CHECKING:
+    from megacp.checkpoint.shard_manifest import FileDigest, Manifest
 
 ZERO_STAGES = (0, 1, 2, 3)
 """ZeRO stages megacp trains with."""
@@ -314,6 +318,10 @@ class Trainer:
         self.cp_group = state.group("cp")
         self.dp_group = state.group("dp")
         self.steps_done = 0
+        box = [uuid.uuid4().hex[:16]]
+        dist.broadcast_object_list(box, src=0)
+        self.run_id: str = box[0]
+        """This run's identity in its checkpoints' manifests (a resumed run keeps the one it resumes)."""
 
     @property
     def module(self) -> torch.nn.Module:
@@ -412,10 +420,14 @@ class Trainer:
         tag also gets what :meth:`load` restores (:mod:`megacp.train.resume`: the point and every
         rank's generator states); with ``keep_last``, only that many ``step<N>`` tags remain. The
         directory's ``zero_to_fp32.py`` is megacp's (:mod:`megacp.checkpoint.zero_to_fp32`: it
-        writes a Hugging Face directory), not DeepSpeed's.
+        writes a Hugging Face directory), not DeepSpeed's. The tag's manifest
+        (:mod:`megacp.checkpoint.shard_manifest`: the run id, the mesh, every file's size and
+        SHA-256, hashed by all ranks in parallel, and the checksum of the sidecar) is written into
+        the staging directory last.
         Collective; returns the tag."""
         from megacp.checkpoint import zero_to_fp32
-        from megacp.checkpoint.deepspeed import write_train_state
+        from megacp.checkpoint.deepspeed import train_state, train_state_sha256, write_train_state
+        from megacp.checkpoint.shard_manifest import Manifest, Mesh
 
         if self.sharded_experts:
             from megacp.train.experts import check_expert_training
@@ -436,7 +448,13 @@ class Trainer:
             if dist.get_rank() == 0:
                 resume.write(staging / tag)
         dist.barrier()
+        meta = train_state(model_config=model_config, dtype=self.settings.dtype, tp_size=self.state.size("tp"),
+                           zero_stage=self.settings.zero_stage, tag=tag)
+        files = self._digests(staging / tag, None)
         if dist.get_rank() == 0:
+            mesh = Mesh(world_size=dist.get_world_size(), dp=self.state.size("dp"), cp=self.state.size("cp"),
+                        tp=self.state.size("tp"), ep=self.state.size("ep"), zero_stage=self.settings.zero_stage)
+            Manifest(self.run_id, tag, mesh, train_state_sha256(meta), files).write(staging / tag)
             old = directory / f".{tag}.old"
             shutil.rmtree(old, ignore_errors=True)
             if not (directory / tag).exists():
@@ -446,7 +464,7 @@ class Trainer:
                 os.replace(staging / tag, directory / tag)
             write_train_state(directory, model_config=model_config, dtype=self.settings.dtype,
                               tp_size=self.state.size("tp"), zero_stage=self.settings.zero_stage, tag=tag,
-                              tokenizer=tokenizer)
+                              tokenizer=tokenizer)  # the values ``meta`` holds
             shutil.copyfile(zero_to_fp32.__file__, directory / zero_to_fp32.SCRIPT_NAME)  # HF files, not DeepSpeed's
             latest = directory / ".latest.tmp"
             latest.write_text(tag, encoding="utf-8")
@@ -458,6 +476,32 @@ class Trainer:
         dist.barrier()
         return tag
 
+    def _digests(self, tag_dir: Path, names: list[str] | None) -> dict[str, FileDigest]:
+        """The digests of ``names`` in ``tag_dir`` (``None``: every file there as global rank 0 lists
+        it), each rank hashing its share. Collective."""
+        from megacp.checkpoint.shard_manifest import digest_share, tag_files
+
+        box = [names if names is not None else tag_files(tag_dir) if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        shares: list[dict[str, FileDigest] | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(shares, digest_share(tag_dir, box[0] or [], dist.get_rank(), dist.get_world_size()))
+        return {name: d for share in shares if share for name, d in share.items()}
+
+    def _check_manifest(self, directory: Path, tag_dir: Path) -> Manifest | None:
+        """Check ``tag_dir`` against its manifest before resuming from it (every rank reaches the same
+        verdict: they read the same files); ``None`` for a tag without one. Collective."""
+        from megacp.checkpoint.deepspeed import TRAIN_STATE_FILE, train_state_checksum
+        from megacp.checkpoint.shard_manifest import Manifest, warn_unchecked
+
+        manifest = Manifest.read(tag_dir)
+        if manifest is None:
+            if dist.get_rank() == 0:
+                warn_unchecked(tag_dir)
+            return None
+        manifest.check_layout(tag_dir, directory / TRAIN_STATE_FILE, train_state_checksum(directory))
+        manifest.check_digests(tag_dir, self._digests(tag_dir, sorted(manifest.files)))
+        return manifest
+
     def load(self, directory: str | Path, tag: str) -> ResumePoint:
         """Restore checkpoint ``tag`` of ``directory`` (written by :meth:`save` with ``resume``):
         the model, optimizer and LR scheduler through ``engine.load_checkpoint``, this rank's
@@ -465,12 +509,16 @@ class Trainer:
         ``data`` is where the next batch starts).
 
         Raises:
-            CheckpointError: the tag lacks the resume files or DeepSpeed finds no checkpoint.
+            CheckpointError: the tag lacks the resume files, its files do not match its manifest
+                (checked by all ranks in parallel) or DeepSpeed finds no checkpoint.
         """
         from megacp.checkpoint.errors import CheckpointError
 
         tag_dir = Path(directory) / tag
         point = ResumePoint.read(tag_dir)
+        manifest = self._check_manifest(Path(directory), tag_dir)
+        if manifest is not None:
+            self.run_id = manifest.run_id
         rng = load_rng_file(rng_file(tag_dir, dist.get_rank()))
         path, _ = self.engine.load_checkpoint(str(directory), tag=tag, load_optimizer_states=True,
                                               load_lr_scheduler_states=True)

@@ -175,3 +175,145 @@ def test_command_lines(tmp_path: Path) -> None:
         stdout, stderr = proc.communicate(timeout=120)
         assert proc.returncode == 2 and stdout == "", (proc.returncode, stdout, stderr)
         assert stderr.count("\n") == 1 and stderr.rstrip("\n").endswith(message), stderr
+
+
+class _Killed(BaseException):
+    """What the re-save below is stopped with in place of SIGKILL (``Trainer.save`` cleans nothing
+    up on the way out, so the directory is left as a kill at that point would leave it)."""
+
+
+def _train_save_and_kill_resaves(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """CP 2, ZeRO 1 (two optimizer shards): save ``step1`` into ``root/run`` and, after one more step,
+    into ``root/other`` (``step2``: other shards); then re-save ``step1`` into ``root/run`` with
+    global rank 0 stopped before each of its renames in turn, the previous checkpoint read back
+    after each. Returns the first and the re-saved weights and what was read after each stop."""
+    os.environ["DS_ACCELERATOR"] = "cpu"
+    import shutil
+
+    import torch.distributed as dist
+
+    import megacp
+    from megacp.checkpoint.deepspeed import read_deepspeed_checkpoint
+    from megacp.models import CausalLM
+    from megacp.train import engine
+    from megacp.train.data import PackedSequence
+    from megacp.train.engine import Trainer, read_settings
+
+    config = {"train_micro_batch_size_per_gpu": 1, "steps_per_print": 10**6, "zero_optimization": {"stage": 1},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
+              "context_parallel": {"size": 2}}
+    state = megacp.initialize(config)
+    torch.manual_seed(0)
+    model = CausalLM(CFG, dtype=torch.float32).train()
+    megacp.swap_attention(model, state, strategy="pass_kv")
+    trainer = Trainer(model, config, state, read_settings(config))
+    ids = torch.randint(0, CFG.vocab_size, (16,), generator=torch.Generator().manual_seed(1))
+    batch = PackedSequence(ids, torch.tensor([0, 16], dtype=torch.int32))
+    run = Path(root) / "run"
+    trainer.step(iter([batch]))
+    trainer.save(run, model_config=CFG, tokenizer=None)
+    trainer.step(iter([batch]))
+    trainer.save(Path(root) / "other", model_config=CFG, tokenizer=None)
+    if rank == 0:
+        shutil.copytree(run, Path(root) / "pristine")
+    trainer.steps_done = 1  # the run repeated into its own directory: step1 again, with the new weights
+
+    renames = [0, 0]  # [calls so far, the call to stop before]
+    real_replace, real_exchange = os.replace, engine.exchange_directories
+
+    def counted(fn: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            renames[0] += 1
+            if renames[0] == renames[1]:
+                raise _Killed()
+            return fn(*args, **kwargs)
+        return wrapper
+
+    read: list[str] = []
+    for stop in range(1, 10):
+        renames[:] = [0, stop if rank == 0 else 0]
+        os.replace, engine.exchange_directories = counted(real_replace), counted(real_exchange)  # type: ignore[assignment]
+        try:
+            trainer.save(run, model_config=CFG, tokenizer=None)
+            done = True
+        except _Killed:
+            dist.barrier()  # the one the stopped rank 0 owed its peer at the end of the save
+            done = False
+        finally:
+            os.replace, engine.exchange_directories = real_replace, real_exchange  # type: ignore[assignment]
+        done_everywhere = torch.tensor([done], dtype=torch.int64)
+        dist.all_reduce(done_everywhere, op=dist.ReduceOp.MIN)
+        if rank == 0:
+            weights = read_deepspeed_checkpoint(run).tensors["embedding.weight"]  # verified against its manifest
+            read.append("new" if torch.equal(weights, trainer.module.embedding.weight.detach()) else
+                        "first" if torch.equal(weights, read_deepspeed_checkpoint(Path(root) / "pristine")
+                                               .tensors["embedding.weight"]) else "neither")
+        if done_everywhere.item():
+            break
+    return {"read": read}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A CP 2 ZeRO 1 ``megacp.train`` checkpoint (``run``), one of the same model saved one step
+    later (``other``), and ``run`` as first saved (``pristine``); see :func:`_train_save_and_kill_resaves`."""
+    pytest.importorskip("deepspeed", reason="DeepSpeed not installed")
+    from tests.helpers.distributed import run_distributed
+
+    root = tmp_path_factory.mktemp("trained")
+    result = run_distributed(_train_save_and_kill_resaves, 2, str(root), timeout=240)[0]
+    (root / "read.json").write_text(json.dumps(result["read"]))
+    return root
+
+
+def test_kill_during_resave_keeps_a_checkpoint_that_converts(trained: Path) -> None:
+    """Stopped before any of its renames, the re-save leaves ``latest`` naming a complete tag that
+    passes its manifest: the first checkpoint until the new one is swapped in, the new one after."""
+    read = json.loads((trained / "read.json").read_text())
+    assert len(read) >= 3 and "neither" not in read, read
+    assert read[0] == "first" and read[-1] == "new", read  # stopped before the swap: untouched
+    assert convert(["deepspeed-to-hf", "--input", str(trained / "run"), "--output", str(trained / "hf")]) == 0
+
+
+def _tamper(trained: Path, tmp_path: Path, how: str) -> Path:
+    """A copy of the pristine checkpoint, changed as ``how`` says."""
+    import shutil
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(trained / "pristine", ckpt)
+    tag, other = ckpt / "step1", trained / "other" / "step2"
+    shards = sorted(tag.glob("*_optim_states.pt"))
+    assert len(shards) == 2, shards  # ZeRO 1 over the two CP ranks
+    if how == "swapped":
+        shards[0].rename(tag / "tmp")
+        shards[1].rename(shards[0])
+        (tag / "tmp").rename(shards[1])
+    elif how == "foreign":
+        shutil.copyfile(other / shards[1].name, shards[1])
+    elif how == "missing":
+        shards[1].unlink()
+    elif how == "extra":
+        shutil.copyfile(shards[1], tag / "zero_pp_rank_2_mp_rank_00_optim_states.pt")
+    elif how == "sidecar":
+        sidecar = ckpt / "megacp_train.json"
+        sidecar.write_text(sidecar.read_text().replace('"rope_theta": 10000.0', '"rope_theta": 500000.0'))
+    return ckpt
+
+
+@pytest.mark.parametrize(("how", "message"), [
+    ("swapped", "step1: zero_pp_rank_0_mp_rank_00_optim_states.pt holds the data of "
+                "zero_pp_rank_1_mp_rank_00_optim_states.pt (shards swapped or renamed); checkpoint step1 of run "),
+    ("foreign", "step1: zero_pp_rank_1_mp_rank_00_optim_states.pt does not belong to checkpoint step1 of run "),
+    ("missing", "step1: zero_pp_rank_1_mp_rank_00_optim_states.pt is missing (run "),
+    ("extra", "step1: zero_pp_rank_2_mp_rank_00_optim_states.pt is not part of checkpoint step1 of run "),
+    ("sidecar", "megacp_train.json does not match checkpoint step1 (its values differ from the ones "
+                "megacp_manifest.json records): it was edited, or the tag belongs to another model"),
+])
+def test_shards_that_do_not_belong_together_are_refused(how: str, message: str, trained: Path, tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture) -> None:
+    ckpt = _tamper(trained, tmp_path, how)
+    out = tmp_path / "hf"
+    assert convert(["deepspeed-to-hf", "--input", str(ckpt), "--output", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and message in err, err
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
