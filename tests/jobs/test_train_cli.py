@@ -174,6 +174,8 @@ def _config(tmp_path: Path, name: str, **changes) -> str:
         ("hf_native_backend", "--hf-native trains the transformers modules as they are: --backend"),
         ("seq_len_context", "--seq-len 257 exceeds the model's context of 256 tokens"),
         ("seq_len_cp", "--seq-len 3 is too short for CP=2: every CP rank needs a token with a label"),
+        ("seq_len_one_cp", "--seq-len 1 is too short for CP=2: every CP rank needs a token with a label "
+                           "(at least 4 tokens)"),
         ("save_every_no_save", "--save-every needs --save DIR"),
         ("keep_last", "--keep-last must be >= 1, got 0"),
         ("saves_nothing", "--no-save-at-end without --save-every saves nothing"),
@@ -217,6 +219,7 @@ def test_bad_input_is_one_line(case: str, expected: str, tiny: tuple[Path, Path]
         "hf_native_backend": ["--hf-native", "--backend", "torch", *base],
         "seq_len_context": base + ["--seq-len", "257"],
         "seq_len_cp": base + ["--seq-len", "3"],
+        "seq_len_one_cp": base + ["--seq-len", "1"],
         "save_every_no_save": base + ["--save-every", "2"],
         "keep_last": base + ["--save", str(tmp_path / "c"), "--keep-last", "0"],
         "saves_nothing": base + ["--save", str(tmp_path / "c"), "--no-save-at-end"],
