@@ -41,8 +41,35 @@ def check_inputs(q: Tensor, k: Tensor, v: Tensor, where: str) -> str | None:
     return None
 
 
+_WORDS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+"""The integer type of each element size: a tensor's bits read as integers by :func:`content_digest`."""
+
+_DIGEST_CHUNK = 1 << 22
+"""Elements digested at a time (bounds the temporaries to a few tens of MiB)."""
+
+
+def content_digest(t: Tensor) -> Tensor:
+    """A 0-d int64 digest of ``t``'s contents (its elements' bits in row-major order), computed on
+    ``t``'s device without a host synchronisation: ``sum(bits_i * w_i) mod 2**64`` with odd weights
+    ``w_i`` mixed from the position ``i``, so a changed element always changes it and reordered
+    elements almost surely do. Shape and dtype are not part of it (agree on them separately).
+    Costs one pass over ``t``: cheap beside attention over it."""
+    flat = t.detach().contiguous().view(-1)
+    bits = flat.view(_WORDS[flat.element_size()]) if flat.dtype != torch.bool else flat.to(torch.int8)
+    total = torch.zeros((), dtype=torch.int64, device=t.device)
+    for start in range(0, bits.numel(), _DIGEST_CHUNK):
+        words = bits[start:start + _DIGEST_CHUNK].to(torch.int64)
+        mixed = torch.arange(start, start + words.numel(), dtype=torch.int64, device=t.device) * -7046029254386353131
+        weights = (mixed ^ (mixed >> 29)) * -4658895280553007687 | 1
+        total += (words * weights).sum()
+    return total
+
+
 def _code(value: object) -> tuple[int, bool]:
-    """``(int64 code, readable)``: ints and bools as they are, anything else hashed."""
+    """``(int64 code, readable)``: ints and bools as they are, anything else hashed (a tensor, a
+    :func:`content_digest`, is placed into the signature on its device instead: code 0)."""
+    if isinstance(value, Tensor):
+        return 0, False
     if isinstance(value, (bool, int)) and -(2**63) <= int(value) < 2**63:
         return int(value), True
     if isinstance(value, float):
@@ -59,7 +86,8 @@ def agree(ring: Ring | None, fields: Sequence[tuple[str, object]], *, device: to
     Args:
         ring: the CP ring (``None`` or one rank: only ``local_error`` is checked).
         fields: ``(name, value)`` pairs, the same names in the same order on every rank; values are
-            ints, bools, floats, strings, dtypes or (nested) sequences of them.
+            ints, bools, floats, strings, dtypes or (nested) sequences of them, or 0-d int64
+            tensors (:func:`content_digest`: compared without a host synchronisation of their own).
         device: where the signature travels (a CUDA device for an NCCL group).
         what: the call, for the message (e.g. ``"cp_attention"``).
         local_error: this rank's verdict on its own inputs (``None`` = fine).
@@ -70,6 +98,9 @@ def agree(ring: Ring | None, fields: Sequence[tuple[str, object]], *, device: to
         return
     codes = [_code(value) for _, value in fields]
     sig = torch.tensor([local_error is not None] + [c for c, _ in codes], dtype=torch.int64, device=device)
+    for i, (_, value) in enumerate(fields, start=1):
+        if isinstance(value, Tensor):
+            sig[i] = value.to(device)
     rows = ring.all_gather(sig).tolist()  # [N ranks, 1 + fields]
     if local_error is not None:
         raise ValueError(local_error)
@@ -84,6 +115,7 @@ def agree(ring: Ring | None, fields: Sequence[tuple[str, object]], *, device: to
                 differ.append(f"{name} ({', '.join(f'rank {j}: {show(row[i])}' for j, row in enumerate(rows))})")
             else:
                 others = [j for j, row in enumerate(rows) if row[i] != rows[ring.rank][i]]
-                differ.append(f"{name} (rank {ring.rank} has {value!r}, rank(s) {others} another value)")
+                mine = "its own" if isinstance(value, Tensor) else repr(value)
+                differ.append(f"{name} (rank {ring.rank} has {mine}, rank(s) {others} another value)")
     if differ:
         raise ValueError(f"{what}: the {ring.size} CP ranks must pass the same values but differ in " + "; ".join(differ))

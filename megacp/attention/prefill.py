@@ -16,7 +16,7 @@ from torch import Tensor
 
 from megacp.attention.pass_kv import KVBlock, ring_pass_kv
 from megacp.attention.pass_q import ring_pass_q
-from megacp.attention.preconditions import agree, check_inputs
+from megacp.attention.preconditions import agree, check_inputs, content_digest
 from megacp.attention.strategy import STRATEGIES, Choice, choose_strategy, hardware_for
 from megacp.parallel.ring import Ring
 from megacp.placement import ShardPlan, seq_lengths
@@ -160,9 +160,10 @@ def cp_attention(
         window: sliding window (a query at position ``x`` sees keys ``x - window + 1 .. x`` of its
             sequence; ``None``: full causal). Tiles outside the window are skipped.
 
-    Every rank must pass the same inputs and options: a difference in shapes, dtypes, lengths or
-    options (or an input refused on one rank) is one ``ValueError`` on every rank, found by one small
-    all-gather before any other work (:func:`~megacp.attention.preconditions.agree`). The output
+    Every rank must pass the same inputs and options: a difference in shapes, dtypes, lengths,
+    options or the inputs' contents (:func:`~megacp.attention.preconditions.content_digest`, one
+    pass over each), or an input refused on one rank, is one ``ValueError`` on every rank, found by
+    one small all-gather before any other work (:func:`~megacp.attention.preconditions.agree`). The output
     carries no autograd graph: inputs that require gradients are refused (training runs
     :func:`~megacp.attention.training.ring_attention` on each rank's shard, or the CP layer).
 
@@ -174,7 +175,8 @@ def cp_attention(
     fields = [("q shape", tuple(q.shape)), ("k shape", tuple(k.shape)), ("v shape", tuple(v.shape)),
               ("dtypes of q, k, v", (str(q.dtype), str(k.dtype), str(v.dtype))), ("sequence lengths", lens),
               ("strategy", strategy), ("load_balance", load_balance), ("scale", scale), ("backend", backend),
-              ("sliding window", window)]
+              ("sliding window", window),
+              *((f"{name} contents", content_digest(x) if error is None else None) for name, x in (("q", q), ("k", k), ("v", v)))]
     agree(ring, fields, device=q.device, what="cp_attention", local_error=error)
     assert lens is not None  # agree raised on every rank when this rank could not read them
     n, r = (ring.size, ring.rank) if ring else (1, 0)

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from megacp.attention.preconditions import content_digest
 from megacp.generate.graph import GraphDecoder, TokenReader
 from megacp.generate.sampling import Sampler, SamplingParams
 from megacp.kv_cache import CacheCapacityError, ShardedKVCache
@@ -121,7 +122,9 @@ class Generator:
 
     def _forward(self, step: CPStep, ids: Tensor) -> Tensor:
         """Run the model on this rank's share of the packed new tokens ``ids``; return the fp32
-        logits ``[B, V]`` of each request's last new token, identical on every CP rank."""
+        logits ``[B, V]`` of each request's last new token, identical on every CP rank (which agree on
+        ``ids`` at the first layer: :attr:`~megacp.layers.step.CPStep.token_digest`)."""
+        step.token_digest = content_digest(ids)
         local = ids[step.token_index().to(ids.device)]
         rows = step.last_token_rows()
         owned = [i for i, r in enumerate(rows) if r is not None]
@@ -156,9 +159,10 @@ class Generator:
         return g
 
     def prefill(self, cache: ShardedKVCache, slots: Sequence[int], prompts: Sequence[Sequence[int]],
-                progress: bool = False) -> tuple[Tensor, list[str]]:
+                progress: bool = False, sampling: Sequence[SamplingParams] | None = None) -> tuple[Tensor, list[str]]:
         """(Chunked) prefill of ``prompts[i]`` on top of what ``slots[i]`` holds; returns the logits
-        ``[B, V]`` fp32 after each prompt's last token and the strategy of every step."""
+        ``[B, V]`` fp32 after each prompt's last token and the strategy of every step. ``sampling``:
+        the requests' settings, which the CP ranks check they share in each step."""
         from tqdm import tqdm
 
         chunk = self.prefill_chunk or max(len(p) for p in prompts)
@@ -178,6 +182,7 @@ class Generator:
                 new = [min(chunk, len(prompts[i]) - done[i]) for i in todo]
                 moved[1] = sum(new)
                 step = self._begin(cache, [slots[i] for i in todo], new)
+                step.sampling = None if sampling is None else list(sampling)
                 ids = torch.tensor([t for i, k in zip(todo, new) for t in prompts[i][done[i]: done[i] + k]])
                 logits = self._forward(step, ids)
                 strategies.append(step.strategy)
@@ -255,7 +260,7 @@ class Run:
         gen = self.gen
         sync = torch.cuda.synchronize if gen.device.type == "cuda" else (lambda: None)
         t0 = time.perf_counter()
-        logits, self.strategies = gen.prefill(self.cache, self.slots, self.prompts, self.progress)
+        logits, self.strategies = gen.prefill(self.cache, self.slots, self.prompts, self.progress, self.params)
         sampler = Sampler(self.params, logits.shape[-1], logits.device, self.context)
         next_tok = sampler(logits)
         sync()

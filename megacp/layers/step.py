@@ -16,9 +16,9 @@ of the batch this rank computes, at which global positions, and each kind runs i
 
 :func:`plan_step` (and :func:`begin_step`, :func:`cacheless_step`, :func:`static_decode_step`) is
 the only place that picks a kind and resolves the ``"auto"`` prefill strategy. Before any other
-collective, the CP ranks agree on a step (plan, kind, options, head shapes, dtypes and each rank's
-verdict on its inputs): once per step, at its first layer; a mismatch is one ``ValueError`` on
-every rank.
+collective, the CP ranks agree on a step (plan, kind, options, head shapes, dtypes, a digest of the
+new token ids and the sampling settings the caller set, and each rank's verdict on its inputs): once
+per step, at its first layer; a mismatch is one ``ValueError`` on every rank.
 """
 
 from __future__ import annotations
@@ -78,6 +78,8 @@ def step_fields(step: "CPStep | None", q: Tensor, k: Tensor, v: Tensor, *, scale
         ("k heads and head dim", tuple(k.shape[1:])),
         ("v heads and head dim", tuple(v.shape[1:])),
         ("dtypes of q, k, v", (str(q.dtype), str(k.dtype), str(v.dtype))),
+        ("new token ids (digest)", step.token_digest if step else None),
+        ("sampling seeds and parameters", step.sampling if step else None),
     ]
 
 
@@ -88,11 +90,18 @@ class CPStep(ABC):
     Attributes:
         settings: the ring and options (:class:`~megacp.layers.settings.CPSettings`).
         plan: the step's sharding plan (the same on every CP rank).
+        token_digest, sampling: what the caller's ranks must also agree on (see each).
     """
 
     settings: CPSettings
     plan: ShardPlan
     agreed: bool = field(default=False, init=False)
+    token_digest: Tensor | None = field(default=None, init=False)
+    """:func:`~megacp.attention.preconditions.content_digest` of the step's packed new token ids (the
+    same on every CP rank), set by the caller before the forward; compared in :meth:`agree`."""
+    sampling: object = field(default=None, init=False)
+    """The requests' sampling settings, seeds included (set by the generation loop for its prefill
+    steps; ``None`` otherwise), which every CP rank must share; compared in :meth:`agree`."""
 
     cached: ClassVar[bool] = False
     """Whether the step reads and writes a KV cache."""
@@ -186,8 +195,9 @@ class CPStep(ABC):
 
     def agree(self, q: Tensor, k: Tensor, v: Tensor, *, scale: float | None, local_error: str | None = None) -> None:
         """Check once per step (at the first layer's call) that every CP rank runs this step with the
-        same plan, kind, options, head shapes and dtypes (:func:`step_fields`, one small all-gather),
-        and raise ``local_error`` (this rank's verdict on its inputs) on every rank: ``ValueError``."""
+        same plan, kind, options, head shapes, dtypes, new token ids and sampling settings
+        (:func:`step_fields`, one small all-gather of a few int64), and raise ``local_error`` (this
+        rank's verdict on its inputs) on every rank: ``ValueError``."""
         if self.agreed:
             if local_error is not None:
                 raise ValueError(local_error)

@@ -48,6 +48,7 @@ def _cp_attention_cases(rank: int, n: int) -> dict[str, str]:
         "mixed dtypes": lambda: cp_attention(q, k.half(), v),
         "bad cu_seqlens on one rank": lambda: cp_attention(q, k, v, cu_seqlens=[0, 9, 3, T] if odd else [0, 3, T]),
         "requires grad": lambda: cp_attention(q.clone().requires_grad_(), k, v),
+        "contents": lambda: cp_attention(q, k, v + 1e-3 * odd),
     }
     out = {name: _error(fn) for name, fn in cases.items()}
     # the group is still in step: a correct call after the errors is exact
@@ -102,6 +103,7 @@ def test_cp_attention_mismatch_is_one_error_on_every_rank(n: int) -> None:
         "scale": "differ in scale", "int everywhere": "needs fp16, bf16 or fp32 inputs; q is torch.int64",
         "mixed dtypes": "of one dtype",
         "requires grad": "computes without autograd",
+        "contents": "differ in v contents (rank",
     }
     for rank, res in enumerate(run_distributed(_cp_attention_cases, n, timeout=180)):
         for name, text in expect.items():

@@ -317,3 +317,46 @@ def test_shards_that_do_not_belong_together_are_refused(how: str, message: str, 
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: ") and message in err, err
     assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def _divergent_generation(rank: int, n: int) -> dict[str, Any]:
+    """Rank 1 generates with another prompt of the same length, another seed, another ``max_tokens``:
+    the message each rank got; then a call every rank makes alike (the group is still in step)."""
+    import megacp
+    from megacp.generate.loop import Generator
+    from megacp.generate.sampling import SamplingParams
+    from megacp.layers.settings import CPSettings
+    from megacp.models import CausalLM
+
+    state = megacp.initialize({"context_parallel": {"size": n}})
+    torch.manual_seed(0)
+    model = CausalLM(CFG, dtype=torch.float32).eval()
+    settings = CPSettings.from_state(state, prefill="pass_kv")
+    megacp.swap_attention(model, settings)
+    gen = Generator.for_model(model, CFG, settings, device=state.device, dtype=torch.float32)
+    odd, prompt = rank == 1, [5, 6, 7, 8, 9, 10, 11]
+    cases = {
+        "prompt": lambda: gen.generate([prompt[:-1] + [12 if odd else 11]], SamplingParams(max_tokens=2)),
+        "seed": lambda: gen.generate([prompt], SamplingParams(max_tokens=2, temperature=1.0, seed=int(odd))),
+        "max_tokens": lambda: gen.generate([prompt], SamplingParams(max_tokens=2 + odd)),
+    }
+    out: dict[str, Any] = {name: _message(fn, ValueError) for name, fn in cases.items()}
+    out["after"] = gen.generate([prompt], SamplingParams(max_tokens=3, temperature=1.0, seed=7)).tokens
+    return out
+
+
+def test_rank_divergent_generation_is_one_error_on_every_rank() -> None:
+    """Same shapes, other values: caught in the step's one agreement, on every rank, before the ring."""
+    from tests.helpers.distributed import run_distributed
+
+    results = run_distributed(_divergent_generation, 2, timeout=120)
+    for rank, res in enumerate(results):
+        other = 1 - rank
+        assert _one_line(res["prompt"]) == (
+            "CP attention step: the 2 CP ranks must pass the same values but differ in new token ids (digest) "
+            f"(rank {rank} has its own, rank(s) [{other}] another value)"), res
+        assert res["seed"].startswith("CP attention step: the 2 CP ranks must pass the same values but differ in "
+                                      f"sampling seeds and parameters (rank {rank} has [SamplingParams("), res
+        assert f"seed={rank}," in res["seed"] and "new token ids" not in res["seed"], res
+        assert f"max_tokens={2 + rank}," in res["max_tokens"], res
+    assert results[0]["after"] == results[1]["after"] and len(results[0]["after"][0]) == 3
