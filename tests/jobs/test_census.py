@@ -2,7 +2,11 @@
 newline, no traceback), and a command line exit status 2 with that line alone on stderr.
 
 Rows are checked in-process where a function validates (config, runtime knobs, checkpoints,
-attention inputs, the converter's ``main``); two command lines run as real processes.
+attention inputs, the converter's ``main``); two command lines run as real processes. Two rows run
+real gloo ranks: a CP 2 ZeRO 1 training job whose checkpoint is re-saved with rank 0 stopped at each
+rename (the previous checkpoint stays loadable and converting) and then tampered with (shards of
+another run, swapped, missing, extra; an edited ``megacp_train.json``), and generation with
+rank-divergent prompts, seeds and ``max_tokens``.
 """
 
 from __future__ import annotations

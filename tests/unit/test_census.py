@@ -80,6 +80,34 @@ def test_tag_outside_the_checkpoint_is_refused(how: str, tmp_path: Path) -> None
     assert not marker.exists()
 
 
+def test_tag_without_manifest_is_read_with_one_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    root = _checkpoint(tmp_path / "ck")
+    with caplog.at_level("WARNING", logger="megacp.checkpoint.shard_manifest"):
+        read_deepspeed_checkpoint(root)
+    (record,) = caplog.records
+    assert record.getMessage() == (f"warning: {(root / 'step1').resolve()} has no megacp_manifest.json (saved by an "
+                                   "older megacp or by DeepSpeed alone): its shards are not checked to belong together")
+
+
+def test_manifest_naming_a_file_outside_the_tag_is_refused(tmp_path: Path) -> None:
+    import json
+
+    from megacp.checkpoint.deepspeed import train_state_checksum
+
+    marker = tmp_path / "pwned"
+    root = _checkpoint(tmp_path / "ck")
+    manifest = {"format": "megacp-deepspeed-manifest", "version": 1, "run_id": "r", "tag": "step1",
+                "mesh": {"world_size": 1, "dp": 1, "cp": 1, "tp": 1, "ep": 1, "zero_stage": 0},
+                "train_state_sha256": train_state_checksum(root),
+                "files": {"../../other/step1/mp_rank_00_model_states.pt": {"size": 1, "sha256": "0"}}}
+    _checkpoint(tmp_path / "other", module={"evil": _Payload(marker)})
+    (root / "step1" / "megacp_manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match=r"megacp_manifest.json: cannot be read \(ValueError: file name "
+                                              r"'../../other/step1/mp_rank_00_model_states.pt' is not a plain name\)$"):
+        read_deepspeed_checkpoint(root)
+    assert not marker.exists()
+
+
 def test_symlinked_shard_outside_is_refused(tmp_path: Path) -> None:
     other = _checkpoint(tmp_path / "other")
     root = _checkpoint(tmp_path / "ck")
