@@ -200,8 +200,9 @@ def _train_save_and_kill_resaves(rank: int, world_size: int, root: str) -> dict[
     from megacp.checkpoint.deepspeed import read_deepspeed_checkpoint
     from megacp.models import CausalLM
     from megacp.train import engine
-    from megacp.train.data import PackedSequence
+    from megacp.train.data import PackedSequence, StreamPosition
     from megacp.train.engine import Trainer, read_settings
+    from megacp.train.resume import ResumePoint
 
     config = {"train_micro_batch_size_per_gpu": 1, "steps_per_print": 10**6, "zero_optimization": {"stage": 1},
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
@@ -215,7 +216,8 @@ def _train_save_and_kill_resaves(rank: int, world_size: int, root: str) -> dict[
     batch = PackedSequence(ids, torch.tensor([0, 16], dtype=torch.int32))
     run = Path(root) / "run"
     trainer.step(iter([batch]))
-    trainer.save(run, model_config=CFG, tokenizer=None)
+    point = ResumePoint(step=1, data=StreamPosition(), seq_len=16, micro_batch=1, dp_size=1, world_size=world_size)
+    trainer.save(run, model_config=CFG, tokenizer=None, resume=point)
     trainer.step(iter([batch]))
     trainer.save(Path(root) / "other", model_config=CFG, tokenizer=None)
     if rank == 0:
@@ -254,7 +256,20 @@ def _train_save_and_kill_resaves(rank: int, world_size: int, root: str) -> dict[
                                                .tensors["embedding.weight"]) else "neither")
         if done_everywhere.item():
             break
-    return {"read": read}
+    swapped = Path(root) / "swapped"
+    if rank == 0:
+        shutil.copytree(Path(root) / "pristine", swapped)
+        first, second = sorted((swapped / "step1").glob("*_optim_states.pt"))
+        first.rename(swapped / "step1" / "tmp")
+        second.rename(first)
+        (swapped / "step1" / "tmp").rename(second)
+    dist.barrier()
+    try:
+        trainer.load(swapped, "step1")
+        resumed = "resumed"
+    except CheckpointError as err:
+        resumed = str(err)
+    return {"read": read, "resume_swapped": resumed}
 
 
 @pytest.fixture(scope="module")
@@ -265,8 +280,9 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tests.helpers.distributed import run_distributed
 
     root = tmp_path_factory.mktemp("trained")
-    result = run_distributed(_train_save_and_kill_resaves, 2, str(root), timeout=240)[0]
-    (root / "read.json").write_text(json.dumps(result["read"]))
+    results = run_distributed(_train_save_and_kill_resaves, 2, str(root), timeout=240)
+    (root / "read.json").write_text(json.dumps(results[0]["read"]))
+    (root / "resume_swapped.json").write_text(json.dumps([r["resume_swapped"] for r in results]))
     return root
 
 
@@ -277,6 +293,14 @@ def test_kill_during_resave_keeps_a_checkpoint_that_converts(trained: Path) -> N
     assert len(read) >= 3 and "neither" not in read, read
     assert read[0] == "first" and read[-1] == "new", read  # stopped before the swap: untouched
     assert convert(["deepspeed-to-hf", "--input", str(trained / "run"), "--output", str(trained / "hf")]) == 0
+
+
+def test_resume_from_swapped_shards_is_refused_on_every_rank(trained: Path) -> None:
+    messages = json.loads((trained / "resume_swapped.json").read_text())
+    for message in messages:
+        assert _one_line(message).startswith(f"{trained / 'swapped' / 'step1'}: zero_pp_rank_0_mp_rank_00_optim_"
+                                             "states.pt holds the data of zero_pp_rank_1_mp_rank_00_optim_states.pt "
+                                             "(shards swapped or renamed)"), messages
 
 
 def _tamper(trained: Path, tmp_path: Path, how: str) -> Path:
