@@ -25,6 +25,7 @@ import io
 import json
 import os
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -157,14 +158,21 @@ def _deepspeed_safe_globals() -> list[Any]:
     return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
 
 
-def _check_data_only(tag_dir: Path, trust: bool) -> None:
-    """Every ``.pt`` file of ``tag_dir`` must unpickle as data (``torch.load(weights_only=True)`` with
-    :func:`_deepspeed_safe_globals`): a file that would run code is refused before DeepSpeed's own
-    loader (which unpickles without that guard) reads it, unless ``trust``."""
-    if trust:
-        return
+TRUST_REMEDY = "pass --trust-checkpoint only if you trust where it came from"
+"""What the converters' refusal of a file that is not plain data offers."""
+
+
+def check_data_only(files: Iterable[Path], remedy: str = TRUST_REMEDY) -> None:
+    """Every one of ``files`` (a tag's ``.pt`` files) must unpickle as data (``torch.load(weights_only=True)``
+    with :func:`_deepspeed_safe_globals`, tensors memory-mapped): a file that would run code is refused
+    before DeepSpeed's own loader (which unpickles without that guard) reads it.
+
+    Raises:
+        CheckpointError: a symbolic link, or a file that is not plain data (naming it, the type it
+            holds and ``remedy``).
+    """
     with torch.serialization.safe_globals(_deepspeed_safe_globals()):
-        for file in sorted(tag_dir.glob("*.pt")):
+        for file in files:
             if file.is_symlink():
                 raise CheckpointError(f"{file} is a symbolic link; a checkpoint's files must be its own")
             try:
@@ -173,8 +181,7 @@ def _check_data_only(tag_dir: Path, trust: bool) -> None:
                 found = re.search(r"GLOBAL (\S+)", str(err))  # the type the unpickler refused
                 first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
                 why = f"it holds the object type {found.group(1)}" if found else first[:160]
-                raise CheckpointError(f"{file} is not plain tensor data ({why}); pass --trust-checkpoint "
-                                      "only if you trust where it came from") from None
+                raise CheckpointError(f"{file} is not plain tensor data ({why}); {remedy}") from None
 
 
 ZERO3_PREFIX = "model."
@@ -216,7 +223,8 @@ def read_deepspeed_checkpoint(directory: str | os.PathLike[str], tag: str | None
         raise CheckpointError(f"{path} has no checkpoint tag {tag!r}")
     config, dtype = _config_and_dtype(path, meta)
     verify_tag(tag_dir, path / TRAIN_STATE_FILE, train_state_sha256(meta))
-    _check_data_only(tag_dir, trust)
+    if not trust:
+        check_data_only(sorted(tag_dir.glob("*.pt")))
     if any(tag_dir.glob("*_optim_states.pt")):  # ZeRO 1/2/3 partitions of the fp32 master weights
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 

@@ -487,19 +487,33 @@ class Trainer:
         dist.all_gather_object(shares, digest_share(tag_dir, box[0] or [], dist.get_rank(), dist.get_world_size()))
         return {name: d for share in shares if share for name, d in share.items()}
 
-    def _check_manifest(self, directory: Path, tag_dir: Path) -> Manifest | None:
-        """Check ``tag_dir`` against its manifest before resuming from it (every rank reaches the same
-        verdict: they read the same files); ``None`` for a tag without one. Collective."""
-        from megacp.checkpoint.deepspeed import TRAIN_STATE_FILE, train_state_checksum
+    def _check_files(self, directory: Path, tag_dir: Path) -> Manifest | None:
+        """Before resuming from ``tag_dir``: check it against its manifest, then that its ``.pt``
+        files hold only data (DeepSpeed's loader unpickles them unguarded), each rank its share of
+        the files; every rank raises the same error. Returns the manifest (``None`` for a tag
+        without one). Collective."""
+        from megacp.checkpoint.deepspeed import TRAIN_STATE_FILE, check_data_only, train_state_checksum
+        from megacp.checkpoint.errors import CheckpointError
         from megacp.checkpoint.shard_manifest import Manifest, warn_unchecked
 
         manifest = Manifest.read(tag_dir)
-        if manifest is None:
-            if dist.get_rank() == 0:
-                warn_unchecked(tag_dir)
-            return None
-        manifest.check_layout(tag_dir, directory / TRAIN_STATE_FILE, train_state_checksum(directory))
-        manifest.check_digests(tag_dir, self._digests(tag_dir, sorted(manifest.files)))
+        if manifest is None and dist.get_rank() == 0:
+            warn_unchecked(tag_dir)
+        if manifest is not None:
+            manifest.check_layout(tag_dir, directory / TRAIN_STATE_FILE, train_state_checksum(directory))
+            manifest.check_digests(tag_dir, self._digests(tag_dir, sorted(manifest.files)))
+        rank, world = dist.get_rank(), dist.get_world_size()
+        try:
+            check_data_only(sorted(tag_dir.glob("*.pt"))[rank::world],
+                            remedy="megacp.train resumes only from checkpoints of plain data")
+            error = None
+        except CheckpointError as err:
+            error = str(err)
+        errors: list[str | None] = [None] * world
+        dist.all_gather_object(errors, error)
+        first = next((e for e in errors if e is not None), None)
+        if first is not None:
+            raise CheckpointError(first)
         return manifest
 
     def load(self, directory: str | Path, tag: str) -> ResumePoint:
@@ -510,13 +524,14 @@ class Trainer:
 
         Raises:
             CheckpointError: the tag lacks the resume files, its files do not match its manifest
-                (checked by all ranks in parallel) or DeepSpeed finds no checkpoint.
+                or are not plain data (checked by all ranks in parallel) or DeepSpeed finds no
+                checkpoint.
         """
         from megacp.checkpoint.errors import CheckpointError
 
         tag_dir = Path(directory) / tag
         point = ResumePoint.read(tag_dir)
-        manifest = self._check_manifest(Path(directory), tag_dir)
+        manifest = self._check_files(Path(directory), tag_dir)
         if manifest is not None:
             self.run_id = manifest.run_id
         rng = load_rng_file(rng_file(tag_dir, dist.get_rank()))

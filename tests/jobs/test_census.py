@@ -181,6 +181,16 @@ def test_command_lines(tmp_path: Path) -> None:
         assert stderr.count("\n") == 1 and stderr.rstrip("\n").endswith(message), stderr
 
 
+class _Payload:
+    """Unpickling this calls ``os.system`` (what a malicious checkpoint would carry)."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return os.system, (f"touch {self.marker}",)
+
+
 class _Killed(BaseException):
     """What the re-save below is stopped with in place of SIGKILL (``Trainer.save`` cleans nothing
     up on the way out, so the directory is left as a kill at that point would leave it)."""
@@ -263,13 +273,20 @@ def _train_save_and_kill_resaves(rank: int, world_size: int, root: str) -> dict[
         first.rename(swapped / "step1" / "tmp")
         second.rename(first)
         (swapped / "step1" / "tmp").rename(second)
+    evil = Path(root) / "evil"  # no manifest (as an older megacp wrote), and a model file that runs code
+    if rank == 0:
+        shutil.copytree(Path(root) / "pristine", evil)
+        (evil / "step1" / "megacp_manifest.json").unlink()
+        torch.save({"module": _Payload(Path(root) / "pwned")}, evil / "step1" / "mp_rank_00_model_states.pt")
     dist.barrier()
-    try:
-        trainer.load(swapped, "step1")
-        resumed = "resumed"
-    except CheckpointError as err:
-        resumed = str(err)
-    return {"read": read, "resume_swapped": resumed}
+    resumed = []
+    for source in (swapped, evil):
+        try:
+            trainer.load(source, "step1")
+            resumed.append("resumed")
+        except CheckpointError as err:
+            resumed.append(str(err))
+    return {"read": read, "resume": resumed}
 
 
 @pytest.fixture(scope="module")
@@ -282,7 +299,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("trained")
     results = run_distributed(_train_save_and_kill_resaves, 2, str(root), timeout=240)
     (root / "read.json").write_text(json.dumps(results[0]["read"]))
-    (root / "resume_swapped.json").write_text(json.dumps([r["resume_swapped"] for r in results]))
+    (root / "resume.json").write_text(json.dumps([r["resume"] for r in results]))
     return root
 
 
@@ -295,12 +312,17 @@ def test_kill_during_resave_keeps_a_checkpoint_that_converts(trained: Path) -> N
     assert convert(["deepspeed-to-hf", "--input", str(trained / "run"), "--output", str(trained / "hf")]) == 0
 
 
-def test_resume_from_swapped_shards_is_refused_on_every_rank(trained: Path) -> None:
-    messages = json.loads((trained / "resume_swapped.json").read_text())
-    for message in messages:
-        assert _one_line(message).startswith(f"{trained / 'swapped' / 'step1'}: zero_pp_rank_0_mp_rank_00_optim_"
+def test_resume_from_swapped_shards_or_a_pickle_payload_is_refused_on_every_rank(trained: Path) -> None:
+    """``--resume`` checks the manifest and that every ``.pt`` file is plain data (each rank its share)
+    before DeepSpeed's loader, which unpickles unguarded, reads anything: the same line on every rank."""
+    for swapped, evil in json.loads((trained / "resume.json").read_text()):
+        assert _one_line(swapped).startswith(f"{trained / 'swapped' / 'step1'}: zero_pp_rank_0_mp_rank_00_optim_"
                                              "states.pt holds the data of zero_pp_rank_1_mp_rank_00_optim_states.pt "
-                                             "(shards swapped or renamed)"), messages
+                                             "(shards swapped or renamed)"), swapped
+        assert _one_line(evil) == (f"{trained / 'evil' / 'step1' / 'mp_rank_00_model_states.pt'} is not plain tensor "
+                                   "data (it holds the object type posix.system); megacp.train resumes only from "
+                                   "checkpoints of plain data"), evil
+    assert not (trained / "pwned").exists()
 
 
 def _tamper(trained: Path, tmp_path: Path, how: str) -> Path:
