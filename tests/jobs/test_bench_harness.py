@@ -110,3 +110,23 @@ def test_bad_prefill_options_stop_with_one_line(args: list[str], message: str, c
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert message in err[-1], err
+
+
+def test_window_benchmark_on_one_cpu_process(tmp_path: Path) -> None:
+    """``scripts.bench.window --tiny``: every (mask, layout, pass) row is timed, and the work ratio it
+    prints is the count of (query, key) pairs of an explicit causal mask over the windowed one."""
+    out = tmp_path / "window.json"
+    proc = run_module("scripts.bench.window", "--tiny", "--json", str(out))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    rows = {(r["mask"], r["layout"], r["pass"]) for r in data["results"] if "mask" in r}
+    assert rows == {(m, layout, p) for m in ("full", "window") for layout, p in
+                    (("cp1", "fwd"), ("cp1", "fwd_bwd"), ("cp2_rank0", "fwd_bwd"), ("cp2_rank1", "fwd_bwd"))}
+    s, w = data["meta"]["seqlen"], data["meta"]["window"]
+    i, j = torch.arange(s)[:, None], torch.arange(s)[None]
+    causal = j <= i
+    work = int(causal.sum()) / int((causal & (j > i - w)).sum())
+    assert [r["layout"] for r in data["ratios"]] == ["cp1", "cp1", "cp2_slowest"]
+    for r in data["ratios"]:
+        assert r["work_ratio"] == pytest.approx(work, rel=1e-12) and r["speedup"] == pytest.approx(r["full_ms"] / r["window_ms"])
+    assert "speed-up of the window" in proc.stdout
