@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -130,3 +131,23 @@ def test_window_benchmark_on_one_cpu_process(tmp_path: Path) -> None:
     for r in data["ratios"]:
         assert r["work_ratio"] == pytest.approx(work, rel=1e-12) and r["speedup"] == pytest.approx(r["full_ms"] / r["window_ms"])
     assert "speed-up of the window" in proc.stdout
+
+
+@pytest.mark.slow
+def test_train_feed_benchmark_on_one_cpu_process(tmp_path: Path) -> None:
+    """``scripts.bench.train_feed --tiny``: ``megacp.train`` (no launcher) and the in-memory Trainer
+    each time 5 steady steps; the corpus run's step times are its ``--metrics`` seconds, and the
+    ratio and spread follow from the rows."""
+    out, work = tmp_path / "feed.json", tmp_path / "work"
+    proc = run_module("scripts.bench.train_feed", "--tiny", "--workdir", str(work), "--json", str(out))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    rows = {r["feed"]: r for r in data["results"]}
+    assert sorted(rows) == ["corpus", "memory"] and all(r["steps"] == 5 for r in rows.values())
+    metrics = [json.loads(line)["seconds"] for line in (work / "metrics.jsonl").read_text().splitlines()]
+    assert rows["corpus"]["step_s"] == metrics[1:]
+    for r in rows.values():
+        assert r["tokens_per_s"] == pytest.approx(128 / statistics.median(r["step_s"]))
+        assert r["spread"] == pytest.approx(max(r["step_s"]) / statistics.median(r["step_s"]))
+    assert data["summary"]["ratio"] == pytest.approx(rows["corpus"]["tokens_per_s"] / rows["memory"]["tokens_per_s"])
+    assert "megacp.train: 6 steps, loss" in proc.stdout and "corpus / memory tokens/s" in proc.stdout
