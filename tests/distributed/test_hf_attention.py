@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from tests.helpers.distributed import run_distributed
-from tests.helpers.hf_archs import ARCHS, DOCS, make_model, packed_batch
+from tests.helpers.hf_archs import ARCHS, make_model, packed_batch
+
 
 def _reference(model: torch.nn.Module, ids: torch.Tensor, pos: torch.Tensor,
                targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:

@@ -20,10 +20,11 @@ import pytest
 import torch
 
 from megacp.placement import ShardPlan
-from scripts.bench import decode, harness as bh, prefill
+from scripts.bench import decode, prefill
+from scripts.bench import harness as bh
+from tests.helpers.paths import ROOT
 from tests.helpers.reference import naive_attention
 
-from tests.helpers.paths import ROOT
 SMALL = ["--device", "cpu", "--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--max-iters", "3",
          "--target-s", "0.01"]
 
