@@ -166,6 +166,10 @@ class HFGenerationModel(nn.Module):
             ``[k, V]`` logits in the model's dtype.
         """
         step = inference_params
+        if input_ids.numel() == 0:  # this rank holds none of the step's tokens (a prompt shorter than N)
+            # transformers' modules cannot reshape zero tokens; a placeholder row goes through them
+            # (megacp_attention gives it no keys and a zero output; its logits are never read)
+            input_ids, positions = input_ids.new_zeros(1), positions.new_zeros(1)
         out = self.hf(input_ids=input_ids.unsqueeze(0), position_ids=positions.unsqueeze(0), use_cache=True,
                       logits_to_keep=logits_index, **{self._cache_kwarg: CPCache(step), STEP_KWARG: step})
         return out.logits[0]

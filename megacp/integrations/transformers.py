@@ -184,7 +184,10 @@ def megacp_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tenso
     q, k, v = (x.transpose(1, 2).reshape(b * s, x.shape[1], d) for x in (query, key, value))
     if step is None:
         step = cacheless_step(CPSettings(), q, k, v, lengths)
-    out = step.attend(_Layer(getattr(module, "layer_idx", None) or 0), q, k, v, scaling, kwargs.get("sliding_window"))
+    layer, window = _Layer(getattr(module, "layer_idx", None) or 0), kwargs.get("sliding_window")
+    if b * s == 1 and step.token_index().numel() == 0:  # the placeholder row of a rank without tokens
+        return step.attend(layer, q[:0], k[:0], v[:0], scaling, window).new_zeros(b, s, hq, d), None
+    out = step.attend(layer, q, k, v, scaling, window)
     return out.view(b, s, hq, d), None
 
 

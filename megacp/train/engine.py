@@ -385,11 +385,14 @@ class Trainer:
             # be summed (averaged over DP only), hence the factor CP
             self.engine.backward(loss * self.state.size("cp") if self.zero3 else loss)
             self.engine.step()
-            losses.append(logged_loss(loss, cp_group=self.cp_group, dp_group=self.dp_group))
+            losses.append(loss.detach())
             tokens += batch.input_ids.numel()
+        # one reduction and one host read per step, after the last micro-batch is queued (a read
+        # per micro-batch would stall the host between them)
+        mean = logged_loss(torch.stack(losses).mean(), cp_group=self.cp_group, dp_group=self.dp_group)
         sync()
         self.steps_done += 1
-        return StepResult(loss=sum(losses) / len(losses), tokens=tokens * self.state.size("dp"),
+        return StepResult(loss=mean, tokens=tokens * self.state.size("dp"),
                           seconds=time.perf_counter() - start, lr=lr, data=batch.end)
 
     def evaluate(self, sequences: Sequence[PackedSequence]) -> tuple[float, int]:

@@ -1,5 +1,5 @@
 """``megacp.LLM`` over transformers models whose architectures megacp's own models do not implement
-(Qwen3's q/k norm, Phi-3's fused qkv; Mistral with a 4-token sliding window): greedy tokens at CP = 1 and 2 (real gloo
+(Qwen3's q/k norm, Phi-3's fused qkv; Mistral with a 4-token sliding window): greedy tokens at CP = 1, 2 and 3 (real gloo
 ranks) equal transformers' own ``generate`` for a ragged batch of two prompts (one shorter than
 2N) and for both turns of a session on the CP-sharded cache, under pass-KV, pass-Q and chunked
 prefill; a model megacp cannot run exactly,
@@ -69,7 +69,7 @@ def reference() -> dict[str, tuple[list[list[int]], list[int]]]:
     return ref
 
 
-@pytest.mark.parametrize("cp", [1, 2])
+@pytest.mark.parametrize("cp", [1, 2, 3])
 def test_llm_over_transformers_model_equals_generate(cp: int, reference: dict) -> None:
     for rank, result in enumerate(run_distributed(_generate, cp)):
         assert cp > 1 or result.pop("qwen3 directory")[0] == reference["qwen3"][0], "LLM(directory)"

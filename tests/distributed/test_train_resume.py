@@ -6,7 +6,7 @@ keeping 1) is killed with SIGKILL while it trains; ``--resume`` from its latest 
 steps at steps ``K + 1 ...`` and the same final parameters (fp32 master weights, 1e-6 relative).
 Both also report the evaluation loss of a held-out file after their last step: the same, and
 transformers' mean token loss of its packed document pieces. The resumed run's save folder holds megacp's ``zero_to_fp32.py``, whose Hugging Face output loads in
-transformers with megacp's logits. ZeRO 0 and 2 at CP 2 are checked the same way (ZeRO 2 with DeepSpeed's
+transformers with megacp's logits. ZeRO 0, 2 and 3 at CP 2 are checked the same way (ZeRO 2 with DeepSpeed's
 ``csv_monitor``, which must get every step's loss and tokens): their uninterrupted runs of 12 steps save every
 3 steps keeping the last 2, which must leave exactly ``step9`` and ``step12``, and a run resumed
 from ``step9`` must end as they do. The killed job's two processes run the CLI's ``main`` (rank environment set
@@ -39,10 +39,10 @@ MORE = 5
 
 
 def _write_configs(tmp: Path) -> None:
-    """``configs/train_cpu_cp2.json`` at ZeRO 0, 1 and 2, as ``tmp/zero<stage>.json`` (ZeRO 2 with
+    """``configs/train_cpu_cp2.json`` at ZeRO 0, 1, 2 and 3, as ``tmp/zero<stage>.json`` (ZeRO 2 with
     DeepSpeed's ``csv_monitor`` writing into ``tmp/csv/zero2``)."""
     config = json.loads((ROOT / "configs" / "train_cpu_cp2.json").read_text())
-    for stage in (0, 1, 2):
+    for stage in (0, 1, 2, 3):
         monitor = {"csv_monitor": {"enabled": True, "output_path": str(tmp / "csv"), "job_name": "zero2"}} if stage == 2 else {}
         (tmp / f"zero{stage}.json").write_text(json.dumps({**config, "zero_optimization": {"stage": stage}, **monitor}))
 
@@ -97,7 +97,7 @@ def _main(port: int, args: list[str]) -> int:
 
 
 def _runs(rank: int, world_size: int, tmp: Path, killed_at: int, ports: list[int]) -> None:
-    """ZeRO 1: the uninterrupted run and the resumed killed one; ZeRO 0 and 2: the uninterrupted
+    """ZeRO 1: the uninterrupted run and the resumed killed one; ZeRO 0, 2 and 3: the uninterrupted
     run and one resumed from its ``step9``."""
     ref = str(killed_at + MORE)
     evaluation = ["--eval-corpus", str(tmp / "corpus" / "a.txt")]
@@ -105,7 +105,7 @@ def _runs(rank: int, world_size: int, tmp: Path, killed_at: int, ports: list[int
                                     str(tmp / "ref1.jsonl"), *evaluation)) == 0
     assert _main(ports.pop(), _args(tmp, 1, "--steps", ref, "--save", str(tmp / "killed"), "--resume",
                                     str(tmp / "killed"), "--metrics", str(tmp / "resumed1.jsonl"), *evaluation)) == 0
-    for stage in (0, 2):
+    for stage in (0, 2, 3):
         assert _main(ports.pop(), _args(tmp, stage, "--steps", "12", "--save", str(tmp / f"ref{stage}"), "--save-every",
                                         "3", "--keep-last", "2", "--metrics", str(tmp / f"ref{stage}.jsonl"))) == 0
         assert _main(ports.pop(), _args(tmp, stage, "--steps", "12", "--save", str(tmp / f"resumed{stage}"), "--resume",
@@ -136,7 +136,7 @@ def test_killed_and_resumed_runs_continue_exactly(tmp_path: Path) -> None:
     _write_configs(tmp_path)
     killed_at = _kill_after_a_checkpoint(tmp_path)
     assert killed_at % 7 == 0
-    run_distributed(_runs, 2, tmp_path, killed_at, [free_port() for _ in range(6)], timeout=120.0)
+    run_distributed(_runs, 2, tmp_path, killed_at, [free_port() for _ in range(8)], timeout=120.0)
 
     ref = _rows(tmp_path / "ref1.jsonl")
     before = _rows(tmp_path / "killed.jsonl")[:killed_at]  # the killed run, up to its checkpoint
@@ -145,7 +145,7 @@ def test_killed_and_resumed_runs_continue_exactly(tmp_path: Path) -> None:
     assert [r["step"] for r in resumed1] == list(range(killed_at + 1, killed_at + MORE + 1))
     _assert_same_run(ref, resumed1, tmp_path / "ref1", tmp_path / "killed")
     ref1 = ref
-    for stage in (0, 2):
+    for stage in (0, 2, 3):
         ref = _rows(tmp_path / f"ref{stage}.jsonl")
         resumed = _rows(tmp_path / f"resumed{stage}.jsonl")
         assert [r["step"] for r in resumed] == list(range(10, 13))

@@ -11,9 +11,9 @@ import torch
 from tests.helpers.distributed import run_distributed
 from tests.helpers.reference import naive_attention, packed_causal
 
-CASES = [([40], 1), ([40], 3), ([37, 9, 24], 7), ([30], 64), ([33, 14], 12)]
+CASES = [([40], 1), ([40], 3), ([37, 9, 24], 7), ([30], 64), ([33, 14], 12), ([20], 7), ([150], 64)]
 """(packed document lengths, window): one key, windows smaller than a shard, packed documents of
-ragged lengths, a window longer than the sequence."""
+ragged lengths, a window longer than the sequence, sequences between the window and 4 x window."""
 
 
 def _inputs(lens: list[int], seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -64,8 +64,9 @@ def _grad_body(rank: int, n: int) -> dict:
     return out
 
 
-def test_windowed_ring_backward_equals_autograd_of_reference() -> None:
-    results = run_distributed(_grad_body, 2)
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_windowed_ring_backward_equals_autograd_of_reference(n: int) -> None:
+    results = run_distributed(_grad_body, n)
     for i, (lens, window) in enumerate(CASES):
         q, k, v = (x.requires_grad_() for x in _inputs(lens, 10 + i))
         ref = packed_causal(q, k, v, lens, window=window)
@@ -144,3 +145,95 @@ def test_windowed_models_generate_as_transformers(tmp_path: Path) -> None:
         want.append(hf_greedy(model, prompts, 8))
     for got in run_distributed(_llm_body, 2, paths, prompts):
         assert got == want
+
+
+WINDOW_PROMPTS = {1: [3, 2], 7: [20, 9], 64: [100, 37]}
+"""window -> prompt lengths: the first between the window and 4 x window (1 < 3 < 4, 7 < 20 < 28,
+64 < 100 < 256), the second ragged (shorter than 2N at some N, or than the window)."""
+MODEL_KINDS = {"mistral": dict(sliding_window="W"), "qwen2": dict(use_sliding_window=True, sliding_window="W",
+                                                                  max_window_layers=1)}
+"""Windowed configs (``"W"``: the window): Mistral windows every layer, Qwen2 its layer 1 only."""
+PREFILLS = {"pass_kv": dict(strategy="pass_kv"), "pass_q": dict(strategy="pass_q"),
+            "chunked": dict(strategy="pass_kv", prefill_chunk=8)}
+DECODED = 6
+"""Greedy tokens after the prompt: decode runs past every window of 1 and 7 (and, with the prompt, of 64)."""
+
+
+def _window_model(kind: str, window: int) -> torch.nn.Module:
+    from tests.helpers.hf_archs import make_model
+
+    extra = {k: window if v == "W" else v for k, v in MODEL_KINDS[kind].items()}
+    return make_model(kind, eos_token_id=None, **extra).eval()
+
+
+def _recomputed_greedy(model: torch.nn.Module, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """transformers' greedy tokens, each from a full forward over the prompt and the tokens so far
+    (its own sliding-window mask over the whole sequence, no cache). At window 1 transformers'
+    cached ``generate`` departs from its own full forward after the first token (its sliding-window
+    cache layer), so the full forward is the reference."""
+    outs = []
+    for prompt in prompts:
+        ids = list(prompt)
+        with torch.no_grad():
+            for _ in range(new_tokens):
+                ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+        outs.append(ids[len(prompt):])
+    return outs
+
+
+def _window_prompts(window: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(window)
+    return [torch.randint(3, 64, (m,), generator=g).tolist() for m in WINDOW_PROMPTS[window]]
+
+
+def _window_sizes_body(rank: int, n: int, root: str) -> dict[tuple[str, int, str], tuple[list[list[int]], list[str]]]:
+    """Greedy tokens of megacp's own Mistral / Qwen2 (``LLM(directory)``) and of the transformers
+    Mistral object (``LLM(model)``, the attention-interface path) for every window and prefill."""
+    from megacp import LLM, SamplingParams, initialize, shutdown
+
+    torch.set_num_threads(1)
+    state = initialize()
+    greedy = SamplingParams(max_tokens=DECODED, ignore_eos=True)
+    out = {}
+    for window in WINDOW_PROMPTS:
+        prompts = _window_prompts(window)
+        runs = [(f"own {kind}", f"{root}/{kind}{window}") for kind in MODEL_KINDS]
+        runs.append(("hf mistral", _window_model("mistral", window)))
+        for name, model in runs:
+            for prefill, options in PREFILLS.items():
+                llm = LLM(model, dtype="float32", state=state, **options)
+                tokens = [o.token_ids for o in llm.generate(prompts, greedy)]
+                out[(name, window, prefill)] = (tokens, llm.last_report["prefill_strategy"])
+    shutdown()
+    return out
+
+
+@pytest.fixture(scope="module")
+def window_models(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[tuple[str, int], list[list[int]]]]:
+    """The windowed models saved (directory ``<kind><window>``) and transformers' greedy tokens for
+    each (:func:`_recomputed_greedy`)."""
+    from tests.distributed.test_llm import save_char_tokenizer
+
+    root = tmp_path_factory.mktemp("windows")
+    want = {}
+    for window in WINDOW_PROMPTS:
+        for kind in MODEL_KINDS:
+            model = _window_model(kind, window)
+            model.save_pretrained(root / f"{kind}{window}")
+            save_char_tokenizer(root / f"{kind}{window}")
+            want[(kind, window)] = _recomputed_greedy(model, _window_prompts(window), DECODED)
+    return str(root), want
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_window_sizes_generate_as_transformers(n: int, window_models: tuple) -> None:
+    """Windows of 1, 7 and 64 tokens, prompts between the window and 4 x window, CP 1-4: pass-KV,
+    pass-Q and chunked prefill then decode past the window, through megacp's own Mistral and Qwen2
+    and through the transformers Mistral object, token for token as transformers' greedy decoding."""
+    root, want = window_models
+    for (kind, window), tokens in want.items():
+        assert len({t for row in tokens for t in row}) > 2, f"{kind} window {window}: the reference is degenerate"
+    for rank, got in enumerate(run_distributed(_window_sizes_body, n, root, timeout=240)):
+        for (name, window, prefill), (tokens, strategies) in got.items():
+            assert tokens == want[(name.split()[1], window)], (n, rank, name, window, prefill)
+            assert set(strategies) == {PREFILLS[prefill]["strategy"]}, (name, window, prefill, strategies)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -19,10 +20,11 @@ import pytest
 import torch
 
 from megacp.placement import ShardPlan
-from scripts.bench import decode, harness as bh, prefill
+from scripts.bench import decode, prefill
+from scripts.bench import harness as bh
+from tests.helpers.paths import ROOT
 from tests.helpers.reference import naive_attention
 
-from tests.helpers.paths import ROOT
 SMALL = ["--device", "cpu", "--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--max-iters", "3",
          "--target-s", "0.01"]
 
@@ -110,3 +112,43 @@ def test_bad_prefill_options_stop_with_one_line(args: list[str], message: str, c
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert message in err[-1], err
+
+
+def test_window_benchmark_on_one_cpu_process(tmp_path: Path) -> None:
+    """``scripts.bench.window --tiny``: every (mask, layout, pass) row is timed, and the work ratio it
+    prints is the count of (query, key) pairs of an explicit causal mask over the windowed one."""
+    out = tmp_path / "window.json"
+    proc = run_module("scripts.bench.window", "--tiny", "--json", str(out))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    rows = {(r["mask"], r["layout"], r["pass"]) for r in data["results"] if "mask" in r}
+    assert rows == {(m, layout, p) for m in ("full", "window") for layout, p in
+                    (("cp1", "fwd"), ("cp1", "fwd_bwd"), ("cp2_rank0", "fwd_bwd"), ("cp2_rank1", "fwd_bwd"))}
+    s, w = data["meta"]["seqlen"], data["meta"]["window"]
+    i, j = torch.arange(s)[:, None], torch.arange(s)[None]
+    causal = j <= i
+    work = int(causal.sum()) / int((causal & (j > i - w)).sum())
+    assert [r["layout"] for r in data["ratios"]] == ["cp1", "cp1", "cp2_slowest"]
+    for r in data["ratios"]:
+        assert r["work_ratio"] == pytest.approx(work, rel=1e-12) and r["speedup"] == pytest.approx(r["full_ms"] / r["window_ms"])
+    assert "speed-up of the window" in proc.stdout
+
+
+@pytest.mark.slow
+def test_train_feed_benchmark_on_one_cpu_process(tmp_path: Path) -> None:
+    """``scripts.bench.train_feed --tiny``: ``megacp.train`` (no launcher) and the in-memory Trainer
+    each time 5 steady steps; the corpus run's step times are its ``--metrics`` seconds, and the
+    ratio and spread follow from the rows."""
+    out, work = tmp_path / "feed.json", tmp_path / "work"
+    proc = run_module("scripts.bench.train_feed", "--tiny", "--workdir", str(work), "--json", str(out))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    rows = {r["feed"]: r for r in data["results"]}
+    assert sorted(rows) == ["corpus", "memory"] and all(r["steps"] == 5 for r in rows.values())
+    metrics = [json.loads(line)["seconds"] for line in (work / "metrics.jsonl").read_text().splitlines()]
+    assert rows["corpus"]["step_s"] == metrics[1:]
+    for r in rows.values():
+        assert r["tokens_per_s"] == pytest.approx(128 / statistics.median(r["step_s"]))
+        assert r["spread"] == pytest.approx(max(r["step_s"]) / statistics.median(r["step_s"]))
+    assert data["summary"]["ratio"] == pytest.approx(rows["corpus"]["tokens_per_s"] / rows["memory"]["tokens_per_s"])
+    assert "megacp.train: 6 steps, loss" in proc.stdout and "corpus / memory tokens/s" in proc.stdout

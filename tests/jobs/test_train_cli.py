@@ -233,19 +233,33 @@ def test_bad_input_is_one_line(case: str, expected: str, tiny: tuple[Path, Path]
     assert expected in _main_error(argv, capsys)
 
 
-def test_trains_without_a_launcher(tiny: tuple[Path, Path]) -> None:
+def test_trains_without_a_launcher(tiny: tuple[Path, Path], tmp_path: Path) -> None:
     """``python -m megacp.train`` as a plain process (no launcher environment) trains at CP 1 on
-    CPU as a world of one, with DeepSpeed's ``--deepspeed`` flag, and exits 0."""
+    CPU as a world of one, with DeepSpeed's ``--deepspeed`` flag, and exits 0. Run twice on the
+    same corpus: the first tokenises it into the token cache, the second reuses it, each saying so
+    in one line, and both train on the same tokens (equal losses)."""
     pytest.importorskip("deepspeed", reason="DeepSpeed not installed")
     model_dir, corpus = tiny
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
                                                           "MASTER_PORT", "LOCAL_WORLD_SIZE")}
-    result = subprocess.run([sys.executable, "-m", "megacp.train", "--deepspeed", "--model", str(model_dir),
-                             "--corpus", str(corpus), "--steps", "2", "--seq-len", "64",
-                             "--deepspeed_config", str(ROOT / "configs" / "train_cpu_cp1.json")],
-                            env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert "megacp.train: 2 steps, loss" in result.stdout
+    runs = []
+    for run in ("first", "second"):
+        result = subprocess.run([sys.executable, "-m", "megacp.train", "--deepspeed", "--model", str(model_dir),
+                                 "--corpus", str(corpus), "--steps", "2", "--seq-len", "64", "--token-cache",
+                                 str(tmp_path / "tokens"), "--metrics", str(tmp_path / f"{run}.jsonl"),
+                                 "--deepspeed_config", str(ROOT / "configs" / "train_cpu_cp1.json")],
+                                env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert "megacp.train: 2 steps, loss" in result.stdout
+        runs.append([line for line in result.stdout.splitlines() if "the corpus" in line or "tokenised corpus" in line])
+    (cache,) = (tmp_path / "tokens").iterdir()
+    documents = "4 documents, "  # a.txt, then b.jsonl's three lines
+    assert len(runs[0]) == 1 and runs[0][0].startswith("megacp.train: tokenised the corpus in ")
+    assert documents in runs[0][0] and runs[0][0].endswith(f"({cache})")
+    assert runs[1] == [runs[0][0].replace(runs[0][0].split(": ")[1], "reused the tokenised corpus")]
+    losses = [[json.loads(line)["loss"] for line in (tmp_path / f"{run}.jsonl").read_text().splitlines()]
+              for run in ("first", "second")]
+    assert losses[0] == losses[1]
 
 
 def test_version(capsys: pytest.CaptureFixture[str]) -> None:
