@@ -22,6 +22,7 @@ from megacp.generate.sampling import Sampler, SamplingParams
 from megacp.kv_cache import CacheCapacityError, ShardedKVCache
 from megacp.layers.settings import CPSettings
 from megacp.layers.step import CPStep, HeadShape, begin_step
+from megacp.placement import held_after
 
 
 def batch_params(params: SamplingParams | Sequence[SamplingParams], n: int) -> list[SamplingParams]:
@@ -36,6 +37,33 @@ def batch_params(params: SamplingParams | Sequence[SamplingParams], n: int) -> l
     if len(rows) != n:
         raise ValueError(f"{len(rows)} SamplingParams for {n} prompts; give one for all or one per prompt")
     return rows
+
+
+PREFILL_MEMORY_FRACTION = 0.1
+"""Share of the free device memory (after the weights) that one prefill chunk's transient tensors
+may take when no chunk is given on CUDA (:func:`auto_prefill_chunk`); the rest is the KV cache's."""
+
+PREFILL_WIDTHS = (6, 4)
+"""Transient elements per local token of a prefill chunk, in units of the query width ``Hq·D`` and
+of the KV width ``Hkv·D``: the layer input and the residual sum, q (and its rotary temporaries),
+the attention output, k and v. ``tests/unit/test_lean_prefill.py`` measures the per-token growth
+below this bound (the MLP runs in fixed-size tiles and the logits are the last token's only)."""
+
+MIN_AUTO_CHUNK = 4096
+"""The automatic prefill chunk is never below this many tokens."""
+
+
+def auto_prefill_chunk(free_bytes: int, *, num_heads: int, num_kv_heads: int, head_dim: int, elem_bytes: int,
+                       cp_size: int = 1) -> int:
+    """The prefill chunk (tokens) whose transient fits in ``PREFILL_MEMORY_FRACTION`` of
+    ``free_bytes``: the largest power of two ``<= cp_size * free_bytes * PREFILL_MEMORY_FRACTION /
+    (elem_bytes * (6 * num_heads * head_dim + 4 * num_kv_heads * head_dim))`` (see
+    :data:`PREFILL_WIDTHS`; a CP rank holds ``chunk / cp_size`` of its tokens), at least
+    :data:`MIN_AUTO_CHUNK`. Llama-3.1-8B's shape in bf16 with 125 GiB free: 56 KiB per token, 128K."""
+    wq, wkv = PREFILL_WIDTHS
+    per_token = elem_bytes * head_dim * (wq * num_heads + wkv * num_kv_heads)
+    tokens = int(cp_size * free_bytes * PREFILL_MEMORY_FRACTION) // per_token
+    return max(MIN_AUTO_CHUNK, 1 << max(tokens, 1).bit_length() - 1)
 
 
 StopCheckFactory = Callable[[SamplingParams], "Callable[[list[int]], bool] | None"]
@@ -64,7 +92,9 @@ class Generator:
             calibration; :meth:`CPSettings.from_state`).
         num_layers, num_heads, num_kv_heads, head_dim: attention shape on this rank (heads of this
             TP rank): the cache's shape and the ``auto`` prefill rule's inputs.
-        prefill_chunk: split prompts into chunks of this many tokens (chunked prefill), 0 = whole.
+        prefill_chunk: split prompts into chunks of this many tokens (chunked prefill); 0 = on
+            CUDA the chunk :func:`auto_prefill_chunk` picks from the free device memory when the
+            generator is made (the smallest over the CP group), elsewhere the whole prompt.
         cuda_graphs: decode with :class:`~megacp.generate.graph.GraphDecoder` (a CUDA graph per
             batch and kind of sampling, replayed per token, no host synchronisation per token;
             needs a CUDA device and, under CP, NCCL). Runs whose cache lacks the one spare row per
@@ -82,10 +112,25 @@ class Generator:
         self.model, self.settings, self.device, self.dtype = model, settings, device, dtype
         self.shape = dict(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim)
         self.heads = HeadShape(num_heads, num_kv_heads, torch.empty((), dtype=dtype).element_size())
-        self.prefill_chunk = prefill_chunk
         self.cp_size, self.cp_rank = settings.cp_size, settings.cp_rank
+        self.prefill_chunk = prefill_chunk or self._auto_chunk()
         self.cuda_graphs = cuda_graphs
         self._graph: GraphDecoder | None = None
+
+    def _auto_chunk(self) -> int:
+        """The automatic prefill chunk on CUDA (0 = whole prompts elsewhere), the same on every CP rank."""
+        if self.device.type != "cuda":
+            return 0
+        free = torch.cuda.mem_get_info(self.device)[0]
+        free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+        chunk = auto_prefill_chunk(free, num_heads=self.heads.num_heads, num_kv_heads=self.heads.num_kv_heads,
+                                   head_dim=self.shape["head_dim"], elem_bytes=self.heads.elem_bytes,
+                                   cp_size=self.cp_size)
+        if self.settings.ring is not None and self.cp_size > 1:
+            least = torch.tensor([chunk], dtype=torch.long, device=self.device)
+            dist.all_reduce(least, op=dist.ReduceOp.MIN, group=self.settings.ring.group)
+            chunk = int(least.item())
+        return chunk
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, config: Any, settings: CPSettings, *, device: torch.device,
@@ -103,11 +148,13 @@ class Generator:
                               load_balance=self.settings.load_balance)
 
     def batch_cache(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> tuple[ShardedKVCache, list[int]]:
-        """A cache just large enough for ``prompts`` and ``max_tokens`` new tokens each, and their slots."""
-        n, longest = self.cp_size, max((len(p) for p in prompts), default=1)
-        chunk = self.prefill_chunk or longest
-        capacity = (longest // chunk + 1) * 2 * -(-chunk // (2 * n)) + -(-max_tokens // n) + 2
-        cache = self.new_cache(max(1, len(prompts)), capacity)
+        """A cache just large enough for ``prompts`` and ``max_tokens`` new tokens each, and their
+        slots: per request the rows the most loaded CP rank holds after the prefill chunks and the
+        decode steps (:meth:`steps`), plus the spare row a static decode step writes."""
+        rows = max((held_after([0] * self.cp_size, 0, self.steps(n, max_tokens), self.cp_size,
+                               load_balance=self.settings.load_balance) for n in {len(p) for p in prompts}),
+                   key=max, default=[1])
+        cache = self.new_cache(max(1, len(prompts)), max(rows) + 1)
         return cache, [cache.allocate() for _ in prompts]
 
     def steps(self, pending: int, max_tokens: int) -> list[int]:
