@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from megacp.generate.graph import GraphDecoder, TokenReader
-from megacp.generate.sampling import Sampler, SamplingParams
+from megacp.generate.sampling import Sampler, SamplingParams, logprob_dicts
 from megacp.kv_cache import CacheCapacityError, ShardedKVCache
 from megacp.layers.settings import CPSettings
 from megacp.layers.step import CPStep, HeadShape, begin_step
@@ -74,13 +74,16 @@ StopCheckFactory = Callable[[SamplingParams], "Callable[[list[int]], bool] | Non
 class GenerationResult:
     """A batch's outcome, per request: generated ids, why it ended (``"stop"``: a stop token or
     string; ``"length"``: ``max_tokens``), time to first token (s) and decode rate (tokens/s after
-    the first; ``None`` for a single token), plus the batch report."""
+    the first; ``None`` for a single token), plus the batch report; with ``logprobs`` asked, per
+    generated token ``{token: logprob}`` of the chosen token and the top tokens
+    (:func:`~megacp.generate.sampling.logprob_dicts`; ``None`` for a request that did not ask)."""
 
     tokens: list[list[int]]
     finish_reasons: list[str] = field(default_factory=list)
     ttft_s: list[float] = field(default_factory=list)
     decode_tokens_per_s: list[float | None] = field(default_factory=list)
     report: dict[str, Any] = field(default_factory=dict)
+    logprobs: list[list[dict[int, float]] | None] = field(default_factory=list)
 
 
 class Generator:
@@ -282,6 +285,7 @@ class Run:
         self.stop_checks = [None if stop_check is None else stop_check(p) for p in params]
         self.max_tokens = max(p.max_tokens for p in params)
         self.tokens: list[list[int]] = [[] for _ in prompts]
+        self.logprobs: list[list[dict[int, float]] | None] = [None if p.logprobs is None else [] for p in params]
         self.finish: list[str | None] = [None] * len(prompts)
         self.first_at = [0.0] * len(prompts)
         self.last_at = [0.0] * len(prompts)
@@ -314,8 +318,9 @@ class Run:
         while True:
             now = time.perf_counter()
             toks = next_tok.tolist()
-            for i, tok in zip(active, toks):
-                self._emit(i, tok, now)
+            lps = self._logprobs(active, toks, [t.tolist() for t in sampler.logprobs or ()])
+            for i, tok, lp in zip(active, toks, lps):
+                self._emit(i, tok, now, lp)
                 yield i, tok
             keep = [row for row, i in enumerate(active) if self.finish[i] is None]
             if not keep:
@@ -343,17 +348,30 @@ class Run:
             return False
         return True
 
-    def _emit(self, i: int, tok: int, now: float) -> None:
+    def _logprobs(self, rows: Sequence[int], toks: list[int], lists: list[list]) -> list[dict[int, float] | None]:
+        """Per sampler row (request ``rows[b]``) the ``{token: logprob}`` of a draw whose
+        :attr:`Sampler.logprobs` were read as ``lists`` (empty: no row asked)."""
+        if not lists:
+            return [None] * len(rows)
+        chosen, top_ids, top_values = lists
+        return logprob_dicts(toks, chosen, top_ids, top_values, [self.params[i].logprobs for i in rows])
+
+    def _emit(self, i: int, tok: int, now: float, logprobs: dict[int, float] | None = None) -> None:
         if not self.tokens[i]:
             self.first_at[i] = now
         self.tokens[i].append(tok)
+        lps = self.logprobs[i]
+        if lps is not None and logprobs is not None:
+            lps.append(logprobs)
         self.last_at[i] = now
         self.finish[i] = self._finished(i)
 
     def _graph_steps(self, first: Tensor, sampler: Sampler) -> Iterator[tuple[int, int]]:
         """Decode from the CUDA graph: each step is replayed before the previous step's tokens
         (copied to pinned memory without blocking) are read, so stop conditions act one step
-        late and a finished request's extra token is dropped; no step runs past ``max_tokens``."""
+        late and a finished request's extra token is dropped; no step runs past ``max_tokens``.
+        The log-probabilities a row asks for travel with its tokens (computed in the step, copied
+        alongside, read one step late)."""
         gen, b = self.gen, len(self.slots)
         t0 = time.perf_counter()
         dec = gen.graph_decoder(self.cache, self.slots, sampler)
@@ -365,22 +383,23 @@ class Run:
         steps, prev = 0, None
         try:
             now = time.perf_counter()
-            for i, tok in enumerate(first.tolist()):
-                self._emit(i, tok, now)
+            rows, toks = list(range(b)), first.tolist()
+            for i, tok, lp in zip(rows, toks, self._logprobs(rows, toks, [t.tolist() for t in sampler.logprobs or ()])):
+                self._emit(i, tok, now, lp)
                 yield i, tok
             t1 = time.perf_counter()
             while True:
                 cur = None
                 if steps < self.max_tokens - 1 and any(f is None for f in self.finish):
                     cur = steps % 2
-                    reader.put(cur, dec.step())
+                    reader.put(cur, dec.step(), *(dec.sampler.logprobs or ()))
                     steps += 1
                 if prev is not None:
                     toks = reader.get(prev)
                     now = time.perf_counter()
-                    for i, tok in enumerate(toks):
+                    for i, tok, lp in zip(rows, toks, self._logprobs(rows, toks, reader.extra(prev))):
                         if self.finish[i] is None:
-                            self._emit(i, tok, now)
+                            self._emit(i, tok, now, lp)
                             yield i, tok
                 if cur is None:
                     break
@@ -409,4 +428,4 @@ class Run:
         if self.decode_mode == "cuda_graph":
             report["graph_capture_s"] = round(self.capture_s, 4)
         return GenerationResult(self.tokens, [str(f) for f in self.finish], [self.ttft] * len(self.tokens),
-                                rates, report)
+                                rates, report, self.logprobs)
