@@ -150,14 +150,18 @@ class Generator:
                               cp_rank=self.cp_rank, dtype=self.dtype, device=self.device,
                               load_balance=self.settings.load_balance)
 
+    def cache_rows(self, lengths: Sequence[int], max_tokens: int) -> int:
+        """Rows per request slot of a cache for prompts of ``lengths`` and ``max_tokens`` new tokens
+        each: the rows the most loaded CP rank holds after the prefill chunks and the decode steps
+        (:meth:`steps`), plus the spare row a static decode step writes."""
+        held = (held_after([0] * self.cp_size, 0, self.steps(n, max_tokens), self.cp_size,
+                           load_balance=self.settings.load_balance) for n in set(lengths))
+        return max((max(h) for h in held), default=1) + 1
+
     def batch_cache(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> tuple[ShardedKVCache, list[int]]:
-        """A cache just large enough for ``prompts`` and ``max_tokens`` new tokens each, and their
-        slots: per request the rows the most loaded CP rank holds after the prefill chunks and the
-        decode steps (:meth:`steps`), plus the spare row a static decode step writes."""
-        rows = max((held_after([0] * self.cp_size, 0, self.steps(n, max_tokens), self.cp_size,
-                               load_balance=self.settings.load_balance) for n in {len(p) for p in prompts}),
-                   key=max, default=[1])
-        cache = self.new_cache(max(1, len(prompts)), max(rows) + 1)
+        """A cache just large enough for ``prompts`` and ``max_tokens`` new tokens each
+        (:meth:`cache_rows`), and their slots."""
+        cache = self.new_cache(max(1, len(prompts)), self.cache_rows([len(p) for p in prompts], max_tokens))
         return cache, [cache.allocate() for _ in prompts]
 
     def steps(self, pending: int, max_tokens: int) -> list[int]:
