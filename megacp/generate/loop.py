@@ -109,7 +109,7 @@ class Generator:
                  num_kv_heads: int, head_dim: int, device: torch.device, dtype: torch.dtype, prefill_chunk: int = 0,
                  cuda_graphs: bool = False) -> None:
         if prefill_chunk < 0:
-            raise ValueError(f"prefill_chunk must be >= 0 (0 = whole prompt), got {prefill_chunk}")
+            raise ValueError(f"prefill_chunk must be >= 0 (0 = automatic), got {prefill_chunk}")
         if cuda_graphs and device.type != "cuda":
             raise ValueError(f"cuda_graphs=True needs a CUDA device; this model runs on {device}")
         self.model, self.settings, self.device, self.dtype = model, settings, device, dtype
