@@ -21,7 +21,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from megacp.placement import ShardPlan, shard_ranges
+from megacp.placement import ShardPlan, held_after, shard_ranges
 
 
 class CacheCapacityError(RuntimeError):
@@ -112,11 +112,8 @@ class ShardedKVCache:
         with ``spare`` rows left over on each (a static decode step writes one row past a rank's
         tokens when it does not own the step's token)."""
         self._check_slot(slot)
-        held, pos = list(self._held[slot]), self.length(slot)
-        for t in steps:
-            for j in range(self.cp_size):
-                held[j] += sum(b - a for a, b in shard_ranges(pos, t, self.cp_size, j, load_balance=self.load_balance))
-            pos += t
+        pos = self.length(slot) + sum(steps)
+        held = held_after(self._held[slot], self.length(slot), steps, self.cp_size, load_balance=self.load_balance)
         worst = max(range(self.cp_size), key=held.__getitem__)
         if held[worst] + spare > self.capacity:
             raise CacheCapacityError(

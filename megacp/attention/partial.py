@@ -40,7 +40,7 @@ from typing import Callable, TypeVar
 import torch
 from torch import Tensor
 
-from megacp.attention.merge import finite_or_zero, merge_states
+from megacp.attention.merge import finite_or_zero, merge_into, merge_states
 
 BACKENDS = ("auto", "cudnn", "flash", "reference")
 _KERNEL_ORDER = ("cudnn", "flash")
@@ -201,6 +201,9 @@ def _kernel_attention(kernel: Callable, q: Tensor, k: Tensor, v: Tensor, *, caus
     prefix = lk - lq
     o1, l1 = _kernel_call(kernel, q, k[..., :prefix, :, :], v[..., :prefix, :, :], False, scale)
     o2, l2 = _kernel_call(kernel, q, k[..., prefix:, :, :], v[..., prefix:, :, :], True, scale)
+    if q.dim() == 3:  # in place: no fp32 copies of the outputs where the fused merge applies
+        merge_into(o1, l1, o2, l2)
+        return o1, l1
     out, lse = merge_states(o1, l1, o2, l2)
     return out.to(q.dtype), lse
 
@@ -244,8 +247,10 @@ def _reference(
     """Exact blocked attention with an online softmax, fp32 accumulation (``left``: the band's
     lower bound, see the module docstring).
 
-    Memory: ``Hq × block_q × block_k`` fp32 scores at a time; key blocks that no query of the block
-    can see (after the causal diagonal, before the band) are skipped.
+    Memory: ``Hq × block_q × block_k`` fp32 scores at a time, and each key block is converted to
+    fp32 as it is used (never the whole of ``k``/``v``: a long cached prefix costs no copy); key
+    blocks that no query of the block can see (after the causal diagonal, before the band) are
+    skipped.
     """
     lq, hq, d = q.shape
     lk, hkv, _ = k.shape
@@ -253,7 +258,6 @@ def _reference(
     offset = lk - lq  # query i sees keys j <= i + offset
     out = torch.empty(lq, hq, d, dtype=q.dtype, device=q.device)
     lse = torch.empty(lq, hq, dtype=torch.float32, device=q.device)
-    kf, vf = heads_first(k, hkv), heads_first(v, hkv)  # [Hkv, 1, Lk, D]
     for i0 in range(0, lq, block_q):
         i1 = min(i0 + block_q, lq)
         qb = heads_first(q[i0:i1], hkv) * scale  # [Hkv,G,bq,D]
@@ -264,7 +268,8 @@ def _reference(
         k_start = 0 if left is None else max(0, i0 + offset - left)
         for j0 in range(k_start, max(k_end, 0), block_k):
             j1 = min(j0 + block_k, k_end)
-            scores = qb @ kf[:, :, j0:j1].transpose(-1, -2)  # [Hkv,G,bq,bk]
+            kb, vb = heads_first(k[j0:j1], hkv), heads_first(v[j0:j1], hkv)  # [Hkv,1,bk,D]
+            scores = qb @ kb.transpose(-1, -2)  # [Hkv,G,bq,bk]
             if causal:
                 scores = scores.masked_fill(hidden_by_causal_mask(i0, i1, j0, j1, offset, q.device), float("-inf"))
             if left is not None:
@@ -274,7 +279,7 @@ def _reference(
             p = torch.exp(scores - m_safe.unsqueeze(-1))
             corr = torch.exp(m - m_safe)
             s = s * corr + p.sum(dim=-1)
-            acc = acc * corr.unsqueeze(-1) + p @ vf[:, :, j0:j1]
+            acc = acc * corr.unsqueeze(-1) + p @ vb
             m = m_new
         seen = s != 0  # rows that see no key (or only -inf scores) have s = 0; NaN rows stay NaN
         ob = torch.where(seen.unsqueeze(-1), acc / torch.where(seen, s, 1.0).unsqueeze(-1), 0.0)

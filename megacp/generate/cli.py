@@ -84,7 +84,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="default: the config's bf16 / fp16 section, else bfloat16 on GPU and float32 on CPU")
     p.add_argument("--strategy", choices=STRATEGIES, default=None,
                    help="prefill strategy (default: the config's context_parallel.prefill, else auto)")
-    p.add_argument("--prefill-chunk", type=int, default=0, help="chunked prefill: tokens per chunk (0 = whole prompt)")
+    p.add_argument("--prefill-chunk", type=int, default=0,
+                   help="chunked prefill: tokens per chunk (0 = automatic: sized from the free GPU memory on CUDA, "
+                        "the whole prompt on CPU)")
     p.add_argument("--calibrate", action="store_true",
                    help="measure attention FLOP/s and ring bandwidth for the auto strategy (cached in ~/.cache/megacp)")
     p.add_argument("--allow-non-finite", action="store_true", help="load weights that hold NaN or inf")
@@ -97,7 +99,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add_launcher_args(p)
     args = p.parse_args(argv)
     if args.prefill_chunk < 0:
-        p.error(f"--prefill-chunk must be >= 0 (0 = whole prompt), got {args.prefill_chunk}")
+        p.error(f"--prefill-chunk must be >= 0 (0 = automatic), got {args.prefill_chunk}")
     return args
 
 

@@ -71,7 +71,7 @@ class GraphDecoder:
         torch.add(self.held, owned, out=self.params.used)
         logits = self.model(self.tokens, self.positions, cu_seqlens=self.cu_seqlens,
                             inference_params=self.params).float()
-        self.tokens.copy_(self.sampler(logits))
+        self.tokens.copy_(self.sampler(logits))  # and sampler.logprobs: the capture's tensors under a graph
         self.held.add_(owned)
         self.positions.add_(1)
         return logits
@@ -133,23 +133,33 @@ class GraphDecoder:
 
 
 class TokenReader:
-    """Two host buffers that step tokens ``[B]`` int64 are copied into without blocking (pinned
-    memory and an event each on CUDA; a plain copy elsewhere): the host reads one while the next
-    step runs."""
+    """Two sets of host buffers that a step's tokens ``[B]`` int64 (and any other outputs of the
+    step, e.g. the sampler's log-probabilities) are copied into without blocking (pinned memory and
+    an event each on CUDA; a plain copy elsewhere): the host reads one set while the next step runs."""
 
     def __init__(self, batch: int, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
-        self.bufs = [torch.empty(batch, dtype=torch.long, pin_memory=self.cuda) for _ in range(2)]
+        self.bufs = [[torch.empty(batch, dtype=torch.long, pin_memory=self.cuda)] for _ in range(2)]
         self.events = [torch.cuda.Event() for _ in range(2)] if self.cuda else []
 
-    def put(self, i: int, tokens: Tensor) -> None:
-        """Start copying ``tokens`` into buffer ``i`` (after the work queued so far)."""
-        self.bufs[i].copy_(tokens, non_blocking=self.cuda)
+    def put(self, i: int, tokens: Tensor, *extra: Tensor) -> None:
+        """Start copying ``tokens`` and ``extra`` into buffer set ``i`` (after the work queued so
+        far); the buffers of ``extra`` are allocated at their first use and reused while the shapes
+        stay the same."""
+        bufs = self.bufs[i]
+        if [(b.shape, b.dtype) for b in bufs[1:]] != [(t.shape, t.dtype) for t in extra]:
+            bufs[1:] = [torch.empty(t.shape, dtype=t.dtype, pin_memory=self.cuda) for t in extra]
+        for dst, src in zip(bufs, (tokens, *extra)):
+            dst.copy_(src, non_blocking=self.cuda)
         if self.cuda:
             self.events[i].record()
 
     def get(self, i: int) -> list[int]:
-        """Buffer ``i``'s tokens once their copy is done."""
+        """Buffer set ``i``'s tokens once their copy is done (:meth:`extra` then holds the rest)."""
         if self.cuda:
             self.events[i].synchronize()
-        return self.bufs[i].tolist()
+        return self.bufs[i][0].tolist()
+
+    def extra(self, i: int) -> list[list]:
+        """The other tensors of set ``i`` as lists (call after :meth:`get` of the same set)."""
+        return [b.tolist() for b in self.bufs[i][1:]]

@@ -79,7 +79,8 @@ class LLM:
             CP group); ignored when ``state`` is given.
         dtype: ``"float32"``, ``"bfloat16"``, ... or a torch dtype (default: see :func:`resolve_dtype`).
         strategy: prefill strategy ``auto|pass_kv|pass_q`` (default: the config's).
-        prefill_chunk: chunked prefill, tokens per chunk (0 = whole prompt).
+        prefill_chunk: chunked prefill, tokens per chunk; 0 (default): on CUDA one sized from the
+            free GPU memory (:func:`~megacp.generate.loop.auto_prefill_chunk`), on CPU the whole prompt.
         calibrate: measure attention FLOP/s and ring bandwidth for ``auto`` (cached per host).
         max_sessions: sessions open at once (their cache is allocated by the first :meth:`session`).
         max_session_tokens: tokens one session may hold (default: the model's context, at most 4096).
@@ -104,7 +105,7 @@ class LLM:
                  cuda_graphs: bool | None = None, allow_non_finite: bool = False, tokenizer: Any = None,
                  state: ParallelState | None = None, verbose: bool = False) -> None:
         if prefill_chunk < 0:
-            raise ValueError(f"prefill_chunk must be >= 0 (0 = whole prompt), got {prefill_chunk}")
+            raise ValueError(f"prefill_chunk must be >= 0 (0 = automatic), got {prefill_chunk}")
         if max_sessions < 1:
             raise ValueError(f"max_sessions must be >= 1, got {max_sessions}")
         self.state = state or initialize(config)

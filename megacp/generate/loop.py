@@ -19,10 +19,11 @@ from torch import Tensor
 
 from megacp.attention.preconditions import content_digest
 from megacp.generate.graph import GraphDecoder, TokenReader
-from megacp.generate.sampling import Sampler, SamplingParams
+from megacp.generate.sampling import Sampler, SamplingParams, logprob_dicts
 from megacp.kv_cache import CacheCapacityError, ShardedKVCache
 from megacp.layers.settings import CPSettings
 from megacp.layers.step import CPStep, HeadShape, begin_step
+from megacp.placement import held_after
 
 
 def batch_params(params: SamplingParams | Sequence[SamplingParams], n: int) -> list[SamplingParams]:
@@ -39,6 +40,33 @@ def batch_params(params: SamplingParams | Sequence[SamplingParams], n: int) -> l
     return rows
 
 
+PREFILL_MEMORY_FRACTION = 0.1
+"""Share of the free device memory (after the weights) that one prefill chunk's transient tensors
+may take when no chunk is given on CUDA (:func:`auto_prefill_chunk`); the rest is the KV cache's."""
+
+PREFILL_WIDTHS = (6, 4)
+"""Transient elements per local token of a prefill chunk, in units of the query width ``Hq·D`` and
+of the KV width ``Hkv·D``: the layer input and the residual sum, q (and its rotary temporaries),
+the attention output, k and v. ``tests/unit/test_lean_prefill.py`` measures the per-token growth
+below this bound (the MLP runs in fixed-size tiles and the logits are the last token's only)."""
+
+MIN_AUTO_CHUNK = 4096
+"""The automatic prefill chunk is never below this many tokens."""
+
+
+def auto_prefill_chunk(free_bytes: int, *, num_heads: int, num_kv_heads: int, head_dim: int, elem_bytes: int,
+                       cp_size: int = 1) -> int:
+    """The prefill chunk (tokens) whose transient fits in ``PREFILL_MEMORY_FRACTION`` of
+    ``free_bytes``: the largest power of two ``<= cp_size * free_bytes * PREFILL_MEMORY_FRACTION /
+    (elem_bytes * (6 * num_heads * head_dim + 4 * num_kv_heads * head_dim))`` (see
+    :data:`PREFILL_WIDTHS`; a CP rank holds ``chunk / cp_size`` of its tokens), at least
+    :data:`MIN_AUTO_CHUNK`. Llama-3.1-8B's shape in bf16 with 125 GiB free: 56 KiB per token, 128K."""
+    wq, wkv = PREFILL_WIDTHS
+    per_token = elem_bytes * head_dim * (wq * num_heads + wkv * num_kv_heads)
+    tokens = int(cp_size * free_bytes * PREFILL_MEMORY_FRACTION) // per_token
+    return max(MIN_AUTO_CHUNK, 1 << max(tokens, 1).bit_length() - 1)
+
+
 StopCheckFactory = Callable[[SamplingParams], "Callable[[list[int]], bool] | None"]
 """Makes the stop-string check of one request (stateful: called with its tokens after each token)."""
 
@@ -47,13 +75,16 @@ StopCheckFactory = Callable[[SamplingParams], "Callable[[list[int]], bool] | Non
 class GenerationResult:
     """A batch's outcome, per request: generated ids, why it ended (``"stop"``: a stop token or
     string; ``"length"``: ``max_tokens``), time to first token (s) and decode rate (tokens/s after
-    the first; ``None`` for a single token), plus the batch report."""
+    the first; ``None`` for a single token), plus the batch report; with ``logprobs`` asked, per
+    generated token ``{token: logprob}`` of the chosen token and the top tokens
+    (:func:`~megacp.generate.sampling.logprob_dicts`; ``None`` for a request that did not ask)."""
 
     tokens: list[list[int]]
     finish_reasons: list[str] = field(default_factory=list)
     ttft_s: list[float] = field(default_factory=list)
     decode_tokens_per_s: list[float | None] = field(default_factory=list)
     report: dict[str, Any] = field(default_factory=dict)
+    logprobs: list[list[dict[int, float]] | None] = field(default_factory=list)
 
 
 class Generator:
@@ -65,7 +96,9 @@ class Generator:
             calibration; :meth:`CPSettings.from_state`).
         num_layers, num_heads, num_kv_heads, head_dim: attention shape on this rank (heads of this
             TP rank): the cache's shape and the ``auto`` prefill rule's inputs.
-        prefill_chunk: split prompts into chunks of this many tokens (chunked prefill), 0 = whole.
+        prefill_chunk: split prompts into chunks of this many tokens (chunked prefill); 0 = on
+            CUDA the chunk :func:`auto_prefill_chunk` picks from the free device memory when the
+            generator is made (the smallest over the CP group), elsewhere the whole prompt.
         cuda_graphs: decode with :class:`~megacp.generate.graph.GraphDecoder` (a CUDA graph per
             batch and kind of sampling, replayed per token, no host synchronisation per token;
             needs a CUDA device and, under CP, NCCL). Runs whose cache lacks the one spare row per
@@ -77,16 +110,31 @@ class Generator:
                  num_kv_heads: int, head_dim: int, device: torch.device, dtype: torch.dtype, prefill_chunk: int = 0,
                  cuda_graphs: bool = False) -> None:
         if prefill_chunk < 0:
-            raise ValueError(f"prefill_chunk must be >= 0 (0 = whole prompt), got {prefill_chunk}")
+            raise ValueError(f"prefill_chunk must be >= 0 (0 = automatic), got {prefill_chunk}")
         if cuda_graphs and device.type != "cuda":
             raise ValueError(f"cuda_graphs=True needs a CUDA device; this model runs on {device}")
         self.model, self.settings, self.device, self.dtype = model, settings, device, dtype
         self.shape = dict(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim)
         self.heads = HeadShape(num_heads, num_kv_heads, torch.empty((), dtype=dtype).element_size())
-        self.prefill_chunk = prefill_chunk
         self.cp_size, self.cp_rank = settings.cp_size, settings.cp_rank
+        self.prefill_chunk = prefill_chunk or self._auto_chunk()
         self.cuda_graphs = cuda_graphs
         self._graph: GraphDecoder | None = None
+
+    def _auto_chunk(self) -> int:
+        """The automatic prefill chunk on CUDA (0 = whole prompts elsewhere), the same on every CP rank."""
+        if self.device.type != "cuda":
+            return 0
+        free = torch.cuda.mem_get_info(self.device)[0]
+        free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+        chunk = auto_prefill_chunk(free, num_heads=self.heads.num_heads, num_kv_heads=self.heads.num_kv_heads,
+                                   head_dim=self.shape["head_dim"], elem_bytes=self.heads.elem_bytes,
+                                   cp_size=self.cp_size)
+        if self.settings.ring is not None and self.cp_size > 1:
+            least = torch.tensor([chunk], dtype=torch.long, device=self.device)
+            dist.all_reduce(least, op=dist.ReduceOp.MIN, group=self.settings.ring.group)
+            chunk = int(least.item())
+        return chunk
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, config: Any, settings: CPSettings, *, device: torch.device,
@@ -103,12 +151,18 @@ class Generator:
                               cp_rank=self.cp_rank, dtype=self.dtype, device=self.device,
                               load_balance=self.settings.load_balance)
 
+    def cache_rows(self, lengths: Sequence[int], max_tokens: int) -> int:
+        """Rows per request slot of a cache for prompts of ``lengths`` and ``max_tokens`` new tokens
+        each: the rows the most loaded CP rank holds after the prefill chunks and the decode steps
+        (:meth:`steps`), plus the spare row a static decode step writes."""
+        held = (held_after([0] * self.cp_size, 0, self.steps(n, max_tokens), self.cp_size,
+                           load_balance=self.settings.load_balance) for n in set(lengths))
+        return max((max(h) for h in held), default=1) + 1
+
     def batch_cache(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> tuple[ShardedKVCache, list[int]]:
-        """A cache just large enough for ``prompts`` and ``max_tokens`` new tokens each, and their slots."""
-        n, longest = self.cp_size, max((len(p) for p in prompts), default=1)
-        chunk = self.prefill_chunk or longest
-        capacity = (longest // chunk + 1) * 2 * -(-chunk // (2 * n)) + -(-max_tokens // n) + 2
-        cache = self.new_cache(max(1, len(prompts)), capacity)
+        """A cache just large enough for ``prompts`` and ``max_tokens`` new tokens each
+        (:meth:`cache_rows`), and their slots."""
+        cache = self.new_cache(max(1, len(prompts)), self.cache_rows([len(p) for p in prompts], max_tokens))
         return cache, [cache.allocate() for _ in prompts]
 
     def steps(self, pending: int, max_tokens: int) -> list[int]:
@@ -240,6 +294,7 @@ class Run:
         self.stop_checks = [None if stop_check is None else stop_check(p) for p in params]
         self.max_tokens = max(p.max_tokens for p in params)
         self.tokens: list[list[int]] = [[] for _ in prompts]
+        self.logprobs: list[list[dict[int, float]] | None] = [None if p.logprobs is None else [] for p in params]
         self.finish: list[str | None] = [None] * len(prompts)
         self.first_at = [0.0] * len(prompts)
         self.last_at = [0.0] * len(prompts)
@@ -272,8 +327,9 @@ class Run:
         while True:
             now = time.perf_counter()
             toks = next_tok.tolist()
-            for i, tok in zip(active, toks):
-                self._emit(i, tok, now)
+            lps = self._logprobs(active, toks, [t.tolist() for t in sampler.logprobs or ()])
+            for i, tok, lp in zip(active, toks, lps):
+                self._emit(i, tok, now, lp)
                 yield i, tok
             keep = [row for row, i in enumerate(active) if self.finish[i] is None]
             if not keep:
@@ -301,17 +357,30 @@ class Run:
             return False
         return True
 
-    def _emit(self, i: int, tok: int, now: float) -> None:
+    def _logprobs(self, rows: Sequence[int], toks: list[int], lists: list[list]) -> list[dict[int, float] | None]:
+        """Per sampler row (request ``rows[b]``) the ``{token: logprob}`` of a draw whose
+        :attr:`Sampler.logprobs` were read as ``lists`` (empty: no row asked)."""
+        if not lists:
+            return [None] * len(rows)
+        chosen, top_ids, top_values = lists
+        return logprob_dicts(toks, chosen, top_ids, top_values, [self.params[i].logprobs for i in rows])
+
+    def _emit(self, i: int, tok: int, now: float, logprobs: dict[int, float] | None = None) -> None:
         if not self.tokens[i]:
             self.first_at[i] = now
         self.tokens[i].append(tok)
+        lps = self.logprobs[i]
+        if lps is not None and logprobs is not None:
+            lps.append(logprobs)
         self.last_at[i] = now
         self.finish[i] = self._finished(i)
 
     def _graph_steps(self, first: Tensor, sampler: Sampler) -> Iterator[tuple[int, int]]:
         """Decode from the CUDA graph: each step is replayed before the previous step's tokens
         (copied to pinned memory without blocking) are read, so stop conditions act one step
-        late and a finished request's extra token is dropped; no step runs past ``max_tokens``."""
+        late and a finished request's extra token is dropped; no step runs past ``max_tokens``.
+        The log-probabilities a row asks for travel with its tokens (computed in the step, copied
+        alongside, read one step late)."""
         gen, b = self.gen, len(self.slots)
         t0 = time.perf_counter()
         dec = gen.graph_decoder(self.cache, self.slots, sampler)
@@ -323,22 +392,23 @@ class Run:
         steps, prev = 0, None
         try:
             now = time.perf_counter()
-            for i, tok in enumerate(first.tolist()):
-                self._emit(i, tok, now)
+            rows, toks = list(range(b)), first.tolist()
+            for i, tok, lp in zip(rows, toks, self._logprobs(rows, toks, [t.tolist() for t in sampler.logprobs or ()])):
+                self._emit(i, tok, now, lp)
                 yield i, tok
             t1 = time.perf_counter()
             while True:
                 cur = None
                 if steps < self.max_tokens - 1 and any(f is None for f in self.finish):
                     cur = steps % 2
-                    reader.put(cur, dec.step())
+                    reader.put(cur, dec.step(), *(dec.sampler.logprobs or ()))
                     steps += 1
                 if prev is not None:
                     toks = reader.get(prev)
                     now = time.perf_counter()
-                    for i, tok in enumerate(toks):
+                    for i, tok, lp in zip(rows, toks, self._logprobs(rows, toks, reader.extra(prev))):
                         if self.finish[i] is None:
-                            self._emit(i, tok, now)
+                            self._emit(i, tok, now, lp)
                             yield i, tok
                 if cur is None:
                     break
@@ -367,4 +437,4 @@ class Run:
         if self.decode_mode == "cuda_graph":
             report["graph_capture_s"] = round(self.capture_s, 4)
         return GenerationResult(self.tokens, [str(f) for f in self.finish], [self.ttft] * len(self.tokens),
-                                rates, report)
+                                rates, report, self.logprobs)

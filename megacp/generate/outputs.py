@@ -24,6 +24,10 @@ class GenerationOutput:
         finish_reason: ``"stop"`` (a stop token or string) or ``"length"`` (``max_tokens`` reached).
         ttft_s: seconds from the start of the request to its first token.
         decode_tokens_per_s: tokens after the first per second (``None`` for a single token).
+        logprobs: with ``SamplingParams(logprobs=k)``, one ``{token_id: logprob}`` per generated
+            token: the chosen token first, then the ``k`` most likely, most likely first (natural
+            log, fp32, of the model's logits before penalties and temperature); else ``None``.
+        cumulative_logprob: the sum of the chosen tokens' log-probabilities (``None`` without ``logprobs``).
     """
 
     prompt_token_ids: list[int]
@@ -32,6 +36,8 @@ class GenerationOutput:
     finish_reason: str
     ttft_s: float
     decode_tokens_per_s: float | None
+    logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float | None = None
 
 
 def with_eos(params: SamplingParams, eos_token_ids: Sequence[int]) -> SamplingParams:
@@ -109,11 +115,12 @@ def stop_string_check(tokenizer: Any, params: SamplingParams) -> StopStrings | N
 def outputs_of(result: GenerationResult, prompts: Sequence[Sequence[int]], tokenizer: Any,
                params: Sequence[SamplingParams]) -> list[GenerationOutput]:
     """One :class:`GenerationOutput` per request of ``result`` (``params[i]``: request ``i``'s)."""
+    logprobs = result.logprobs or [None] * len(result.tokens)
     return [
         GenerationOutput(list(p), toks, None if tokenizer is None else cut_at_stop(decode(tokenizer, toks), sp.stop)[0],
-                         reason, ttft, rate)
-        for p, sp, toks, reason, ttft, rate in zip(prompts, params, result.tokens, result.finish_reasons,
-                                                   result.ttft_s, result.decode_tokens_per_s)
+                         reason, ttft, rate, lps, None if lps is None else sum(d[t] for d, t in zip(lps, toks)))
+        for p, sp, toks, reason, ttft, rate, lps in zip(prompts, params, result.tokens, result.finish_reasons,
+                                                        result.ttft_s, result.decode_tokens_per_s, logprobs)
     ]
 
 

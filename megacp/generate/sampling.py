@@ -1,5 +1,6 @@
 """Sampling the next token of a batch of requests with settings of their own: greedy, or
-temperature with top-k / top-p / min-p filtering, after repetition / presence / frequency penalties.
+temperature with top-k / top-p / min-p filtering, after repetition / presence / frequency penalties,
+with the log-probabilities of the draw on request.
 
 A :class:`Sampler` holds one row per request: its settings as device tensors, its seed, the index of
 the token it draws next, and (with penalties) the prompt tokens and counts of generated tokens
@@ -47,6 +48,10 @@ class SamplingParams:
             logit divided by it when positive, multiplied when negative (1 = off).
         presence_penalty: subtracted from the logit of every token generated so far (0 = off).
         frequency_penalty: subtracted once per time a token was generated so far (0 = off).
+        logprobs: per generated token, return the natural-log probability of the chosen token and
+            of the ``logprobs`` most likely tokens (``None`` = none; 0 = the chosen token's only):
+            the log-softmax of the model's fp32 logits, before penalties, temperature and filters
+            (vLLM's default ``raw_logprobs``).
 
     Raises:
         ValueError: one value out of range (NaN included), naming it.
@@ -64,6 +69,7 @@ class SamplingParams:
     min_p: float = 0.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    logprobs: int | None = None
     max_new_tokens: int | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -81,6 +87,10 @@ class SamplingParams:
             _check_float(name, getattr(self, name), math.isfinite, "a finite number (0 = off)")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 = all tokens), got {self.top_k!r}")
+        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
+                                          or self.logprobs < 0):
+            raise ValueError(f"logprobs must be None or an integer >= 0 (top tokens per generated token), "
+                             f"got {self.logprobs!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if isinstance(self.stop, str):
@@ -188,6 +198,15 @@ class Sampler:
     each row draws next), ``columns [V]`` int64 (vocabulary hashes, when a row samples), ``counts [B, V]`` int32 (generated tokens; with penalties) and
     ``prompt_seen [B, V]`` bool (with a repetition penalty). Which steps run is fixed by the batch
     (:attr:`kind`): an all-greedy batch without penalties is one argmax.
+
+    With a row that asks for ``logprobs``, each call also leaves :attr:`logprobs` on the device:
+    the chosen tokens' log-probabilities ``[B]`` fp32 and the ``top_logprobs`` (the largest
+    ``logprobs`` of the batch) most likely tokens ``[B, K]`` int64 with theirs ``[B, K]`` fp32,
+    from the log-softmax of the logits as given (:func:`logprob_dicts` reads them on the host).
+
+    Raises:
+        ValueError: a row asks for more ``logprobs`` than the vocabulary holds, or a repetition
+            penalty comes without ``context``.
     """
 
     def __init__(self, params: Sequence[SamplingParams], vocab: int, device: torch.device,
@@ -198,6 +217,12 @@ class Sampler:
         self.filters = (any(p.top_k > 0 for p in drawn), any(p.top_p < 1.0 for p in drawn), any(p.min_p > 0 for p in drawn))
         self.penalised = any(p.penalised for p in params)
         repeats = any(p.repetition_penalty != 1.0 for p in params)
+        self.top_logprobs = max((p.logprobs for p in params if p.logprobs is not None), default=None)
+        if self.top_logprobs is not None and self.top_logprobs > vocab:
+            raise ValueError(f"logprobs={self.top_logprobs} exceeds the vocabulary of {vocab} tokens")
+        self.logprobs: tuple[Tensor, Tensor, Tensor] | None = None
+        """After a call with :attr:`top_logprobs` set: (chosen ``[B]`` fp32, top ids ``[B, K]``
+        int64, top log-probabilities ``[B, K]`` fp32) of that call's draw."""
 
         def col(values: Sequence[float | int], dtype: torch.dtype) -> Tensor:
             return torch.tensor(list(values), dtype=dtype, device=device)
@@ -226,9 +251,10 @@ class Sampler:
             self.prompt_seen = seen.to(device)
 
     @property
-    def kind(self) -> tuple[int, int, bool, tuple[bool, bool, bool], bool, bool]:
+    def kind(self) -> tuple[int, int, bool, tuple[bool, bool, bool], bool, bool, int | None]:
         """What fixes the computation: batch size, V, and which steps run (a captured graph's key)."""
-        return (len(self.keys), self.vocab, self.sampled, self.filters, self.penalised, self.prompt_seen is not None)
+        return (len(self.keys), self.vocab, self.sampled, self.filters, self.penalised, self.prompt_seen is not None,
+                self.top_logprobs)
 
     _ROWS = ("greedy", "temperature", "top_k", "top_p_floor", "min_p", "repetition", "presence", "frequency", "keys",
              "steps", "counts", "ones", "prompt_seen")
@@ -267,8 +293,10 @@ class Sampler:
 
     def __call__(self, logits: Tensor) -> Tensor:
         """Next tokens ``[B]`` int64 of ``logits [B, V]`` (identical on every rank given identical
-        logits); the counts and token indices advance by the drawn tokens."""
+        logits); the counts and token indices advance by the drawn tokens, and :attr:`logprobs`
+        holds the draw's log-probabilities when a row asks for them."""
         logits = logits.float()
+        raw = logits
         if self.penalised:
             logits = penalise(logits, self.prompt_seen, self.counts, self.repetition, self.presence, self.frequency)
         tokens = logits.argmax(dim=-1)
@@ -285,8 +313,30 @@ class Sampler:
             tokens = torch.where(self.greedy, tokens, drawn)
         if self.penalised:
             self.counts.scatter_add_(1, tokens[:, None], self.ones)
+        if self.top_logprobs is not None:
+            lp = raw.log_softmax(dim=-1)
+            top = lp.topk(self.top_logprobs, dim=-1)
+            self.logprobs = (lp.gather(-1, tokens[:, None]).squeeze(-1), top.indices, top.values)
         self.steps.add_(1)
         return tokens
+
+
+def logprob_dicts(tokens: Sequence[int], chosen: Sequence[float], top_ids: Sequence[Sequence[int]],
+                  top_values: Sequence[Sequence[float]], counts: Sequence[int | None]) -> list[dict[int, float] | None]:
+    """Host form of one draw's :attr:`Sampler.logprobs` (read as lists), row by row: ``None`` where
+    ``counts[b]`` is ``None``, else ``{token: logprob}`` of the chosen ``tokens[b]`` first, then its
+    ``counts[b]`` most likely tokens, most likely first (vLLM's layout; a chosen token among the
+    top ones appears once, at the front)."""
+    out: list[dict[int, float] | None] = []
+    for b, k in enumerate(counts):
+        if k is None:
+            out.append(None)
+            continue
+        row = {tokens[b]: chosen[b]}
+        for t, v in zip(top_ids[b][:k], top_values[b][:k]):
+            row.setdefault(t, v)
+        out.append(row)
+    return out
 
 
 def sample(logits: Tensor, params: SamplingParams | Sequence[SamplingParams],

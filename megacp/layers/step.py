@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from megacp.attention.decode import allgather_decode, static_decode
+from megacp.attention.pass_kv import KVBlock
 from megacp.attention.preconditions import agree, check_inputs
 from megacp.attention.prefill import build_kv_block, cp_prefill, resolve_strategy, strategy_name
 from megacp.attention.strategy import Choice
@@ -239,7 +240,11 @@ class TrainStep(CPStep):
 @dataclass
 class CachedStep(PrefillStep):
     """A prefill chunk on top of a CP-sharded KV cache: each layer writes this rank's new keys and
-    values into ``cache`` at ``slots``, then rings over each request's cached prefix and the chunk."""
+    values into ``cache`` at ``slots``, then rings over each request's cached prefix and the chunk.
+
+    With one request the KV block is a view of the request's cache rows (they hold the cached
+    tokens, then the chunk just written: the block's layout), so a chunk late in a long prompt
+    copies nothing of the prefix; a batch of requests copies each one's rows into one block."""
 
     cache: ShardedKVCache = field(kw_only=True)
     slots: list[int] = field(kw_only=True)
@@ -250,7 +255,10 @@ class CachedStep(PrefillStep):
         cache, slots, index, plan = self.cache, self.slots, layer.layer_index, self.plan
         cache.write(index, slots, plan, k, v)
         prefix = plan.prefix_counts[plan.rank]
-        block = build_kv_block(plan, k, v, lambda i: cache.kv(index, slots[i], prefix[i]))
+        if len(slots) == 1:  # rows past this rank's tokens (the block's padding) are never read
+            block: KVBlock = cache.kv(index, slots[0], plan.max_kv_block)
+        else:
+            block = build_kv_block(plan, k, v, lambda i: cache.kv(index, slots[i], prefix[i]))
         return cp_prefill(q, block, plan.with_window(window), self.settings.ring, strategy=self.strategy, scale=scale,
                           backend=self.settings.backend)
 

@@ -164,9 +164,10 @@ class LayerNormMLP(nn.Module):
 
     ``tile_tokens`` (a plain attribute, 0 = untiled): inputs longer than that run over sequence
     tiles of that many tokens (:func:`~megacp.models.tiling.tiled_norm_swiglu`: only the input is
-    kept for the backward). Under ``torch.inference_mode()`` (generation) inputs longer than
-    :data:`~megacp.models.tiling.INFERENCE_TILE_TOKENS` always run in such tiles: a long prefill
-    chunk then never holds its whole ``[T, 2F]`` gate/up, at no extra compute.
+    kept for the backward). Without autograd (``torch.inference_mode()`` or ``torch.no_grad()``:
+    generation) inputs longer than :data:`~megacp.models.tiling.INFERENCE_TILE_TOKENS` always run
+    in such tiles: a long prefill chunk then never holds its whole ``[T, 2F]`` gate/up, at no extra
+    compute.
     """
 
     tile_tokens: int = 0
@@ -185,7 +186,7 @@ class LayerNormMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[T, H] -> [T, H]."""
-        tile = self.tile_tokens or (INFERENCE_TILE_TOKENS if torch.is_inference_mode_enabled() else 0)
+        tile = self.tile_tokens or (0 if torch.is_grad_enabled() else INFERENCE_TILE_TOKENS)
         if 0 < tile < x.shape[0]:
             return reduce_from_tp(tiled_norm_swiglu(self, x, tile), self.tp_group)
         x = copy_to_tp(rms_norm(x, self.layer_norm_weight, self.eps), self.tp_group)
@@ -300,6 +301,11 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         """Final-norm hidden states [T, H] of packed tokens (the arguments of :meth:`forward`);
         the logits are ``hidden_states(...) @ lm_head_weight.T``."""
+        return self.final_norm(self._decode(input_ids, position_ids, cu_seqlens, inference_params))
+
+    def _decode(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor | None,
+                inference_params: Any) -> torch.Tensor:
+        """The decoder layers' output [T, H] (before the final norm) of :meth:`hidden_states`' arguments."""
         if input_ids.dim() != 1 or position_ids.shape != input_ids.shape:
             raise ValueError(
                 f"input_ids and position_ids must both be [T]; got {list(input_ids.shape)} and "
@@ -321,7 +327,7 @@ class CausalLM(nn.Module):
                                      stash if i in self.offloaded_layers else None)
             else:
                 x = layer(x, cos, sin, cu_seqlens, inference_params)
-        return self.final_norm(x)
+        return x
 
     def _stash(self, device: torch.device) -> HostStash:
         """The host stash of the offloaded layer inputs, started for a new step."""
@@ -348,12 +354,13 @@ class CausalLM(nn.Module):
             inference_params: the CP layer's cache/plan handle, passed to every ``core_attention``
                 untouched.
             logits_index: [N] int64 rows of T to compute logits for (e.g. each sequence's last
-                token), avoiding the T×V matmul; ``None`` for all rows.
+                token during prefill); only these rows go through the final norm and the LM head,
+                so a prefill chunk of T tokens makes no ``[T, V]`` logits; ``None`` for all rows.
 
         Returns:
             [T, V] logits (``[N, V]`` with ``logits_index``) in the parameter dtype.
         """
-        x = self.hidden_states(input_ids, position_ids, cu_seqlens=cu_seqlens, inference_params=inference_params)
+        x = self._decode(input_ids, position_ids, cu_seqlens, inference_params)
         if logits_index is not None:
             x = x.index_select(0, logits_index)
-        return F.linear(x, self.lm_head_weight)
+        return F.linear(self.final_norm(x), self.lm_head_weight)

@@ -35,7 +35,7 @@ from torch import Tensor
 from megacp.models.ops import group_size, rms_norm, swiglu
 
 INFERENCE_TILE_TOKENS = 8192
-"""Tokens per MLP tile of a longer input under ``torch.inference_mode()`` (no backward: tiling costs
+"""Tokens per MLP tile of a longer input without autograd (generation; no backward: tiling costs
 no compute there, and a 64K-token prefill chunk of Llama-3.1-8B's shape would otherwise hold ~5 GiB
 of gate/up/activation for each layer's MLP)."""
 

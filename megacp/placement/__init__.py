@@ -4,13 +4,14 @@ bookkeeping, identical on every rank; nothing here communicates or runs a kernel
 
 from megacp.placement.layout import SeqLayout
 from megacp.placement.plan import ShardPlan
-from megacp.placement.sharding import local_counts, positions_from_history, seq_lengths, shard_ranges
+from megacp.placement.sharding import held_after, local_counts, positions_from_history, seq_lengths, shard_ranges
 from megacp.placement.tiles import Tile, plan_tiles
 
 __all__ = [
     "SeqLayout",
     "ShardPlan",
     "Tile",
+    "held_after",
     "local_counts",
     "plan_tiles",
     "positions_from_history",

@@ -65,6 +65,18 @@ def shard_ranges(start: int, num_new: int, cp_size: int, rank: int, *, load_bala
     return out
 
 
+def held_after(held: Sequence[int], start: int, steps: Sequence[int], cp_size: int, *,
+               load_balance: bool = True) -> list[int]:
+    """Tokens each CP rank holds of a request after ``steps`` more steps (new-token counts: prefill
+    chunks, 1 per decoded token) from position ``start``, given ``held[j]`` before them."""
+    out = list(held)
+    for t in steps:
+        for j in range(cp_size):
+            out[j] += sum(b - a for a, b in shard_ranges(start, t, cp_size, j, load_balance=load_balance))
+        start += t
+    return out
+
+
 def positions_from_history(history: Sequence[int], cp_size: int, rank: int, *, load_balance: bool = True) -> list[int]:
     """Positions held by ``rank`` after a request's steps.
 

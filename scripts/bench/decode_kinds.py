@@ -1,15 +1,24 @@
 #!/usr/bin/env python3
 """Decode tokens/s of every kind of request through ``LLM.generate``, against greedy and against
-Hugging Face transformers ``generate`` (dynamic cache) on the same random weights, one GPU.
+Hugging Face transformers ``generate`` in its best configuration on the same random weights and
+batch, one GPU.
 
-    python -m scripts.bench.decode_kinds --json out/decode_kinds.json
-    python -m scripts.bench.decode_kinds --tiny          # a CPU smoke run of a tiny shape
+    python -m scripts.bench.decode_kinds --models smollm2 --batches 1,8,32 --json out/decode_kinds_smollm2.json
+    python -m scripts.bench.decode_kinds --models llama8b16 --batches 1,8,32 --json out/decode_kinds_llama8b16.json
+    python -m scripts.bench.decode_kinds --tiny --batches 1,2 --new-tokens 4    # a CPU smoke run of a tiny shape
 
-Kinds (:data:`KINDS`): ``greedy``; ``sampled`` (temperature 0.8, top-p 0.9, seed 1); ``repetition``
-(repetition penalty 1.1, greedy); ``stop`` (greedy with a stop string that never occurs, so its
-check runs after every token). Models: ``smollm2`` (the SmolLM2-135M shape of
-:mod:`scripts.bench.decode_hf`, a 1K prompt) and ``llama8b16`` (the Llama-3.1-8B shape with 16
-layers, a 4K prompt); ``--tiny``: a 2-layer shape with a 32-token prompt on CPU.
+Kinds (:data:`KINDS`): ``greedy``; ``sampled`` (temperature 0.8, top-p 0.9, seed 1); ``top_k``
+(temperature 0.8, top-k 50); ``min_p`` (temperature 0.8, min-p 0.05); ``repetition`` (repetition
+penalty 1.1, greedy); ``presence_frequency`` (presence and frequency penalties 0.5, greedy; HF has
+no such option: its peer applies OpenAI's rule in a ``LogitsProcessor``, :class:`OpenAIPenalties`);
+``stop`` (greedy with a stop string that never occurs, so its check runs after every token);
+``logprobs`` (greedy, the top-5 log-probabilities of every token; HF: ``output_logits`` and the
+same log-softmax and top-k of each step's logits, inside its timing). Models: ``smollm2`` (the
+SmolLM2-135M shape of :mod:`scripts.bench.decode_hf`, a 1K prompt) and ``llama8b16`` (the
+Llama-3.1-8B shape with 16 layers, a 4K prompt); ``--tiny``: a 2-layer shape with a 32-token prompt
+on CPU. HF's configuration (``--hf-cache``): ``compiled`` (default on CUDA: the static cache with
+transformers' compiled decoding forward, its fastest in ``docs/PERFORMANCE.md``), ``static``
+(uncompiled) or ``dynamic`` (default with ``--tiny``).
 
 A random-weight ``LlamaForCausalLM`` (bf16 on CUDA; seeded) is saved with a word-level tokenizer
 of its vocabulary to a temporary directory, which ``LLM`` loads (CUDA-graph decode on CUDA). Each
@@ -49,19 +58,44 @@ STOP = "abcdef abcdef abcdef abcdef abcdef"
 """The stop string of the ``stop`` kind: words of the vocabulary (transformers' criterion needs
 them), token 1 five times in a row, which random weights do not produce."""
 
+PENALTIES = dict(presence_penalty=0.5, frequency_penalty=0.5)
+TOP_LOGPROBS = 5
+
 KINDS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "greedy": ({}, dict(do_sample=False)),
     "sampled": (dict(temperature=0.8, top_p=0.9, seed=1), dict(do_sample=True, temperature=0.8, top_p=0.9, top_k=0)),
+    "top_k": (dict(temperature=0.8, top_k=50, seed=1), dict(do_sample=True, temperature=0.8, top_k=50)),
+    "min_p": (dict(temperature=0.8, min_p=0.05, seed=1), dict(do_sample=True, temperature=0.8, min_p=0.05, top_k=0)),
     "repetition": (dict(repetition_penalty=1.1), dict(do_sample=False, repetition_penalty=1.1)),
+    "presence_frequency": (PENALTIES, dict(do_sample=False)),
     "stop": (dict(stop=[STOP]), dict(do_sample=False, stop_strings=[STOP])),
+    "logprobs": (dict(logprobs=TOP_LOGPROBS), dict(do_sample=False, output_logits=True, return_dict_in_generate=True)),
 }
 """Kind -> (megacp ``SamplingParams`` arguments, HF ``generate`` arguments)."""
+
+HF_CACHES = ("compiled", "static", "dynamic")
+
+
+class OpenAIPenalties:
+    """A transformers ``LogitsProcessor`` of OpenAI's presence and frequency penalties (the HF peer
+    of ``presence_frequency``): ``scores - frequency * count - presence * (count > 0)`` with
+    ``count`` the times each token was generated after the ``prompt_len`` prompt tokens."""
+
+    def __init__(self, prompt_len: int, presence_penalty: float, frequency_penalty: float) -> None:
+        self.prompt_len, self.presence, self.frequency = prompt_len, presence_penalty, frequency_penalty
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        made = input_ids[:, self.prompt_len:]
+        counts = torch.zeros_like(scores).scatter_add_(1, made, torch.ones_like(made, dtype=scores.dtype))
+        return scores - self.frequency * counts - self.presence * (counts > 0).to(scores.dtype)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default=",".join(MODELS), help=f"subset of {', '.join(MODELS)}")
-    p.add_argument("--batches", default="1,8", help="batch sizes")
+    p.add_argument("--batches", default="1,8,32", help="batch sizes")
+    p.add_argument("--hf-cache", choices=HF_CACHES, default=None,
+                   help="transformers' configuration (default: compiled on CUDA, dynamic with --tiny)")
     p.add_argument("--kinds", default=",".join(KINDS), help=f"subset of {', '.join(KINDS)}")
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--no-hf", action="store_true", help="skip transformers' generate")
@@ -81,6 +115,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--batches: {e}")
     if args.new_tokens < 2:
         p.error(f"--new-tokens must be >= 2, got {args.new_tokens}")
+    args.hf_cache = args.hf_cache or ("dynamic" if args.tiny else "compiled")
     if not args.tiny and not torch.cuda.is_available():
         p.error("no CUDA GPU here: this benchmark times CUDA-graph decode; --tiny runs a CPU smoke test")
     return args
@@ -125,12 +160,20 @@ def run_megacp(llm: Any, prompts: list[list[int]], new: int, kind: str) -> tuple
             "decode": report["decode"]}, [o.token_ids for o in outs]
 
 
-def run_hf(hf: Any, tok: Any, prompts: list[list[int]], new: int, kind: str) -> tuple[dict[str, Any], list[list[int]]]:
-    """Decode tokens/s ``(N - 1) / (T_N - T_1)`` of ``generate`` (dynamic cache) at this batch."""
+def run_hf(hf: Any, tok: Any, prompts: list[list[int]], new: int, kind: str,
+           cache: str) -> tuple[dict[str, Any], list[list[int]]]:
+    """Decode tokens/s ``(N - 1) / (T_N - T_1)`` of ``generate`` with ``cache`` (:data:`HF_CACHES`)
+    at this batch."""
+    from transformers import LogitsProcessorList
+
     ids = torch.tensor(prompts, device=hf.device)
     kw: dict[str, Any] = dict(KINDS[kind][1], pad_token_id=0, eos_token_id=None)
+    if cache != "dynamic":
+        kw.update(cache_implementation="static", disable_compile=cache == "static")
     if "stop_strings" in kw:
         kw["tokenizer"] = tok
+    if kind == "presence_frequency":
+        kw["logits_processor"] = LogitsProcessorList([OpenAIPenalties(ids.shape[1], **PENALTIES)])
 
     def timed(n: int) -> tuple[float, torch.Tensor]:
         torch.manual_seed(1)
@@ -138,6 +181,10 @@ def run_hf(hf: Any, tok: Any, prompts: list[list[int]], new: int, kind: str) -> 
         t = time.perf_counter()
         with torch.inference_mode():
             out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n, **kw)
+            if kind == "logprobs":  # what megacp returns: the top tokens' log-probabilities, on the host
+                top = torch.stack(out.logits, 1).float().log_softmax(-1).topk(TOP_LOGPROBS, dim=-1)
+                top.values.tolist(), top.indices.tolist()
+                out = out.sequences
         _sync(hf.device)
         return time.perf_counter() - t, out
 
@@ -158,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
 
     rep = bh.Report(ctx, args.json, {**bh.env_info(ctx), "kind": "decode_kinds", "models": args.model_list,
                                      "batches": args.batch_list, "kinds": args.kind_list,
-                                     "new_tokens": args.new_tokens, "argv": sys.argv})
+                                     "new_tokens": args.new_tokens, "hf_cache": args.hf_cache, "argv": sys.argv})
     rep.note("transformers", transformers.__version__)
     failed = False
     for name in args.model_list:
@@ -180,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
                         ours, tokens = run_megacp(llm, prompts, args.new_tokens, kind)
                         row.update({f"megacp_{k}": v for k, v in ours.items()})
                         if hf is not None:
-                            theirs, hf_tokens = run_hf(hf, tok, prompts, args.new_tokens, kind)
+                            theirs, hf_tokens = run_hf(hf, tok, prompts, args.new_tokens, kind, args.hf_cache)
                             row["hf_tok_s"] = theirs["tok_s"]
                             if kind == "greedy":
                                 ok = [t[0] for t in tokens] == [t[0] for t in hf_tokens]

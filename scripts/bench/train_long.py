@@ -45,11 +45,8 @@ import argparse
 import json
 import math
 import os
-import platform
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
@@ -241,7 +238,7 @@ def child(args: argparse.Namespace) -> int:
     try:
         step, engine, notes = (megacp_step if args.child == "megacp" else alst_step)(args, cfg, state, seq)
     except MemoryPlanError as err:
-        print("RESULT " + json.dumps({**row, "error": "plan", "message": str(err)}), flush=True)
+        bh.print_result({**row, "error": "plan", "message": str(err)})
         return 0
     row["build_s"] = round(time.perf_counter() - t0, 1)
     times, loss = [], math.nan
@@ -258,60 +255,17 @@ def child(args: argparse.Namespace) -> int:
     row.update(step_s=[round(x, 3) for x in times], tokens_per_s=round(seq / sec, 1), loss=loss,
                peak_alloc_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
                peak_reserved_gib=round(torch.cuda.max_memory_reserved() / 2**30, 2) if cuda else None, **notes)
-    print("RESULT " + json.dumps(row), flush=True)
+    bh.print_result(row)
     engine.destroy()
     return 0
 
 
+MODULE = "scripts.bench.train_long"
+
+
 def run_point(argv: list[str], method: str, seq: int) -> dict[str, Any]:
     """Run one child; its ``RESULT`` row (or the failure) with its peak host RSS and wall time."""
-    cmd = [sys.executable, "-m", "scripts.bench.train_long", *argv, "--child", method, "--child-seq", str(seq)]
-    t = time.perf_counter()
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True)
-        _, status, usage = os.wait4(proc.pid, 0)  # this child's own rusage (ru_maxrss: KiB on Linux)
-        proc.returncode = os.waitstatus_to_exitcode(status)
-        out.seek(0)
-        err.seek(0)
-        stdout, stderr = out.read(), err.read()
-    found = [line[len("RESULT "):] for line in stdout.splitlines() if line.startswith("RESULT ")]
-    if found:
-        row = json.loads(found[-1])
-    else:
-        tail = [line for line in stderr.splitlines() if line.strip()]
-        message = tail[-1][:400] if tail else f"exit status {proc.returncode}"
-        kind = ("oom" if "out of memory" in stderr.lower() else
-                "host-oom" if proc.returncode < 0 else "error")  # a signal: most often the kernel's OOM killer
-        row = {"method": method, "seq": seq, "error": kind, "message": message, "exit": proc.returncode}
-    row.update(host_rss_gib=round(usage.ru_maxrss / 2**20, 2), wall_s=round(time.perf_counter() - t, 1))
-    return row
-
-
-def ladder(argv: list[str], method: str, seq_lens: list[int]) -> list[dict[str, Any]]:
-    """``method``'s points up ``seq_lens``, to its first failure (included)."""
-    rows = []
-    for seq in seq_lens:
-        row = run_point(argv, method, seq)
-        print(json.dumps(row), flush=True)
-        rows.append(row)
-        if "error" in row:
-            break
-    return rows
-
-
-def header(argv: list[str], device: str) -> dict[str, Any]:
-    """The command, host, host RAM, GPU and library versions of this run."""
-    info: dict[str, Any] = {"command": " ".join([sys.executable, "-m", "scripts.bench.train_long", *argv]),
-                            "host": platform.node(),
-                            "host_ram_gib": round(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30, 1),
-                            "gpu": torch.cuda.get_device_name() if device == "cuda" else None,
-                            "torch": torch.__version__}
-    for name in ("deepspeed", "transformers"):
-        try:
-            info[name] = __import__(name).__version__
-        except ImportError:
-            info[name] = None
-    return info
+    return bh.run_child(MODULE, [*argv, "--child", method, "--child-seq", str(seq)], {"method": method, "seq": seq})
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -374,13 +328,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.child:
         return child(args)
-    info = header(argv, args.device)
+    info = bh.header(MODULE, argv, args.device)
     print(json.dumps(info), flush=True)
     if args.concurrent:
         with ThreadPoolExecutor(len(args.methods)) as pool:
-            ladders = list(pool.map(lambda m: ladder(argv, m, args.seq_lens), args.methods))
+            ladders = list(pool.map(lambda m: bh.climb(lambda s: run_point(argv, m, s), args.seq_lens), args.methods))
     else:
-        ladders = [ladder(argv, m, args.seq_lens) for m in args.methods]
+        ladders = [bh.climb(lambda s, m=m: run_point(argv, m, s), args.seq_lens) for m in args.methods]
     rows = [row for rows_of_method in ladders for row in rows_of_method]
     ok = {(r["method"], r["seq"]): r for r in rows if "error" not in r}
     longest = {m: max((s for (mm, s) in ok if mm == m), default=0) for m in args.methods}

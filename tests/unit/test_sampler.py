@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megacp.generate.sampling import Sampler, SamplingParams, filter_sorted
+from megacp.generate.sampling import Sampler, SamplingParams, filter_sorted, logprob_dicts
 
 CPU = torch.device("cpu")
 
@@ -176,3 +176,34 @@ def test_text_stream_pieces_join_to_the_cut_text() -> None:
                     break
             assert "".join(pieces) == cut_at_stop(decode(tokenizer, tokens[:t]), stop)[0], (stop, pieces)
             assert all("\ufffd" not in p for p in pieces[:-1]) or "\ufffd" in text, pieces
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "3"])
+def test_logprobs_refused_in_one_line(bad: object) -> None:
+    with pytest.raises(ValueError, match=r"^logprobs must be None or an integer >= 0"):
+        SamplingParams(logprobs=bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="logprobs=9 exceeds the vocabulary of 8 tokens"):
+        Sampler([SamplingParams(logprobs=9)], 8, torch.device("cpu"))
+
+
+def test_logprobs_are_the_raw_log_softmax_of_each_row() -> None:
+    """Greedy with a repetition penalty and sampled rows: the chosen token's and the top tokens'
+    log-probabilities are ``torch.log_softmax`` of the logits given (fp64 reference), not of the
+    penalised or tempered ones; rows that ask for fewer top tokens get fewer; 0 gives the chosen only."""
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(3, 50, generator=g) * 3
+    params = [SamplingParams(logprobs=4, repetition_penalty=2.0), SamplingParams(temperature=0.5, seed=2, logprobs=0),
+              SamplingParams(temperature=1.3, top_k=5, seed=9, logprobs=2)]
+    sampler = Sampler(params, 50, torch.device("cpu"), context=[[int(logits[0].argmax())], [], []])
+    tokens = sampler(logits).tolist()
+    assert sampler.logprobs is not None
+    rows = logprob_dicts(tokens, *(t.tolist() for t in sampler.logprobs), [p.logprobs for p in params])
+    ref = logits.double().log_softmax(-1)
+    assert tokens[0] != int(logits[0].argmax())  # the penalty moved the greedy choice
+    for b, (row, k) in enumerate(zip(rows, (4, 0, 2))):
+        assert row is not None and list(row)[0] == tokens[b]
+        assert set(row) == {tokens[b], *ref[b].topk(k).indices.tolist()}
+        for t, v in row.items():
+            assert abs(v - float(ref[b, t])) < 1e-5
+    assert logprob_dicts([1], [-0.5], [[1, 2]], [[-0.5, -1.0]], [None]) == [None]
+    assert logprob_dicts([2], [-1.0], [[1, 2]], [[-0.5, -1.0]], [2]) == [{2: -1.0, 1: -0.5}]
