@@ -19,7 +19,7 @@ from torch import Tensor
 
 from megacp.generate.graph import GraphDecoder, TokenReader
 from megacp.generate.sampling import Sampler, SamplingParams
-from megacp.kv_cache import CacheCapacityError, ShardedKVCache
+from megacp.kv_cache import CacheCapacityError, ShardedKVCache, kv_cache_format
 from megacp.layers.settings import CPSettings
 from megacp.layers.step import CPStep, HeadShape, begin_step
 
@@ -65,6 +65,8 @@ class Generator:
         num_layers, num_heads, num_kv_heads, head_dim: attention shape on this rank (heads of this
             TP rank): the cache's shape and the ``auto`` prefill rule's inputs.
         prefill_chunk: split prompts into chunks of this many tokens (chunked prefill), 0 = whole.
+        kv_cache_dtype: the KV cache's storage: ``"auto"`` (``dtype``) or ``"fp8_e4m3"``
+            (:mod:`megacp.kv_cache`; the ``auto`` prefill rule then weighs 1-byte keys and values).
         cuda_graphs: decode with :class:`~megacp.generate.graph.GraphDecoder` (a CUDA graph per
             batch and kind of sampling, replayed per token, no host synchronisation per token;
             needs a CUDA device and, under CP, NCCL). Runs whose cache lacks the one spare row per
@@ -74,14 +76,16 @@ class Generator:
 
     def __init__(self, model: torch.nn.Module, *, settings: CPSettings, num_layers: int, num_heads: int,
                  num_kv_heads: int, head_dim: int, device: torch.device, dtype: torch.dtype, prefill_chunk: int = 0,
-                 cuda_graphs: bool = False) -> None:
+                 kv_cache_dtype: str = "auto", cuda_graphs: bool = False) -> None:
         if prefill_chunk < 0:
             raise ValueError(f"prefill_chunk must be >= 0 (0 = whole prompt), got {prefill_chunk}")
+        self.kv_cache_dtype = kv_cache_format(kv_cache_dtype, dtype)
         if cuda_graphs and device.type != "cuda":
             raise ValueError(f"cuda_graphs=True needs a CUDA device; this model runs on {device}")
         self.model, self.settings, self.device, self.dtype = model, settings, device, dtype
         self.shape = dict(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim)
-        self.heads = HeadShape(num_heads, num_kv_heads, torch.empty((), dtype=dtype).element_size())
+        kv_bytes = 1 if self.kv_cache_dtype == "fp8_e4m3" else torch.empty((), dtype=dtype).element_size()
+        self.heads = HeadShape(num_heads, num_kv_heads, kv_bytes)
         self.prefill_chunk = prefill_chunk
         self.cp_size, self.cp_rank = settings.cp_size, settings.cp_rank
         self.cuda_graphs = cuda_graphs
@@ -89,18 +93,19 @@ class Generator:
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, config: Any, settings: CPSettings, *, device: torch.device,
-                  dtype: torch.dtype, tp_size: int = 1, prefill_chunk: int = 0, cuda_graphs: bool = False) -> "Generator":
+                  dtype: torch.dtype, tp_size: int = 1, prefill_chunk: int = 0, kv_cache_dtype: str = "auto",
+                  cuda_graphs: bool = False) -> "Generator":
         """The generator of a swapped megacp model of :class:`~megacp.models.config.ModelConfig`
         ``config`` whose heads are split over ``tp_size`` TP ranks."""
         return cls(model, settings=settings, num_layers=config.num_layers, num_heads=config.num_heads // tp_size,
                    num_kv_heads=config.num_kv_heads // tp_size, head_dim=config.head_dim, device=device, dtype=dtype,
-                   prefill_chunk=prefill_chunk, cuda_graphs=cuda_graphs)
+                   prefill_chunk=prefill_chunk, kv_cache_dtype=kv_cache_dtype, cuda_graphs=cuda_graphs)
 
     def new_cache(self, max_requests: int, capacity: int) -> ShardedKVCache:
         """A KV cache of ``max_requests`` slots holding ``capacity`` tokens each on this rank."""
         return ShardedKVCache(**self.shape, max_requests=max_requests, capacity=capacity, cp_size=self.cp_size,
                               cp_rank=self.cp_rank, dtype=self.dtype, device=self.device,
-                              load_balance=self.settings.load_balance)
+                              load_balance=self.settings.load_balance, kv_cache_dtype=self.kv_cache_dtype)
 
     def batch_cache(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> tuple[ShardedKVCache, list[int]]:
         """A cache just large enough for ``prompts`` and ``max_tokens`` new tokens each, and their slots."""
