@@ -23,6 +23,9 @@ README.md and docs/DESIGN.md.
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -30,6 +33,7 @@ import torch
 from megacp.kv_cache import ShardedKVCache
 from tests.helpers.distributed import run_distributed
 from tests.helpers.hf_models import make_hf_model
+from tests.helpers.paths import ROOT
 
 LOGIT_BOUND = 0.35
 """Largest |FP8 - unquantised| logit allowed on the tiny model (measured: 0.22)."""
@@ -163,3 +167,13 @@ def test_fp8_cache_stays_within_the_bound_and_keeps_clear_greedy_tokens(runs: di
     clear = (top2[:, 0] - top2[:, 1]) > LOGIT_BOUND
     assert int(clear.sum()) >= 3  # the comparison is not vacuous
     assert torch.equal(fp8.argmax(-1)[clear], auto.argmax(-1)[clear])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the FP8 cache's GPU paths (flash varlen decode, CUDA graphs) need a CUDA GPU")
+def test_fp8_cache_graph_decode_on_gpu() -> None:
+    """tests/programs/graph_decode_check.py on an FP8 cache: captured graph decode equals eager decode
+    (tiny Llama and SmolLM2 shape, fp32 and bf16) and the FP8 logits stay near the unquantised cache's."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "tests/programs/graph_decode_check.py", "--kv-cache-dtype", "fp8_e4m3"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0 and "ALL PASS" in proc.stdout, proc.stdout[-6000:] + proc.stderr[-3000:]
