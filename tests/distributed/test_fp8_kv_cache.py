@@ -16,8 +16,9 @@ is fed the unquantised cache's greedy tokens, so the logits of every step compar
   and the greedy token is the same wherever the unquantised top-2 margin exceeds that bound;
 * the static (CUDA-graph) decode step, run eagerly, equals eager FP8 decode (1e-5).
 
-Measured on this model (logits within about ±3.5): largest difference 0.22. The bound is stated in
-README.md and docs/DESIGN.md.
+Measured on this model (largest logit 3.6): largest difference 0.205 at every CP size (the FP8
+results are CP-exact), 25 of the 27 greedy tokens the same, 12 rows with a margin above the bound.
+The bound is stated in README.md and docs/DESIGN.md.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ from tests.helpers.hf_models import make_hf_model
 from tests.helpers.paths import ROOT
 
 LOGIT_BOUND = 0.35
-"""Largest |FP8 - unquantised| logit allowed on the tiny model (measured: 0.22)."""
+"""Largest |FP8 - unquantised| logit allowed on the tiny model, about 10% of its largest logit
+(measured: 0.205)."""
 STRATEGY = {1: "pass_kv", 2: "pass_q", 3: "pass_kv"}
 PROMPTS, TURN2, DECODE1, DECODE2, STATIC = (1, 9, 40), (5, 1, 20), 4, 3, 3
 
