@@ -224,8 +224,8 @@ def _run(args: argparse.Namespace) -> int:
     if cfg is not None:
         check_model_limits(cfg, params, prompt_ids)
     llm = LLM(model_path, dtype=args.dtype, strategy=args.strategy, prefill_chunk=args.prefill_chunk,
-              kv_cache_dtype=args.kv_cache_dtype, calibrate=args.calibrate, cuda_graphs=False if args.no_cuda_graphs else None,
-              allow_non_finite=args.allow_non_finite, state=state,
+              kv_cache_dtype=args.kv_cache_dtype, calibrate=args.calibrate,
+              cuda_graphs=False if args.no_cuda_graphs else None, allow_non_finite=args.allow_non_finite, state=state,
               verbose=not args.quiet)
     try:  # what only the loaded tokenizer can tell, before any prefill
         if prompt_ids is None and llm.tokenizer is None:
@@ -265,7 +265,8 @@ def _report(args: argparse.Namespace, llm: LLM, outputs: list[Any], text: TextSt
     dist.all_gather(mems, mem)
     report = dict(llm.last_report, peak_memory_mb_per_rank=[round(float(m), 1) for m in mems],
                   tp_size=state.size("tp"), device=str(state.device), dtype=str(llm.dtype).replace("torch.", ""),
-                  kv_cache_dtype=llm.kv_cache_dtype, model=llm.model_path, finish_reasons=[o.finish_reason for o in outputs])
+                  kv_cache_dtype=llm.kv_cache_dtype, model=llm.model_path,
+                  finish_reasons=[o.finish_reason for o in outputs])
     if state.rank != 0:
         return
     if text is not None:

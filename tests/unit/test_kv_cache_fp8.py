@@ -11,8 +11,10 @@ import pytest
 import torch
 
 from megacp.generate import Generator
+from megacp.generate.cli import parse_args as generate_args
 from megacp.kv_cache import ShardedKVCache, kv_cache_format
 from megacp.layers.settings import CPSettings
+from megacp.serve.cli import parse_args as serve_args
 
 HKV, D = 2, 8
 
@@ -105,6 +107,8 @@ def test_kv_cache_dtype_names_and_refusals() -> None:
     with pytest.raises(ValueError, match="kv_cache_dtype 'int8'"):
         Generator(torch.nn.Identity(), settings=CPSettings(), num_layers=1, num_heads=2, num_kv_heads=1, head_dim=4,
                   device=torch.device("cpu"), dtype=torch.float32, kv_cache_dtype="int8")
+    for parse in (generate_args, serve_args):
+        assert parse(["--kv-cache-dtype", "fp8"]).kv_cache_dtype == "fp8" and parse([]).kv_cache_dtype == "auto"
     cache = _cache(2)  # under CP the first step's scales need the max over every rank
     slot = cache.allocate()
     plan = cache.plan([slot], [4])
