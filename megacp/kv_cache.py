@@ -12,16 +12,80 @@ A step is planned with :meth:`ShardedKVCache.plan`; the steps of :mod:`megacp.la
 each layer's new keys and values with :meth:`write` (or :meth:`write_rows` on the device) and read
 with :meth:`kv` / :meth:`decode_kv`, and :meth:`commit` advances the bookkeeping once every layer
 has written.
+
+**FP8 storage** (``kv_cache_dtype="fp8_e4m3"``): keys and values are kept as ``torch.float8_e4m3fn``
+with one fp32 scale per (layer, request slot, K or V, KV head), a power of two: a stored value
+``x8`` stands for ``x8 * scale``. A request's scales are fixed at its first step (the step that
+starts from an empty slot), layer by layer, from the largest magnitude of that step's keys
+(values) of each head over **all** CP ranks, with :data:`FP8_HEADROOM` to spare: the smallest power
+of two ``s`` with ``amax * FP8_HEADROOM <= 448 * s``. Later steps (chunks, decode, session turns)
+reuse them; anything beyond ``448 * s`` is clamped to ``±448`` (never inf or NaN). Since every rank
+derives the same scales, a KV block needs no scales on the wire and the FP8 result does not depend
+on the CP size. Writes quantise (``x / s`` rounds once, to nearest, in the cast); reads
+(:meth:`ShardedKVCache.kv`, :meth:`ShardedKVCache.decode_kv`, :meth:`ShardedKVCache.static_rows`)
+dequantise the rows read to the compute dtype, exactly (a power-of-two scale loses nothing).
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import Tensor
 
 from megacp.placement import ShardPlan, held_after, shard_ranges
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+"""The largest finite ``float8_e4m3fn`` value."""
+FP8_HEADROOM = 4.0
+"""A request's first step maps its largest key (value) of each head to between ``448 / 8`` and
+``448 / 4``: later tokens up to 4-8x larger are stored without clamping."""
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+"""``kv_cache_dtype`` names: ``"auto"`` (the compute dtype; also accepted: its name, e.g.
+``"bfloat16"``), ``"fp8_e4m3"`` (``"fp8"`` is its alias, as in vLLM)."""
+
+AmaxReduce = Callable[[Tensor], Tensor]
+"""Elementwise max of a tensor over the CP ranks (every rank calls it with the same shape)."""
+
+
+def kv_cache_format(kv_cache_dtype: str, dtype: torch.dtype) -> str:
+    """The storage format of a cache of compute ``dtype`` asked for as ``kv_cache_dtype``:
+    ``"auto"`` (keys and values in ``dtype``) or ``"fp8_e4m3"``.
+
+    Raises:
+        ValueError: a name that is not one of :data:`KV_CACHE_DTYPES` or ``dtype``'s own name.
+    """
+    own = str(dtype).removeprefix("torch.")
+    if kv_cache_dtype in ("auto", own):
+        return "auto"
+    if kv_cache_dtype in ("fp8", "fp8_e4m3"):
+        return "fp8_e4m3"
+    if kv_cache_dtype in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} differs from the model's dtype {own}: a cache in another "
+                         "unquantised dtype is not implemented; use 'auto' or 'fp8_e4m3'")
+    raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)} "
+                     f"(or the model's dtype, {own})")
+
+
+def fp8_scale(amax: Tensor) -> Tensor:
+    """The power-of-two scale (fp32, same shape) that stores magnitudes up to ``amax`` (fp32, >= 0)
+    with :data:`FP8_HEADROOM` to spare (an all-zero ``amax`` gets a tiny scale; zeros stay zeros)."""
+    return torch.exp2(torch.ceil(torch.log2(amax.float().clamp_min(2.0 ** -100) * FP8_HEADROOM / FP8_MAX)))
+
+
+def quantize_fp8(x: Tensor, scale: Tensor) -> Tensor:
+    """``x / scale`` clamped to ``±448`` as ``float8_e4m3fn`` (``scale``: power-of-two fp32,
+    broadcastable to ``x``; dividing by it is exact, the cast rounds once)."""
+    return (x * scale.reciprocal().to(x.dtype)).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
+
+
+def dequantize_fp8(x: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
+    """``x * scale`` in ``dtype`` (``x``: ``float8_e4m3fn`` or its ``uint8`` view; ``scale``:
+    power-of-two fp32 broadcastable to ``x``; exact in any float dtype of fp8's range)."""
+    if x.dtype == torch.uint8:
+        x = x.view(FP8)
+    return x.to(dtype) * scale.to(dtype)
 
 
 class CacheCapacityError(RuntimeError):
@@ -38,9 +102,14 @@ class ShardedKVCache:
             S/N + 1 per rank with load balancing).
         cp_size, cp_rank: the CP group.
         load_balance: 2N-chunk prefill sharding (default) or contiguous chunks.
+        dtype: the compute dtype (what writes take and reads return).
+        kv_cache_dtype: the storage (:func:`kv_cache_format`): ``"auto"`` (``dtype``) or
+            ``"fp8_e4m3"`` (see the module's docstring).
 
-    Storage: ``k``/``v`` ``[num_layers, max_requests, capacity, num_kv_heads, head_dim]`` and
-    ``positions`` ``[max_requests, capacity]`` (int64, -1 where empty) on ``device``.
+    Storage: ``k``/``v`` ``[num_layers, max_requests, capacity, num_kv_heads, head_dim]`` (``dtype``,
+    or ``float8_e4m3fn``), ``scales`` ``[num_layers, max_requests, 2, num_kv_heads]`` fp32 (K then V;
+    FP8 only, else ``None``) and ``positions`` ``[max_requests, capacity]`` (int64, -1 where empty)
+    on ``device``.
     """
 
     def __init__(
@@ -56,15 +125,21 @@ class ShardedKVCache:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         load_balance: bool = True,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         for name, val in (("num_layers", num_layers), ("max_requests", max_requests), ("capacity", capacity), ("cp_size", cp_size)):
             if val < 1:
                 raise ValueError(f"ShardedKVCache {name} must be >= 1, got {val}")
         self.num_layers, self.capacity, self.max_requests = num_layers, capacity, max_requests
         self.cp_size, self.cp_rank, self.load_balance = cp_size, cp_rank, load_balance
+        self.dtype, self.kv_cache_dtype = dtype, kv_cache_format(kv_cache_dtype, dtype)
+        self.quantized = self.kv_cache_dtype == "fp8_e4m3"
         shape = (num_layers, max_requests, capacity, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        store = FP8 if self.quantized else dtype
+        self.k = torch.zeros(shape, dtype=store, device=device)
+        self.v = torch.zeros(shape, dtype=store, device=device)
+        self.scales = (torch.ones((num_layers, max_requests, 2, num_kv_heads), dtype=torch.float32, device=device)
+                       if self.quantized else None)
         self.positions = torch.full((max_requests, capacity), -1, dtype=torch.long, device=device)
         self._free = list(range(max_requests - 1, -1, -1))
         self._history: dict[int, list[int]] = {}
@@ -147,37 +222,98 @@ class ShardedKVCache:
                     )
         return plan
 
-    def write(self, layer: int, slots: Sequence[int], plan: ShardPlan, k: Tensor, v: Tensor) -> None:
+    def write(self, layer: int, slots: Sequence[int], plan: ShardPlan, k: Tensor, v: Tensor,
+              amax_reduce: AmaxReduce | None = None) -> tuple[Tensor, Tensor]:
         """Store this rank's new keys/values of a planned step for ``layer``.
 
         Args:
-            k, v: ``[plan.num_local(), Hkv, D]`` in ``plan.q_layout(rank)`` order.
+            k, v: ``[plan.num_local(), Hkv, D]`` in ``plan.q_layout(rank)`` order, in :attr:`dtype`.
+            amax_reduce: FP8 only, needed under CP > 1 when a request makes its first step (it fixes
+                the request's scales from the step's largest magnitudes on all ranks: every rank
+                calls it, with ``[requests, 2, Hkv]`` fp32).
+
+        Returns:
+            ``(k, v)`` as stored (``float8_e4m3fn`` in an FP8 cache, else the inputs).
         """
         want = (plan.num_local(), *self.k.shape[3:])
-        if tuple(k.shape) != want or tuple(v.shape) != want or k.dtype != self.k.dtype or v.dtype != self.k.dtype:
+        if tuple(k.shape) != want or tuple(v.shape) != want or k.dtype != self.dtype or v.dtype != self.dtype:
             raise ValueError(
-                f"KV cache write expects k and v of shape {want} and dtype {self.k.dtype}; got "
+                f"KV cache write expects k and v of shape {want} and dtype {self.dtype}; got "
                 f"{tuple(k.shape)} {k.dtype} and {tuple(v.shape)} {v.dtype}"
             )
-        for s, lay in zip(slots, plan.q_layout(self.cp_rank)):
+        lays = plan.q_layout(self.cp_rank)
+        if self.quantized:
+            k, v = self._quantize(layer, slots, plan, k, v, amax_reduce)
+        for s, lay in zip(slots, lays):
             n = lay.num_new
             if n:
                 start = self._held[s][self.cp_rank]
                 self.k[layer, s, start : start + n] = k[lay.offset : lay.offset + n]
                 self.v[layer, s, start : start + n] = v[lay.offset : lay.offset + n]
+        return k, v
+
+    def _quantize(self, layer: int, slots: Sequence[int], plan: ShardPlan, k: Tensor, v: Tensor,
+                  amax_reduce: AmaxReduce | None) -> tuple[Tensor, Tensor]:
+        """``k``, ``v`` of :meth:`write` in FP8, each request's rows with its slot's scales (fixed
+        first for the requests that make their first step)."""
+        assert self.scales is not None  # an FP8 cache
+        lays = plan.q_layout(self.cp_rank)
+        first = [i for i in range(plan.num_requests) if plan.cached[i] == 0]
+        if first:
+            if amax_reduce is None and self.cp_size > 1:
+                raise ValueError("an FP8 KV cache under CP > 1 fixes a request's scales over all CP ranks: "
+                                 "its first step's write needs amax_reduce")
+            amax = torch.zeros((len(first), 2, self.k.shape[3]), dtype=torch.float32, device=k.device)
+            for j, i in enumerate(first):
+                a, b = lays[i].offset, lays[i].offset + lays[i].num_new
+                if b > a:
+                    amax[j, 0] = k[a:b].abs().amax(dim=(0, 2)).float()
+                    amax[j, 1] = v[a:b].abs().amax(dim=(0, 2)).float()
+            if amax_reduce is not None:
+                amax = amax_reduce(amax)
+            self.scales[layer, [slots[i] for i in first]] = fp8_scale(amax)
+        k8, v8 = torch.empty_like(k, dtype=FP8), torch.empty_like(v, dtype=FP8)
+        for s, lay in zip(slots, lays):
+            a, b = lay.offset, lay.offset + lay.num_new
+            if b > a:
+                k8[a:b] = quantize_fp8(k[a:b], self.scales[layer, s, 0, :, None])
+                v8[a:b] = quantize_fp8(v[a:b], self.scales[layer, s, 1, :, None])
+        return k8, v8
+
+    def stored_kv(self, layer: int, slot: int, length: int) -> tuple[Tensor, Tensor]:
+        """Views ``[length, Hkv, D]`` of the first ``length`` tokens this rank holds of ``slot``,
+        as stored (``float8_e4m3fn`` in an FP8 cache)."""
+        return self.k[layer, slot, :length], self.v[layer, slot, :length]
+
+    def step_scales(self, layer: int, slots: Sequence[int]) -> Tensor:
+        """``[len(slots), 2, Hkv]`` fp32: the FP8 scales of ``layer`` for the requests in ``slots``
+        (K then V), the same on every CP rank."""
+        if self.scales is None:
+            raise ValueError("a KV cache that is not FP8 has no scales")
+        return self.scales[layer, list(slots)]
 
     def kv(self, layer: int, slot: int, length: int) -> tuple[Tensor, Tensor]:
-        """Views ``[length, Hkv, D]`` of the first ``length`` tokens this rank holds of ``slot``."""
-        return self.k[layer, slot, :length], self.v[layer, slot, :length]
+        """``[length, Hkv, D]`` in :attr:`dtype`: the first ``length`` tokens this rank holds of
+        ``slot`` (views; dequantised copies in an FP8 cache)."""
+        k, v = self.stored_kv(layer, slot, length)
+        if self.scales is None:
+            return k, v
+        scale = self.scales[layer, slot, :, :, None]  # [2, Hkv, 1]
+        return dequantize_fp8(k, scale[0], self.dtype), dequantize_fp8(v, scale[1], self.dtype)
 
     def decode_kv(self, layer: int, slots: Sequence[int], lengths: Sequence[int]) -> tuple[Tensor, Tensor] | list[tuple[Tensor, Tensor]]:
         """What a decode step attends over for ``layer``: the first ``lengths[i]`` tokens this rank
-        holds of ``slots[i]``. Consecutive slots of equal lengths come as one pair of views
-        ``[B, length, Hkv, D]`` (no copy), others as a list of :meth:`kv` pairs."""
+        holds of ``slots[i]``, in :attr:`dtype`. Consecutive slots of equal lengths come as one pair
+        ``[B, length, Hkv, D]`` (views, no copy; one dequantised copy in an FP8 cache), others as a
+        list of :meth:`kv` pairs."""
         s0 = slots[0]
         if len(set(lengths)) == 1 and list(slots) == list(range(s0, s0 + len(slots))):
             end = s0 + len(slots)
-            return self.k[layer, s0:end, : lengths[0]], self.v[layer, s0:end, : lengths[0]]
+            k, v = self.k[layer, s0:end, : lengths[0]], self.v[layer, s0:end, : lengths[0]]
+            if self.scales is None:
+                return k, v
+            scale = self.scales[layer, s0:end, :, None, :, None]  # [B, 2, 1, Hkv, 1]
+            return dequantize_fp8(k, scale[:, 0], self.dtype), dequantize_fp8(v, scale[:, 1], self.dtype)
         return [self.kv(layer, s, n) for s, n in zip(slots, lengths)]
 
     def commit(self, slots: Sequence[int], plan: ShardPlan) -> None:
@@ -192,18 +328,40 @@ class ShardedKVCache:
 
     # ------------------------------------------------------------------ static decode (device-side)
     def flat_kv(self, layer: int) -> tuple[Tensor, Tensor]:
-        """Views ``[max_requests * capacity, Hkv, D]`` of ``layer``'s keys and values: slot ``s``'s
-        row ``j`` is row ``s * capacity + j`` (a static decode step indexes rows on the device)."""
+        """Views ``[max_requests * capacity, Hkv, D]`` of ``layer``'s keys and values as stored:
+        slot ``s``'s row ``j`` is row ``s * capacity + j`` (a static decode step indexes rows on the
+        device)."""
         k, v = self.k[layer], self.v[layer]
         return k.view(-1, *k.shape[2:]), v.view(-1, *v.shape[2:])
 
-    def write_rows(self, layer: int, rows: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Write ``k``/``v`` ``[B, Hkv, D]`` at device-held ``rows [B]`` (int64) of :meth:`flat_kv`
-        (no host synchronisation: a CUDA graph replays it); returns ``flat_kv(layer)``."""
+    def write_rows(self, layer: int, rows: Tensor, k: Tensor, v: Tensor) -> None:
+        """Write ``k``/``v`` ``[B, Hkv, D]`` (:attr:`dtype`) at device-held ``rows [B]`` (int64) of
+        :meth:`flat_kv`, quantised with each row's slot's scales in an FP8 cache (fixed by the
+        request's first step, a prefill) (no host synchronisation: a CUDA graph replays it)."""
         kf, vf = self.flat_kv(layer)
+        if self.scales is not None:
+            scale = self.scales[layer].index_select(0, torch.div(rows, self.capacity, rounding_mode="floor"))
+            k = quantize_fp8(k, scale[:, 0, :, None]).view(torch.uint8)
+            v = quantize_fp8(v, scale[:, 1, :, None]).view(torch.uint8)
+            kf, vf = kf.view(torch.uint8), vf.view(torch.uint8)  # index_copy_ has no float8 kernel
         kf.index_copy_(0, rows, k)
         vf.index_copy_(0, rows, v)
-        return kf, vf
+
+    def static_rows(self, layer: int, starts: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """What a static decode step attends over for ``layer``, for the requests whose first rows
+        of :meth:`flat_kv` are ``starts [B]`` (int64): ``(k, v, starts)``, where request ``b``'s rows
+        are ``k[starts[b] : starts[b] + capacity]`` in :attr:`dtype`. The flat views themselves, or
+        in an FP8 cache each request's ``capacity`` rows gathered and dequantised (``[B * capacity,
+        Hkv, D]``, ``starts = b * capacity``). No host synchronisation."""
+        kf, vf = self.flat_kv(layer)
+        if self.scales is None:
+            return kf, vf, starts
+        b, c = starts.shape[0], self.capacity
+        rows = (starts.unsqueeze(1) + torch.arange(c, device=starts.device)).flatten()
+        scale = self.scales[layer].index_select(0, torch.div(starts, c, rounding_mode="floor"))[:, :, None, :, None]
+        k, v = (dequantize_fp8(t.view(torch.uint8).index_select(0, rows).view(b, c, *t.shape[1:]), scale[:, i], self.dtype)
+                for i, t in enumerate((kf, vf)))  # scale[:, i]: [B, 1, Hkv, 1]
+        return k.flatten(0, 1), v.flatten(0, 1), torch.arange(b, dtype=starts.dtype, device=starts.device) * c
 
     def decode_state(self, slots: Sequence[int], device: torch.device | str) -> tuple[Tensor, Tensor, Tensor]:
         """Device tensors a static decode step starts from, for the requests in ``slots``:

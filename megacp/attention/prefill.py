@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from megacp.attention.pass_kv import KVBlock, ring_pass_kv
+from megacp.attention.pass_kv import FP8KVBlock, KVBlock, ring_pass_kv
 from megacp.attention.pass_q import ring_pass_q
 from megacp.attention.preconditions import agree, check_inputs, content_digest
 from megacp.attention.strategy import STRATEGIES, Choice, choose_strategy, hardware_for
@@ -66,6 +66,16 @@ def build_kv_block(
     return block
 
 
+def block_owners(plan: ShardPlan) -> Tensor:
+    """``[N, plan.max_kv_block]`` int64 (CPU): the request of each row of each rank's KV block
+    (:meth:`ShardPlan.kv_layout`; padding rows: 0), what :class:`FP8KVBlock` dequantises by."""
+    out = torch.zeros((plan.cp_size, plan.max_kv_block), dtype=torch.long)
+    for j in range(plan.cp_size):
+        for i, lay in enumerate(plan.kv_layout(j)):
+            out[j, lay.offset : lay.offset + lay.length] = i
+    return out
+
+
 def resolve_strategy(strategy: str, plan: ShardPlan, num_heads: int, num_kv_heads: int,
                      elem_bytes: int, device: torch.device, group: dist.ProcessGroup | None = None, *,
                      cache_dir: str | None = None) -> Choice | str:
@@ -92,7 +102,7 @@ def strategy_name(choice: Choice | str) -> str:
 
 def cp_prefill(
     q: Tensor,
-    kv_block: KVBlock,
+    kv_block: KVBlock | FP8KVBlock,
     plan: ShardPlan,
     ring: Ring | None,
     *,
@@ -103,7 +113,8 @@ def cp_prefill(
     """Exact causal attention of this rank's new queries over all ranks' keys.
 
     Args:
-        q: ``[n_local, Hq, D]`` local queries; kv_block: from :func:`build_kv_block`.
+        q: ``[n_local, Hq, D]`` local queries; kv_block: from :func:`build_kv_block`, or an
+            :class:`FP8KVBlock` of its FP8 form (pass-KV passes its bytes; pass-Q dequantises it here).
         strategy: ``"pass_kv"`` or ``"pass_q"`` (resolve ``"auto"`` with :func:`resolve_strategy`).
 
     Returns:
@@ -111,10 +122,14 @@ def cp_prefill(
     """
     if q.shape[0] != plan.num_local():
         raise ValueError(f"q has {q.shape[0]} tokens but the plan gives this rank {plan.num_local()}")
-    fn = {"pass_kv": ring_pass_kv, "pass_q": ring_pass_q}.get(strategy)
-    if fn is None:
+    if strategy == "pass_kv":
+        out, _ = ring_pass_kv(q, kv_block, plan, ring, scale=scale, backend=backend)
+    elif strategy == "pass_q":
+        if isinstance(kv_block, FP8KVBlock):  # the keys stay: dequantise them once
+            kv_block = kv_block.dequantize(kv_block.data, plan.rank, plan.max_kv_block)
+        out, _ = ring_pass_q(q, kv_block, plan, ring, scale=scale, backend=backend)
+    else:
         raise ValueError(f"prefill strategy {strategy!r} must be resolved to pass_kv or pass_q")
-    out, _ = fn(q, kv_block, plan, ring, scale=scale, backend=backend)
     return out.to(q.dtype)
 
 

@@ -37,6 +37,7 @@ from megacp.generate.llm import LLM
 from megacp.generate.outputs import TextStream, chat_ids, stop_string_check
 from megacp.generate.requests import ModelLimits, check_context, check_prompt, check_text
 from megacp.generate.sampling import SamplingParams
+from megacp.kv_cache import KV_CACHE_DTYPES
 from megacp.parallel import initialize, peak_memory_mib
 
 PROG = "megacp.generate"
@@ -82,6 +83,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-stop", action="store_true", help="ignore the model's end-of-sequence tokens")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                    help="default: the config's bf16 / fp16 section, else bfloat16 on GPU and float32 on CPU")
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                   help="KV cache storage: auto (the model's dtype) or fp8_e4m3 (alias fp8; FP8 with per-head scales)")
     p.add_argument("--strategy", choices=STRATEGIES, default=None,
                    help="prefill strategy (default: the config's context_parallel.prefill, else auto)")
     p.add_argument("--prefill-chunk", type=int, default=0,
@@ -223,8 +226,8 @@ def _run(args: argparse.Namespace) -> int:
     if cfg is not None:
         check_model_limits(cfg, params, prompt_ids)
     llm = LLM(model_path, dtype=args.dtype, strategy=args.strategy, prefill_chunk=args.prefill_chunk,
-              calibrate=args.calibrate, cuda_graphs=False if args.no_cuda_graphs else None,
-              allow_non_finite=args.allow_non_finite, state=state,
+              kv_cache_dtype=args.kv_cache_dtype, calibrate=args.calibrate,
+              cuda_graphs=False if args.no_cuda_graphs else None, allow_non_finite=args.allow_non_finite, state=state,
               verbose=not args.quiet)
     try:  # what only the loaded tokenizer can tell, before any prefill
         if prompt_ids is None and llm.tokenizer is None:
@@ -264,7 +267,8 @@ def _report(args: argparse.Namespace, llm: LLM, outputs: list[Any], text: TextSt
     dist.all_gather(mems, mem)
     report = dict(llm.last_report, peak_memory_mb_per_rank=[round(float(m), 1) for m in mems],
                   tp_size=state.size("tp"), device=str(state.device), dtype=str(llm.dtype).replace("torch.", ""),
-                  model=llm.model_path, finish_reasons=[o.finish_reason for o in outputs])
+                  kv_cache_dtype=llm.kv_cache_dtype, model=llm.model_path,
+                  finish_reasons=[o.finish_reason for o in outputs])
     if state.rank != 0:
         return
     if text is not None:

@@ -24,7 +24,7 @@ from megacp.generate.outputs import GenerationOutput, TextStream, chat_ids, comp
 from megacp.generate.requests import check_prompt, encode
 from megacp.generate.sampling import SamplingParams
 from megacp.generate.session import Session
-from megacp.kv_cache import CacheCapacityError, ShardedKVCache
+from megacp.kv_cache import CacheCapacityError, ShardedKVCache, kv_cache_format
 from megacp.layers.settings import CPSettings
 from megacp.models.config import ModelConfig
 
@@ -81,6 +81,10 @@ class LLM:
         strategy: prefill strategy ``auto|pass_kv|pass_q`` (default: the config's).
         prefill_chunk: chunked prefill, tokens per chunk; 0 (default): on CUDA one sized from the
             free GPU memory (:func:`~megacp.generate.loop.auto_prefill_chunk`), on CPU the whole prompt.
+        kv_cache_dtype: the KV cache's storage, as vLLM's option: ``"auto"`` (the model's dtype) or
+            ``"fp8_e4m3"`` (alias ``"fp8"``): keys and values in FP8 with power-of-two scales per
+            layer, request and KV head, fixed at a request's first step (:mod:`megacp.kv_cache`);
+            pass-KV prefill passes the FP8 bytes around the ring.
         calibrate: measure attention FLOP/s and ring bandwidth for ``auto`` (cached per host).
         max_sessions: sessions open at once (their cache is allocated by the first :meth:`session`).
         max_session_tokens: tokens one session may hold (default: the model's context, at most 4096).
@@ -101,7 +105,8 @@ class LLM:
 
     def __init__(self, model: str | Path | torch.nn.Module | None = None, config: Any = None,
                  dtype: str | torch.dtype | None = None, *, strategy: str | None = None, prefill_chunk: int = 0,
-                 calibrate: bool = False, max_sessions: int = 2, max_session_tokens: int | None = None,
+                 kv_cache_dtype: str = "auto", calibrate: bool = False, max_sessions: int = 2,
+                 max_session_tokens: int | None = None,
                  cuda_graphs: bool | None = None, allow_non_finite: bool = False, tokenizer: Any = None,
                  state: ParallelState | None = None, verbose: bool = False) -> None:
         if prefill_chunk < 0:
@@ -136,6 +141,7 @@ class LLM:
         else:
             self.model_path = str(model or default_model_path())
             cfg = read_model_config(self.model_path)
+        self.kv_cache_dtype = kv_cache_format(kv_cache_dtype, self.dtype)
         ctx = cfg.max_position_embeddings if cfg else None
         if max_session_tokens is not None and (max_session_tokens < 2 or (ctx and max_session_tokens > ctx)):
             raise ValueError(f"max_session_tokens must be in [2, {ctx}] (the model's context), got {max_session_tokens}")
@@ -180,7 +186,8 @@ class LLM:
         if cuda_graphs is None:
             cuda_graphs = device.type == "cuda" and not mc.num_experts and not hf and not windowed
         self.generator = Generator.for_model(net, mc, settings, device=device, dtype=self.dtype, tp_size=tp,
-                                             prefill_chunk=prefill_chunk, cuda_graphs=cuda_graphs)
+                                             prefill_chunk=prefill_chunk, kv_cache_dtype=self.kv_cache_dtype,
+                                             cuda_graphs=cuda_graphs)
         self.max_sessions = max_sessions
         self.max_session_tokens = max_session_tokens or min(mc.max_position_embeddings, 4096)
         self._session_cache: ShardedKVCache | None = None

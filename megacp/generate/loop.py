@@ -20,7 +20,7 @@ from torch import Tensor
 from megacp.attention.preconditions import content_digest
 from megacp.generate.graph import GraphDecoder, TokenReader
 from megacp.generate.sampling import Sampler, SamplingParams, logprob_dicts
-from megacp.kv_cache import CacheCapacityError, ShardedKVCache
+from megacp.kv_cache import CacheCapacityError, ShardedKVCache, kv_cache_format
 from megacp.layers.settings import CPSettings
 from megacp.layers.step import CPStep, HeadShape, begin_step
 from megacp.placement import held_after
@@ -99,6 +99,8 @@ class Generator:
         prefill_chunk: split prompts into chunks of this many tokens (chunked prefill); 0 = on
             CUDA the chunk :func:`auto_prefill_chunk` picks from the free device memory when the
             generator is made (the smallest over the CP group), elsewhere the whole prompt.
+        kv_cache_dtype: the KV cache's storage: ``"auto"`` (``dtype``) or ``"fp8_e4m3"``
+            (:mod:`megacp.kv_cache`; the ``auto`` prefill rule then weighs 1-byte keys and values).
         cuda_graphs: decode with :class:`~megacp.generate.graph.GraphDecoder` (a CUDA graph per
             batch and kind of sampling, replayed per token, no host synchronisation per token;
             needs a CUDA device and, under CP, NCCL). Runs whose cache lacks the one spare row per
@@ -108,14 +110,16 @@ class Generator:
 
     def __init__(self, model: torch.nn.Module, *, settings: CPSettings, num_layers: int, num_heads: int,
                  num_kv_heads: int, head_dim: int, device: torch.device, dtype: torch.dtype, prefill_chunk: int = 0,
-                 cuda_graphs: bool = False) -> None:
+                 kv_cache_dtype: str = "auto", cuda_graphs: bool = False) -> None:
         if prefill_chunk < 0:
             raise ValueError(f"prefill_chunk must be >= 0 (0 = automatic), got {prefill_chunk}")
+        self.kv_cache_dtype = kv_cache_format(kv_cache_dtype, dtype)
         if cuda_graphs and device.type != "cuda":
             raise ValueError(f"cuda_graphs=True needs a CUDA device; this model runs on {device}")
         self.model, self.settings, self.device, self.dtype = model, settings, device, dtype
         self.shape = dict(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim)
-        self.heads = HeadShape(num_heads, num_kv_heads, torch.empty((), dtype=dtype).element_size())
+        kv_bytes = 1 if self.kv_cache_dtype == "fp8_e4m3" else torch.empty((), dtype=dtype).element_size()
+        self.heads = HeadShape(num_heads, num_kv_heads, kv_bytes)
         self.cp_size, self.cp_rank = settings.cp_size, settings.cp_rank
         self.prefill_chunk = prefill_chunk or self._auto_chunk()
         self.cuda_graphs = cuda_graphs
@@ -128,7 +132,7 @@ class Generator:
         free = torch.cuda.mem_get_info(self.device)[0]
         free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
         chunk = auto_prefill_chunk(free, num_heads=self.heads.num_heads, num_kv_heads=self.heads.num_kv_heads,
-                                   head_dim=self.shape["head_dim"], elem_bytes=self.heads.elem_bytes,
+                                   head_dim=self.shape["head_dim"], elem_bytes=self.dtype.itemsize,
                                    cp_size=self.cp_size)
         if self.settings.ring is not None and self.cp_size > 1:
             least = torch.tensor([chunk], dtype=torch.long, device=self.device)
@@ -138,18 +142,19 @@ class Generator:
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, config: Any, settings: CPSettings, *, device: torch.device,
-                  dtype: torch.dtype, tp_size: int = 1, prefill_chunk: int = 0, cuda_graphs: bool = False) -> "Generator":
+                  dtype: torch.dtype, tp_size: int = 1, prefill_chunk: int = 0, kv_cache_dtype: str = "auto",
+                  cuda_graphs: bool = False) -> "Generator":
         """The generator of a swapped megacp model of :class:`~megacp.models.config.ModelConfig`
         ``config`` whose heads are split over ``tp_size`` TP ranks."""
         return cls(model, settings=settings, num_layers=config.num_layers, num_heads=config.num_heads // tp_size,
                    num_kv_heads=config.num_kv_heads // tp_size, head_dim=config.head_dim, device=device, dtype=dtype,
-                   prefill_chunk=prefill_chunk, cuda_graphs=cuda_graphs)
+                   prefill_chunk=prefill_chunk, kv_cache_dtype=kv_cache_dtype, cuda_graphs=cuda_graphs)
 
     def new_cache(self, max_requests: int, capacity: int) -> ShardedKVCache:
         """A KV cache of ``max_requests`` slots holding ``capacity`` tokens each on this rank."""
         return ShardedKVCache(**self.shape, max_requests=max_requests, capacity=capacity, cp_size=self.cp_size,
                               cp_rank=self.cp_rank, dtype=self.dtype, device=self.device,
-                              load_balance=self.settings.load_balance)
+                              load_balance=self.settings.load_balance, kv_cache_dtype=self.kv_cache_dtype)
 
     def cache_rows(self, lengths: Sequence[int], max_tokens: int) -> int:
         """Rows per request slot of a cache for prompts of ``lengths`` and ``max_tokens`` new tokens

@@ -31,12 +31,12 @@ import torch
 from torch import Tensor
 
 from megacp.attention.decode import allgather_decode, static_decode
-from megacp.attention.pass_kv import KVBlock
+from megacp.attention.pass_kv import FP8KVBlock, KVBlock
 from megacp.attention.preconditions import agree, check_inputs
-from megacp.attention.prefill import build_kv_block, cp_prefill, resolve_strategy, strategy_name
+from megacp.attention.prefill import block_owners, build_kv_block, cp_prefill, resolve_strategy, strategy_name
 from megacp.attention.strategy import Choice
 from megacp.attention.training import ring_attention
-from megacp.kv_cache import ShardedKVCache
+from megacp.kv_cache import AmaxReduce, ShardedKVCache
 from megacp.layers.settings import CPSettings
 from megacp.placement import ShardPlan
 
@@ -70,6 +70,7 @@ def step_fields(step: "CPStep | None", q: Tensor, k: Tensor, v: Tensor, *, scale
         ("cached tokens held by each rank", plan.prefix_counts if plan else None),
         ("load_balance", plan.load_balance if plan else None),
         ("KV cache", step.cached if step else None),
+        ("KV cache dtype", step.cache_format if step else None),
         ("prefill strategy", step.settings.prefill if step else None),
         ("decode strategy", step.settings.decode if step else None),
         ("attention backend", step.settings.backend if step else None),
@@ -147,6 +148,20 @@ class CPStep(ABC):
     def commit(self) -> None:
         """Advance the KV cache bookkeeping once every layer has run (nothing without a cache)."""
         return None
+
+    @property
+    def cache_format(self) -> str | None:
+        """The storage of the step's KV cache (``"auto"`` or ``"fp8_e4m3"``), ``None`` without one."""
+        cache: ShardedKVCache | None = getattr(self, "cache", None)  # the cached kinds' field
+        return cache.kv_cache_dtype if cache is not None else None
+
+    def amax_over_ranks(self) -> AmaxReduce | None:
+        """The elementwise max over the CP ranks an FP8 cache's first write takes (one all-gather),
+        ``None`` at CP = 1."""
+        ring = self.settings.ring
+        if ring is None or ring.size == 1:
+            return None
+        return lambda t: ring.all_gather(t).amax(0)
 
     # ------------------------------------------------------------------ attention
     def attend(self, layer: AttentionLayer, q: Tensor, k: Tensor, v: Tensor, scale: float | None,
@@ -249,14 +264,22 @@ class CachedStep(PrefillStep):
     cache: ShardedKVCache = field(kw_only=True)
     slots: list[int] = field(kw_only=True)
     cached: ClassVar[bool] = True
+    owners: Tensor | None = field(default=None, init=False, repr=False)
+    """An FP8 cache's :func:`~megacp.attention.prefill.block_owners` of the plan, on the device
+    (made at the first layer)."""
 
     def _attention(self, layer: AttentionLayer, q: Tensor, k: Tensor, v: Tensor, scale: float | None,
                    window: int | None) -> Tensor:
         cache, slots, index, plan = self.cache, self.slots, layer.layer_index, self.plan
-        cache.write(index, slots, plan, k, v)
+        k_stored, v_stored = cache.write(index, slots, plan, k, v, amax_reduce=self.amax_over_ranks())
         prefix = plan.prefix_counts[plan.rank]
-        if len(slots) == 1:  # rows past this rank's tokens (the block's padding) are never read
-            block: KVBlock = cache.kv(index, slots[0], plan.max_kv_block)
+        if cache.quantized:  # the FP8 rows travel; each rank dequantises the block in hand
+            stored = build_kv_block(plan, k_stored, v_stored, lambda i: cache.stored_kv(index, slots[i], prefix[i]))
+            if self.owners is None:
+                self.owners = block_owners(plan).to(k.device)
+            block: KVBlock | FP8KVBlock = FP8KVBlock(stored, cache.step_scales(index, slots), self.owners, k.dtype)
+        elif len(slots) == 1:  # rows past this rank's tokens (the block's padding) are never read
+            block = cache.kv(index, slots[0], plan.max_kv_block)
         else:
             block = build_kv_block(plan, k, v, lambda i: cache.kv(index, slots[i], prefix[i]))
         return cp_prefill(q, block, plan.with_window(window), self.settings.ring, strategy=self.strategy, scale=scale,
@@ -297,7 +320,7 @@ class DecodeStep(CPStep):
                    window: int | None) -> Tensor:
         plan, index = self.plan, layer.layer_index
         owned = plan.local_index().to(k.device)
-        self.cache.write(index, self.slots, plan, k[owned], v[owned])
+        self.cache.write(index, self.slots, plan, k[owned], v[owned], amax_reduce=self.amax_over_ranks())
         lens = [plan.prefix_counts[plan.rank][i] + lay.num_new for i, lay in enumerate(plan.q_layout(plan.rank))]
         kv = self.cache.decode_kv(index, self.slots, lens)
         if plan.with_window(window).window is not None:
@@ -357,9 +380,9 @@ class StaticDecodeStep(CPStep):
 
     def input_error(self, q: Tensor, k: Tensor, v: Tensor) -> str | None:
         b, shape = self.rows.shape[0], tuple(self.cache.k.shape[3:])
-        if q.shape[0] != b or k.dtype != self.cache.k.dtype or tuple(k.shape[1:]) != shape:
+        if q.shape[0] != b or k.dtype != self.cache.dtype or tuple(k.shape[1:]) != shape:
             return (f"a static decode step of {b} requests needs q [{b}, Hq, D] and k/v [{b}, "
-                    f"{', '.join(map(str, shape))}] {self.cache.k.dtype}; got q {tuple(q.shape)}, "
+                    f"{', '.join(map(str, shape))}] {self.cache.dtype}; got q {tuple(q.shape)}, "
                     f"k {tuple(k.shape)} {k.dtype}")
         if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
             return "a static decode step runs without autograd (torch.inference_mode())"
@@ -374,6 +397,7 @@ class StaticDecodeStep(CPStep):
                 raise ValueError(local_error)
             return
         fields = [("static decode batch", int(self.rows.shape[0])), ("KV cache capacity", self.cache.capacity),
+                  ("KV cache dtype", self.cache.kv_cache_dtype),
                   ("softmax_scale", scale), ("q heads and head dim", tuple(q.shape[1:])),
                   ("k heads and head dim", tuple(k.shape[1:])), ("dtypes of q, k, v", (str(q.dtype), str(k.dtype), str(v.dtype)))]
         agree(self.settings.ring, fields, device=q.device, what="CP static decode step", local_error=local_error)
@@ -387,8 +411,9 @@ class StaticDecodeStep(CPStep):
 
     def _attention(self, layer: AttentionLayer, q: Tensor, k: Tensor, v: Tensor, scale: float | None,
                    window: int | None) -> Tensor:
-        kf, vf = self.cache.write_rows(layer.layer_index, self.rows, k, v)
-        return static_decode(q, kf, vf, self.starts, self.used, self.cache.capacity, self.settings.ring, scale=scale)
+        self.cache.write_rows(layer.layer_index, self.rows, k, v)
+        kf, vf, starts = self.cache.static_rows(layer.layer_index, self.starts)
+        return static_decode(q, kf, vf, starts, self.used, self.cache.capacity, self.settings.ring, scale=scale)
 
 
 # ---------------------------------------------------------------------- the planner

@@ -24,6 +24,7 @@ from megacp.checkpoint.dtypes import DTYPES
 from megacp.checkpoint.front import default_model_path
 from megacp.config import OneLineArgumentParser, add_launcher_args, print_error_once
 from megacp.generate.llm import LLM, SESSION_SLACK
+from megacp.kv_cache import KV_CACHE_DTYPES
 
 PROG = "megacp.serve"
 
@@ -42,6 +43,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="tokens per request, prompt + output (default: the model's context, at most 4096)")
     p.add_argument("--no-prefix-reuse", action="store_true", help="prefill every prompt whole")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: as megacp.generate")
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                   help="KV cache storage: auto (the model's dtype) or fp8_e4m3 (alias fp8)")
     p.add_argument("--strategy", choices=STRATEGIES, default=None, help="prefill strategy (default: the config's, else auto)")
     p.add_argument("--prefill-chunk", type=int, default=0, help="chunked prefill: tokens per chunk (0 = whole prompt)")
     p.add_argument("--deepspeed", action="store_true", help="DeepSpeed's own flag, accepted for its launchers")
@@ -94,7 +97,7 @@ def _serve(args: argparse.Namespace) -> int:
     state = initialize(args.deepspeed_config)
     model_path = args.model or default_model_path()
     llm = LLM(model_path, dtype=args.dtype, strategy=args.strategy, prefill_chunk=args.prefill_chunk,
-              cuda_graphs=False, state=state)
+              kv_cache_dtype=args.kv_cache_dtype, cuda_graphs=False, state=state)
     cfg = llm.model_config
     max_len = min(args.max_model_len or min(cfg.max_position_embeddings, 4096), cfg.max_position_embeddings)
     n = llm.generator.cp_size

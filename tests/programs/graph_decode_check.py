@@ -3,6 +3,7 @@ is available).
 
     python tests/programs/graph_decode_check.py                      # one GPU, CP = 1
     torchrun --nproc_per_node 2 tests/programs/graph_decode_check.py # CP = 2 (NCCL collectives in the graph)
+    ... graph_decode_check.py --kv-cache-dtype fp8_e4m3              # every check on an FP8 KV cache
 
 Models (random weights): a tiny Llama (2 layers, 4 Q / 2 KV heads, head dim 16) and the SmolLM2-135M
 shape (``scripts.bench.decode_hf.MODELS["smollm2"]``), each in float32 and bfloat16. Per case:
@@ -23,6 +24,13 @@ shape (``scripts.bench.decode_hf.MODELS["smollm2"]``), each in float32 and bfloa
   repetition / presence / frequency penalties) through both LLMs, and the nucleus request alone on
   the graph LLM: identical tokens (the sampler runs inside the captured step).
 
+With ``--kv-cache-dtype fp8_e4m3`` both LLMs of every case keep an FP8 cache (the static step
+dequantises the rows it gathers; pass-KV prefill at CP = 2 passes the FP8 bytes over NCCL or the
+copy engine), and one more check per case, ``fp8``, feeds the eager FP8 LLM and an eager LLM with
+the unquantised cache the unquantised one's greedy tokens (prefill + 32 steps) and reports the
+largest logit difference relative to the largest logit (PASS at most :data:`FP8_TOL`) and the
+greedy tokens that differ (WARN: near ties).
+
 Every check prints one ``PASS``/``FAIL``/``WARN`` line (bf16 end-to-end token differences after the
 first are ``WARN``: a near-tie under bf16 noise; the ``step`` check judges bf16). Exceptions are
 printed with the case and check. Ends with ``ALL PASS`` or ``FAILED: n``; exit status 0 / 1.
@@ -30,6 +38,7 @@ printed with the case and check. Ends with ``ALL PASS`` or ``FAILED: n``; exit s
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import tempfile
@@ -48,6 +57,9 @@ PROMPT_LENS = (3, 50, 200)
 STEPS = 64
 NEW = 72
 TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
+FP8_TOL = 0.1
+"""Largest |FP8 - unquantised cache| logit over the largest logit (measured on CPU in fp32: 0.057 on
+the tiny random Llama of tests/distributed/test_fp8_kv_cache.py, 0.031 on SmolLM2-135M-Instruct)."""
 
 
 class Checks:
@@ -187,10 +199,31 @@ def check_sampled(graph: Any, eager: Any, dtype: torch.dtype) -> tuple[str, str]
     return worst, f"graph vs eager: {detail}; alone vs in the batch: {d2}"
 
 
+def check_fp8(fp8: Any, auto: Any) -> tuple[str, str]:
+    ps = prompts(fp8.model_config.vocab_size)
+    logits: dict[str, list[torch.Tensor]] = {"fp8": [], "auto": []}
+    with torch.inference_mode():
+        runs = {kv: (llm.generator, *llm.generator.batch_cache(ps, 34)) for kv, llm in (("fp8", fp8), ("auto", auto))}
+        for kv, (gen, cache, slots) in runs.items():
+            logits[kv].append(gen.prefill(cache, slots, ps)[0])
+        for _ in range(32):
+            tok = logits["auto"][-1].argmax(-1)
+            for kv, (gen, cache, slots) in runs.items():
+                logits[kv].append(gen.decode_step(cache, slots, tok))
+    a, b = torch.cat(logits["auto"]), torch.cat(logits["fp8"])
+    rel = float((a - b).abs().max() / a.abs().max())
+    differ = int((a.argmax(-1) != b.argmax(-1)).sum())
+    verdict = "FAIL" if not rel <= FP8_TOL else "WARN" if differ else "PASS"
+    return verdict, f"logits max diff {rel:.3f} of the largest (tol {FP8_TOL:g}), {differ} of {a.shape[0]} greedy tokens differ"
+
+
 def main() -> int:
     import megacp
     from megacp import LLM
 
+    parser = argparse.ArgumentParser(description="CUDA-graph decode against eager decode")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8_e4m3"))
+    kv = parser.parse_args().kv_cache_dtype
     if not torch.cuda.is_available():
         print("SKIP: CUDA graphs need a CUDA GPU", flush=True)
         return 0
@@ -212,10 +245,10 @@ def main() -> int:
         if state.world_size > 1:
             dist.barrier()
         for dtype in (torch.float32, torch.bfloat16):
-            case = f"{name} {str(dtype).replace('torch.', '')} CP={state.size('cp')}"
+            case = f"{name} {str(dtype).replace('torch.', '')} CP={state.size('cp')} KV {kv}"
             try:
-                graph = LLM(str(path), dtype=dtype, cuda_graphs=True, state=state)
-                eager = LLM(str(path), dtype=dtype, cuda_graphs=False, state=state)
+                graph = LLM(str(path), dtype=dtype, cuda_graphs=True, state=state, kv_cache_dtype=kv)
+                eager = LLM(str(path), dtype=dtype, cuda_graphs=False, state=state, kv_cache_dtype=kv)
             except Exception as exc:  # noqa: BLE001
                 checks.say("FAIL", f"{case} load", f"{type(exc).__name__}: {exc}")
                 continue
@@ -225,6 +258,10 @@ def main() -> int:
             checks.run(f"{case} generate", lambda: check_generate(graph, eager, dtype))
             checks.run(f"{case} session", lambda: check_session(graph, eager, dtype))
             checks.run(f"{case} sampled", lambda: check_sampled(graph, eager, dtype))
+            if kv != "auto":
+                plain = LLM(str(path), dtype=dtype, cuda_graphs=False, state=state)
+                checks.run(f"{case} fp8", lambda: check_fp8(eager, plain))
+                del plain
             del graph, eager
             torch.cuda.empty_cache()
     if rank == 0:
