@@ -44,6 +44,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: as megacp.generate")
     p.add_argument("--strategy", choices=STRATEGIES, default=None, help="prefill strategy (default: the config's, else auto)")
     p.add_argument("--prefill-chunk", type=int, default=0, help="chunked prefill: tokens per chunk (0 = whole prompt)")
+    p.add_argument("--no-cuda-graphs", "--enforce-eager", dest="no_cuda_graphs", action="store_true",
+                   help="run the running batch's decode step eagerly instead of replaying CUDA graphs")
     p.add_argument("--deepspeed", action="store_true", help="DeepSpeed's own flag, accepted for its launchers")
     add_launcher_args(p)
     args = p.parse_args(argv)
@@ -94,11 +96,12 @@ def _serve(args: argparse.Namespace) -> int:
     state = initialize(args.deepspeed_config)
     model_path = args.model or default_model_path()
     llm = LLM(model_path, dtype=args.dtype, strategy=args.strategy, prefill_chunk=args.prefill_chunk,
-              cuda_graphs=False, state=state)
+              cuda_graphs=False if args.no_cuda_graphs else None, state=state)
     cfg = llm.model_config
     max_len = min(args.max_model_len or min(cfg.max_position_embeddings, 4096), cfg.max_position_embeddings)
     n = llm.generator.cp_size
-    worker = Worker(llm.generator, args.max_num_seqs, max_len if n == 1 else -(-max_len // n) + SESSION_SLACK)
+    worker = Worker(llm.generator, args.max_num_seqs, max_len if n == 1 else -(-max_len // n) + SESSION_SLACK,
+                    vocab=cfg.vocab_size, static=llm.static_decode, capture=llm.generator.cuda_graphs)
     if state.rank != 0:  # a launcher's SIGTERM reaches every rank: rank 0 drains, then stops the others
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, signal.SIG_IGN)
@@ -113,7 +116,7 @@ def _serve(args: argparse.Namespace) -> int:
     engine = Engine(worker, llm.tokenizer, max_queue=args.max_queue, prefix_reuse=not args.no_prefix_reuse)
     name = args.served_model_name or (args.model and Path(args.model).name) or "megacp"
     app = build_app(engine, cfg, model_name=name, max_model_len=max_len, api_key=args.api_key)
-    print(f"megacp.serve: {name} CP={n} on http://{args.host}:{args.port}", flush=True)
+    print(f"megacp.serve: {name} CP={n} decode={worker.decode_mode} on http://{args.host}:{args.port}", flush=True)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))
     server.capture_signals = lambda: _drain_on_signals(server)  # type: ignore[method-assign]
     server.run()
