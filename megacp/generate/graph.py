@@ -16,6 +16,10 @@ A request that finishes while others go on keeps running in its row (padding: th
 size, the graph is never re-captured); its extra tokens are dropped and its cache rows past the
 tokens the host counts are never read. :meth:`GraphDecoder.finish` brings the cache's host
 bookkeeping up to date with the tokens each request kept.
+
+A :class:`BatchDecoder` runs the same step for a server's running batch, whose requests come and
+go: static rows up to a maximum batch, graphs captured once per padded batch size and kind of
+sampling, rows moved on the device when the membership changes.
 """
 
 from __future__ import annotations
@@ -223,6 +227,8 @@ class BatchDecoder:
         self.fed: dict[int, int] = {}
         """Decode steps each slot's request ran since it joined."""
         self._features: dict[int, Features] = {}
+        self.features: Features = GREEDY
+        """The sampler steps the batch needs: those of any of its requests."""
         self._steps: dict[int, tuple[StaticDecodeStep, Tensor]] = {}
         self._samplers: dict[tuple[int, Features], Sampler] = {}
         self.graphs: dict[tuple[int, Features], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
@@ -235,16 +241,14 @@ class BatchDecoder:
         n = len(self.slots)
         return next(b for b in self.sizes if b >= n) if n else 0
 
-    @property
-    def features(self) -> Features:
-        """The sampler steps the batch needs: those of any of its requests."""
+    def _update_features(self) -> None:
         rows = list(self._features.values())
 
         def on(flag: Callable[[Features], bool]) -> bool:
             return any(flag(f) for f in rows)
 
-        return (on(lambda f: f[0]), (on(lambda f: f[1][0]), on(lambda f: f[1][1]), on(lambda f: f[1][2])),
-                on(lambda f: f[2]), on(lambda f: f[3]))
+        self.features = (on(lambda f: f[0]), (on(lambda f: f[1][0]), on(lambda f: f[1][1]), on(lambda f: f[1][2])),
+                         on(lambda f: f[2]), on(lambda f: f[3]))
 
     def leave(self, slots: Sequence[int]) -> None:
         """Take the requests in ``slots`` out of the batch (their rows are reused at the next
@@ -253,6 +257,7 @@ class BatchDecoder:
             self.cache.advance_decoded(s, self.fed.pop(s))
             del self._features[s], self._rows[s]
         self.slots = [s for s in self.slots if s in self.fed]
+        self._update_features()
 
     def join(self, slots: Sequence[int], new: dict[int, tuple[Tensor, Sampler]]) -> None:
         """Make the batch ``slots`` in this row order: the batch's remaining requests and the
@@ -284,6 +289,7 @@ class BatchDecoder:
                 self.sampler.put_rows(index[k: k + 1], new[s][1], zero)
                 self.fed[s], self._features[s] = 0, new[s][1].features
         self.slots, self._rows = list(slots), {s: i for i, s in enumerate(slots)}
+        self._update_features()
 
     def _fns(self, size: int, features: Features) -> tuple[StaticDecodeStep, Tensor, Sampler]:
         if size not in self._steps:
@@ -301,6 +307,7 @@ class BatchDecoder:
     def capture(self, size: int, features: Features) -> None:
         """Capture the step of ``size`` rows drawing with ``features`` (every CP rank together;
         nothing advances)."""
+        self._fns(size, features)  # the step's own tensors, made on this stream
         state = [self.tokens, self.positions, self.held, *self.sampler.state()]
         self.graphs[size, features] = capture_step(lambda: self._run(size, features), state, self.device,
                                                    self.settings.ring, self.warmup, self._pool)

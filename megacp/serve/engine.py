@@ -73,6 +73,11 @@ class Request:
         self.loop.call_soon_threadsafe(self.events.put_nowait, event)
 
 
+def _deliver(events: list[tuple[Request, Event]]) -> None:
+    for r, ev in events:
+        r.events.put_nowait(ev)
+
+
 @dataclass
 class Slot:
     tokens: list[int] = field(default_factory=list)
@@ -113,6 +118,7 @@ class Engine:
         """The running batch, row by row (as the latest step ran it)."""
         self._reader = TokenReader(len(worker.slots), worker.gen.device)
         self._pending: tuple[int, list[Request]] | None = None  # the latest step's reader buffer and rows
+        self._outbox: list[tuple[Request, Event]] = []  # a step's events, handed to the event loop at once
         self._thread = threading.Thread(target=self._loop, name="megacp-engine", daemon=True)
 
     def start(self) -> None:
@@ -168,7 +174,7 @@ class Engine:
                     if s.request is not None and not s.request.done:
                         s.request.put(Event(None, "", error=f"{type(err).__name__}: {err}"))
                     s.request, s.tokens = None, []
-                self.batch, self._pending = [], None
+                self.batch, self._pending, self._outbox = [], None, []
                 self.worker.run(self.worker.share(Work(truncate=[(i, 0) for i in range(len(self.slots))], batch=[])))
 
     def _admit(self, req: Request, work: Work) -> bool:
@@ -241,6 +247,12 @@ class Engine:
                 if not r.leaves:
                     self._emit(r, tok)
         self._pending = None if current is None else (current, batch)
+        loops: dict[asyncio.AbstractEventLoop, list[tuple[Request, Event]]] = {}
+        for r, ev in self._outbox:
+            loops.setdefault(r.loop, []).append((r, ev))
+        for loop, events in loops.items():
+            loop.call_soon_threadsafe(_deliver, events)
+        self._outbox = []
 
     def _emit(self, r: Request, tok: int) -> None:
         r.tokens.append(tok)
@@ -250,4 +262,4 @@ class Engine:
                 else "length" if len(r.tokens) >= p.max_tokens else None)
         text = r.stream.piece(r.tokens, done is not None) if r.stream is not None else ""
         r.done = done is not None
-        r.put(Event(tok, text, done))
+        self._outbox.append((r, Event(tok, text, done)))

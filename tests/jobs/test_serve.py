@@ -2,7 +2,10 @@
 the official ``openai`` client and raw httpx requests, 16 concurrent streaming clients at CP 1 and
 CP 2 (torchrun, gloo) against offline ``LLM.generate`` (greedy), multi-turn prefix reuse against
 transformers on the joined history, OpenAI-style errors, a disconnect freeing its slot, SIGTERM
-draining. Two servers in all (module-scoped)."""
+draining, the serving bench against a server. Two servers in all (module-scoped); on CPU their
+running batch decodes with the CUDA graphs' static step, run eagerly. Beside them, one process
+drives a :class:`~megacp.serve.worker.Worker` directly: requests joining and leaving the static and
+the eager batch, against ``LLM.generate``."""
 
 from __future__ import annotations
 
@@ -134,6 +137,13 @@ async def _stream(client: httpx.AsyncClient, url: str, prompt: list[int], header
     return tokens
 
 
+def test_the_eager_flag_and_its_vllm_alias() -> None:
+    from megacp.serve.cli import parse_args
+
+    assert not parse_args([]).no_cuda_graphs
+    assert parse_args(["--no-cuda-graphs"]).no_cuda_graphs and parse_args(["--enforce-eager"]).no_cuda_graphs
+
+
 def test_a_changing_batch_decodes_as_offline_generate(servers) -> None:
     """Requests joining and leaving the static batch (rows moved, padded sizes, mixed sampler
     features) and the eager batch get the tokens ``LLM.generate`` gives each."""
@@ -209,6 +219,22 @@ def test_bad_requests_get_openai_errors_and_the_server_goes_on(servers) -> None:
     r = httpx.post(url + "/v1/completions", content=b"{not json", headers=headers, timeout=10)
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
     assert httpx.post(url + "/v1/completions", json=ok, headers=headers, timeout=10).json()["usage"]["completion_tokens"] >= 1
+
+
+def test_the_serving_bench_runs_against_a_server(servers, tmp_path) -> None:
+    """``scripts/bench/serve.py`` (its ``--url`` mode, small phases) measures both phases; the chat
+    turns after the first come from the cache."""
+    from scripts.bench.serve import main
+
+    out = tmp_path / "serve.json"
+    argv = ["--url", servers["urls"][0], "--served-model", "tiny", "--api-key", KEY, "--vocab", "256", "--tiny",
+            "--history", "64", "--turns", "2", "--clients", "3", "--prompt-len", "8", "--max-tokens", "4",
+            "--json", str(out)]
+    assert main(argv) == 0
+    res = json.loads(out.read_text())
+    assert res["streams"]["concurrent"]["tokens"] == 12 and res["streams"]["throughput_ratio"] > 0
+    turns = res["chat"]["turns"]
+    assert turns[0]["cold_cached_tokens"] == 0 and turns[1]["cached_tokens"] == turns[0]["prompt_tokens"] + 4
 
 
 def test_a_disconnect_frees_the_slot_and_sigterm_drains(servers) -> None:
