@@ -195,7 +195,8 @@ class BatchDecoder:
         model: a CP-swapped megacp ``CausalLM``.
         cache: the KV cache; each request slot needs one spare row on every rank (the step writes
             the row after a rank's tokens when another rank owns the token).
-        scratch: a slot of ``cache`` no request uses (padding rows write its rows 1).
+        scratch: a slot of ``cache`` no request uses, after every request slot (padding rows write
+            its row 1).
         settings: the CP settings (ring, kernel backend).
         device: where the buffers live.
         vocab: the logits' vocabulary size V.
@@ -260,7 +261,8 @@ class BatchDecoder:
         self._update_features()
 
     def join(self, slots: Sequence[int], new: dict[int, tuple[Tensor, Sampler]]) -> None:
-        """Make the batch ``slots`` in this row order: the batch's remaining requests and the
+        """Make the batch ``slots`` in this row order (ascending: the flash decode kernel takes the
+        rows' first cache rows as non-decreasing offsets): the batch's remaining requests and the
         newcomers of ``new`` (slot -> its next input token ``[1]`` int64 and its one-row sampler,
         after the draws so far), which start from the cache's bookkeeping of their slot."""
         missing = [s for s in slots if s not in self.fed and s not in new]
