@@ -183,8 +183,12 @@ class LLM:
         if cuda_graphs and windowed:
             raise ValueError("cuda_graphs=True does not support sliding-window attention (the graph's decode step has "
                              "no window); pass cuda_graphs=False")
+        self.static_decode = not (mc.num_experts or hf or windowed)
+        """Whether the model runs the device-resident decode step of the CUDA graphs
+        (:mod:`megacp.generate.graph`; eagerly off CUDA): megacp's own dense models without a
+        sliding window."""
         if cuda_graphs is None:
-            cuda_graphs = device.type == "cuda" and not mc.num_experts and not hf and not windowed
+            cuda_graphs = device.type == "cuda" and self.static_decode
         self.generator = Generator.for_model(net, mc, settings, device=device, dtype=self.dtype, tp_size=tp,
                                              prefill_chunk=prefill_chunk, kv_cache_dtype=self.kv_cache_dtype,
                                              cuda_graphs=cuda_graphs)

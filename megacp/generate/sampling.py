@@ -23,6 +23,9 @@ from typing import Sequence, TypeVar
 import torch
 from torch import Tensor
 
+Features = tuple[bool, tuple[bool, bool, bool], bool, bool]
+"""Which steps a :class:`Sampler`'s draw runs (:attr:`Sampler.features`)."""
+
 GREEDY_BELOW = 1e-5
 """Temperatures below this sample greedily (argmax); 0 is the documented way to ask for it."""
 
@@ -255,6 +258,48 @@ class Sampler:
         """What fixes the computation: batch size, V, and which steps run (a captured graph's key)."""
         return (len(self.keys), self.vocab, self.sampled, self.filters, self.penalised, self.prompt_seen is not None,
                 self.top_logprobs)
+
+    @property
+    def features(self) -> Features:
+        """Which steps a draw runs (:attr:`kind` without the sizes): sampling, the (top-k, top-p,
+        min-p) filters, penalties, the repetition penalty's context tokens."""
+        return self.sampled, self.filters, self.penalised, self.prompt_seen is not None
+
+    @classmethod
+    def buffers(cls, rows: int, vocab: int, device: torch.device) -> Sampler:
+        """``rows`` rows holding the tensors of every step (a static batch's buffers: :meth:`view`
+        picks the steps a draw runs, :meth:`put_rows` fills rows; their values until then are
+        placeholders)."""
+        every = SamplingParams(temperature=1.0, top_k=1, top_p=0.5, min_p=0.5, repetition_penalty=2.0)
+        return cls([every] * rows, vocab, device, context=[[0]] * rows)
+
+    def view(self, rows: int, features: Features) -> Sampler:
+        """The first ``rows`` rows (views of this sampler's tensors) drawing with the steps of
+        ``features`` only (this sampler must hold their tensors: :meth:`buffers`)."""
+        sampled, filters, penalised, repeats = features
+        if ((sampled and self.columns.numel() != self.vocab) or (penalised and self.counts.shape[1] != self.vocab)
+                or (repeats and self.prompt_seen is None)):
+            raise ValueError(f"a sampler of features {self.features} has no tensors for the steps of {features}")
+        out = self._map(lambda t: t[:rows])
+        out.sampled, out.filters, out.penalised = sampled, filters, penalised
+        if not repeats:
+            out.prompt_seen = None
+        return out
+
+    def put_rows(self, rows: Tensor, src: Sampler, src_rows: Tensor) -> None:
+        """Copy rows ``src_rows`` of ``src`` into rows ``rows`` of this sampler (int64 indices
+        ``[n]`` on its device; ``src`` may be this sampler). A tensor ``src`` does not hold (counts
+        without penalties, context tokens without a repetition penalty) is zeroed in those rows."""
+        if src.vocab != self.vocab:
+            raise ValueError(f"a sampler of vocabulary {src.vocab} cannot fill rows of one of {self.vocab}")
+        for name in self._ROWS:
+            dst, val = getattr(self, name), getattr(src, name)
+            if dst is None:
+                continue
+            if val is None or val.shape[1:] != dst.shape[1:]:
+                dst.index_fill_(0, rows, 0)
+            else:
+                dst.index_copy_(0, rows, val.index_select(0, src_rows))
 
     _ROWS = ("greedy", "temperature", "top_k", "top_p_floor", "min_p", "repetition", "presence", "frequency", "keys",
              "steps", "counts", "ones", "prompt_seen")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import signal
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Sequence
@@ -27,6 +28,10 @@ from megacp.generate.llm import LLM, SESSION_SLACK
 from megacp.kv_cache import KV_CACHE_DTYPES
 
 PROG = "megacp.serve"
+
+SWITCH_INTERVAL_S = 5e-4
+"""Python's thread switch interval on rank 0 (default 5 ms): the engine thread, back from waiting
+on the GPU, gets the interpreter from the HTTP thread within this, not a whole decode step later."""
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -47,6 +52,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="KV cache storage: auto (the model's dtype) or fp8_e4m3 (alias fp8)")
     p.add_argument("--strategy", choices=STRATEGIES, default=None, help="prefill strategy (default: the config's, else auto)")
     p.add_argument("--prefill-chunk", type=int, default=0, help="chunked prefill: tokens per chunk (0 = whole prompt)")
+    p.add_argument("--no-cuda-graphs", "--enforce-eager", dest="no_cuda_graphs", action="store_true",
+                   help="run the running batch's decode step eagerly instead of replaying CUDA graphs")
     p.add_argument("--deepspeed", action="store_true", help="DeepSpeed's own flag, accepted for its launchers")
     add_launcher_args(p)
     args = p.parse_args(argv)
@@ -97,11 +104,12 @@ def _serve(args: argparse.Namespace) -> int:
     state = initialize(args.deepspeed_config)
     model_path = args.model or default_model_path()
     llm = LLM(model_path, dtype=args.dtype, strategy=args.strategy, prefill_chunk=args.prefill_chunk,
-              kv_cache_dtype=args.kv_cache_dtype, cuda_graphs=False, state=state)
+              kv_cache_dtype=args.kv_cache_dtype, cuda_graphs=False if args.no_cuda_graphs else None, state=state)
     cfg = llm.model_config
     max_len = min(args.max_model_len or min(cfg.max_position_embeddings, 4096), cfg.max_position_embeddings)
     n = llm.generator.cp_size
-    worker = Worker(llm.generator, args.max_num_seqs, max_len if n == 1 else -(-max_len // n) + SESSION_SLACK)
+    worker = Worker(llm.generator, args.max_num_seqs, max_len if n == 1 else -(-max_len // n) + SESSION_SLACK,
+                    vocab=cfg.vocab_size, static=llm.static_decode, capture=llm.generator.cuda_graphs)
     if state.rank != 0:  # a launcher's SIGTERM reaches every rank: rank 0 drains, then stops the others
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, signal.SIG_IGN)
@@ -114,9 +122,10 @@ def _serve(args: argparse.Namespace) -> int:
     from megacp.serve.engine import Engine
 
     engine = Engine(worker, llm.tokenizer, max_queue=args.max_queue, prefix_reuse=not args.no_prefix_reuse)
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     name = args.served_model_name or (args.model and Path(args.model).name) or "megacp"
     app = build_app(engine, cfg, model_name=name, max_model_len=max_len, api_key=args.api_key)
-    print(f"megacp.serve: {name} CP={n} on http://{args.host}:{args.port}", flush=True)
+    print(f"megacp.serve: {name} CP={n} decode={worker.decode_mode} on http://{args.host}:{args.port}", flush=True)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))
     server.capture_signals = lambda: _drain_on_signals(server)  # type: ignore[method-assign]
     server.run()

@@ -1,7 +1,9 @@
 """The continuous-batching scheduler on rank 0: a bounded queue of requests, slots of the CP-sharded
 KV cache that keep their tokens after a request ends (prefix reuse, LRU eviction), and a step loop:
-newcomers are prefilled (only what their slot does not hold) between decode steps of the running
-batch, finished or disconnected requests leave it."""
+newcomers are prefilled (only what their slot does not hold) and join the running batch, finished
+or disconnected requests leave it, and every step decodes one token of each (a CUDA graph replay on
+CUDA). A step's tokens are read while the next step runs (one step late): a request that finished
+has run one more step, whose token is dropped (its last token's keys and values stay cached)."""
 
 from __future__ import annotations
 
@@ -13,10 +15,11 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from megacp.generate.graph import TokenReader
 from megacp.generate.outputs import TextStream, stop_string_check
-from megacp.generate.sampling import Sampler, SamplingParams
+from megacp.generate.sampling import SamplingParams
 from megacp.kv_cache import CacheCapacityError
-from megacp.serve.worker import Work, Worker
+from megacp.serve.worker import Admit, Work, Worker
 
 HEARTBEAT_S = 30.0
 """An idle rank 0 broadcasts an empty step this often, so the followers' collective never times out."""
@@ -56,13 +59,23 @@ class Request:
     tokens: list[int] = field(default_factory=list)
     cached: int = 0
     cancelled: bool = False
+    done: bool = False
     slot: int = -1
     stream: TextStream | None = None
     stopped: Callable[[list[int]], bool] | None = None
-    sampler: Sampler | None = None  # made at the first logits (the request's draws and penalty counts)
+
+    @property
+    def leaves(self) -> bool:
+        """Whether the request leaves the running batch (finished, or its client went away)."""
+        return self.done or self.cancelled
 
     def put(self, event: Event) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+
+
+def _deliver(events: list[tuple[Request, Event]]) -> None:
+    for r, ev in events:
+        r.events.put_nowait(ev)
 
 
 @dataclass
@@ -99,7 +112,13 @@ class Engine:
         self.waiting: deque[Request] = deque()
         self.draining = False
         self.metrics: dict[str, Any] = dict(requests=0, steps=0, prompt_tokens=0, prefilled_tokens=0,
-                                            cached_tokens=0, generated_tokens=0, prefill_strategies={})
+                                            cached_tokens=0, generated_tokens=0, prefill_strategies={},
+                                            decode=worker.decode_mode)
+        self.batch: list[Request] = []
+        """The running batch, row by row (as the latest step ran it)."""
+        self._reader = TokenReader(len(worker.slots), worker.gen.device)
+        self._pending: tuple[int, list[Request]] | None = None  # the latest step's reader buffer and rows
+        self._outbox: list[tuple[Request, Event]] = []  # a step's events, handed to the event loop at once
         self._thread = threading.Thread(target=self._loop, name="megacp-engine", daemon=True)
 
     def start(self) -> None:
@@ -122,20 +141,16 @@ class Engine:
         self._thread.join()
 
     def status(self) -> dict[str, Any]:
+        """The counters, the running and waiting requests, and the CUDA graphs captured."""
+        graphs = getattr(self.worker.decoder, "graphs", {})
         return dict(self.metrics, running=sum(s.request is not None for s in self.slots),
-                    waiting=len(self.waiting) + self.inbox.qsize())
+                    waiting=len(self.waiting) + self.inbox.qsize(), cuda_graphs=len(graphs))
 
     # ------------------------------------------------------------------ the step loop
-    def _running(self) -> list[Request]:
-        return [s.request for s in self.slots if s.request is not None]
-
     def _loop(self) -> None:
         last = time.monotonic()  # of the latest broadcast
         while True:
-            for s in self.slots:  # a disconnected client's request leaves the batch
-                if s.request is not None and s.request.cancelled:
-                    s.request = None
-            if not self._running() and not self.waiting:
+            if not self.batch and not self.waiting:
                 try:
                     self.waiting.append(self.inbox.get(timeout=IDLE_POLL_S))
                 except queue.Empty:
@@ -156,10 +171,11 @@ class Engine:
                 self._step()
             except Exception as err:  # noqa: BLE001  # a failed step fails its requests, not the server
                 for s in self.slots:
-                    if s.request is not None:
+                    if s.request is not None and not s.request.done:
                         s.request.put(Event(None, "", error=f"{type(err).__name__}: {err}"))
                     s.request, s.tokens = None, []
-                self.worker.run(self.worker.share(Work(truncate=[(i, 0) for i in range(len(self.slots))])))
+                self.batch, self._pending, self._outbox = [], None, []
+                self.worker.run(self.worker.share(Work(truncate=[(i, 0) for i in range(len(self.slots))], batch=[])))
 
     def _admit(self, req: Request, work: Work) -> bool:
         """Give ``req`` an idle slot (the one holding the longest prefix of its prompt, else the
@@ -174,15 +190,16 @@ class Engine:
 
         i = max(idle, key=lambda i: (reuse(i), -self.slots[i].used))
         keep = reuse(i)
-        steps = self.worker.gen.steps(len(req.prompt) - keep, req.params.max_tokens)
+        steps = self.worker.gen.steps(len(req.prompt) - keep, req.params.max_tokens) + [1]  # the last token is fed too
         cache.truncate(i, keep)
         try:
-            cache.check_room(i, steps)
+            cache.check_room(i, steps, spare=1)
         except CacheCapacityError:  # the reused prefix's placement leaves too little room: prefill cold
             keep = 0
             cache.truncate(i, 0)
         work.truncate.append((i, keep))
-        work.prefill.append((i, req.prompt[keep:]))
+        p = req.params
+        work.admit.append(Admit(i, req.prompt[keep:], p, req.prompt if p.repetition_penalty != 1.0 else None))
         slot = self.slots[i]
         slot.tokens, slot.request, slot.used, req.slot, req.cached = req.prompt[:], req, time.monotonic(), i, keep
         m = self.metrics
@@ -193,9 +210,10 @@ class Engine:
         return True
 
     def _step(self) -> None:
+        """Retire the requests that left, admit waiting ones, run the step; emit the admitted
+        requests' first tokens and the previous step's tokens (read while this one runs)."""
         work = Work()
-        decoding = self._running()
-        work.decode = [(r.slot, r.tokens[-1]) for r in decoding]
+        leaving = [r for r in self.batch if r.leaves]
         admitted: list[Request] = []
         while self.waiting:
             req = self.waiting[0]
@@ -205,19 +223,36 @@ class Engine:
             if not self._admit(req, work):
                 break
             admitted.append(self.waiting.popleft())
-        pre, dec, strategies = self.worker.run(self.worker.share(work))
-        for r in decoding:
-            self.slots[r.slot].tokens.append(r.tokens[-1])
-        for s in strategies:
+        batch = sorted([r for r in self.batch if not r.leaves] + admitted, key=lambda r: r.slot)
+        if leaving or admitted:
+            work.batch = [r.slot for r in batch]
+        out = self.worker.run(self.worker.share(work))
+        for r in leaving:  # the slot keeps the tokens whose keys and values were written
+            slot = self.slots[r.slot]
+            slot.tokens = (r.prompt + r.tokens)[: self.worker.cache.length(r.slot)]
+            slot.request, slot.used = None, time.monotonic()
+        self.batch = batch
+        for s in out.strategies:
             self.metrics["prefill_strategies"][s] = self.metrics["prefill_strategies"].get(s, 0) + 1
         self.metrics["steps"] += 1
-        for reqs, logits in ((admitted, pre), (decoding, dec)):
-            for row, r in enumerate(reqs):
-                assert logits is not None
-                row_logits = logits[row: row + 1]
-                if r.sampler is None:
-                    r.sampler = Sampler([r.params], row_logits.shape[-1], row_logits.device, context=[r.prompt])
-                self._emit(r, int(r.sampler(row_logits)[0]))
+        current = None
+        if out.tokens is not None:
+            current = 1 - self._pending[0] if self._pending is not None else 0
+            self._reader.put(current, out.tokens)
+        for r, tok in zip(admitted, out.first):
+            self._emit(r, tok)
+        if self._pending is not None:
+            index, rows = self._pending
+            for r, tok in zip(rows, self._reader.get(index)):
+                if not r.leaves:
+                    self._emit(r, tok)
+        self._pending = None if current is None else (current, batch)
+        loops: dict[asyncio.AbstractEventLoop, list[tuple[Request, Event]]] = {}
+        for r, ev in self._outbox:
+            loops.setdefault(r.loop, []).append((r, ev))
+        for loop, events in loops.items():
+            loop.call_soon_threadsafe(_deliver, events)
+        self._outbox = []
 
     def _emit(self, r: Request, tok: int) -> None:
         r.tokens.append(tok)
@@ -226,7 +261,5 @@ class Engine:
         done = ("stop" if tok in p.stop_token_ids or (r.stopped is not None and r.stopped(r.tokens))
                 else "length" if len(r.tokens) >= p.max_tokens else None)
         text = r.stream.piece(r.tokens, done is not None) if r.stream is not None else ""
-        r.put(Event(tok, text, done))
-        if done is not None:
-            slot = self.slots[r.slot]
-            slot.request, slot.used = None, time.monotonic()
+        r.done = done is not None
+        self._outbox.append((r, Event(tok, text, done)))

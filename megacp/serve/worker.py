@@ -1,37 +1,118 @@
 """One engine step, the same on every CP rank: :class:`Work` is broadcast from rank 0 (on a CPU
-group) and :meth:`Worker.run` executes it over the generator's prefill and decode steps."""
+group) and :meth:`Worker.run` executes it: retire requests that left the running batch, cut slots
+back to a reused prefix, prefill the admitted requests and draw their first tokens, then run one
+decode step of the running batch (a CUDA graph replay on CUDA: :class:`~megacp.generate.graph.BatchDecoder`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence, Union
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from megacp.generate.graph import BatchDecoder
 from megacp.generate.loop import Generator
+from megacp.generate.sampling import Sampler, SamplingParams
 from megacp.kv_cache import ShardedKVCache
 
 
 @dataclass
+class Admit:
+    """A request admitted this step: its slot, the prompt tokens the slot does not hold yet, its
+    settings, and (with a repetition penalty) its whole prompt."""
+
+    slot: int
+    tokens: list[int]
+    params: SamplingParams
+    context: list[int] | None = None
+
+
+@dataclass
 class Work:
-    """A step: cut slots back to a prefix (prefix reuse, eviction), prefill new tokens of admitted
-    requests, feed one token to each decoding slot; ``stop`` ends the followers' loop."""
+    """A step: cut slots back to a prefix (prefix reuse, eviction), prefill the admitted requests,
+    set the running batch to ``batch`` (its slots in row order; ``None``: unchanged, admitted
+    requests always change it) and decode one token of each; ``stop`` ends the followers' loop."""
 
     truncate: list[tuple[int, int]] = field(default_factory=list)
-    prefill: list[tuple[int, list[int]]] = field(default_factory=list)
-    decode: list[tuple[int, int]] = field(default_factory=list)
+    admit: list[Admit] = field(default_factory=list)
+    batch: list[int] | None = None
     stop: bool = False
 
 
-class Worker:
-    """Executes :class:`Work` on this rank's cache (every slot allocated once, for good)."""
+@dataclass
+class StepOutput:
+    """What a step returns: the first token of each admitted request, the running batch's next
+    tokens (a device tensor ``[>= B]`` int64, row ``i`` for ``batch[i]``, written asynchronously
+    on CUDA; ``None`` when the batch is empty) and the prefill steps' strategies."""
 
-    def __init__(self, gen: Generator, num_slots: int, capacity: int) -> None:
+    first: list[int]
+    tokens: Tensor | None
+    strategies: list[str]
+
+
+class EagerBatch:
+    """The running batch decoded by eager steps (:meth:`Generator.decode_step`, which keeps the
+    cache's bookkeeping) with one sampler per request, for models the static step does not run
+    (transformers modules, sliding windows, mixture of experts). Same calls as
+    :class:`~megacp.generate.graph.BatchDecoder`."""
+
+    def __init__(self, gen: Generator, cache: ShardedKVCache) -> None:
+        self.gen, self.cache = gen, cache
+        self.slots: list[int] = []
+        self._next: dict[int, Tensor] = {}
+        self._samplers: dict[int, Sampler] = {}
+
+    def leave(self, slots: Sequence[int]) -> None:
+        for s in slots:
+            del self._next[s], self._samplers[s]
+        self.slots = [s for s in self.slots if s in self._next]
+
+    def join(self, slots: Sequence[int], new: dict[int, tuple[Tensor, Sampler]]) -> None:
+        for s, (token, sampler) in new.items():
+            self._next[s], self._samplers[s] = token.reshape(1), sampler
+        self.slots = list(slots)
+
+    def step(self) -> Tensor:
+        logits = self.gen.decode_step(self.cache, self.slots, torch.cat([self._next[s] for s in self.slots]))
+        for row, s in enumerate(self.slots):
+            self._next[s] = self._samplers[s](logits[row: row + 1])
+        return torch.cat([self._next[s] for s in self.slots])
+
+
+class Worker:
+    """Executes :class:`Work` on this rank's cache (every slot allocated once, for good).
+
+    Args:
+        gen: the generator.
+        num_slots: request slots (the running batch's size at most).
+        capacity: tokens one request may hold on this rank (the cache keeps one row more: the
+            static step writes the row after a rank's tokens).
+        vocab: the logits' vocabulary size.
+        static: decode with :class:`~megacp.generate.graph.BatchDecoder` (megacp's own dense
+            models; an extra scratch slot takes its padding rows), else :class:`EagerBatch`.
+        capture: replay CUDA graphs (with ``static``; the greedy ones are captured here).
+    """
+
+    def __init__(self, gen: Generator, num_slots: int, capacity: int, *, vocab: int, static: bool,
+                 capture: bool) -> None:
         self.gen = gen
-        self.cache: ShardedKVCache = gen.new_cache(num_slots, capacity)
+        self.cache: ShardedKVCache = gen.new_cache(num_slots + (1 if static else 0), capacity + 1)
         self.slots = [self.cache.allocate() for _ in range(num_slots)]
         self.group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+        self.decoder: Union[BatchDecoder, EagerBatch]
+        if static:
+            self.decoder = BatchDecoder(gen.model, self.cache, self.cache.allocate(), gen.settings, gen.device,
+                                        vocab=vocab, max_batch=num_slots, capture=capture)
+            if capture:
+                with torch.inference_mode():
+                    self.decoder.capture_greedy()
+        else:
+            self.decoder = EagerBatch(gen, self.cache)
+        self.decode_mode = "cuda_graph" if static and capture else "static_eager" if static else "eager"
+        """How the running batch decodes: ``cuda_graph``, ``static_eager`` (the graph's step, run
+        eagerly) or ``eager`` (:class:`EagerBatch`)."""
 
     def share(self, work: Work | None) -> Work:
         """Rank 0's ``work`` on every rank."""
@@ -42,19 +123,25 @@ class Worker:
         return box[0]
 
     @torch.inference_mode()
-    def run(self, work: Work) -> tuple[Tensor | None, Tensor | None, list[str]]:
-        """The fp32 logits ``[P, V]`` after each prefilled request and ``[D, V]`` of each decoded
-        one (``None`` when there are none), and the prefill steps' strategies."""
+    def run(self, work: Work) -> StepOutput:
+        """Execute ``work``; the decode step is queued, not waited for."""
+        if work.batch is not None:
+            self.decoder.leave([s for s in self.decoder.slots if s not in work.batch])
         for slot, length in work.truncate:
             self.cache.truncate(slot, length)
-        pre = dec = None
+        new: dict[int, tuple[Tensor, Sampler]] = {}
         strategies: list[str] = []
-        if work.prefill:
-            pre, strategies = self.gen.prefill(self.cache, [s for s, _ in work.prefill], [t for _, t in work.prefill])
-        if work.decode:
-            tokens = torch.tensor([t for _, t in work.decode], dtype=torch.long, device=self.gen.device)
-            dec = self.gen.decode_step(self.cache, [s for s, _ in work.decode], tokens)
-        return pre, dec, strategies
+        if work.admit:
+            logits, strategies = self.gen.prefill(self.cache, [a.slot for a in work.admit],
+                                                  [a.tokens for a in work.admit])
+            for row, a in enumerate(work.admit):
+                sampler = Sampler([a.params], logits.shape[-1], logits.device,
+                                  context=None if a.context is None else [a.context])
+                new[a.slot] = (sampler(logits[row: row + 1]), sampler)
+        first = torch.cat([t for t, _ in new.values()]).tolist() if new else []
+        if work.batch is not None:
+            self.decoder.join(work.batch, new)
+        return StepOutput(first, self.decoder.step() if self.decoder.slots else None, strategies)
 
     def follow(self) -> None:
         """The loop of a rank other than 0: run rank 0's steps until it says stop."""

@@ -2,7 +2,10 @@
 the official ``openai`` client and raw httpx requests, 16 concurrent streaming clients at CP 1 and
 CP 2 (torchrun, gloo) against offline ``LLM.generate`` (greedy), multi-turn prefix reuse against
 transformers on the joined history, OpenAI-style errors, a disconnect freeing its slot, SIGTERM
-draining. Two servers in all (module-scoped)."""
+draining, the serving bench against a server. Two servers in all (module-scoped); on CPU their
+running batch decodes with the CUDA graphs' static step, run eagerly. Beside them, one process
+drives a :class:`~megacp.serve.worker.Worker` directly: requests joining and leaving the static and
+the eager batch, against ``LLM.generate``."""
 
 from __future__ import annotations
 
@@ -31,11 +34,52 @@ def _prompts() -> list[list[int]]:
     return [torch.randint(3, 256, (int(n),), generator=g).tolist() for n in torch.randint(3, 40, (16,), generator=g)]
 
 
-def _offline(rank: int, n: int, path: str, prompts: list[list[int]]) -> list[list[int]]:
+def _drive(worker, prompts: list[list[int]], params: list) -> list[list[int]]:
+    """Run ``prompts`` through ``worker`` as the engine does: newcomers join a running batch
+    (1 to 3 a step, as slots free up), finished requests leave it, every step decodes the batch."""
+    from megacp.serve.worker import Admit, Work
+
+    out: list[list[int]] = [[] for _ in prompts]
+    waiting, batch, free, step = list(range(len(prompts))), {}, list(worker.slots), 0
+    while waiting or batch:
+        work, admitted = Work(), []
+        done = [s for s, i in batch.items() if len(out[i]) >= params[i].max_tokens]
+        for s in done:
+            del batch[s]
+            free.append(s)
+        while waiting and free and len(admitted) < step % 3 + 1:
+            i, s = waiting.pop(0), free.pop(0)
+            work.truncate.append((s, 0))
+            work.admit.append(Admit(s, prompts[i], params[i], prompts[i]))
+            batch[s] = i
+            admitted.append(i)
+        if done or admitted:
+            work.batch = sorted(batch)
+        res = worker.run(work)
+        for i, t in zip(admitted, res.first):
+            out[i].append(t)
+        if res.tokens is not None:
+            for s, t in zip(sorted(batch), res.tokens.tolist()):
+                if len(out[batch[s]]) < params[batch[s]].max_tokens:
+                    out[batch[s]].append(t)
+        step += 1
+    return out
+
+
+def _offline(rank: int, n: int, path: str, prompts: list[list[int]]) -> tuple[list[list[int]], dict[str, bool]]:
+    """``LLM.generate``'s greedy tokens of ``prompts``, and whether a changing batch of requests
+    of mixed sampling settings gets each one's offline tokens from the static and eager batches."""
     from megacp import LLM, SamplingParams
+    from megacp.serve.worker import Worker
 
     llm = LLM(path, dtype="float32")
-    return [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=NEW, ignore_eos=True))]
+    ref = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=NEW, ignore_eos=True))]
+    kinds = [dict(), dict(temperature=0.8, top_k=20), dict(repetition_penalty=1.3), dict(top_p=0.9, presence_penalty=0.5)]
+    few = prompts[:10]
+    params = [SamplingParams(max_tokens=2 + i % 5, seed=i, ignore_eos=True, **kinds[i % 4]) for i in range(len(few))]
+    want = [o.token_ids for o in llm.generate(few, params)]
+    return ref, {mode: _drive(Worker(llm.generator, 4, 64, vocab=llm.model_config.vocab_size, static=mode == "static",
+                                     capture=False), few, params) == want for mode in ("static", "eager")}
 
 
 def _start(cmd: list[str], port: int) -> subprocess.Popen:
@@ -68,12 +112,12 @@ def servers(tmp_path_factory: pytest.TempPathFactory):
                   str(free_port()), "-m", "megacp.serve", "--model", str(d), "--served-model-name", "tiny",
                   "--max-model-len", "256"], ports[1])
     prompts = _prompts()
-    ref = run_distributed(_offline, 1, str(d), prompts)[0]
+    ref, batches = run_distributed(_offline, 1, str(d), prompts)[0]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     try:
         for proc, url in zip((one, two), urls):
             _wait(proc, url)
-        yield dict(urls=urls, procs=(one, two), prompts=prompts, ref=ref, hf=hf, dir=str(d))
+        yield dict(urls=urls, procs=(one, two), prompts=prompts, ref=ref, hf=hf, dir=str(d), batches=batches)
     finally:
         for proc in (one, two):
             if proc.poll() is None:
@@ -91,6 +135,19 @@ async def _stream(client: httpx.AsyncClient, url: str, prompt: list[int], header
     for line in lines[:-1]:
         tokens += json.loads(line[6:])["choices"][0]["token_ids"]
     return tokens
+
+
+def test_the_eager_flag_and_its_vllm_alias() -> None:
+    from megacp.serve.cli import parse_args
+
+    assert not parse_args([]).no_cuda_graphs
+    assert parse_args(["--no-cuda-graphs"]).no_cuda_graphs and parse_args(["--enforce-eager"]).no_cuda_graphs
+
+
+def test_a_changing_batch_decodes_as_offline_generate(servers) -> None:
+    """Requests joining and leaving the static batch (rows moved, padded sizes, mixed sampler
+    features) and the eager batch get the tokens ``LLM.generate`` gives each."""
+    assert servers["batches"] == {"static": True, "eager": True}
 
 
 @pytest.mark.parametrize("cp", [1, 2])
@@ -137,9 +194,9 @@ def test_multi_turn_reuses_the_cached_prefix(servers) -> None:
         r = httpx.post(url + "/v1/completions", json=body, headers=headers, timeout=30).json()
         got = r["choices"][0]["token_ids"]
         assert got == hf_greedy(servers["hf"], [history], NEW)[0]
-        if turn:  # everything but the new turn (and the last reply token, never fed back) came from the cache
+        if turn:  # everything but the new turn came from the cache (the last reply token was fed one step late)
             assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == previous
-        previous = len(history) + NEW - 1
+        previous = len(history) + NEW
         history = history + got + [10 + turn, 11, 12]
 
 
@@ -162,6 +219,22 @@ def test_bad_requests_get_openai_errors_and_the_server_goes_on(servers) -> None:
     r = httpx.post(url + "/v1/completions", content=b"{not json", headers=headers, timeout=10)
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
     assert httpx.post(url + "/v1/completions", json=ok, headers=headers, timeout=10).json()["usage"]["completion_tokens"] >= 1
+
+
+def test_the_serving_bench_runs_against_a_server(servers, tmp_path) -> None:
+    """``scripts/bench/serve.py`` (its ``--url`` mode, small phases) measures both phases; the chat
+    turns after the first come from the cache."""
+    from scripts.bench.serve import main
+
+    out = tmp_path / "serve.json"
+    argv = ["--url", servers["urls"][0], "--served-model", "tiny", "--api-key", KEY, "--vocab", "256", "--tiny",
+            "--history", "64", "--turns", "2", "--clients", "3", "--prompt-len", "8", "--max-tokens", "4",
+            "--json", str(out)]
+    assert main(argv) == 0
+    res = json.loads(out.read_text())
+    assert res["streams"]["concurrent"]["tokens"] == 12 and res["streams"]["throughput_ratio"] > 0
+    turns = res["chat"]["turns"]
+    assert turns[0]["cold_cached_tokens"] == 0 and turns[1]["cached_tokens"] == turns[0]["prompt_tokens"] + 4
 
 
 def test_a_disconnect_frees_the_slot_and_sigterm_drains(servers) -> None:

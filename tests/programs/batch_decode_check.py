@@ -1,0 +1,93 @@
+"""The server's running-batch decode on the GPU: :class:`~megacp.generate.graph.BatchDecoder`
+replaying CUDA graphs against the same step run eagerly and against ``LLM.generate``.
+
+    python tests/programs/batch_decode_check.py                      # one GPU, CP = 1
+    torchrun --nproc_per_node 2 tests/programs/batch_decode_check.py # CP = 2 (NCCL collectives in the graphs)
+
+A tiny random Llama (tests/helpers/hf_models.py), float32 and bfloat16. Twelve requests go through
+a :class:`~megacp.serve.worker.Worker` of 4 slots as the server's engine drives it
+(``tests/jobs/test_serve.py::_drive``: newcomers join the running batch 1 to 3 a step, finished
+requests leave, rows move, padded sizes 1, 2, 4), greedy and then mixed sampling settings (top-k,
+top-p, repetition / presence penalties, seeds: graphs of several sampler features):
+
+* ``graph = static eager``: identical tokens (the same kernels, replayed from graphs).
+* ``graph = generate``: identical tokens to ``LLM.generate`` of the same requests (float32:
+  ``PASS``/``FAIL``; bfloat16: differences are ``WARN``, near-ties under other kernels' rounding).
+* ``eager batch = generate``: the same for the eager batch (:class:`~megacp.serve.worker.EagerBatch`).
+
+Prints one ``PASS``/``FAIL``/``WARN`` line per check (rank 0) and ends with ``ALL PASS`` or
+``FAILED: n``; exit status 0 / 1.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from tests.helpers.hf_models import make_hf_model, save_char_tokenizer  # noqa: E402
+from tests.jobs.test_serve import _drive, _prompts  # noqa: E402
+
+
+def main() -> int:
+    import megacp
+    from megacp import LLM, SamplingParams
+    from megacp.serve.worker import Worker
+
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    if not torch.cuda.is_available():
+        print("no CUDA GPU: nothing to check")
+        return 1
+    state = megacp.initialize(None)
+    rank = state.rank
+    failed = 0
+    with tempfile.TemporaryDirectory() as tmp:
+        box = [tmp]
+        if state.world_size > 1:
+            dist.broadcast_object_list(box, src=0)
+        if rank == 0:
+            make_hf_model("llama3", box[0])
+            save_char_tokenizer(box[0])
+        if state.world_size > 1:
+            dist.barrier()
+        prompts = _prompts()[:12]
+        kinds: list[dict] = [{}, dict(temperature=0.8, top_k=20), dict(repetition_penalty=1.3),
+                             dict(top_p=0.9, presence_penalty=0.5)]
+        for dtype in ("float32", "bfloat16"):
+            llm = LLM(box[0], dtype=dtype, state=state)
+            for name, params in (("greedy", [SamplingParams(max_tokens=2 + i % 7, ignore_eos=True) for i in range(12)]),
+                                 ("mixed", [SamplingParams(max_tokens=2 + i % 7, seed=i, ignore_eos=True, **kinds[i % 4])
+                                            for i in range(12)])):
+                ref = [o.token_ids for o in llm.generate(prompts, params)]
+                got = {}
+                for mode, static, capture in (("graph", True, True), ("static eager", True, False),
+                                              ("eager batch", False, False)):
+                    worker = Worker(llm.generator, 4, 64, vocab=llm.model_config.vocab_size, static=static,
+                                    capture=capture)
+                    got[mode] = _drive(worker, prompts, params)
+                    del worker
+                checks = [("graph = static eager", got["graph"] == got["static eager"], True),
+                          ("graph = generate", got["graph"] == ref, dtype == "float32"),
+                          ("eager batch = generate", got["eager batch"] == ref, dtype == "float32")]
+                for what, ok, strict in checks:
+                    verdict = "PASS" if ok else "FAIL" if strict else "WARN"
+                    failed += verdict == "FAIL"
+                    if rank == 0:
+                        print(f"{verdict} {dtype} {name}: {what}", flush=True)
+            del llm
+    if rank == 0:
+        print("ALL PASS" if not failed else f"FAILED: {failed}", flush=True)
+    if state.world_size > 1:
+        dist.destroy_process_group()
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
