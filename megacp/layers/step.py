@@ -281,7 +281,7 @@ class CachedStep(PrefillStep):
         elif len(slots) == 1:  # rows past this rank's tokens (the block's padding) are never read
             block = cache.kv(index, slots[0], plan.max_kv_block)
         else:
-            block = build_kv_block(plan, k, v, lambda i: cache.kv(index, slots[i], prefix[i]))
+            block = build_kv_block(plan, k_stored, v_stored, lambda i: cache.kv(index, slots[i], prefix[i]))
         return cp_prefill(q, block, plan.with_window(window), self.settings.ring, strategy=self.strategy, scale=scale,
                           backend=self.settings.backend)
 

@@ -1,12 +1,12 @@
 """The server's running-batch decode on the GPU: :class:`~megacp.generate.graph.BatchDecoder`
 replaying CUDA graphs against the same step run eagerly and against ``LLM.generate``.
 
-    python tests/programs/batch_decode_check.py                      # one GPU, CP = 1
-    torchrun --nproc_per_node 2 tests/programs/batch_decode_check.py # CP = 2 (NCCL collectives in the graphs)
+    python -m tests.programs.batch_decode_check                        # one GPU, CP = 1
+    torchrun --nproc_per_node 2 -m tests.programs.batch_decode_check   # CP = 2 (NCCL collectives in the graphs)
 
 A tiny random Llama (tests/helpers/hf_models.py), float32 and bfloat16. Twelve requests go through
 a :class:`~megacp.serve.worker.Worker` of 4 slots as the server's engine drives it
-(``tests/jobs/test_serve.py::_drive``: newcomers join the running batch 1 to 3 a step, finished
+(``tests/helpers/serving.py::drive``: newcomers join the running batch 1 to 3 a step, finished
 requests leave, rows move, padded sizes 1, 2, 4), greedy and then mixed sampling settings (top-k,
 top-p, repetition / presence penalties, seeds: graphs of several sampler features):
 
@@ -24,15 +24,13 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from tests.helpers.hf_models import make_hf_model, save_char_tokenizer  # noqa: E402
-from tests.jobs.test_serve import _drive, _prompts  # noqa: E402
+from tests.helpers.hf_models import make_hf_model, save_char_tokenizer
+from tests.helpers.serving import drive as _drive
+from tests.helpers.serving import prompts as _prompts
 
 
 def main() -> int:
