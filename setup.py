@@ -25,7 +25,7 @@ setup(
         # transformers 5: the tokenizers megacp exports name its TokenizersBackend class (4.57 cannot load them)
         "hf": ["transformers>=5.0", "safetensors", "gguf>=0.10", "accelerate", "sentencepiece"],
         # triton: the fused merges run in Triton's CPU interpreter in the tests (GPUs compile them)
-        "dev": ["pytest", "pytest-timeout", "hypothesis", "ruff", "mypy", "transformers>=5.0", "gguf>=0.10", "accelerate", "sentencepiece",
+        "dev": ["pytest", "pytest-timeout", "pytest-xdist", "hypothesis", "ruff", "mypy", "transformers>=5.0", "gguf>=0.10", "accelerate", "sentencepiece",
                 "triton; platform_system == 'Linux'",
                 "fastapi", "uvicorn", "httpx", "openai"],
     },

@@ -5,6 +5,7 @@ on the same model shape and device.
 
     python -m scripts.bench.long_prompt --model llama8b --layers 32 --lengths 128K,256K,512K,768K --json out/long_prompt.json
     python -m scripts.bench.long_prompt --model llama8b --layers 32 --lengths 1M --methods megacp --json out/long_1m.json
+    python -m scripts.bench.long_prompt --model llama8b --layers 32 --lengths 1M,1536K,1800K --methods megacp --kv-cache-dtype fp8_e4m3
     python -m scripts.bench.long_prompt --tiny --device cpu --lengths 64,128     # a CPU check of the logic
 
 Models (random weights, bf16 on CUDA, fp32 on CPU): the shapes of :mod:`scripts.bench.decode_hf`
@@ -82,12 +83,12 @@ def megacp_point(shape: dict[str, Any], length: int, args: argparse.Namespace, c
     settings = CPSettings.from_state(ctx.state)
     megacp.swap_attention(model, settings)
     gen = Generator.for_model(model, cfg, settings, device=ctx.device, dtype=ctx.dtype, prefill_chunk=args.prefill_chunk,
-                              cuda_graphs=ctx.cuda)
+                              kv_cache_dtype=args.kv_cache_dtype, cuda_graphs=ctx.cuda)
     g = torch.Generator().manual_seed(1)
     params = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True)
     gen.generate([torch.randint(0, cfg.vocab_size, (min(WARMUP_TOKENS, length),), generator=g).tolist()], params)
     prompt = torch.randint(0, cfg.vocab_size, (length,), generator=g).tolist()
-    elem = torch.empty((), dtype=ctx.dtype).element_size()
+    elem = 1 if gen.kv_cache_dtype == "fp8_e4m3" else torch.empty((), dtype=ctx.dtype).element_size()
     if ctx.cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -171,6 +172,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--methods", type=bh.parse_names, default=list(METHODS))
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--prefill-chunk", type=int, default=0, help="megacp's prefill chunk (0: automatic)")
+    p.add_argument("--kv-cache-dtype", choices=("auto", "fp8_e4m3"), default="auto",
+                   help="megacp's KV cache storage (auto: the model's dtype)")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--tiny", action="store_true", help="a small model shape (CPU checks)")
     p.add_argument("--json", default=None)
