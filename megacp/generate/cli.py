@@ -17,7 +17,6 @@ Examples::
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import json
 import os
 import shutil
@@ -28,6 +27,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
+import megacp
 from megacp.attention.strategy import STRATEGIES
 from megacp.checkpoint.dtypes import DTYPES
 from megacp.checkpoint.front import default_model_path, read_model_config
@@ -61,7 +61,7 @@ class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescription
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The command line (bad syntax: one line from rank 0, exit 2)."""
     p = OneLineArgumentParser(prog="python -m megacp.generate", error_prefix=PROG, description=__doc__.split("\n\n")[0], formatter_class=_Formatter)
-    p.add_argument("--version", action="version", version=f"megacp {importlib.metadata.version('megacp')}")
+    p.add_argument("--version", action="version", version=f"megacp {megacp.__version__}")
     p.add_argument("--model", help="HF directory, .gguf file or megacp checkpoint (default: SmolLM2-135M-Instruct GGUF)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", action="append", help=f"prompt text (repeat for a batch; default: {DEFAULT_PROMPT!r}); "

@@ -31,3 +31,15 @@ def test_public_names_resolve_lazily() -> None:
         assert getattr(megacp, name) is not None, name
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         megacp.nope  # noqa: B018
+
+
+def test_version_is_the_distributions() -> None:
+    """``megacp.__version__`` (what ``--version`` prints, also from an uninstalled checkout) is
+    setup.py's version."""
+    import re
+
+    import megacp
+    from tests.helpers.paths import ROOT
+
+    setup = (ROOT / "setup.py").read_text(encoding="utf-8")
+    assert re.search(r'version="([^"]+)"', setup).group(1) == megacp.__version__  # type: ignore[union-attr]
