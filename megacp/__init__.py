@@ -64,7 +64,7 @@ from megacp.integrations import install_transformers_hook  # noqa: E402 - standa
 install_transformers_hook()  # attn_implementation="megacp" once transformers' modeling code loads
 
 
-__version__ = "0.1.0"
+from megacp.version import __version__  # noqa: E402
 
 __all__ = [
     "CPSettings",

@@ -27,7 +27,6 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-import megacp
 from megacp.attention.strategy import STRATEGIES
 from megacp.checkpoint.dtypes import DTYPES
 from megacp.checkpoint.front import default_model_path, read_model_config
@@ -42,6 +41,7 @@ from megacp.parallel import initialize, peak_memory_mib
 
 PROG = "megacp.generate"
 DEFAULT_PROMPT = "Explain context parallelism for long-context LLM inference in two sentences."
+from megacp.version import __version__
 
 
 class UsageError(ValueError):
@@ -61,7 +61,7 @@ class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescription
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The command line (bad syntax: one line from rank 0, exit 2)."""
     p = OneLineArgumentParser(prog="python -m megacp.generate", error_prefix=PROG, description=__doc__.split("\n\n")[0], formatter_class=_Formatter)
-    p.add_argument("--version", action="version", version=f"megacp {megacp.__version__}")
+    p.add_argument("--version", action="version", version=f"megacp {__version__}")
     p.add_argument("--model", help="HF directory, .gguf file or megacp checkpoint (default: SmolLM2-135M-Instruct GGUF)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", action="append", help=f"prompt text (repeat for a batch; default: {DEFAULT_PROMPT!r}); "

@@ -46,10 +46,10 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
-import megacp
 from megacp.config import ConfigError, OneLineArgumentParser, add_launcher_args, load_config, print_error_once
 
 PROG = "megacp.train"
+from megacp.version import __version__
 
 
 class UsageError(ValueError):
@@ -103,7 +103,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         "attn_implementation='megacp' (no conversion; --save writes save_pretrained files)")
     p.add_argument("--deepspeed", action="store_true",
                    help="accepted for DeepSpeed scripts' sake: megacp.train always trains under DeepSpeed")
-    p.add_argument("--version", action="version", version=f"megacp {megacp.__version__}")
+    p.add_argument("--version", action="version", version=f"megacp {__version__}")
     add_launcher_args(p)
     args = p.parse_args(argv)
     if args.deepspeed_config is None:

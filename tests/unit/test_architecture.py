@@ -13,7 +13,7 @@ layers below it, never above (README, "Architecture"):
     kv_cache                 the CP-sharded KV cache
     placement                which CP rank holds which token, layouts, tiles, training batches
     parallel                 process mesh, groups, the CP ring
-    config                   megacp's validated config sections
+    config, version          megacp's validated config sections; its version
 
 Every import counts, also one inside a function (it is a dependency all the same). There must be
 no import cycle between modules, and none between packages of one layer.
@@ -36,7 +36,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("kv_cache",),
     ("placement",),
     ("parallel",),
-    ("config",),
+    ("config", "version"),
 )
 RANK = {name: depth for depth, names in enumerate(LAYERS) for name in names}
 

@@ -34,12 +34,12 @@ def test_public_names_resolve_lazily() -> None:
 
 
 def test_version_is_the_distributions() -> None:
-    """``megacp.__version__`` (what ``--version`` prints, also from an uninstalled checkout) is
+    """``megacp.version.__version__`` (what ``--version`` prints, also from an uninstalled checkout) is
     setup.py's version."""
     import re
 
-    import megacp
+    from megacp.version import __version__
     from tests.helpers.paths import ROOT
 
     setup = (ROOT / "setup.py").read_text(encoding="utf-8")
-    assert re.search(r'version="([^"]+)"', setup).group(1) == megacp.__version__  # type: ignore[union-attr]
+    assert re.search(r'version="([^"]+)"', setup).group(1) == __version__  # type: ignore[union-attr]
