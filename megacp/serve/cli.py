@@ -51,7 +51,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                    help="KV cache storage: auto (the model's dtype) or fp8_e4m3 (alias fp8)")
     p.add_argument("--strategy", choices=STRATEGIES, default=None, help="prefill strategy (default: the config's, else auto)")
-    p.add_argument("--prefill-chunk", type=int, default=0, help="chunked prefill: tokens per chunk (0 = whole prompt)")
+    p.add_argument("--prefill-chunk", type=int, default=0,
+                   help="chunked prefill: tokens per chunk (0 = automatic: sized from the free GPU memory on CUDA, "
+                        "the whole prompt on CPU)")
     p.add_argument("--no-cuda-graphs", "--enforce-eager", dest="no_cuda_graphs", action="store_true",
                    help="run the running batch's decode step eagerly instead of replaying CUDA graphs")
     p.add_argument("--deepspeed", action="store_true", help="DeepSpeed's own flag, accepted for its launchers")
