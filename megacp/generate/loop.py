@@ -170,10 +170,11 @@ class Generator:
         cache = self.new_cache(max(1, len(prompts)), self.cache_rows([len(p) for p in prompts], max_tokens))
         return cache, [cache.allocate() for _ in prompts]
 
-    def steps(self, pending: int, max_tokens: int) -> list[int]:
-        """New-token counts of the steps that prefill ``pending`` tokens (in chunks) and then decode
-        up to ``max_tokens`` tokens (the last one sampled is not fed back)."""
-        chunk = self.prefill_chunk or pending
+    def steps(self, pending: int, max_tokens: int, chunk: int = 0) -> list[int]:
+        """New-token counts of the steps that prefill ``pending`` tokens (in chunks of ``chunk``
+        tokens, at most :attr:`prefill_chunk`; 0: :attr:`prefill_chunk`) and then decode up to
+        ``max_tokens`` tokens (the last one sampled is not fed back)."""
+        chunk = min(c for c in (chunk, self.prefill_chunk, pending) if c > 0) if pending else 1
         return [min(chunk, pending - a) for a in range(0, pending, chunk)] + [1] * (max_tokens - 1)
 
     def _begin(self, cache: ShardedKVCache, slots: Sequence[int], new_tokens: Sequence[int]) -> CPStep:

@@ -3,7 +3,13 @@ KV cache that keep their tokens after a request ends (prefix reuse, LRU eviction
 newcomers are prefilled (only what their slot does not hold) and join the running batch, finished
 or disconnected requests leave it, and every step decodes one token of each (a CUDA graph replay on
 CUDA). A step's tokens are read while the next step runs (one step late): a request that finished
-has run one more step, whose token is dropped (its last token's keys and values stay cached)."""
+has run one more step, whose token is dropped (its last token's keys and values stay cached).
+
+Chunked prefill (as vLLM's and SGLang's ``max_num_batched_tokens``): a request admitted while
+others decode has its prompt split into chunks of at most ``max_batched_tokens`` tokens, and a
+step that decodes the running batch prefills chunks of at most that many tokens in all (oldest
+request first), so each decode step waits for one chunk at most. A request admitted while none
+decodes is prefilled whole in its first step (nobody waits for it)."""
 
 from __future__ import annotations
 
@@ -48,7 +54,7 @@ class Event:
     error: str | None = None
 
 
-@dataclass
+@dataclass(eq=False)
 class Request:
     """One request; its events go to ``events`` on the event loop ``loop``."""
 
@@ -61,6 +67,10 @@ class Request:
     cancelled: bool = False
     done: bool = False
     slot: int = -1
+    prefilled: int = 0
+    """Prompt tokens the slot holds (the reused prefix, then the chunks run)."""
+    chunk: int = 0
+    """Tokens per prefill chunk (0: the generator's own chunk: the whole prompt, or ``--prefill-chunk``)."""
     stream: TextStream | None = None
     stopped: Callable[[list[int]], bool] | None = None
 
@@ -87,12 +97,18 @@ class Slot:
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+    """Length of the longest common prefix of ``a`` and ``b``, found by comparing slices (C loops:
+    the whole of the shorter first, then a bisection), not token by token in Python."""
+    lo, hi = 0, min(len(a), len(b))  # a[:lo] == b[:lo]; the prefix is at most hi
+    if a[:hi] == b[:hi]:
+        return hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 class Engine:
@@ -103,19 +119,31 @@ class Engine:
         tokenizer: for stop strings and streamed text (``None``: token ids only).
         max_queue: requests waiting at most before :class:`QueueFull`.
         prefix_reuse: reuse a finished request's cached tokens for a request that starts alike.
+        max_batched_tokens: prefill tokens a step that decodes the running batch computes at most
+            (chunked prefill; 0: no limit, newcomers are prefilled whole).
     """
 
-    def __init__(self, worker: Worker, tokenizer: Any, *, max_queue: int, prefix_reuse: bool = True) -> None:
+    def __init__(self, worker: Worker, tokenizer: Any, *, max_queue: int, prefix_reuse: bool = True,
+                 max_batched_tokens: int = 0) -> None:
+        if max_batched_tokens < 0:
+            raise ValueError(f"max_batched_tokens must be >= 0 (0 = no limit), got {max_batched_tokens}")
         self.worker, self.tokenizer, self.prefix_reuse = worker, tokenizer, prefix_reuse
+        self.max_batched_tokens = max_batched_tokens
         self.slots = [Slot() for _ in worker.slots]
         self.inbox: queue.Queue[Request] = queue.Queue(maxsize=max_queue)
         self.waiting: deque[Request] = deque()
         self.draining = False
         self.metrics: dict[str, Any] = dict(requests=0, steps=0, prompt_tokens=0, prefilled_tokens=0,
                                             cached_tokens=0, generated_tokens=0, prefill_strategies={},
-                                            decode=worker.decode_mode)
+                                            prefill_chunks=0, chunked_requests=0, max_prefill_beside_decode=0,
+                                            max_num_batched_tokens=max_batched_tokens, decode=worker.decode_mode)
+        """Counters: ``prefill_chunks`` (prompt chunks run; a prompt prefilled whole is one),
+        ``chunked_requests`` (requests whose prompt was split), ``max_prefill_beside_decode`` (the
+        most prefill tokens of a step that also decoded running requests)."""
         self.batch: list[Request] = []
         """The running batch, row by row (as the latest step ran it)."""
+        self.prefilling: list[Request] = []
+        """Requests holding a slot whose prompt is not prefilled yet, oldest first."""
         self._reader = TokenReader(len(worker.slots), worker.gen.device)
         self._pending: tuple[int, list[Request]] | None = None  # the latest step's reader buffer and rows
         self._outbox: list[tuple[Request, Event]] = []  # a step's events, handed to the event loop at once
@@ -144,13 +172,14 @@ class Engine:
         """The counters, the running and waiting requests, and the CUDA graphs captured."""
         graphs = getattr(self.worker.decoder, "graphs", {})
         return dict(self.metrics, running=sum(s.request is not None for s in self.slots),
-                    waiting=len(self.waiting) + self.inbox.qsize(), cuda_graphs=len(graphs))
+                    prefilling=len(self.prefilling), waiting=len(self.waiting) + self.inbox.qsize(),
+                    cuda_graphs=len(graphs))
 
     # ------------------------------------------------------------------ the step loop
     def _loop(self) -> None:
         last = time.monotonic()  # of the latest broadcast
         while True:
-            if not self.batch and not self.waiting:
+            if not self.batch and not self.waiting and not self.prefilling:
                 try:
                     self.waiting.append(self.inbox.get(timeout=IDLE_POLL_S))
                 except queue.Empty:
@@ -174,34 +203,34 @@ class Engine:
                     if s.request is not None and not s.request.done:
                         s.request.put(Event(None, "", error=f"{type(err).__name__}: {err}"))
                     s.request, s.tokens = None, []
-                self.batch, self._pending, self._outbox = [], None, []
+                self.batch, self.prefilling, self._pending, self._outbox = [], [], None, []
                 self.worker.run(self.worker.share(Work(truncate=[(i, 0) for i in range(len(self.slots))], batch=[])))
 
-    def _admit(self, req: Request, work: Work) -> bool:
+    def _admit(self, req: Request, work: Work, decoding: bool) -> bool:
         """Give ``req`` an idle slot (the one holding the longest prefix of its prompt, else the
-        least recently used) and add its prefill to ``work``; ``False`` when none is idle."""
+        least recently used), cut the slot back to that prefix in ``work`` and queue the request's
+        prefill (in chunks of ``max_batched_tokens`` when requests are ``decoding``); ``False``
+        when no slot is idle."""
         idle = [i for i, s in enumerate(self.slots) if s.request is None]
         if not idle:
             return False
-        cache = self.worker.cache
-
-        def reuse(i: int) -> int:
-            return min(common_prefix(self.slots[i].tokens, req.prompt), len(req.prompt) - 1) if self.prefix_reuse else 0
-
-        i = max(idle, key=lambda i: (reuse(i), -self.slots[i].used))
-        keep = reuse(i)
-        steps = self.worker.gen.steps(len(req.prompt) - keep, req.params.max_tokens) + [1]  # the last token is fed too
+        cache, gen = self.worker.cache, self.worker.gen
+        reuse = {i: min(common_prefix(self.slots[i].tokens, req.prompt), len(req.prompt) - 1) if self.prefix_reuse
+                 else 0 for i in idle}
+        i = max(idle, key=lambda i: (reuse[i], -self.slots[i].used))
+        keep = reuse[i]
+        req.chunk = self.max_batched_tokens if decoding else 0
         cache.truncate(i, keep)
-        try:
-            cache.check_room(i, steps, spare=1)
+        try:  # the last token is fed too
+            cache.check_room(i, gen.steps(len(req.prompt) - keep, req.params.max_tokens, req.chunk) + [1], spare=1)
         except CacheCapacityError:  # the reused prefix's placement leaves too little room: prefill cold
             keep = 0
             cache.truncate(i, 0)
         work.truncate.append((i, keep))
-        p = req.params
-        work.admit.append(Admit(i, req.prompt[keep:], p, req.prompt if p.repetition_penalty != 1.0 else None))
         slot = self.slots[i]
-        slot.tokens, slot.request, slot.used, req.slot, req.cached = req.prompt[:], req, time.monotonic(), i, keep
+        slot.tokens, slot.request, slot.used = req.prompt[:], req, time.monotonic()
+        req.slot, req.cached, req.prefilled = i, keep, keep
+        self.prefilling.append(req)
         m = self.metrics
         m["requests"] += 1
         m["prompt_tokens"] += len(req.prompt)
@@ -209,28 +238,57 @@ class Engine:
         m["prefilled_tokens"] += len(req.prompt) - keep
         return True
 
+    def _chunks(self, work: Work, decoding: bool) -> list[Request]:
+        """Add this step's prompt chunks to ``work`` (oldest request first; with requests
+        ``decoding``, at most ``max_batched_tokens`` tokens in all, but always one chunk); return
+        the requests whose prompt they complete."""
+        budget = self.max_batched_tokens if decoding and self.max_batched_tokens else None
+        used, joined = 0, []
+        for r in self.prefilling:
+            left = len(r.prompt) - r.prefilled
+            n = min(r.chunk, left) if r.chunk else left
+            if budget is not None and used and used + n > budget:
+                break
+            p, last = r.params, n == left
+            work.admit.append(Admit(r.slot, r.prompt[r.prefilled: r.prefilled + n], p,
+                                    r.prompt if p.repetition_penalty != 1.0 and last else None, last))
+            used += n
+            self.metrics["prefill_chunks"] += 1
+            if r.prefilled == r.cached and not last:
+                self.metrics["chunked_requests"] += 1
+            r.prefilled += n
+            if last:
+                joined.append(r)
+        if decoding:
+            self.metrics["max_prefill_beside_decode"] = max(self.metrics["max_prefill_beside_decode"], used)
+        self.prefilling = [r for r in self.prefilling if r not in joined]
+        return joined
+
     def _step(self) -> None:
-        """Retire the requests that left, admit waiting ones, run the step; emit the admitted
-        requests' first tokens and the previous step's tokens (read while this one runs)."""
+        """Retire the requests that left, admit waiting ones, run the step (prompt chunks, then one
+        decode step of the running batch); emit the first tokens of the requests whose prompt is
+        complete and the previous step's tokens (read while this one runs)."""
         work = Work()
         leaving = [r for r in self.batch if r.leaves]
-        admitted: list[Request] = []
+        decoding = len(leaving) < len(self.batch)
+        for r in [r for r in self.prefilling if r.cancelled]:  # gone mid-prefill: the slot keeps its chunks
+            self.prefilling.remove(r)
+            self._release(r)
         while self.waiting:
             req = self.waiting[0]
             if req.cancelled:
                 self.waiting.popleft()
                 continue
-            if not self._admit(req, work):
+            if not self._admit(req, work, decoding):
                 break
-            admitted.append(self.waiting.popleft())
+            self.waiting.popleft()
+        admitted = self._chunks(work, decoding)
         batch = sorted([r for r in self.batch if not r.leaves] + admitted, key=lambda r: r.slot)
         if leaving or admitted:
             work.batch = [r.slot for r in batch]
         out = self.worker.run(self.worker.share(work))
-        for r in leaving:  # the slot keeps the tokens whose keys and values were written
-            slot = self.slots[r.slot]
-            slot.tokens = (r.prompt + r.tokens)[: self.worker.cache.length(r.slot)]
-            slot.request, slot.used = None, time.monotonic()
+        for r in leaving:
+            self._release(r)
         self.batch = batch
         for s in out.strategies:
             self.metrics["prefill_strategies"][s] = self.metrics["prefill_strategies"].get(s, 0) + 1
@@ -253,6 +311,12 @@ class Engine:
         for loop, events in loops.items():
             loop.call_soon_threadsafe(_deliver, events)
         self._outbox = []
+
+    def _release(self, r: Request) -> None:
+        """Free ``r``'s slot; it keeps the tokens whose keys and values were written."""
+        slot = self.slots[r.slot]
+        slot.tokens = (r.prompt + r.tokens)[: self.worker.cache.length(r.slot)]
+        slot.request, slot.used = None, time.monotonic()
 
     def _emit(self, r: Request, tok: int) -> None:
         r.tokens.append(tok)

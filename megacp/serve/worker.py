@@ -1,7 +1,8 @@
 """One engine step, the same on every CP rank: :class:`Work` is broadcast from rank 0 (on a CPU
 group) and :meth:`Worker.run` executes it: retire requests that left the running batch, cut slots
-back to a reused prefix, prefill the admitted requests and draw their first tokens, then run one
-decode step of the running batch (a CUDA graph replay on CUDA: :class:`~megacp.generate.graph.BatchDecoder`)."""
+back to a reused prefix, prefill the step's prompt chunks (one forward for all of them) and draw
+the first token of each request whose prompt is then complete, then run one decode step of the
+running batch (a CUDA graph replay on CUDA: :class:`~megacp.generate.graph.BatchDecoder`)."""
 
 from __future__ import annotations
 
@@ -20,20 +21,24 @@ from megacp.kv_cache import ShardedKVCache
 
 @dataclass
 class Admit:
-    """A request admitted this step: its slot, the prompt tokens the slot does not hold yet, its
-    settings, and (with a repetition penalty) its whole prompt."""
+    """A chunk of a request's prompt prefilled this step: its slot, the chunk's tokens (the slot
+    holds the prompt's tokens before them), the request's settings, (with a repetition penalty)
+    its whole prompt, and whether the chunk ends the prompt (``last``: the request then draws its
+    first token and joins the running batch, whose ``Work.batch`` lists it)."""
 
     slot: int
     tokens: list[int]
     params: SamplingParams
     context: list[int] | None = None
+    last: bool = True
 
 
 @dataclass
 class Work:
-    """A step: cut slots back to a prefix (prefix reuse, eviction), prefill the admitted requests,
-    set the running batch to ``batch`` (its slots in row order; ``None``: unchanged, admitted
-    requests always change it) and decode one token of each; ``stop`` ends the followers' loop."""
+    """A step: cut slots back to a prefix (prefix reuse, eviction), prefill the prompt chunks of
+    ``admit``, set the running batch to ``batch`` (its slots in row order; ``None``: unchanged; a
+    request whose last chunk ran always changes it) and decode one token of each; ``stop`` ends
+    the followers' loop."""
 
     truncate: list[tuple[int, int]] = field(default_factory=list)
     admit: list[Admit] = field(default_factory=list)
@@ -43,9 +48,10 @@ class Work:
 
 @dataclass
 class StepOutput:
-    """What a step returns: the first token of each admitted request, the running batch's next
-    tokens (a device tensor ``[>= B]`` int64, row ``i`` for ``batch[i]``, written asynchronously
-    on CUDA; ``None`` when the batch is empty) and the prefill steps' strategies."""
+    """What a step returns: the first token of each request whose last chunk ran (in ``admit``
+    order), the running batch's next tokens (a device tensor ``[>= B]`` int64, row ``i`` for
+    ``batch[i]``, written asynchronously on CUDA; ``None`` when the batch is empty) and the
+    prefill steps' strategies."""
 
     first: list[int]
     tokens: Tensor | None
@@ -135,6 +141,8 @@ class Worker:
             logits, strategies = self.gen.prefill(self.cache, [a.slot for a in work.admit],
                                                   [a.tokens for a in work.admit])
             for row, a in enumerate(work.admit):
+                if not a.last:  # the prompt goes on in a later step: no token yet
+                    continue
                 sampler = Sampler([a.params], logits.shape[-1], logits.device,
                                   context=None if a.context is None else [a.context])
                 new[a.slot] = (sampler(logits[row: row + 1]), sampler)

@@ -28,6 +28,8 @@ from tests.helpers.serving import prompts as _prompts
 
 NEW = 6
 KEY = "sk-test"
+BUDGET = 16
+"""The servers' ``--max-num-batched-tokens``: prompts arriving while others decode are chunked."""
 
 
 def _offline(rank: int, n: int, path: str, prompts: list[list[int]]) -> tuple[list[list[int]], dict[str, bool]]:
@@ -71,10 +73,11 @@ def servers(tmp_path_factory: pytest.TempPathFactory):
     save_char_tokenizer(d)
     ports = free_port(), free_port()
     one = _start([sys.executable, "-m", "megacp.serve", "--model", str(d), "--api-key", KEY,
-                  "--served-model-name", "tiny", "--max-num-seqs", "16", "--max-model-len", "256"], ports[0])
+                  "--served-model-name", "tiny", "--max-num-seqs", "16", "--max-model-len", "256",
+                  "--max-num-batched-tokens", str(BUDGET)], ports[0])
     two = _start([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                   str(free_port()), "-m", "megacp.serve", "--model", str(d), "--served-model-name", "tiny",
-                  "--max-model-len", "256"], ports[1])
+                  "--max-model-len", "256", "--max-num-batched-tokens", str(BUDGET)], ports[1])
     prompts = _prompts()
     ref, batches = run_distributed(_offline, 1, str(d), prompts)[0]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
@@ -162,6 +165,34 @@ def test_multi_turn_reuses_the_cached_prefix(servers) -> None:
             assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == previous
         previous = len(history) + NEW
         history = history + got + [10 + turn, 11, 12]
+
+
+def test_a_long_prompt_beside_decoding_streams_is_chunked(servers) -> None:
+    """A 150-token prompt arriving while a stream decodes is prefilled in chunks of at most
+    ``BUDGET`` tokens between the stream's decode steps; both get transformers' greedy tokens."""
+    url, headers = servers["urls"][0], {"Authorization": f"Bearer {KEY}"}
+    before = httpx.get(url + "/metrics", headers=headers).json()
+    stream_prompt, long_prompt = servers["prompts"][2], (servers["prompts"][3] * 40)[:150]
+    body = {"model": "tiny", "prompt": stream_prompt, "max_tokens": 120, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    streamed: list[int] = []
+    with httpx.stream("POST", url + "/v1/completions", json=body, headers=headers, timeout=60) as r:
+        lines = r.iter_lines()
+        for line in lines:  # the stream decodes before the long prompt arrives
+            if line.startswith("data: {"):
+                streamed += json.loads(line[6:])["choices"][0]["token_ids"]
+                break
+        out = httpx.post(url + "/v1/completions", headers=headers, timeout=60, json={
+            "model": "tiny", "prompt": long_prompt, "max_tokens": NEW, "temperature": 0, "ignore_eos": True}).json()
+        for line in lines:
+            if line.startswith("data: {"):
+                streamed += json.loads(line[6:])["choices"][0]["token_ids"]
+    m = httpx.get(url + "/metrics", headers=headers).json()
+    assert out["choices"][0]["token_ids"] == hf_greedy(servers["hf"], [long_prompt], NEW)[0]
+    assert streamed == hf_greedy(servers["hf"], [stream_prompt], 120)[0]
+    assert m["chunked_requests"] > before["chunked_requests"]
+    assert m["prefill_chunks"] - before["prefill_chunks"] >= 150 // BUDGET
+    assert 0 < m["max_prefill_beside_decode"] <= BUDGET
 
 
 def test_bad_requests_get_openai_errors_and_the_server_goes_on(servers) -> None:
