@@ -30,8 +30,8 @@ def check_prompt(cfg: ModelLimits, prompt: Sequence[int], max_tokens: int, what:
     ``max_tokens`` new tokens fit the model's context (``max_position_embeddings``)."""
     if len(prompt) == 0:
         raise ValueError(f"{what} is empty; it needs at least one token")
-    bad = next((t for t in prompt if not 0 <= t < cfg.vocab_size), None)
-    if bad is not None:
+    if not 0 <= min(prompt) <= max(prompt) < cfg.vocab_size:  # C loops; the offender is looked up only then
+        bad = next(t for t in prompt if not 0 <= t < cfg.vocab_size)
         raise ValueError(f"{what}: token id {bad} is outside the model's vocabulary [0, {cfg.vocab_size})")
     check_context(cfg, len(prompt), max_tokens, what)
 
@@ -66,6 +66,6 @@ def encode(tokenizer: Any, prompt: str | Sequence[int], what: str = "prompt", *,
         if tokenizer is None:
             raise ValueError(f"a text {what} needs a model with a tokenizer; pass token ids instead")
         return list(tokenizer(prompt, add_special_tokens=special_tokens)["input_ids"])
-    if not all(type(t) is int for t in prompt):
+    if set(map(type, prompt)) - {int}:
         raise ValueError(f"{what} must be text or a list of integer token ids")
     return list(prompt)

