@@ -12,9 +12,9 @@ transformers with megacp's logits. ZeRO 0, 2 and 3 at CP 2 are checked the same 
 from ``step9`` must end as they do. The killed job's two processes run the CLI's ``main`` (rank environment set
 by hand), as do ``run_distributed``'s ranks for the other runs.
 
-At DP 2 x CP 2 (4 ranks, the same config, ZeRO 3: parameters and optimizer state partitioned over
-the 4 ranks, each data-parallel replica reading its own sequences) an uninterrupted run of 3 steps
-saves ``step2``, and a run resumed from it must give its step 3 and final parameters.
+At DP 2 x CP 2 (4 ranks, the same config at ZeRO 2: the optimizer state partitioned over the 4
+ranks, each data-parallel replica reading its own sequences) an uninterrupted run of 3 steps saves
+``step2``, and a run resumed from it must give its step 3 and final parameters.
 """
 
 from __future__ import annotations
