@@ -95,10 +95,11 @@ def step_stats(seconds: list[float], tokens: int) -> dict:
 
 
 def attention_work(group: Sequence[PackedSequence], seq_len: int) -> float:
-    """A step's attention work: ``sum(piece_len ** 2) / seq_len ** 2`` over its sequences' document
-    pieces, averaged over the sequences (1: every sequence one document)."""
+    """A step's attention work: ``sum(piece_len ** 2) / seq_len ** 2`` over the document pieces of its
+    micro-batches, averaged over their packed sequences (1: every sequence one document)."""
     pieces = [torch.diff(s.cu_seqlens.cpu()).double() for s in group]
-    return float(sum(float((p * p).sum()) for p in pieces)) / (seq_len * seq_len * len(group))
+    sequences = sum(s.input_ids.numel() for s in group) / seq_len
+    return float(sum(float((p * p).sum()) for p in pieces)) / (seq_len * seq_len * sequences)
 
 
 def fit_work(seconds: list[float], work: list[float]) -> dict:
@@ -175,7 +176,7 @@ def time_steps(trainer: Any, groups: Sequence[Sequence[PackedSequence]], device:
             rows.append({"s": result.seconds, "work": attention_work(group, seq_len), "gc_s": gc_s, "gc_full": full,
                          **{key: after[key] - before[key] for key in after}})
     rows = rows[warmup:]
-    out = step_stats([r["s"] for r in rows], seq_len * len(groups[0]))
+    out = step_stats([r["s"] for r in rows], sum(s.input_ids.numel() for s in groups[0]))
     out["attention_work"] = [r["work"] for r in rows]
     for key in ("gc_s", "gc_full", *ALLOCATOR_COUNTS):
         if key in rows[0]:
