@@ -21,6 +21,8 @@ Examples::
 exactly as if it had not stopped (:mod:`megacp.train.resume`); ``DIR/zero_to_fp32.py`` writes the
 latest checkpoint as a Hugging Face directory. ``--eval-corpus`` reports the exact mean token loss
 and perplexity of a held-out set; DeepSpeed's monitor sections receive every step's numbers.
+What set-up built is frozen out of Python's garbage collections; ``--gc-every N`` collects on a
+fixed schedule instead of automatically (:mod:`megacp.train.collector`).
 
 Without a launcher the job is a world of one (CP 1). Every argument, the config, ``--seq-len``
 against the model's context and CP size, and DeepSpeed's batch arithmetic are checked before any
@@ -96,6 +98,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--force", action="store_true",
                    help="--save into a directory that holds a checkpoint of a different model")
     p.add_argument("--metrics", metavar="FILE", help="write one JSON line per step here (rank 0)")
+    p.add_argument("--gc-every", type=int, default=0, metavar="N",
+                   help="Python's automatic garbage collection off while training and a full collection after "
+                        "every N-th step, at the same point on every rank (Megatron-LM's --manual-gc-interval); "
+                        "0: the automatic collector, which walks only what training creates (what set-up built is "
+                        "frozen) (default: 0)")
     p.add_argument("--quiet", action="store_true", help="no progress bar and no summary line")
     p.add_argument("--allow-non-finite", action="store_true", help="load weights that hold NaN or inf")
     p.add_argument("--hf-native", action="store_true",
@@ -115,6 +122,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         raise UsageError(f"--seq-len must be >= 1, got {args.seq_len}")
     if args.steps < 1:
         raise UsageError(f"--steps must be >= 1, got {args.steps}")
+    if args.gc_every < 0:
+        raise UsageError(f"--gc-every must be >= 0, got {args.gc_every}")
     for flag, value in (("--save", args.save), ("--metrics", args.metrics)):
         if value is not None and not Path(value).resolve().parent.is_dir():
             raise UsageError(f"{flag} {value}: the parent directory does not exist")
@@ -276,6 +285,7 @@ def run(args: argparse.Namespace) -> int:
     from megacp.checkpoint.front import default_model_path, load_on_mesh, read_model_config
     from megacp.layers.settings import CPSettings
     from megacp.parallel import peak_memory_mib
+    from megacp.train.collector import GarbageCollection
     from megacp.train.data import CorpusBatches, Prefetcher, StreamPosition, held_out_sequences, resolve_corpus
     from megacp.train.engine import Trainer, check_batch_config, read_settings
     from megacp.train.loss import lm_loss
@@ -389,6 +399,7 @@ def run(args: argparse.Namespace) -> int:
             documents=None if cache is None else cache.stream(skip=start.document))))
         bar = stack.enter_context(tqdm(total=args.steps, initial=first - 1, unit="step", desc=f"train {layout}",
                                        disable=not rank0 or args.quiet))
+        collector = stack.enter_context(GarbageCollection(args.gc_every))  # set-up frozen, out of the collections
         for step in range(first, args.steps + 1):
             result = trainer.step(batches)
             data = result.data
@@ -414,6 +425,7 @@ def run(args: argparse.Namespace) -> int:
                 metrics.flush()
             if args.save_every and step % args.save_every == 0:
                 saved = f", saved {save(data)}"
+            collector.after_step(step)
     peak_t = torch.tensor([peak_memory_mib(state.device)], device=state.device)
     dist.all_reduce(peak_t, op=dist.ReduceOp.MAX)
     peak = float(peak_t)

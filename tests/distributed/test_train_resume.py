@@ -11,6 +11,10 @@ transformers with megacp's logits. ZeRO 0, 2 and 3 at CP 2 are checked the same 
 3 steps keeping the last 2, which must leave exactly ``step9`` and ``step12``, and a run resumed
 from ``step9`` must end as they do. The killed job's two processes run the CLI's ``main`` (rank environment set
 by hand), as do ``run_distributed``'s ranks for the other runs.
+
+At DP 2 x CP 2 (4 ranks, the same config at ZeRO 2: the optimizer state partitioned over the 4
+ranks, each data-parallel replica reading its own sequences) an uninterrupted run of 3 steps saves
+``step2``, and a run resumed from it must give its step 3 and final parameters.
 """
 
 from __future__ import annotations
@@ -128,6 +132,25 @@ def _assert_same_run(ref: list[dict], resumed: list[dict], ref_dir: Path, resume
     a, b = read_deepspeed_checkpoint(ref_dir), read_deepspeed_checkpoint(resumed_dir)
     assert a.tag == b.tag == f"step{ref[-1]['step']}"
     assert max(rel_err(b.tensors[n], t) for n, t in a.tensors.items()) <= 1e-6
+
+
+def _dp2_runs(rank: int, world_size: int, tmp: Path, ports: list[int]) -> None:
+    """At DP 2 x CP 2, ZeRO 2: an uninterrupted run of 3 steps saving ``step2``, and one resumed from it."""
+    assert _main(ports.pop(), _args(tmp, 2, "--steps", "3", "--save", str(tmp / "ref"), "--save-every", "2",
+                                    "--metrics", str(tmp / "ref.jsonl"))) == 0
+    assert _main(ports.pop(), _args(tmp, 2, "--steps", "3", "--save", str(tmp / "resumed"), "--resume",
+                                    str(tmp / "ref" / "step2"), "--metrics", str(tmp / "resumed.jsonl"))) == 0
+
+
+def test_resumed_run_continues_exactly_at_dp2_cp2(tmp_path: Path) -> None:
+    make_tiny_model(tmp_path / "model")
+    make_corpus(tmp_path / "corpus")
+    _write_configs(tmp_path)
+    run_distributed(_dp2_runs, 4, tmp_path, [free_port() for _ in range(2)], timeout=120.0)
+    ref, resumed = _rows(tmp_path / "ref.jsonl"), _rows(tmp_path / "resumed.jsonl")
+    assert [r["step"] for r in resumed] == [3]
+    assert resumed[0]["tokens"] == 2 * 2 * SEQ_LEN  # 2 micro-batches of one sequence on each of 2 replicas
+    _assert_same_run(ref, resumed, tmp_path / "ref", tmp_path / "resumed")
 
 
 def test_killed_and_resumed_runs_continue_exactly(tmp_path: Path) -> None:

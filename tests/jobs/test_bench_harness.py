@@ -152,3 +152,18 @@ def test_train_feed_benchmark_on_one_cpu_process(tmp_path: Path) -> None:
         assert r["spread"] == pytest.approx(max(r["step_s"]) / statistics.median(r["step_s"]))
     assert data["summary"]["ratio"] == pytest.approx(rows["corpus"]["tokens_per_s"] / rows["memory"]["tokens_per_s"])
     assert "megacp.train: 6 steps, loss" in proc.stdout and "corpus / memory tokens/s" in proc.stdout
+    # each step's attention work: its sequence's document pieces (one token per word, plus EOS), packed here
+    lengths = [len(json.loads(line)["text"].split()) + 1 for line in (work / "corpus.jsonl").read_text().splitlines()]
+    pieces, room, works = [], 128, []
+    for n in lengths * 2:
+        while n:
+            take = min(n, room)
+            pieces, room, n = pieces + [take], room - take, n - take
+            if room == 0:
+                works, pieces, room = works + [sum(p * p for p in pieces) / 128**2], [], 128
+    assert rows["memory"]["attention_work"] == rows["corpus"]["attention_work"] == pytest.approx(works[1:6])
+    variants = {r["feed"]: r for r in data["diagnosis"]["variants"]}
+    assert sorted(variants) == ["memory_fixed_work", "memory_gc_off", "memory_gc_unfrozen"]
+    assert all(r["steps"] == 2 and len(r["gc_s"]) == 2 for r in variants.values())
+    assert variants["memory_fixed_work"]["attention_work"] == pytest.approx([max(works[1:6])] * 2)
+    assert variants["memory_gc_off"]["gc_full"] == [0, 0]
