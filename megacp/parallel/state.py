@@ -192,11 +192,12 @@ def initialize(
     ``MASTER_ADDR``/``MASTER_PORT`` in the environment) and as a plain process without them (a
     world of one, on a free localhost port). An already initialised default process group is
     reused. The backend is ``backend`` if given, else NCCL when CUDA is available, else gloo;
-    under NCCL the CUDA device is set from ``LOCAL_RANK``. Under a launcher with a backend other
-    than gloo, ``deepspeed.init_distributed`` does the initialisation when DeepSpeed is installed.
-    Under gloo ``torch.distributed`` does it directly: DeepSpeed's CPU path compiles a
-    shared-memory op on first use (about a minute, and it needs a C++ compiler), and
-    ``deepspeed.initialize`` adopts an existing process group later anyway.
+    under NCCL the CUDA device is set from ``LOCAL_RANK``. Under a launcher the default group is
+    built on :func:`launcher_store`, so that a second job started on a busy ``MASTER_PORT`` stops
+    with one line and leaves the first job alone; with a backend other than gloo,
+    ``deepspeed.init_distributed`` then adopts it when DeepSpeed is installed (under gloo it is
+    not called: DeepSpeed's CPU path compiles a shared-memory op on first use, about a minute, and
+    ``deepspeed.initialize`` adopts an existing process group later anyway).
 
     The environment variables of :data:`megacp.config.ENV_OVERRIDES` override the config's
     ``runtime`` section; they are read here, once, and validated before any process group exists.
@@ -209,8 +210,8 @@ def initialize(
         backend: ``torch.distributed`` backend override.
 
     Raises:
-        ConfigError: the config or an environment override is invalid, or the sizes do not fit the
-            world size.
+        ConfigError: the config or an environment override is invalid, the sizes do not fit the
+            world size, or rank 0 cannot listen on the launcher's ``MASTER_PORT``.
         ValueError: ``backend`` differs from that of an already initialised process group.
     """
     cfg = with_env_overrides(load_config({} if config is None else config), os.environ)
@@ -255,8 +256,18 @@ _GIL_HANDOFF_S = 0.05
 
 
 def _init_process_group(backend: str, timeout: datetime.timedelta) -> None:
-    """Initialise the default process group from the launcher's environment, or as a world of one;
-    every collective times out after ``timeout``."""
+    """Initialise the default process group from the launcher's environment (on the store of
+    :func:`launcher_store`), or as a world of one; every collective times out after ``timeout``.
+
+    Under a launcher with a backend other than gloo, ``deepspeed.init_distributed`` then adopts the
+    group when DeepSpeed is installed (its communication backend, which ``deepspeed.initialize``
+    uses, is set up without a second initialisation). Under NCCL the group is bound to this rank's
+    device (``device_id``), as DeepSpeed binds it.
+
+    Raises:
+        ConfigError: ``MASTER_ADDR``/``MASTER_PORT`` missing, or rank 0 cannot listen on
+            ``MASTER_PORT`` (another job holds it).
+    """
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         # a collective past the timeout aborts the communicators and ends the process (torchrun's default)
@@ -264,15 +275,64 @@ def _init_process_group(backend: str, timeout: datetime.timedelta) -> None:
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if launched:
         exit_with_parent()
+        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        store = launcher_store(os.environ, os.getppid(), timeout)
+        device_id = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" and world_size > 1 else None
+        dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
+                                device_id=device_id)
         if backend != "gloo" and importlib.util.find_spec("deepspeed") is not None:
             import deepspeed
 
             deepspeed.init_distributed(dist_backend=backend, timeout=timeout)
-        else:
-            dist.init_process_group(backend=backend, init_method="env://", timeout=timeout)
         return
     store = dist.TCPStore("127.0.0.1", 0, world_size=1, is_master=True)
     dist.init_process_group(backend=backend, store=store, rank=0, world_size=1, timeout=timeout)
+
+
+def launcher_store(environ: Mapping[str, str], launcher_pid: int, timeout: datetime.timedelta) -> dist.Store:
+    """The key-value store of a launched job's default process group: a ``TCPStore`` on
+    ``MASTER_ADDR:MASTER_PORT`` (rank 0 hosts it; under ``torchrun``, whose agent hosts it
+    (``TORCHELASTIC_USE_AGENT_STORE=True``), every rank is a client), seen through a prefix that
+    names the job.
+
+    Two jobs started on one port (the launchers' default 29500, say): the second job's rank 0
+    cannot listen there and stops with one line, but its other ranks reach the first job's store.
+    The prefix keeps them out of the first job's keys. A single-node job (the local world size,
+    ``LOCAL_WORLD_SIZE`` from ``torchrun`` or ``LOCAL_SIZE`` from the ``deepspeed`` launcher,
+    equals ``WORLD_SIZE``) is named by its launcher's process id, the parent of all its ranks
+    (and ``TORCHELASTIC_RESTART_COUNT``, the attempt, where ``torchrun`` sets it). Ranks on several
+    nodes have no such common name: a multi-node job uses the prefix ``megacp/``, so two
+    multi-node jobs on one master port still share keys.
+
+    Args:
+        environ: the launcher's variables (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
+            ``MASTER_PORT``; ``LOCAL_WORLD_SIZE`` or ``LOCAL_SIZE``).
+        launcher_pid: the process id of the process that started this rank (``os.getppid()``).
+        timeout: how long rank 0 waits for the others to connect and a client retries connecting.
+
+    Raises:
+        ConfigError: ``MASTER_ADDR`` or ``MASTER_PORT`` is missing, or rank 0 cannot listen on
+            ``MASTER_PORT`` because the address is in use.
+    """
+    missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not environ.get(name)]
+    if missing:
+        raise ConfigError(f"RANK and WORLD_SIZE are set but {' and '.join(missing)} not; a launcher sets all four")
+    rank, world_size = int(environ["RANK"]), int(environ["WORLD_SIZE"])
+    addr, port = environ["MASTER_ADDR"], int(environ["MASTER_PORT"])
+    hosts = rank == 0 and environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+    try:
+        store = dist.TCPStore(addr, port, world_size, is_master=hosts, timeout=timeout, multi_tenant=True)
+    except dist.DistNetworkError as err:
+        if hosts and "address already in use" in str(err).lower():
+            raise ConfigError(
+                f"MASTER_PORT={port}: the port is in use on {addr} (another job?); start this job on a free "
+                "port: deepspeed --master_port P ... or torchrun --master-port P ...") from None
+        raise
+    local_size = environ.get("LOCAL_WORLD_SIZE", environ.get("LOCAL_SIZE"))
+    job = "megacp/"
+    if local_size is not None and int(local_size) == world_size:
+        job += f"{launcher_pid}/{environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+    return dist.PrefixStore(job, store)
 
 
 def exit_with_parent() -> None:

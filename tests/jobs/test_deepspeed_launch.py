@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -46,6 +49,12 @@ def reports(result: subprocess.CompletedProcess[str]) -> dict[int, dict]:
     return found
 
 
+def listening(port: int) -> bool:
+    """Whether something accepts connections on 127.0.0.1:``port``."""
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
 def cp2_config(tmp_path: Path) -> Path:
     path = tmp_path / "ds_cp2.json"
     path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "context_parallel": {"size": 2}}))
@@ -73,6 +82,38 @@ def test_deepspeed_launcher_cpu(tmp_path: Path) -> None:
                      str(INIT_CHECK), "--deepspeed_config", str(cp2_config(tmp_path))])
     check_two_cp_ranks(reports(result))
     assert "--local_rank=1" in result.stdout  # the launcher's echoed command line
+
+
+@pytest.mark.slow
+def test_second_job_on_a_busy_port_stops_and_spares_the_first(tmp_path: Path) -> None:
+    """Two ``deepspeed`` jobs on one port (as two on the default 29500): the second stops with one
+    line and exit status 2 while the first runs on, and the first then builds a new group through
+    its store and finishes with every rank's report (the second job's rank 1 reached the first
+    job's store meanwhile)."""
+    pytest.importorskip("deepspeed", reason="DeepSpeed not installed: its launcher cannot be tested")
+    deepspeed = shutil.which("deepspeed")
+    assert deepspeed is not None, "deepspeed is importable but its launcher is not on PATH"
+    port, release = free_port(), tmp_path / "release"
+    job = [deepspeed, "--num_gpus", "2", "--master_port", str(port), str(INIT_CHECK),
+           "--deepspeed_config", str(cp2_config(tmp_path))]
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        first = pool.submit(launch, [*job, "--hold-until", str(release)])
+        try:
+            deadline = time.monotonic() + LAUNCH_TIMEOUT_S
+            while not listening(port):  # the first job's store
+                assert not first.done() and time.monotonic() < deadline, "the first job never listened"
+                time.sleep(0.2)
+            second = launch(job)
+        finally:
+            release.touch()
+        found = reports(first.result())
+    check_two_cp_ranks(found)
+    assert [found[rank]["held_ranks_gathered"] for rank in (0, 1)] == [[0, 1], [0, 1]]
+    assert second.returncode == 2, second.stdout[-4000:]
+    errors = [line for line in second.stdout.splitlines() if "error:" in line]
+    assert errors == [f"init_check: error: MASTER_PORT={port}: the port is in use on 127.0.0.1 (another job?); "
+                      "start this job on a free port: deepspeed --master_port P ... or torchrun --master-port P ..."]
+    assert "Traceback" not in second.stdout and PREFIX not in second.stdout
 
 
 @pytest.mark.slow

@@ -6,14 +6,18 @@
 megacp must be importable (``pip install -e .`` or ``PYTHONPATH=<repo root>``). Every rank prints
 one line ``MEGACP_INIT_CHECK {json}`` with its rank, the CP group size and the global ranks an
 all_gather over the CP group actually returned. A bad config exits with status 2 and one line
-on stderr.
+on stderr. ``--hold-until PATH`` keeps the job running after that all_gather until the file PATH
+exists, then creates a process group of all ranks (through the job's store) and gathers again
+over it (field ``held_ranks_gathered``): a job that another job disturbed meanwhile fails there.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -26,6 +30,8 @@ PREFIX = "MEGACP_INIT_CHECK "
 
 def main(argv: list[str] | None = None) -> int:
     parser = add_launcher_args(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
+    parser.add_argument("--hold-until", default=None,
+                        help="wait until this file exists, then gather again over a new group (default: no wait)")
     args = parser.parse_args(argv)
     try:
         state = megacp.initialize(args.deepspeed_config)
@@ -46,6 +52,13 @@ def main(argv: list[str] | None = None) -> int:
         "cp_ranks_gathered": [int(t) for t in gathered],
         "layout": str(state.layout),
     }
+    if args.hold_until is not None:
+        while not os.path.exists(args.hold_until):
+            time.sleep(0.1)
+        everyone = dist.new_group(list(range(state.world_size)))
+        held = [torch.zeros(1, dtype=torch.int64) for _ in range(state.world_size)]
+        dist.all_gather(held, torch.tensor([state.rank]), group=everyone)
+        report["held_ranks_gathered"] = [int(t) for t in held]
     sys.stdout.write(PREFIX + json.dumps(report) + "\n")  # one write: ranks share the launcher's pipe
     sys.stdout.flush()
     dist.destroy_process_group()

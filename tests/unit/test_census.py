@@ -268,3 +268,35 @@ def test_worker_ends_when_its_launcher_is_killed(tmp_path: Path) -> None:
     if not ended:
         os.kill(child, signal.SIGKILL)
     assert ended, "the worker outlived its launcher"
+
+
+def test_second_job_on_a_busy_launcher_port() -> None:
+    """A second launched job on a busy ``MASTER_PORT``: its rank 0 gets one line naming the port and
+    how to pick another; its rank 1, a client of the first job's store, reads and writes its own
+    keys only (the whole case runs through the ``deepspeed`` launcher in
+    tests/jobs/test_deepspeed_launch.py)."""
+    import socket
+    from datetime import timedelta
+
+    from megacp.config import ConfigError
+    from megacp.parallel.state import launcher_store
+    from tests.helpers.distributed import free_port
+
+    timeout = timedelta(seconds=10)
+    with socket.socket() as busy:  # another process's listener (a store of this process would be shared)
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(ConfigError) as caught:
+            launcher_store({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                            "MASTER_PORT": str(port)}, 1002, timeout)
+    assert str(caught.value) == (f"MASTER_PORT={port}: the port is in use on 127.0.0.1 (another job?); start this job "
+                                 "on a free port: deepspeed --master_port P ... or torchrun --master-port P ...")
+    launcher = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    first = launcher_store({**launcher, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_SIZE": "1"}, 1001, timeout)
+    foreign = launcher_store({**launcher, "RANK": "1", "WORLD_SIZE": "2", "LOCAL_SIZE": "2"}, 1002, timeout)
+    first.set("0/rank_1", "first job")
+    foreign.set("0/rank_1", "second job")
+    assert first.get("0/rank_1") == b"first job" and foreign.get("0/rank_1") == b"second job"
+    with pytest.raises(ConfigError, match="^RANK and WORLD_SIZE are set but MASTER_PORT not; a launcher sets all four$"):
+        launcher_store({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}, 1002, timeout)
