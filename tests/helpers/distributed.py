@@ -55,8 +55,8 @@ every ``torch.optim`` optimizer imports it on construction, seconds per process)
 _WARM = ("megacp.parallel.state", "megacp.parallel.mpu", "deepspeed", "transformers.models.llama.modeling_llama")
 """Modules most workers import (megacp's mesh with pydantic ~0.35 s per process, DeepSpeed, and
 transformers' Llama ~3 s), imported when this module is. A broken module must not take the
-forkserver down (it only survives ImportError), so failures are ignored here; the worker that needs the module imports it again and reports the
-error with its traceback."""
+forkserver down (it only survives ImportError), so failures are ignored here; the worker that
+needs the module imports it again and reports the error with its traceback."""
 
 
 def _warm_imports() -> None:
