@@ -8,9 +8,15 @@ the token it draws next, and (with penalties) the prompt tokens and counts of ge
 ops of static shapes only (no host synchronisation), so the same function runs in the eager loop
 and inside the captured decode graph. Filters follow Hugging Face's warpers in their order
 (temperature, top-k, top-p, min-p); the draw is Gumbel-max with noise hashed from (seed, token
-index, vocabulary index) in integer tensor ops: a request's tokens depend on its logits and seed
-only, not on the batch around it, the CP size or the path (eager or graph). Temperatures below
+index, vocabulary index) in integer ops: a request's tokens depend on its logits and seed only, not
+on the batch around it, the CP size or the path (eager or graph). Temperatures below
 :data:`GREEDY_BELOW` are greedy (argmax).
+
+A draw costs what its batch needs: an all-greedy batch is one argmax; without top-k and top-p no
+sort runs (min-p is a floor on the scaled logits, :func:`min_p_floor`) and the temperature, the
+floor, the noise and the argmax are one pass (:func:`gumbel_argmax`; on CUDA a fused kernel,
+:mod:`megacp.generate.sampling_kernel`); with top-k or top-p, one sort of the scaled logits and
+the same pass over the sorted, filtered values.
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ from typing import Sequence, TypeVar
 
 import torch
 from torch import Tensor
+
+from megacp.generate import sampling_kernel
 
 Features = tuple[bool, tuple[bool, bool, bool], bool, bool]
 """Which steps a :class:`Sampler`'s draw runs (:attr:`Sampler.features`)."""
@@ -143,13 +151,35 @@ def seed_key(seed: int) -> int:
 
 
 def gumbel_noise(keys: Tensor, steps: Tensor, columns: Tensor) -> Tensor:
-    """``log(-log(u))`` fp32 ``[B, V]`` (a negated Gumbel(0, 1) draw) of uniform ``u`` in (0, 1)
+    """``log(-log(u))`` fp32 ``[B, N]`` (a negated Gumbel(0, 1) draw) of uniform ``u`` in (0, 1)
     hashed from (``keys[b]``, ``steps[b]``, vocabulary index) per element (``keys``, ``steps`` ``[B]``
-    int64, ``steps`` < 2**31; ``columns [V]`` int64: :func:`mix32` of the vocabulary indices; 24 bits
-    of ``u``). ``argmax(logits - noise)`` draws from ``softmax(logits)``."""
+    int64, ``steps`` < 2**31; ``columns`` int64 ``[N]`` or ``[B, N]``: :func:`mix32` of the
+    vocabulary indices; 24 bits of ``u``). ``argmax(logits - noise)`` draws from ``softmax(logits)``."""
     row = mix32((keys + steps * _WEYL) & _MASK32)
-    bits = mix32(row[:, None] ^ columns[None, :]) >> 8
+    bits = mix32(row[:, None] ^ (columns if columns.dim() == 2 else columns[None, :])) >> 8
     return torch.log(-torch.log((bits.float() + 0.5) * 2.0 ** -24))
+
+
+def gumbel_argmax(values: Tensor, keys: Tensor, steps: Tensor, columns: Tensor, *, index: Tensor | None = None,
+                  temperature: Tensor | None = None, floor: Tensor | None = None,
+                  noiseless: Tensor | None = None) -> Tensor:
+    """Each row's draw ``[B]`` int64: the vocabulary index of ``argmax(x - noise)`` over the row's
+    columns, ``x = values / temperature`` (``values [B, N]`` fp32; ``temperature [B]`` fp32,
+    ``None`` = 1) set to ``-inf`` below ``floor [B]`` fp32, ``noise`` :func:`gumbel_noise` of the
+    row's key and step at column ``n``'s vocabulary index: ``index[b, n]`` (``[B, N]`` int64), or
+    ``n`` (``columns [V]`` int64 = :func:`mix32` of the vocabulary indices). Rows whose
+    ``noiseless [B]`` bool is true take the argmax of ``x``. Ties go to the first column. On CUDA
+    with Triton: one fused pass (:mod:`megacp.generate.sampling_kernel`)."""
+    if sampling_kernel.available(values):
+        return sampling_kernel.gumbel_argmax_fused(values, keys, steps, index, temperature, floor, noiseless)
+    x = values if temperature is None else values / temperature[:, None]
+    if floor is not None:
+        x = x.masked_fill(x < floor[:, None], float("-inf"))
+    noise = gumbel_noise(keys, steps, columns if index is None else columns[index])
+    if noiseless is not None:
+        noise = noise.masked_fill(noiseless[:, None], 0.0)
+    pick = (x - noise).argmax(dim=-1)
+    return pick if index is None else index.gather(-1, pick[:, None]).squeeze(-1)
 
 
 def penalise(logits: Tensor, prompt_seen: Tensor | None, counts: Tensor, repetition: Tensor, presence: Tensor,
@@ -166,12 +196,12 @@ def penalise(logits: Tensor, prompt_seen: Tensor | None, counts: Tensor, repetit
     return logits - frequency[:, None] * counts - presence[:, None] * generated
 
 
-def filter_sorted(ordered: Tensor, top_k: Tensor | None, top_p_floor: Tensor | None, min_p: Tensor | None) -> Tensor:
-    """Temperature-scaled logits sorted ascending ``[B, V]`` fp32 with the tokens each row's filters
-    drop set to ``-inf``, as Hugging Face's ``TopKLogitsWarper``, ``TopPLogitsWarper`` and
-    ``MinPLogitsWarper`` in turn (one token at least survives; ``None`` skips a filter for every
-    row). ``top_k [B]`` int64 in [1, V] (V = off); ``top_p_floor [B]`` fp32 = ``1 - top_p`` (0 =
-    off); ``min_p [B]`` fp32 (0 = off)."""
+def filter_sorted(ordered: Tensor, top_k: Tensor | None, top_p_floor: Tensor | None) -> Tensor:
+    """Temperature-scaled logits sorted ascending ``[B, V]`` fp32 with the tokens each row's top-k
+    and top-p drop set to ``-inf``, as Hugging Face's ``TopKLogitsWarper`` and ``TopPLogitsWarper``
+    in turn (one token at least survives; ``None`` skips a filter for every row). ``top_k [B]``
+    int64 in [1, V] (V = off); ``top_p_floor [B]`` fp32 = ``1 - top_p`` (0 = off). Min-p follows
+    as a floor (:func:`min_p_floor`)."""
     if top_k is not None:
         kth = ordered.gather(-1, (ordered.shape[-1] - top_k)[:, None])
         ordered = ordered.masked_fill(ordered < kth, float("-inf"))
@@ -179,10 +209,16 @@ def filter_sorted(ordered: Tensor, top_k: Tensor | None, top_p_floor: Tensor | N
         drop = ordered.softmax(-1).cumsum(-1) <= top_p_floor[:, None]
         drop[:, -1] = False
         ordered = ordered.masked_fill(drop, float("-inf"))
-    if min_p is not None:
-        probs = ordered.softmax(-1)
-        ordered = ordered.masked_fill(probs < min_p[:, None] * probs[:, -1:], float("-inf"))
     return ordered
+
+
+def min_p_floor(top: Tensor, log_min_p: Tensor) -> Tensor:
+    """The temperature-scaled logit ``[B]`` fp32 below which min-p drops a token: ``top [B]``, the
+    row's largest scaled logit, plus ``log_min_p [B]`` (``log(min_p)``; ``-inf`` = off). A token
+    less likely than ``min_p`` times the most likely one has ``p / p_max = exp(x - top) < min_p``:
+    Hugging Face's ``MinPLogitsWarper`` in log space, unchanged by top-k and top-p before it (they
+    keep the most likely token and do not change probability ratios)."""
+    return top + log_min_p
 
 
 class Sampler:
@@ -196,7 +232,7 @@ class Sampler:
             repetition penalty; needed when a row has one.
 
     The tensors (``[B]`` unless said): ``temperature`` fp32 (1 on greedy rows), ``top_k`` int64
-    (V = off), ``top_p_floor`` fp32 (``1 - top_p``), ``min_p``, ``repetition``, ``presence``,
+    (V = off), ``top_p_floor`` fp32 (``1 - top_p``), ``log_min_p`` (``log(min_p)``), ``repetition``, ``presence``,
     ``frequency`` fp32, ``keys`` int64 (:func:`seed_key`), ``steps`` int64 (index of the token
     each row draws next), ``columns [V]`` int64 (vocabulary hashes, when a row samples), ``counts [B, V]`` int32 (generated tokens; with penalties) and
     ``prompt_seen [B, V]`` bool (with a repetition penalty). Which steps run is fixed by the batch
@@ -234,7 +270,7 @@ class Sampler:
         self.temperature = col([1.0 if p.greedy else p.temperature for p in params], torch.float32)
         self.top_k = col([p.top_k if 0 < p.top_k < vocab else vocab for p in params], torch.long)
         self.top_p_floor = col([1.0 - p.top_p for p in params], torch.float32)
-        self.min_p = col([p.min_p for p in params], torch.float32)
+        self.log_min_p = col([math.log(p.min_p) if p.min_p > 0 else -math.inf for p in params], torch.float32)
         self.repetition = col([p.repetition_penalty for p in params], torch.float32)
         self.presence = col([p.presence_penalty for p in params], torch.float32)
         self.frequency = col([p.frequency_penalty for p in params], torch.float32)
@@ -301,7 +337,7 @@ class Sampler:
             else:
                 dst.index_copy_(0, rows, val.index_select(0, src_rows))
 
-    _ROWS = ("greedy", "temperature", "top_k", "top_p_floor", "min_p", "repetition", "presence", "frequency", "keys",
+    _ROWS = ("greedy", "temperature", "top_k", "top_p_floor", "log_min_p", "repetition", "presence", "frequency", "keys",
              "steps", "counts", "ones", "prompt_seen")
     """The tensors with one row per request (``columns`` is shared by every row)."""
 
@@ -344,18 +380,19 @@ class Sampler:
         raw = logits
         if self.penalised:
             logits = penalise(logits, self.prompt_seen, self.counts, self.repetition, self.presence, self.frequency)
-        tokens = logits.argmax(dim=-1)
-        if self.sampled:
-            scaled = logits / self.temperature[:, None]
-            noise = gumbel_noise(self.keys, self.steps, self.columns)
-            if any(self.filters):
-                ordered, index = scaled.sort(dim=-1)  # ascending, as the warpers sort
-                k, p, m = (t if on else None for t, on in zip((self.top_k, self.top_p_floor, self.min_p), self.filters))
-                pick = (filter_sorted(ordered, k, p, m) - noise.gather(-1, index)).argmax(dim=-1, keepdim=True)
-                drawn = index.gather(-1, pick).squeeze(-1)
-            else:
-                drawn = (scaled - noise).argmax(dim=-1)
-            tokens = torch.where(self.greedy, tokens, drawn)
+        if not self.sampled:
+            tokens = logits.argmax(dim=-1)
+        else:
+            top_k, top_p, min_p = self.filters
+            floor = min_p_floor(logits.amax(dim=-1) / self.temperature, self.log_min_p) if min_p else None
+            if top_k or top_p:
+                ordered, index = (logits / self.temperature[:, None]).sort(dim=-1)  # ascending, as the warpers sort
+                ordered = filter_sorted(ordered, self.top_k if top_k else None, self.top_p_floor if top_p else None)
+                drawn = gumbel_argmax(ordered, self.keys, self.steps, self.columns, index=index, floor=floor)
+                tokens = torch.where(self.greedy, logits.argmax(dim=-1), drawn)
+            else:  # greedy rows draw without noise at temperature 1: their argmax
+                tokens = gumbel_argmax(logits, self.keys, self.steps, self.columns, temperature=self.temperature,
+                                       floor=floor, noiseless=self.greedy)
         if self.penalised:
             self.counts.scatter_add_(1, tokens[:, None], self.ones)
         if self.top_logprobs is not None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megacp.generate.sampling import Sampler, SamplingParams, filter_sorted, logprob_dicts
+from megacp.generate.sampling import Sampler, SamplingParams, filter_sorted, logprob_dicts, min_p_floor
 
 CPU = torch.device("cpu")
 
@@ -43,7 +43,9 @@ def test_filters_equal_transformers_warpers(seed: int) -> None:
     logits = torch.randn(len(params), 400, generator=g) * 3
     s = Sampler(params, 400, CPU)
     ordered, index = (logits / s.temperature[:, None]).sort(dim=-1)
-    ours = torch.empty_like(logits).scatter(-1, index, filter_sorted(ordered, s.top_k, s.top_p_floor, s.min_p))
+    ordered = filter_sorted(ordered, s.top_k, s.top_p_floor)
+    ordered = ordered.masked_fill(ordered < min_p_floor(ordered[:, -1], s.log_min_p)[:, None], float("-inf"))
+    ours = torch.empty_like(logits).scatter(-1, index, ordered)
     for row, p in enumerate(params):
         ref = _hf_warped(logits[row], p)
         assert torch.equal(ours[row].isinf(), ref.isinf()), (row, p)
@@ -96,6 +98,56 @@ def test_seeded_draws_do_not_depend_on_the_batch() -> None:
     assert [x for x, _, _ in got] == [y for _, y, _ in got]
     assert [x for x, _, _ in got] != [z for _, _, z in got]  # another seed, other tokens
     assert len({x for x, _, _ in got}) > 3  # it does sample
+
+
+def test_unsorted_draws_equal_sorted_ones() -> None:
+    """Rows without top-k / top-p draw without a sort (min-p as a floor, greedy rows noiseless):
+    alone they give the tokens they give in a batch whose top-k row makes every row take the
+    sorted path, and a greedy row gives the argmax."""
+    vocab, steps = 300, 10
+    rows = [SamplingParams(temperature=0.9, min_p=0.05, seed=3), SamplingParams(temperature=1.4, seed=4),
+            SamplingParams()]
+    g = torch.Generator().manual_seed(8)
+    stream = torch.randn(steps, len(rows) + 1, vocab, generator=g) * 2
+    alone = Sampler(rows, vocab, CPU)
+    sorted_too = Sampler([*rows, SamplingParams(temperature=1.0, top_k=3, seed=5)], vocab, CPU)
+    assert not any(alone.filters[:2]) and sorted_too.filters[0]
+    for t in range(steps):
+        a, b = alone(stream[t, :-1]), sorted_too(stream[t])
+        assert torch.equal(a, b[:-1]), t
+        assert int(a[2]) == int(stream[t, 2].argmax())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused draw runs on CUDA")
+def test_fused_draw_equals_the_torch_form() -> None:
+    """On CUDA the Triton draw gives the torch form's tokens, with and without a sort index,
+    temperature, min-p floor and noiseless rows, on vocabularies that do not fill its chunks."""
+    from megacp.generate import sampling, sampling_kernel
+
+    if not sampling_kernel.available(torch.zeros(1, device="cuda")):
+        pytest.skip("Triton is missing")
+    dev = torch.device("cuda")
+    g = torch.Generator().manual_seed(9)
+    for vocab in (1000, 49152, 50001):
+        b = 16
+        values = (torch.randn(b, vocab, generator=g) * 3).to(dev)
+        keys = torch.tensor([sampling.seed_key(i) for i in range(b)], device=dev)
+        steps = torch.randint(0, 1000, (b,), generator=g).to(dev)
+        columns = sampling.mix32(torch.arange(vocab, device=dev))
+        temperature = (torch.rand(b, generator=g) + 0.5).to(dev)
+        floor = values.amax(-1) / temperature - 2.0
+        noiseless = torch.arange(b, device=dev) % 5 == 0
+        index = values.argsort(-1)
+        for kw in (dict(), dict(temperature=temperature, floor=floor, noiseless=noiseless),
+                   dict(index=index, floor=floor)):
+            fused = sampling_kernel.gumbel_argmax_fused(values.gather(-1, index) if "index" in kw else values,
+                                                        keys, steps, kw.get("index"), kw.get("temperature"),
+                                                        kw.get("floor"), kw.get("noiseless"))
+            x = values / kw["temperature"][:, None] if "temperature" in kw else values
+            x = x.masked_fill(x < kw["floor"][:, None], float("-inf")) if "floor" in kw else x
+            noise = sampling.gumbel_noise(keys, steps, columns)
+            noise = noise.masked_fill(kw["noiseless"][:, None], 0.0) if "noiseless" in kw else noise
+            assert torch.equal(fused, (x - noise).argmax(-1)), (vocab, list(kw))
 
 
 def test_draws_follow_the_softmax() -> None:
