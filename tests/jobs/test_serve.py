@@ -24,6 +24,7 @@ from tests.helpers.distributed import free_port, run_distributed
 from tests.helpers.hf_models import hf_greedy, make_hf_model, save_char_tokenizer
 from tests.helpers.paths import ROOT
 from tests.helpers.serving import drive as _drive
+from tests.helpers.serving import logprobs_close
 from tests.helpers.serving import prompts as _prompts
 
 NEW = 6
@@ -38,7 +39,8 @@ TOP = 3
 def _offline(rank: int, n: int, path: str, prompts: list[list[int]]
              ) -> tuple[list[list[int]], dict[str, bool], dict[str, list[dict[int, float]]]]:
     """``LLM.generate``'s greedy tokens of ``prompts``, whether a changing batch of requests of
-    mixed sampling settings gets each one's offline tokens from the static and eager batches, and
+    mixed sampling settings gets each one's offline tokens and logprobs from the static and eager
+    batches, and
     the greedy log-probabilities (``TOP``) of ``prompts[0]`` and of ``CHAT``."""
     from megacp import LLM, SamplingParams
     from megacp.serve.worker import Worker
@@ -49,10 +51,16 @@ def _offline(rank: int, n: int, path: str, prompts: list[list[int]]
     logprobs = {"completion": llm.generate(prompts[0], asked)[0].logprobs, "chat": llm.chat(CHAT, asked)[0].logprobs}
     kinds = [dict(), dict(temperature=0.8, top_k=20), dict(repetition_penalty=1.3), dict(top_p=0.9, presence_penalty=0.5)]
     few = prompts[:10]
-    params = [SamplingParams(max_tokens=2 + i % 5, seed=i, ignore_eos=True, **kinds[i % 4]) for i in range(len(few))]
-    want = [o.token_ids for o in llm.generate(few, params)]
-    return ref, {mode: _drive(Worker(llm.generator, 4, 64, vocab=llm.model_config.vocab_size, static=mode == "static",
-                                     capture=False), few, params) == want for mode in ("static", "eager")}, logprobs
+    params = [SamplingParams(max_tokens=2 + i % 5, seed=i, ignore_eos=True, logprobs=(None, 2, 0)[i % 3], **kinds[i % 4])
+              for i in range(len(few))]
+    outs = llm.generate(few, params)
+    batches = {}
+    for mode in ("static", "eager"):
+        got, got_logprobs = _drive(Worker(llm.generator, 4, 64, vocab=llm.model_config.vocab_size,
+                                          static=mode == "static", capture=False), few, params)
+        batches[mode] = got == [o.token_ids for o in outs] and logprobs_close(got_logprobs, [o.logprobs for o in outs],
+                                                                               1e-5)
+    return ref, batches, logprobs
 
 
 def _start(cmd: list[str], port: int) -> subprocess.Popen:
@@ -134,7 +142,8 @@ def test_common_prefix_equals_a_token_by_token_count() -> None:
 
 def test_a_changing_batch_decodes_as_offline_generate(servers) -> None:
     """Requests joining and leaving the static batch (rows moved, padded sizes, mixed sampler
-    features) and the eager batch get the tokens ``LLM.generate`` gives each."""
+    features, some asking for logprobs) and the eager batch get the tokens and logprobs
+    ``LLM.generate`` gives each."""
     assert servers["batches"] == {"static": True, "eager": True}
 
 
