@@ -19,7 +19,9 @@ bookkeeping up to date with the tokens each request kept.
 
 A :class:`BatchDecoder` runs the same step for a server's running batch, whose requests come and
 go: static rows up to a maximum batch, graphs captured once per padded batch size and kind of
-sampling, rows moved on the device when the membership changes.
+sampling, rows moved on the device when the membership changes; the log-probabilities its
+requests ask for are computed after the step from the step's logits (outside the graph, only
+while a request of the batch asks).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from megacp.generate.sampling import Features, Sampler
+from megacp.generate.sampling import Features, Sampler, draw_logprobs
 from megacp.kv_cache import ShardedKVCache
 from megacp.layers.settings import CPSettings
 from megacp.layers.step import StaticDecodeStep, static_decode_step
@@ -191,6 +193,9 @@ class BatchDecoder:
     to date when it leaves (:meth:`ShardedKVCache.advance_decoded`): every token fed keeps its keys
     and values.
 
+    While a request of the batch asks for ``logprobs``, each step also leaves :attr:`logprobs`
+    (:func:`~megacp.generate.sampling.draw_logprobs` of the step's logits, outside the graph).
+
     Args:
         model: a CP-swapped megacp ``CausalLM``.
         cache: the KV cache; each request slot needs one spare row on every rank (the step writes
@@ -228,6 +233,11 @@ class BatchDecoder:
         self.fed: dict[int, int] = {}
         """Decode steps each slot's request ran since it joined."""
         self._features: dict[int, Features] = {}
+        self._top: dict[int, int | None] = {}  # slot -> the top log-probabilities its request asks for
+        self.logprobs: tuple[Tensor, Tensor, Tensor] | None = None
+        """After a step while a request asks for log-probabilities: (chosen ``[size]`` fp32, top ids
+        ``[size, K]`` int64, top log-probabilities ``[size, K]`` fp32) of every row, ``K`` the most
+        any request of the batch asks; else ``None``."""
         self.features: Features = GREEDY
         """The sampler steps the batch needs: those of any of its requests."""
         self._steps: dict[int, tuple[StaticDecodeStep, Tensor]] = {}
@@ -256,7 +266,7 @@ class BatchDecoder:
         :meth:`join`), recording the tokens each fed in the cache's bookkeeping."""
         for s in slots:
             self.cache.advance_decoded(s, self.fed.pop(s))
-            del self._features[s], self._rows[s]
+            del self._features[s], self._rows[s], self._top[s]
         self.slots = [s for s in self.slots if s in self.fed]
         self._update_features()
 
@@ -289,7 +299,7 @@ class BatchDecoder:
             zero = torch.zeros(1, dtype=torch.long, device=dev)
             for k, s in enumerate(joined):
                 self.sampler.put_rows(index[k: k + 1], new[s][1], zero)
-                self.fed[s], self._features[s] = 0, new[s][1].features
+                self.fed[s], self._features[s], self._top[s] = 0, new[s][1].features, new[s][1].top_logprobs
         self.slots, self._rows = list(slots), {s: i for i, s in enumerate(slots)}
         self._update_features()
 
@@ -321,18 +331,22 @@ class BatchDecoder:
 
     def step(self) -> Tensor:
         """One decode step of the batch (asynchronous on CUDA); returns the ``tokens`` buffer
-        ``[M]``, row ``i`` now holding the next token of ``slots[i]`` (rows past the batch: padding)."""
+        ``[M]``, row ``i`` now holding the next token of ``slots[i]`` (rows past the batch: padding),
+        and sets :attr:`logprobs`."""
         size, features = self.size, self.features
         if not size:
             raise ValueError("the batch is empty")
         if not self.use_graph:
-            self._run(size, features)
+            logits = self._run(size, features)
         else:
             if (size, features) not in self.graphs:
                 self.capture(size, features)
-            self.graphs[size, features][0].replay()
+            graph, logits = self.graphs[size, features]
+            graph.replay()
         for s in self.slots:
             self.fed[s] += 1
+        k = max((k for k in self._top.values() if k is not None), default=None)
+        self.logprobs = None if k is None else draw_logprobs(logits, self.tokens[:size], k)
         return self.tokens
 
 

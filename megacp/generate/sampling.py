@@ -396,11 +396,18 @@ class Sampler:
         if self.penalised:
             self.counts.scatter_add_(1, tokens[:, None], self.ones)
         if self.top_logprobs is not None:
-            lp = raw.log_softmax(dim=-1)
-            top = lp.topk(self.top_logprobs, dim=-1)
-            self.logprobs = (lp.gather(-1, tokens[:, None]).squeeze(-1), top.indices, top.values)
+            self.logprobs = draw_logprobs(raw, tokens, self.top_logprobs)
         self.steps.add_(1)
         return tokens
+
+
+def draw_logprobs(logits: Tensor, tokens: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The log-probabilities of a draw of ``tokens [B]`` int64 from fp32 ``logits [B, V]`` (their
+    log-softmax): the chosen tokens' ``[B]`` fp32, and the ``k`` most likely tokens ``[B, k]`` int64
+    with theirs ``[B, k]`` fp32, most likely first (:attr:`Sampler.logprobs`' layout)."""
+    lp = logits.log_softmax(dim=-1)
+    top = lp.topk(k, dim=-1)
+    return lp.gather(-1, tokens[:, None]).squeeze(-1), top.indices, top.values
 
 
 def logprob_dicts(tokens: Sequence[int], chosen: Sequence[float], top_ids: Sequence[Sequence[int]],

@@ -1,5 +1,6 @@
 """The HTTP side (FastAPI): OpenAI's ``/v1/completions``, ``/v1/chat/completions`` (plain JSON or
-server-sent events), ``/v1/models``, ``/health`` and ``/metrics`` (the engine's counters as JSON)."""
+server-sent events; with ``logprobs``, in OpenAI's shapes), ``/v1/models``, ``/health`` and
+``/metrics`` (the engine's counters as JSON)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
+from itertools import accumulate
 from typing import Any, TypeVar
 
 from fastapi import FastAPI
@@ -22,6 +24,43 @@ from megacp.serve.engine import Draining, Engine, Event, QueueFull, Request
 from megacp.serve.protocol import APIError, ChatRequest, CompletionRequest, SamplingFields
 
 Body = TypeVar("Body", bound=SamplingFields)
+
+LOGPROB_FLOOR = -9999.0
+"""Log-probabilities are shown at least this (OpenAI's value for a very unlikely token; JSON has no -inf)."""
+
+
+def token_text(tokenizer: Any, token: int) -> str:
+    """One token's text as the log-probability fields show it (special tokens included; without a
+    tokenizer ``token_id:N``, as vLLM's ``--return-tokens-as-token-ids``)."""
+    return f"token_id:{token}" if tokenizer is None else tokenizer.decode([token])
+
+
+def completion_logprobs(tokenizer: Any, tokens: Sequence[int], logprobs: Sequence[dict[int, float]],
+                        offset: int) -> dict[str, Any]:
+    """``choices[i].logprobs`` of ``/v1/completions`` for ``tokens`` and their ``{token: logprob}``
+    (the chosen token first, then the ``logprobs`` most likely): each token's text, its
+    log-probability, a ``{text: logprob}`` of those tokens, and its character offset in the
+    generated text (the texts before it, from ``offset``)."""
+    texts = [token_text(tokenizer, t) for t in tokens]
+    return {"tokens": texts,
+            "token_logprobs": [max(lp[t], LOGPROB_FLOOR) for t, lp in zip(tokens, logprobs)],
+            "top_logprobs": [{token_text(tokenizer, i): max(v, LOGPROB_FLOOR) for i, v in lp.items()} for lp in logprobs],
+            "text_offset": list(accumulate((len(x) for x in texts[:-1]), initial=offset))}
+
+
+def chat_logprobs(tokenizer: Any, tokens: Sequence[int], logprobs: Sequence[dict[int, float]],
+                  top: int) -> dict[str, Any]:
+    """``choices[i].logprobs`` of ``/v1/chat/completions`` for ``tokens`` and their ``{token:
+    logprob}``: per token its text, log-probability and UTF-8 bytes, and the ``top`` most likely
+    tokens alike, most likely first."""
+
+    def entry(token: int, value: float) -> dict[str, Any]:
+        text = token_text(tokenizer, token)
+        return {"token": text, "logprob": max(value, LOGPROB_FLOOR), "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [dict(entry(t, lp[t]), top_logprobs=[entry(i, v) for i, v in
+                                                              sorted(lp.items(), key=lambda x: -x[1])[:top]])
+                        for t, lp in zip(tokens, logprobs)], "refusal": None}
 
 
 def build_app(engine: Engine, cfg: ModelLimits, *, model_name: str, max_model_len: int,
@@ -71,7 +110,7 @@ def build_app(engine: Engine, cfg: ModelLimits, *, model_name: str, max_model_le
         if len(prompt) >= max_model_len:
             raise APIError(400, f"the prompt of {len(prompt)} tokens leaves no room in the context of "
                                 f"{max_model_len} tokens", param="prompt", code="context_length_exceeded")
-        params = req.sampling(max_tokens, max_model_len - len(prompt))
+        params = req.sampling(max_tokens, max_model_len - len(prompt), cfg.vocab_size)
         if len(prompt) + params.max_tokens > max_model_len:
             raise APIError(400, f"the prompt of {len(prompt)} tokens + max_tokens {params.max_tokens} exceeds the "
                                 f"context of {max_model_len} tokens", param="max_tokens", code="context_length_exceeded")
@@ -93,18 +132,32 @@ def build_app(engine: Engine, cfg: ModelLimits, *, model_name: str, max_model_le
     async def respond(r: Request, req: Any, chat: bool) -> Any:
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created, obj = int(time.time()), "chat.completion" if chat else "text_completion"
+        top = r.params.logprobs  # None: no log-probabilities asked
+        offset = 0  # of the next token's text in the generated text (completions' text_offset)
 
-        def choice(text: str, tokens: list[int], finish: str | None, delta: bool) -> dict[str, Any]:
-            c: dict[str, Any] = {"index": 0, "finish_reason": finish, "token_ids": tokens}
+        def choice(text: str, tokens: list[int], logprobs: list[dict[int, float]], finish: str | None,
+                   delta: bool) -> dict[str, Any]:
+            nonlocal offset
+            c: dict[str, Any] = {"index": 0, "finish_reason": finish, "token_ids": tokens, "logprobs": None}
+            if top is not None and tokens:
+                if chat:
+                    c["logprobs"] = chat_logprobs(tokenizer, tokens, logprobs, top)
+                else:
+                    c["logprobs"] = lp = completion_logprobs(tokenizer, tokens, logprobs, offset)
+                    offset = lp["text_offset"][-1] + len(lp["tokens"][-1])
             if chat:
                 c["delta" if delta else "message"] = {"role": "assistant", "content": text}
             else:
-                c["text"], c["logprobs"] = text, None
+                c["text"] = text
             return c
+
+        def logprobs_of(ev: Event) -> list[dict[int, float]]:
+            return [] if ev.logprobs is None else [ev.logprobs]
 
         if not req.stream:
             text: list[str] = []
             tokens: list[int] = []
+            logprobs: list[dict[int, float]] = []
             try:
                 while True:
                     ev: Event = await r.events.get()
@@ -113,12 +166,13 @@ def build_app(engine: Engine, cfg: ModelLimits, *, model_name: str, max_model_le
                     text.append(ev.text)
                     if ev.token is not None:
                         tokens.append(ev.token)
+                    logprobs += logprobs_of(ev)
                     if ev.finish_reason:
                         break
             finally:
                 r.cancelled = True
             return {"id": rid, "object": obj, "created": created, "model": model_name,
-                    "choices": [choice("".join(text), tokens, ev.finish_reason, False)], "usage": usage(r)}
+                    "choices": [choice("".join(text), tokens, logprobs, ev.finish_reason, False)], "usage": usage(r)}
 
         chunk_obj = "chat.completion.chunk" if chat else "text_completion"
         include_usage = req.stream_options is not None and req.stream_options.include_usage
@@ -131,7 +185,8 @@ def build_app(engine: Engine, cfg: ModelLimits, *, model_name: str, max_model_le
                         yield f"data: {json.dumps(APIError(500, ev.error, kind='server_error').body())}\n\n"
                         break
                     body = {"id": rid, "object": chunk_obj, "created": created, "model": model_name,
-                            "choices": [choice(ev.text, [ev.token] if ev.token is not None else [], ev.finish_reason, True)]}
+                            "choices": [choice(ev.text, [ev.token] if ev.token is not None else [], logprobs_of(ev),
+                                               ev.finish_reason, True)]}
                     yield f"data: {json.dumps(body)}\n\n"
                     if ev.finish_reason:
                         if include_usage:

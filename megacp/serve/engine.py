@@ -4,6 +4,8 @@ newcomers are prefilled (only what their slot does not hold) and join the runnin
 or disconnected requests leave it, and every step decodes one token of each (a CUDA graph replay on
 CUDA). A step's tokens are read while the next step runs (one step late): a request that finished
 has run one more step, whose token is dropped (its last token's keys and values stay cached).
+The log-probabilities a request asks for travel with its tokens (copied beside them, read with
+them; nothing is copied for a batch in which no request asks).
 
 Chunked prefill (as vLLM's and SGLang's ``max_num_batched_tokens``): a request admitted while
 others decode has its prompt split into chunks of at most ``max_batched_tokens`` tokens, and a
@@ -23,7 +25,7 @@ from typing import Any, Callable
 
 from megacp.generate.graph import TokenReader
 from megacp.generate.outputs import TextStream, stop_string_check
-from megacp.generate.sampling import SamplingParams
+from megacp.generate.sampling import SamplingParams, logprob_dicts
 from megacp.kv_cache import CacheCapacityError
 from megacp.serve.worker import Admit, Work, Worker
 
@@ -46,12 +48,14 @@ class Draining(RuntimeError):
 @dataclass
 class Event:
     """What a request's stream receives: a token and its new text, then the last event with
-    ``finish_reason`` set (or ``error``)."""
+    ``finish_reason`` set (or ``error``); with ``logprobs`` asked, the token's ``{token: logprob}``
+    (the chosen token first, then the most likely ones: :func:`~megacp.generate.sampling.logprob_dicts`)."""
 
     token: int | None
     text: str
     finish_reason: str | None = None
     error: str | None = None
+    logprobs: dict[int, float] | None = None
 
 
 @dataclass(eq=False)
@@ -296,14 +300,19 @@ class Engine:
         current = None
         if out.tokens is not None:
             current = 1 - self._pending[0] if self._pending is not None else 0
-            self._reader.put(current, out.tokens)
-        for r, tok in zip(admitted, out.first):
-            self._emit(r, tok)
+            self._reader.put(current, out.tokens, *(out.logprobs or ()))
+        for r, tok, lp in zip(admitted, out.first, out.first_logprobs):
+            self._emit(r, tok, lp)
         if self._pending is not None:
             index, rows = self._pending
-            for r, tok in zip(rows, self._reader.get(index)):
+            toks, extra = self._reader.get(index), self._reader.extra(index)
+            lps: list[dict[int, float] | None] = [None] * len(rows)
+            if extra:  # a request of the step's batch asked for log-probabilities
+                chosen, top_ids, top_values = extra
+                lps = logprob_dicts(toks, chosen, top_ids, top_values, [r.params.logprobs for r in rows])
+            for r, tok, lp in zip(rows, toks, lps):
                 if not r.leaves:
-                    self._emit(r, tok)
+                    self._emit(r, tok, lp)
         self._pending = None if current is None else (current, batch)
         loops: dict[asyncio.AbstractEventLoop, list[tuple[Request, Event]]] = {}
         for r, ev in self._outbox:
@@ -318,7 +327,7 @@ class Engine:
         slot.tokens = (r.prompt + r.tokens)[: self.worker.cache.length(r.slot)]
         slot.request, slot.used = None, time.monotonic()
 
-    def _emit(self, r: Request, tok: int) -> None:
+    def _emit(self, r: Request, tok: int, logprobs: dict[int, float] | None = None) -> None:
         r.tokens.append(tok)
         self.metrics["generated_tokens"] += 1
         p = r.params
@@ -326,4 +335,4 @@ class Engine:
                 else "length" if len(r.tokens) >= p.max_tokens else None)
         text = r.stream.piece(r.tokens, done is not None) if r.stream is not None else ""
         r.done = done is not None
-        self._outbox.append((r, Event(tok, text, done)))
+        self._outbox.append((r, Event(tok, text, done, logprobs=logprobs)))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 from megacp.generate.sampling import SamplingParams
 
@@ -22,9 +22,13 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
-UNSUPPORTED_DEFAULTS: dict[str, Any] = {"n": 1, "best_of": 1, "echo": False, "logprobs": None, "top_logprobs": None,
-                                        "logit_bias": None, "suffix": None, "user": None}
+UNSUPPORTED_DEFAULTS: dict[str, Any] = {"n": 1, "best_of": 1, "echo": False, "logit_bias": None, "suffix": None,
+                                        "user": None}
 """Fields accepted only at these values (anything else is refused, naming the field)."""
+
+MAX_LOGPROBS = 20
+"""The most top log-probabilities per token a request may ask for (OpenAI's chat ``top_logprobs``
+limit, vLLM's default ``--max-logprobs``; at most the vocabulary)."""
 
 
 class StreamOptions(BaseModel):
@@ -53,8 +57,6 @@ class SamplingFields(BaseModel):
     n: int | None = 1
     best_of: int | None = 1
     echo: bool | None = False
-    logprobs: Any = None
-    top_logprobs: Any = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: Any = None
@@ -67,23 +69,38 @@ class SamplingFields(BaseModel):
             if name != "user" and value is not None and value != default:
                 raise APIError(400, f"{name}={value!r} is not supported (only {default!r})", param=name)
 
-    def sampling(self, max_tokens: int | None, default_max: int) -> SamplingParams:
-        """The request's :class:`SamplingParams` (``max_tokens`` default: what the context leaves)."""
+    def top_logprobs_asked(self) -> tuple[str, int | None]:
+        """The request field that sets the top log-probabilities per token, and its count (``None``:
+        no log-probabilities)."""
+        raise NotImplementedError
+
+    def sampling(self, max_tokens: int | None, default_max: int, vocab: int) -> SamplingParams:
+        """The request's :class:`SamplingParams` (``max_tokens`` default: what the context leaves;
+        ``vocab``: the model's vocabulary, which bounds the top log-probabilities)."""
         if max_tokens is not None and max_tokens < 1:
             raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
+        field, logprobs = self.top_logprobs_asked()
+        most = min(MAX_LOGPROBS, vocab)
+        if logprobs is not None and not 0 <= logprobs <= most:
+            raise APIError(400, f"{field} must be in [0, {most}], got {logprobs}", param=field)
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         try:
             return SamplingParams(max_tokens=max_tokens or default_max, temperature=self.temperature, top_p=self.top_p,
                                   top_k=self.top_k, min_p=self.min_p, seed=self.seed, stop=stop,
                                   stop_token_ids=tuple(self.stop_token_ids), ignore_eos=self.ignore_eos,
                                   repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
-                                  frequency_penalty=self.frequency_penalty)
+                                  frequency_penalty=self.frequency_penalty, logprobs=logprobs)
         except ValueError as err:
             raise APIError(400, str(err), param=str(err).split(" ", 1)[0]) from None
 
 
 class CompletionRequest(SamplingFields):
     prompt: Union[str, list[int], list[str], list[list[int]]]
+    logprobs: StrictInt | None = None
+    """Per generated token, the log-probabilities of the chosen token and of this many most likely ones."""
+
+    def top_logprobs_asked(self) -> tuple[str, int | None]:
+        return "logprobs", self.logprobs
 
 
 class ChatMessage(BaseModel):
@@ -103,3 +120,12 @@ class ChatMessage(BaseModel):
 class ChatRequest(SamplingFields):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
+    logprobs: StrictBool | None = None
+    """Return the log-probability of each generated token."""
+    top_logprobs: StrictInt | None = None
+    """With ``logprobs``, the most likely tokens per position returned with theirs."""
+
+    def top_logprobs_asked(self) -> tuple[str, int | None]:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
+        return "top_logprobs", (self.top_logprobs or 0) if self.logprobs else None

@@ -2,7 +2,8 @@
 group) and :meth:`Worker.run` executes it: retire requests that left the running batch, cut slots
 back to a reused prefix, prefill the step's prompt chunks (one forward for all of them) and draw
 the first token of each request whose prompt is then complete, then run one decode step of the
-running batch (a CUDA graph replay on CUDA: :class:`~megacp.generate.graph.BatchDecoder`)."""
+running batch (a CUDA graph replay on CUDA: :class:`~megacp.generate.graph.BatchDecoder`), with the
+log-probabilities of the tokens whose requests ask for them."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from torch import Tensor
 
 from megacp.generate.graph import BatchDecoder
 from megacp.generate.loop import Generator
-from megacp.generate.sampling import Sampler, SamplingParams
+from megacp.generate.sampling import Sampler, SamplingParams, draw_logprobs, logprob_dicts
 from megacp.kv_cache import ShardedKVCache
 
 
@@ -51,24 +52,30 @@ class StepOutput:
     """What a step returns: the first token of each request whose last chunk ran (in ``admit``
     order), the running batch's next tokens (a device tensor ``[>= B]`` int64, row ``i`` for
     ``batch[i]``, written asynchronously on CUDA; ``None`` when the batch is empty) and the
-    prefill steps' strategies."""
+    prefill steps' strategies; with log-probabilities asked, those of each first token
+    (``{token: logprob}`` of :func:`~megacp.generate.sampling.logprob_dicts`; ``None`` for a
+    request that did not ask) and, while a request of the batch asks, those of the batch's tokens
+    (device tensors of :func:`~megacp.generate.sampling.draw_logprobs`, rows as ``tokens``)."""
 
     first: list[int]
     tokens: Tensor | None
     strategies: list[str]
+    first_logprobs: list[dict[int, float] | None] = field(default_factory=list)
+    logprobs: tuple[Tensor, Tensor, Tensor] | None = None
 
 
 class EagerBatch:
     """The running batch decoded by eager steps (:meth:`Generator.decode_step`, which keeps the
     cache's bookkeeping) with one sampler per request, for models the static step does not run
-    (transformers modules, sliding windows, mixture of experts). Same calls as
-    :class:`~megacp.generate.graph.BatchDecoder`."""
+    (transformers modules, sliding windows, mixture of experts). Same calls and :attr:`logprobs`
+    as :class:`~megacp.generate.graph.BatchDecoder`."""
 
     def __init__(self, gen: Generator, cache: ShardedKVCache) -> None:
         self.gen, self.cache = gen, cache
         self.slots: list[int] = []
         self._next: dict[int, Tensor] = {}
         self._samplers: dict[int, Sampler] = {}
+        self.logprobs: tuple[Tensor, Tensor, Tensor] | None = None
 
     def leave(self, slots: Sequence[int]) -> None:
         for s in slots:
@@ -84,7 +91,10 @@ class EagerBatch:
         logits = self.gen.decode_step(self.cache, self.slots, torch.cat([self._next[s] for s in self.slots]))
         for row, s in enumerate(self.slots):
             self._next[s] = self._samplers[s](logits[row: row + 1])
-        return torch.cat([self._next[s] for s in self.slots])
+        tokens = torch.cat([self._next[s] for s in self.slots])
+        k = max((k for k in (self._samplers[s].top_logprobs for s in self.slots) if k is not None), default=None)
+        self.logprobs = None if k is None else draw_logprobs(logits, tokens, k)
+        return tokens
 
 
 class Worker:
@@ -147,9 +157,15 @@ class Worker:
                                   context=None if a.context is None else [a.context])
                 new[a.slot] = (sampler(logits[row: row + 1]), sampler)
         first = torch.cat([t for t, _ in new.values()]).tolist() if new else []
+        first_logprobs = [None if s.logprobs is None else
+                          logprob_dicts([tok], s.logprobs[0].tolist(), s.logprobs[1].tolist(), s.logprobs[2].tolist(),
+                                        [s.top_logprobs])[0]
+                          for tok, (_, s) in zip(first, new.values())]
         if work.batch is not None:
             self.decoder.join(work.batch, new)
-        return StepOutput(first, self.decoder.step() if self.decoder.slots else None, strategies)
+        tokens = self.decoder.step() if self.decoder.slots else None
+        return StepOutput(first, tokens, strategies, first_logprobs,
+                          None if tokens is None else self.decoder.logprobs)
 
     def follow(self) -> None:
         """The loop of a rank other than 0: run rank 0's steps until it says stop."""

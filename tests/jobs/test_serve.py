@@ -1,7 +1,7 @@
 """``python -m megacp.serve`` as a subprocess on a tiny random Llama with a character tokenizer:
 the official ``openai`` client and raw httpx requests, 16 concurrent streaming clients at CP 1 and
 CP 2 (torchrun, gloo) against offline ``LLM.generate`` (greedy), multi-turn prefix reuse against
-transformers on the joined history, OpenAI-style errors, a disconnect freeing its slot, SIGTERM
+transformers on the joined history, logprobs against ``LLM.generate``'s, OpenAI-style errors, a disconnect freeing its slot, SIGTERM
 draining, the serving bench against a server. Two servers in all (module-scoped); on CPU their
 running batch decodes with the CUDA graphs' static step, run eagerly. Beside them, one process
 drives a :class:`~megacp.serve.worker.Worker` directly: requests joining and leaving the static and
@@ -24,28 +24,43 @@ from tests.helpers.distributed import free_port, run_distributed
 from tests.helpers.hf_models import hf_greedy, make_hf_model, save_char_tokenizer
 from tests.helpers.paths import ROOT
 from tests.helpers.serving import drive as _drive
+from tests.helpers.serving import logprobs_close
 from tests.helpers.serving import prompts as _prompts
 
 NEW = 6
 KEY = "sk-test"
 BUDGET = 16
 """The servers' ``--max-num-batched-tokens``: prompts arriving while others decode are chunked."""
+CHAT = [{"role": "user", "content": "hello there"}]
+TOP = 3
+"""Top log-probabilities asked per token."""
 
 
-def _offline(rank: int, n: int, path: str, prompts: list[list[int]]) -> tuple[list[list[int]], dict[str, bool]]:
-    """``LLM.generate``'s greedy tokens of ``prompts``, and whether a changing batch of requests
-    of mixed sampling settings gets each one's offline tokens from the static and eager batches."""
+def _offline(rank: int, n: int, path: str, prompts: list[list[int]]
+             ) -> tuple[list[list[int]], dict[str, bool], dict[str, list[dict[int, float]]]]:
+    """``LLM.generate``'s greedy tokens of ``prompts``, whether a changing batch of requests of
+    mixed sampling settings gets each one's offline tokens and logprobs from the static and eager
+    batches, and
+    the greedy log-probabilities (``TOP``) of ``prompts[0]`` and of ``CHAT``."""
     from megacp import LLM, SamplingParams
     from megacp.serve.worker import Worker
 
     llm = LLM(path, dtype="float32")
     ref = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=NEW, ignore_eos=True))]
+    asked = SamplingParams(max_tokens=NEW, ignore_eos=True, logprobs=TOP)
+    logprobs = {"completion": llm.generate(prompts[0], asked)[0].logprobs, "chat": llm.chat(CHAT, asked)[0].logprobs}
     kinds = [dict(), dict(temperature=0.8, top_k=20), dict(repetition_penalty=1.3), dict(top_p=0.9, presence_penalty=0.5)]
     few = prompts[:10]
-    params = [SamplingParams(max_tokens=2 + i % 5, seed=i, ignore_eos=True, **kinds[i % 4]) for i in range(len(few))]
-    want = [o.token_ids for o in llm.generate(few, params)]
-    return ref, {mode: _drive(Worker(llm.generator, 4, 64, vocab=llm.model_config.vocab_size, static=mode == "static",
-                                     capture=False), few, params) == want for mode in ("static", "eager")}
+    params = [SamplingParams(max_tokens=2 + i % 5, seed=i, ignore_eos=True, logprobs=(None, 2, 0)[i % 3], **kinds[i % 4])
+              for i in range(len(few))]
+    outs = llm.generate(few, params)
+    batches = {}
+    for mode in ("static", "eager"):
+        got, got_logprobs = _drive(Worker(llm.generator, 4, 64, vocab=llm.model_config.vocab_size,
+                                          static=mode == "static", capture=False), few, params)
+        batches[mode] = got == [o.token_ids for o in outs] and logprobs_close(got_logprobs, [o.logprobs for o in outs],
+                                                                               1e-5)
+    return ref, batches, logprobs
 
 
 def _start(cmd: list[str], port: int) -> subprocess.Popen:
@@ -79,12 +94,13 @@ def servers(tmp_path_factory: pytest.TempPathFactory):
                   str(free_port()), "-m", "megacp.serve", "--model", str(d), "--served-model-name", "tiny",
                   "--max-model-len", "256", "--max-num-batched-tokens", str(BUDGET)], ports[1])
     prompts = _prompts()
-    ref, batches = run_distributed(_offline, 1, str(d), prompts)[0]
+    ref, batches, logprobs = run_distributed(_offline, 1, str(d), prompts)[0]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     try:
         for proc, url in zip((one, two), urls):
             _wait(proc, url)
-        yield dict(urls=urls, procs=(one, two), prompts=prompts, ref=ref, hf=hf, dir=str(d), batches=batches)
+        yield dict(urls=urls, procs=(one, two), prompts=prompts, ref=ref, hf=hf, dir=str(d), batches=batches,
+                   logprobs=logprobs)
     finally:
         for proc in (one, two):
             if proc.poll() is None:
@@ -126,7 +142,8 @@ def test_common_prefix_equals_a_token_by_token_count() -> None:
 
 def test_a_changing_batch_decodes_as_offline_generate(servers) -> None:
     """Requests joining and leaving the static batch (rows moved, padded sizes, mixed sampler
-    features) and the eager batch get the tokens ``LLM.generate`` gives each."""
+    features, some asking for logprobs) and the eager batch get the tokens and logprobs
+    ``LLM.generate`` gives each."""
     assert servers["batches"] == {"static": True, "eager": True}
 
 
@@ -151,7 +168,7 @@ def test_openai_client_completions_chat_and_streaming(servers) -> None:
     out = client.completions.create(model="tiny", prompt=p, max_tokens=NEW, temperature=0, extra_body={"ignore_eos": True})
     assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == NEW
     assert out.model_extra is not None and out.choices[0].model_extra["token_ids"] == ref
-    msgs = [{"role": "user", "content": "hello there"}]
+    msgs = CHAT
     chat = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=NEW, temperature=0,
                                           extra_body={"ignore_eos": True})
     pieces = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=NEW, temperature=0, stream=True,
@@ -163,6 +180,55 @@ def test_openai_client_completions_chat_and_streaming(servers) -> None:
     ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
     assert chat.choices[0].model_extra["token_ids"] == hf_greedy(servers["hf"], [list(ids)], NEW)[0]
     assert chat.usage.prompt_tokens == len(ids)
+
+
+def test_logprobs_equal_offline_generate_in_openai_shapes(servers) -> None:
+    """Greedy logprobs through the official client (a completion at CP 1, streamed at CP 2; a chat,
+    plain and streamed) equal ``LLM.generate``'s within 1e-5, the chosen token being the most
+    likely one; values out of range get OpenAI's 400."""
+    from openai import BadRequestError, OpenAI
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(servers["dir"])
+    one, two = (OpenAI(base_url=u + "/v1", api_key=KEY) for u in servers["urls"])
+    kw: dict = dict(model="tiny", max_tokens=NEW, temperature=0, extra_body={"ignore_eos": True})
+    want, ids = servers["logprobs"], servers["ref"][0]
+
+    def close(got: dict[str, float], ref: dict[int, float]) -> bool:
+        return got.keys() == {tok.decode([t]) for t in ref} and all(abs(got[tok.decode([t])] - v) <= 1e-5
+                                                                    for t, v in ref.items())
+
+    plain = one.completions.create(prompt=servers["prompts"][0], logprobs=TOP, **kw).choices[0].logprobs
+    chunks = [c.choices[0].logprobs for c in two.completions.create(prompt=servers["prompts"][0], logprobs=TOP,
+                                                                    stream=True, **kw)]
+    streamed = {k: sum((getattr(c, k) for c in chunks if c is not None), []) for k in
+                ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+    for lp in (plain.model_dump(), streamed):
+        assert lp["tokens"] == [tok.decode([t]) for t in ids] and len(want["completion"]) == NEW
+        assert lp["text_offset"] == [sum(len(x) for x in lp["tokens"][:i]) for i in range(NEW)]
+        for t, value, top, ref in zip(ids, lp["token_logprobs"], lp["top_logprobs"], want["completion"]):
+            assert close(top, ref) and abs(value - ref[t]) <= 1e-5 and value == max(top.values())
+    chat = one.chat.completions.create(messages=CHAT, logprobs=True, top_logprobs=TOP, **kw).choices[0]
+    pieces = [c.choices[0].logprobs for c in two.chat.completions.create(messages=CHAT, logprobs=True, top_logprobs=TOP,
+                                                                         stream=True, **kw)]
+    streamed_chat = [e for c in pieces if c is not None for e in c.content or []]
+    assert chat.logprobs is not None and len(chat.logprobs.content or []) == NEW == len(streamed_chat)
+    for content in (chat.logprobs.content or [], streamed_chat):
+        for e, t, ref in zip(content, chat.model_extra["token_ids"], want["chat"]):
+            assert e.token == tok.decode([t]) and e.bytes == list(e.token.encode()) and abs(e.logprob - ref[t]) <= 1e-5
+            best = sorted(ref.items(), key=lambda x: -x[1])[:TOP]
+            assert [x.token for x in e.top_logprobs] == [tok.decode([i]) for i, _ in best]
+            assert all(abs(x.logprob - v) <= 1e-5 for x, (_, v) in zip(e.top_logprobs, best))
+            assert e.top_logprobs[0].logprob == e.logprob
+    bad = [(one.completions.create, dict(prompt=[5, 6], logprobs=21), "logprobs"),
+           (one.chat.completions.create, dict(messages=CHAT, logprobs=True, top_logprobs=21), "top_logprobs"),
+           (one.chat.completions.create, dict(messages=CHAT, top_logprobs=2), "top_logprobs")]
+    for call, args, param in bad:
+        with pytest.raises(BadRequestError) as err:
+            call(model="tiny", max_tokens=2, **args)
+        body = err.value.response.json()["error"]
+        assert set(body) == {"message", "type", "param", "code"} and body["param"] == param
+        assert body["type"] == "invalid_request_error" and param in body["message"]
 
 
 def test_multi_turn_reuses_the_cached_prefix(servers) -> None:

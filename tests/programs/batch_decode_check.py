@@ -8,11 +8,14 @@ A tiny random Llama (tests/helpers/hf_models.py), float32 and bfloat16. Twelve r
 a :class:`~megacp.serve.worker.Worker` of 4 slots as the server's engine drives it
 (``tests/helpers/serving.py::drive``: newcomers join the running batch 1 to 3 a step, finished
 requests leave, rows move, padded sizes 1, 2, 4), greedy and then mixed sampling settings (top-k,
-top-p, repetition / presence penalties, seeds: graphs of several sampler features):
+top-p, repetition / presence penalties, seeds: graphs of several sampler features; some requests
+ask for logprobs, computed after the replay from the graph's logits):
 
-* ``graph = static eager``: identical tokens (the same kernels, replayed from graphs).
-* ``graph = generate``: identical tokens to ``LLM.generate`` of the same requests (float32:
-  ``PASS``/``FAIL``; bfloat16: differences are ``WARN``, near-ties under other kernels' rounding).
+* ``graph = static eager``: identical tokens (the same kernels, replayed from graphs), logprobs
+  within 1e-6.
+* ``graph = generate``: identical tokens to ``LLM.generate`` of the same requests and logprobs
+  within 1e-4 (float32: ``PASS``/``FAIL``; bfloat16: differences are ``WARN``, near-ties under
+  other kernels' rounding).
 * ``eager batch = generate``: the same for the eager batch (:class:`~megacp.serve.worker.EagerBatch`).
 
 Prints one ``PASS``/``FAIL``/``WARN`` line per check (rank 0) and ends with ``ALL PASS`` or
@@ -30,6 +33,7 @@ import torch.distributed as dist
 
 from tests.helpers.hf_models import make_hf_model, save_char_tokenizer
 from tests.helpers.serving import drive as _drive
+from tests.helpers.serving import logprobs_close
 from tests.helpers.serving import prompts as _prompts
 
 
@@ -61,9 +65,11 @@ def main() -> int:
         for dtype in ("float32", "bfloat16"):
             llm = LLM(box[0], dtype=dtype, state=state)
             for name, params in (("greedy", [SamplingParams(max_tokens=2 + i % 7, ignore_eos=True) for i in range(12)]),
-                                 ("mixed", [SamplingParams(max_tokens=2 + i % 7, seed=i, ignore_eos=True, **kinds[i % 4])
+                                 ("mixed", [SamplingParams(max_tokens=2 + i % 7, seed=i, ignore_eos=True,
+                                                           logprobs=(None, 2, 0)[i % 3], **kinds[i % 4])
                                             for i in range(12)])):
-                ref = [o.token_ids for o in llm.generate(prompts, params)]
+                outs = llm.generate(prompts, params)
+                ref, ref_logprobs = [o.token_ids for o in outs], [o.logprobs for o in outs]
                 got = {}
                 for mode, static, capture in (("graph", True, True), ("static eager", True, False),
                                               ("eager batch", False, False)):
@@ -71,9 +77,12 @@ def main() -> int:
                                     capture=capture)
                     got[mode] = _drive(worker, prompts, params)
                     del worker
-                checks = [("graph = static eager", got["graph"] == got["static eager"], True),
-                          ("graph = generate", got["graph"] == ref, dtype == "float32"),
-                          ("eager batch = generate", got["eager batch"] == ref, dtype == "float32")]
+                checks = [("graph = static eager", got["graph"][0] == got["static eager"][0]
+                           and logprobs_close(got["graph"][1], got["static eager"][1], 1e-6), True),
+                          ("graph = generate", got["graph"][0] == ref
+                           and logprobs_close(got["graph"][1], ref_logprobs, 1e-4), dtype == "float32"),
+                          ("eager batch = generate", got["eager batch"][0] == ref
+                           and logprobs_close(got["eager batch"][1], ref_logprobs, 1e-4), dtype == "float32")]
                 for what, ok, strict in checks:
                     verdict = "PASS" if ok else "FAIL" if strict else "WARN"
                     failed += verdict == "FAIL"
