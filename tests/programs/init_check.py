@@ -39,8 +39,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"init_check: error: {err}", file=sys.stderr)
         return 2
     group = state.group("cp")
-    gathered = [torch.zeros(1, dtype=torch.int64) for _ in range(state.size("cp"))]
-    dist.all_gather(gathered, torch.tensor([state.rank]), group=group)
+    gathered = [torch.zeros(1, dtype=torch.int64, device=state.device) for _ in range(state.size("cp"))]
+    dist.all_gather(gathered, torch.tensor([state.rank], device=state.device), group=group)
     report = {
         "rank": state.rank,
         "world_size": state.world_size,
@@ -56,8 +56,8 @@ def main(argv: list[str] | None = None) -> int:
         while not os.path.exists(args.hold_until):
             time.sleep(0.1)
         everyone = dist.new_group(list(range(state.world_size)))
-        held = [torch.zeros(1, dtype=torch.int64) for _ in range(state.world_size)]
-        dist.all_gather(held, torch.tensor([state.rank]), group=everyone)
+        held = [torch.zeros(1, dtype=torch.int64, device=state.device) for _ in range(state.world_size)]
+        dist.all_gather(held, torch.tensor([state.rank], device=state.device), group=everyone)
         report["held_ranks_gathered"] = [int(t) for t in held]
     sys.stdout.write(PREFIX + json.dumps(report) + "\n")  # one write: ranks share the launcher's pipe
     sys.stdout.flush()
