@@ -30,17 +30,27 @@ env ``MEGACP_ATTN_BACKEND``, read once by :func:`megacp.initialize` and handed t
 for shapes a kernel refuses (the refusal is remembered per dtype, batch dimension, heads, head dim
 and mask, not per length; an out-of-memory error is raised, not taken for a refusal); fp32 and CPU
 tensors use the reference path. Every kernel's LSE is natural log, fp32 (checked on H200, see docs/GPU_FACTS.md).
+
+cuDNN plans: torch builds a cuDNN execution plan for every exact sequence length it meets (tens to
+hundreds of milliseconds each), and megacp meets many — each packed document's tile in training,
+each prompt length and chat turn in serving. Importing this module sets
+``TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1`` unless the environment already sets it (``0`` turns it off):
+torch then reuses plans across lengths for BSHD-contiguous inputs without bias, as megacp passes.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from typing import Callable, TypeVar
 
 import torch
 from torch import Tensor
 
 from megacp.attention.merge import finite_or_zero, merge_into, merge_states
+
+CUDNN_PLAN_REUSE = "TORCH_CUDNN_SDPA_AVOID_RECOMPILE"
+os.environ.setdefault(CUDNN_PLAN_REUSE, "1")  # see "cuDNN plans" above
 
 BACKENDS = ("auto", "cudnn", "flash", "reference")
 _KERNEL_ORDER = ("cudnn", "flash")

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import signal
 import sys
 from collections.abc import Iterator
@@ -34,12 +33,6 @@ SWITCH_INTERVAL_S = 5e-4
 """Python's thread switch interval on rank 0 (default 5 ms): the engine thread, back from waiting
 on the GPU, gets the interpreter from the HTTP thread within this, not a whole decode step later."""
 
-
-CUDNN_AVOID_RECOMPILE = "TORCH_CUDNN_SDPA_AVOID_RECOMPILE"
-"""Set to 1 unless given: torch's cuDNN attention then rounds sequence lengths up to powers of two
-in its plan cache (BSHD-contiguous inputs without bias, as megacp's fused calls pass) instead of
-building plans for every new length — each chat turn over a longer history, each new prompt
-length (torch builds a plan per exact length otherwise, tens to hundreds of milliseconds)."""
 
 DEFAULT_BATCHED_TOKENS = 256
 """``--max-num-batched-tokens`` by default: a decode step of the running batch waits for at most
@@ -122,7 +115,6 @@ def _serve(args: argparse.Namespace) -> int:
     from megacp.serve.worker import Worker
 
     _set_threads()
-    os.environ.setdefault(CUDNN_AVOID_RECOMPILE, "1")
     state = initialize(args.deepspeed_config)
     model_path = args.model or default_model_path()
     llm = LLM(model_path, dtype=args.dtype, strategy=args.strategy, prefill_chunk=args.prefill_chunk,
