@@ -14,7 +14,8 @@ token-id prompts, greedy, no stop tokens).
   to the single stream's. Inter-token latency: gaps between a request's consecutive streamed
   tokens as the client receives them, p50 / p90 / p99 / max, and how many gaps exceed twice the
   single stream's p99 (the server's ``--max-num-batched-tokens`` bounds the prefill a decode step
-  waits for; its chunk counters are in ``server_metrics``). Targets: ratio >= 8, p99 ITL < 2x the
+  waits for; the steps that prefilled the concurrent prompts are ``prefill_steps``, the chunk
+  counters are in ``server_metrics``). Targets: ratio >= 8, p99 ITL < 2x the
   single stream's p99.
 * **chat**: one conversation of ``--turns`` turns over a random ``--history``-token history: each
   turn adds ``--turn-len`` new tokens, streams a ``--reply-len`` reply and keeps it in the history
@@ -330,7 +331,10 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 streams_phase(args, url, 1, rng, vocab, None)  # warm-up: the first requests' one-time costs
                 single = streams_phase(args, url, 1, rng, vocab, None)
+                before = httpx.get(url + "/metrics", headers=_headers(args.api_key), timeout=10).json()
                 many = streams_phase(args, url, args.clients, rng, vocab, pool, TARGET_ITL * single["itl_p99_ms"])
+                after = httpx.get(url + "/metrics", headers=_headers(args.api_key), timeout=10).json()
+                many["prefill_steps"] = after.get("prefill_steps", 0) - before.get("prefill_steps", 0)
             finally:
                 if pool is not None:
                     pool.shutdown()
@@ -344,7 +348,9 @@ def main(argv: list[str] | None = None) -> int:
                       f"p90 {row['itl_p90_ms']:.2f} p99 {row['itl_p99_ms']:.2f} max {row['itl_max_ms']:.2f} ms  "
                       f"TTFT p50 {row['ttft_p50_ms']:.1f} ms", flush=True)
             print(f"{many['slow_gaps']} of {many['gaps']} gaps over {TARGET_ITL:g}x the single stream's p99 "
-                  f"(p99 passes while at most {many['gaps'] // 100})", flush=True)
+                  f"(p99 passes while at most {many['gaps'] // 100}); the {many['clients']} prompts prefilled in "
+                  f"{many['prefill_steps']} steps (--max-num-batched-tokens {meta['max_num_batched_tokens']})",
+                  flush=True)
             print(f"throughput {ratio:.2f}x single stream (target >= {TARGET_RATIO:g}), p99 ITL {itl_ratio:.2f}x "
                   f"(target < {TARGET_ITL:g})", flush=True)
             warmup, turns = chat_phase(args, url, rng, vocab)
