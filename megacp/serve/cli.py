@@ -34,10 +34,11 @@ SWITCH_INTERVAL_S = 5e-4
 on the GPU, gets the interpreter from the HTTP thread within this, not a whole decode step later."""
 
 
-DEFAULT_BATCHED_TOKENS = 256
-"""``--max-num-batched-tokens`` by default: a decode step of the running batch waits for at most
-this many prefill tokens (an estimate for one H100: 256 tokens through 8 layers of the
-Llama-3.1-8B shape are about 0.9 TFLOP, some 2 ms, under the 2.8 ms decode step of 32 streams)."""
+DEFAULT_BATCHED_TOKENS = 2048
+"""``--max-num-batched-tokens`` by default (vLLM's for chunked prefill): a step prefills the
+newcomers' prompts together up to this many tokens, so a decode step of the running batch waits
+for at most this many prefill tokens and a burst of arrivals costs the running streams one slow
+step per 2048 prompt tokens, not one per request."""
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -61,9 +62,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="chunked prefill: tokens per chunk (0 = automatic: sized from the free GPU memory on CUDA, "
                         "the whole prompt on CPU)")
     p.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_BATCHED_TOKENS,
-                   help="chunked prefill beside decoding: prefill tokens a step that decodes running requests "
-                        "computes at most; prompts arriving then are split into chunks of this size "
-                        f"(0 = no limit: newcomers are prefilled whole; default: {DEFAULT_BATCHED_TOKENS})")
+                   help="prefill tokens a step that decodes running requests computes at most, over all the "
+                        "waiting requests it admits (prefilled together); prompts arriving then are split into "
+                        f"chunks of this size (0 = no limit: newcomers are prefilled whole; default: "
+                        f"{DEFAULT_BATCHED_TOKENS})")
     p.add_argument("--no-cuda-graphs", "--enforce-eager", dest="no_cuda_graphs", action="store_true",
                    help="run the running batch's decode step eagerly instead of replaying CUDA graphs")
     p.add_argument("--deepspeed", action="store_true", help="DeepSpeed's own flag, accepted for its launchers")

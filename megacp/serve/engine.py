@@ -7,11 +7,15 @@ has run one more step, whose token is dropped (its last token's keys and values 
 The log-probabilities a request asks for travel with its tokens (copied beside them, read with
 them; nothing is copied for a batch in which no request asks).
 
-Chunked prefill (as vLLM's and SGLang's ``max_num_batched_tokens``): a request admitted while
-others decode has its prompt split into chunks of at most ``max_batched_tokens`` tokens, and a
-step that decodes the running batch prefills chunks of at most that many tokens in all (oldest
-request first), so each decode step waits for one chunk at most. A request admitted while none
-decodes is prefilled whole in its first step (nobody waits for it)."""
+Admission and chunked prefill (as vLLM's and SGLang's ``max_num_batched_tokens``): each step
+gives every waiting request an idle slot while there is one, and prefills the prompt chunks of as
+many of the admitted requests as fit ``max_batched_tokens`` tokens in all (oldest request first,
+one forward for all of them, always at least one chunk) before the running batch's decode step. A
+burst of arrivals thus costs the running streams one slow step per ``max_batched_tokens`` prompt
+tokens, not one per arrival. A request admitted while others decode has its prompt split into
+chunks of at most ``max_batched_tokens`` tokens, so each decode step waits for one step's budget
+at most; one admitted while none decodes is prefilled whole in its first step (nobody waits for
+it)."""
 
 from __future__ import annotations
 
@@ -123,8 +127,9 @@ class Engine:
         tokenizer: for stop strings and streamed text (``None``: token ids only).
         max_queue: requests waiting at most before :class:`QueueFull`.
         prefix_reuse: reuse a finished request's cached tokens for a request that starts alike.
-        max_batched_tokens: prefill tokens a step that decodes the running batch computes at most
-            (chunked prefill; 0: no limit, newcomers are prefilled whole).
+        max_batched_tokens: prefill tokens a step that decodes the running batch computes at most,
+            over all the newcomers it prefills (chunked prefill; 0: no limit, newcomers are
+            prefilled whole, all in the step that admits them).
     """
 
     def __init__(self, worker: Worker, tokenizer: Any, *, max_queue: int, prefix_reuse: bool = True,
@@ -139,11 +144,13 @@ class Engine:
         self.draining = False
         self.metrics: dict[str, Any] = dict(requests=0, steps=0, prompt_tokens=0, prefilled_tokens=0,
                                             cached_tokens=0, generated_tokens=0, prefill_strategies={},
-                                            prefill_chunks=0, chunked_requests=0, max_prefill_beside_decode=0,
-                                            max_num_batched_tokens=max_batched_tokens, decode=worker.decode_mode)
-        """Counters: ``prefill_chunks`` (prompt chunks run; a prompt prefilled whole is one),
-        ``chunked_requests`` (requests whose prompt was split), ``max_prefill_beside_decode`` (the
-        most prefill tokens of a step that also decoded running requests)."""
+                                            prefill_steps=0, prefill_chunks=0, chunked_requests=0,
+                                            max_prefill_beside_decode=0, max_num_batched_tokens=max_batched_tokens,
+                                            decode=worker.decode_mode)
+        """Counters: ``prefill_steps`` (steps that ran prompt chunks, one forward each),
+        ``prefill_chunks`` (prompt chunks run; a prompt prefilled whole is one), ``chunked_requests``
+        (requests whose prompt was split), ``max_prefill_beside_decode`` (the most prefill tokens of
+        a step that also decoded running requests)."""
         self.batch: list[Request] = []
         """The running batch, row by row (as the latest step ran it)."""
         self.prefilling: list[Request] = []
@@ -243,9 +250,9 @@ class Engine:
         return True
 
     def _chunks(self, work: Work, decoding: bool) -> list[Request]:
-        """Add this step's prompt chunks to ``work`` (oldest request first; with requests
-        ``decoding``, at most ``max_batched_tokens`` tokens in all, but always one chunk); return
-        the requests whose prompt they complete."""
+        """Add this step's prompt chunks to ``work``, the next chunk of every admitted request while
+        they fit (oldest request first; with requests ``decoding``, at most ``max_batched_tokens``
+        tokens in all, but always one chunk); return the requests whose prompt they complete."""
         budget = self.max_batched_tokens if decoding and self.max_batched_tokens else None
         used, joined = 0, []
         for r in self.prefilling:
@@ -263,6 +270,8 @@ class Engine:
             r.prefilled += n
             if last:
                 joined.append(r)
+        if used:
+            self.metrics["prefill_steps"] += 1
         if decoding:
             self.metrics["max_prefill_beside_decode"] = max(self.metrics["max_prefill_beside_decode"], used)
         self.prefilling = [r for r in self.prefilling if r not in joined]

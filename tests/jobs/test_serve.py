@@ -5,7 +5,8 @@ transformers on the joined history, logprobs against ``LLM.generate``'s, OpenAI-
 draining, the serving bench against a server. Two servers in all (module-scoped); on CPU their
 running batch decodes with the CUDA graphs' static step, run eagerly. Beside them, one process
 drives a :class:`~megacp.serve.worker.Worker` directly: requests joining and leaving the static and
-the eager batch, against ``LLM.generate``."""
+the eager batch, and an engine stepped by hand admitting a burst of newcomers, against
+``LLM.generate``."""
 
 from __future__ import annotations
 
@@ -36,12 +37,39 @@ TOP = 3
 """Top log-probabilities asked per token."""
 
 
+def _burst(llm, prompts: list[list[int]], ref: list[list[int]]) -> dict[str, object]:
+    """An :class:`~megacp.serve.engine.Engine` stepped by hand: ``prompts[0]`` decodes, then
+    ``prompts[1:5]`` wait at once with a budget of ``prompts[1:4]``'s tokens. Returns the prefill
+    steps and chunks after each of the first two steps, the requests still prefilling after the
+    burst's step, and whether every request got its ``ref`` tokens."""
+    from megacp import SamplingParams
+    from megacp.serve.engine import Engine, Request
+    from megacp.serve.worker import Worker
+
+    loop = asyncio.new_event_loop()
+    worker = Worker(llm.generator, 5, 64, vocab=llm.model_config.vocab_size, static=True, capture=False)
+    engine = Engine(worker, None, max_queue=8, max_batched_tokens=sum(len(p) for p in prompts[1:4]))
+    reqs = [Request(p, SamplingParams(max_tokens=NEW, ignore_eos=True), loop) for p in prompts[:5]]
+    counts = []
+    for arriving in (reqs[:1], reqs[1:]):
+        engine.waiting.extend(arriving)
+        engine._step()
+        counts.append((engine.metrics["prefill_steps"], engine.metrics["prefill_chunks"]))
+    prefilling = engine.status()["prefilling"]
+    for _ in range(4 * NEW):
+        if all(r.done for r in reqs):
+            break
+        engine._step()
+    loop.close()
+    return dict(counts=counts, prefilling=prefilling, exact=[r.tokens for r in reqs] == ref[:5])
+
+
 def _offline(rank: int, n: int, path: str, prompts: list[list[int]]
-             ) -> tuple[list[list[int]], dict[str, bool], dict[str, list[dict[int, float]]]]:
+             ) -> tuple[list[list[int]], dict[str, bool], dict[str, list[dict[int, float]]], dict[str, object]]:
     """``LLM.generate``'s greedy tokens of ``prompts``, whether a changing batch of requests of
     mixed sampling settings gets each one's offline tokens and logprobs from the static and eager
-    batches, and
-    the greedy log-probabilities (``TOP``) of ``prompts[0]`` and of ``CHAT``."""
+    batches, the greedy log-probabilities (``TOP``) of ``prompts[0]`` and of ``CHAT``, and
+    :func:`_burst`'s outcome."""
     from megacp import LLM, SamplingParams
     from megacp.serve.worker import Worker
 
@@ -60,7 +88,7 @@ def _offline(rank: int, n: int, path: str, prompts: list[list[int]]
                                           static=mode == "static", capture=False), few, params)
         batches[mode] = got == [o.token_ids for o in outs] and logprobs_close(got_logprobs, [o.logprobs for o in outs],
                                                                                1e-5)
-    return ref, batches, logprobs
+    return ref, batches, logprobs, _burst(llm, prompts, ref)
 
 
 def _start(cmd: list[str], port: int) -> subprocess.Popen:
@@ -94,13 +122,13 @@ def servers(tmp_path_factory: pytest.TempPathFactory):
                   str(free_port()), "-m", "megacp.serve", "--model", str(d), "--served-model-name", "tiny",
                   "--max-model-len", "256", "--max-num-batched-tokens", str(BUDGET)], ports[1])
     prompts = _prompts()
-    ref, batches, logprobs = run_distributed(_offline, 1, str(d), prompts)[0]
+    ref, batches, logprobs, burst = run_distributed(_offline, 1, str(d), prompts)[0]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     try:
         for proc, url in zip((one, two), urls):
             _wait(proc, url)
         yield dict(urls=urls, procs=(one, two), prompts=prompts, ref=ref, hf=hf, dir=str(d), batches=batches,
-                   logprobs=logprobs)
+                   logprobs=logprobs, burst=burst)
     finally:
         for proc in (one, two):
             if proc.poll() is None:
@@ -145,6 +173,14 @@ def test_a_changing_batch_decodes_as_offline_generate(servers) -> None:
     features, some asking for logprobs) and the eager batch get the tokens and logprobs
     ``LLM.generate`` gives each."""
     assert servers["batches"] == {"static": True, "eager": True}
+
+
+def test_a_burst_of_newcomers_is_prefilled_in_one_step(servers) -> None:
+    """Three requests arriving together while one decodes are prefilled in one step (one forward)
+    as their prompts fit the step's token budget; a fourth that does not fit waits for the next
+    step; all five get ``LLM.generate``'s tokens."""
+    burst = servers["burst"]
+    assert burst["counts"] == [(1, 1), (2, 4)] and burst["prefilling"] == 1 and burst["exact"]
 
 
 @pytest.mark.parametrize("cp", [1, 2])
