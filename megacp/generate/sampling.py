@@ -154,10 +154,13 @@ def gumbel_noise(keys: Tensor, steps: Tensor, columns: Tensor) -> Tensor:
     """``log(-log(u))`` fp32 ``[B, N]`` (a negated Gumbel(0, 1) draw) of uniform ``u`` in (0, 1)
     hashed from (``keys[b]``, ``steps[b]``, vocabulary index) per element (``keys``, ``steps`` ``[B]``
     int64, ``steps`` < 2**31; ``columns`` int64 ``[N]`` or ``[B, N]``: :func:`mix32` of the
-    vocabulary indices; 24 bits of ``u``). ``argmax(logits - noise)`` draws from ``softmax(logits)``."""
+    vocabulary indices; 24 bits of ``u``). ``argmax(logits - noise)`` draws from ``softmax(logits)``.
+    The largest hash rounds ``u`` to 1 in fp32; ``-log(u)`` is held at 2**-24 or above (its value at
+    ``u = 1 - 2**-24``), so the noise is finite: no column wins whatever its logit, and no ``-inf``
+    (filtered) column turns NaN and wins the argmax."""
     row = mix32((keys + steps * _WEYL) & _MASK32)
     bits = mix32(row[:, None] ^ (columns if columns.dim() == 2 else columns[None, :])) >> 8
-    return torch.log(-torch.log((bits.float() + 0.5) * 2.0 ** -24))
+    return torch.log((-torch.log((bits.float() + 0.5) * 2.0 ** -24)).clamp_min(2.0 ** -24))
 
 
 def gumbel_argmax(values: Tensor, keys: Tensor, steps: Tensor, columns: Tensor, *, index: Tensor | None = None,

@@ -67,11 +67,12 @@ if triton is not None:
                 v = n.to(tl.int64)
             bits = _mix32(row ^ _mix32(v)) >> 8
             u = (bits.to(tl.float32) + 0.5) * 5.9604644775390625e-08  # 2**-24
-            g = tl.log(-tl.log(u))
+            g = tl.log(tl.maximum(-tl.log(u), 5.9604644775390625e-08))  # u = 1 at the largest hash
             if HAS_QUIET:
                 g = tl.where(tl.load(quiet_ptr + b) != 0, 0.0, g)
             y = x - g
-            better = y > best
+            # a lane takes its first column even at -inf: a row that is -inf throughout gives its first column
+            better = (y > best) | ((pos == N) & inside & (y == y))
             best = tl.where(better, y, best)
             pos = tl.where(better, n, pos)
             tok = tl.where(better, v, tok)

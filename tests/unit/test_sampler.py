@@ -8,6 +8,8 @@ token streams split UTF-8 characters)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -118,36 +120,72 @@ def test_unsorted_draws_equal_sorted_ones() -> None:
         assert int(a[2]) == int(stream[t, 2].argmax())
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused draw runs on CUDA")
+def test_noise_is_finite_at_the_largest_hash() -> None:
+    """Key 0, step 611, vocabulary index 5056 hash to 2**24 - 1, where ``u`` rounds to 1 in fp32: the
+    noise there is log(2**-24), and a draw whose floor removes that column does not pick it, sorted
+    or not."""
+    from megacp.generate import sampling
+
+    key, step, col, vocab = 0, 611, 5056, 8192
+    assert sampling.mix32(sampling.mix32((key + step * 0x9E3779B1) & 0xFFFFFFFF) ^ sampling.mix32(col)) >> 8 == 2**24 - 1
+    keys, steps = torch.tensor([key]), torch.tensor([step])
+    columns = sampling.mix32(torch.arange(vocab))
+    noise = sampling.gumbel_noise(keys, steps, columns)
+    assert noise.isfinite().all() and float(noise[0, col]) == pytest.approx(-16.6355323, abs=1e-6)
+    values = torch.zeros(1, vocab)
+    values[0, col] = -10.0
+    floor = torch.tensor([-1.0])
+    index = values.argsort(-1)
+    assert int(sampling.gumbel_argmax(values, keys, steps, columns, floor=floor)) != col
+    assert int(sampling.gumbel_argmax(values.gather(-1, index), keys, steps, columns, index=index, floor=floor)) != col
+
+
 def test_fused_draw_equals_the_torch_form() -> None:
-    """On CUDA the Triton draw gives the torch form's tokens, with and without a sort index,
-    temperature, min-p floor and noiseless rows, on vocabularies that do not fill its chunks."""
+    """The Triton draw gives the tokens of the torch form written out here and of the module's torch
+    fallback, with and without a sort index, temperature, min-p floor and noiseless rows, on
+    vocabularies that do not fill its chunks, rows floored away entirely (their first column) and
+    a column whose ``u`` rounds to 1 below the floor (key 0, step 611, vocabulary index 5056)."""
     from megacp.generate import sampling, sampling_kernel
 
-    if not sampling_kernel.available(torch.zeros(1, device="cuda")):
+    if sampling_kernel.triton is None:
         pytest.skip("Triton is missing")
-    dev = torch.device("cuda")
+    if torch.cuda.is_available():
+        dev = torch.device("cuda")
+    elif os.environ.get("TRITON_INTERPRET") == "1":  # Triton's interpreter: about two minutes
+        dev = CPU
+    else:
+        pytest.skip("the fused draw runs on CUDA (or on the CPU under TRITON_INTERPRET=1)")
     g = torch.Generator().manual_seed(9)
     for vocab in (1000, 49152, 50001):
-        b = 16
-        values = (torch.randn(b, vocab, generator=g) * 3).to(dev)
-        keys = torch.tensor([sampling.seed_key(i) for i in range(b)], device=dev)
-        steps = torch.randint(0, 1000, (b,), generator=g).to(dev)
-        columns = sampling.mix32(torch.arange(vocab, device=dev))
-        temperature = (torch.rand(b, generator=g) + 0.5).to(dev)
-        floor = values.amax(-1) / temperature - 2.0
-        noiseless = torch.arange(b, device=dev) % 5 == 0
+        b = 64
+        values = torch.randn(b, vocab, generator=g) * 3
+        keys = torch.tensor([sampling.seed_key(i) for i in range(b)])
+        steps = torch.randint(0, 1000, (b,), generator=g)
+        steps[0] = 611
+        if vocab > 5056:
+            values[0, 5056] = values[0].amin()
+        temperature = torch.rand(b, generator=g) + 0.5
+        scaled_floor = values.amax(-1) / temperature - 2.0
+        floor = values.amax(-1) - 2.0
+        scaled_floor[1] = floor[1] = float("inf")
+        noiseless = torch.arange(b) % 5 == 0
         index = values.argsort(-1)
-        for kw in (dict(), dict(temperature=temperature, floor=floor, noiseless=noiseless),
+        columns = sampling.mix32(torch.arange(vocab))
+        for kw in (dict(), dict(temperature=temperature, floor=scaled_floor, noiseless=noiseless),
                    dict(index=index, floor=floor)):
-            fused = sampling_kernel.gumbel_argmax_fused(values.gather(-1, index) if "index" in kw else values,
-                                                        keys, steps, kw.get("index"), kw.get("temperature"),
-                                                        kw.get("floor"), kw.get("noiseless"))
+            v = values.gather(-1, index) if "index" in kw else values
+            fused = sampling_kernel.gumbel_argmax_fused(
+                v.to(dev), keys.to(dev), steps.to(dev), *(t if t is None else t.to(dev) for t in (
+                    kw.get("index"), kw.get("temperature"), kw.get("floor"), kw.get("noiseless")))).cpu()
             x = values / kw["temperature"][:, None] if "temperature" in kw else values
             x = x.masked_fill(x < kw["floor"][:, None], float("-inf")) if "floor" in kw else x
             noise = sampling.gumbel_noise(keys, steps, columns)
             noise = noise.masked_fill(kw["noiseless"][:, None], 0.0) if "noiseless" in kw else noise
-            assert torch.equal(fused, (x - noise).argmax(-1)), (vocab, list(kw))
+            want = (x - noise).argmax(-1)
+            if "index" in kw:  # a row floored away entirely gives its first (sorted) column
+                want = torch.where((x == float("-inf")).all(-1), index[:, 0], want)
+            assert torch.equal(fused, want), (vocab, list(kw), (fused != want).nonzero().flatten().tolist())
+            assert torch.equal(fused, sampling.gumbel_argmax(v, keys, steps, columns, **kw)), (vocab, list(kw))
 
 
 def test_draws_follow_the_softmax() -> None:
