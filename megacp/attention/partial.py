@@ -13,10 +13,13 @@ sees key ``j`` iff ``j <= i + (Lk - Lq)``; this is the plain causal mask when ``
 also hides key ``j`` from query ``i`` when ``j < i + (Lk - Lq) - w``.
 
 Which kernel serves which tile: a tile without ``left`` (inside the window, or no window) runs as
-below; a banded tile runs FlashAttention-2 with its window arguments
-(``aten._flash_attention_forward(window_size_left=, window_size_right=)``) for fp16/bf16 CUDA
-tensors (``"auto"`` or ``"flash"``), and the reference path with the band masked by index everywhere
-else (cuDNN's SDPA op in torch takes no window).
+below. cuDNN's SDPA op in torch takes no window, so for fp16/bf16 CUDA tensors ``[L, H, D]`` a
+banded tile (``left >= 0``) is built from batched square causal cuDNN calls
+(:mod:`~megacp.attention.band`; ``"cudnn"``, and ``"auto"`` for causal bands of at least
+:data:`CUDNN_BAND_MIN` keys) or runs FlashAttention-2 with its window arguments
+(``aten._flash_attention_forward(window_size_left=, window_size_right=)``; ``"flash"``, and
+``"auto"`` for narrower causal bands or where cuDNN refuses); everywhere else it takes the reference
+path with the band masked by index.
 
 Backends (``backend=``; default ``"auto"``; a job configures it as ``runtime.attention_backend`` or
 env ``MEGACP_ATTN_BACKEND``, read once by :func:`megacp.initialize` and handed to the CP layers):
@@ -47,6 +50,7 @@ from typing import Callable, TypeVar
 import torch
 from torch import Tensor
 
+from megacp.attention.band import band_attention
 from megacp.attention.merge import finite_or_zero, merge_into, merge_states
 
 CUDNN_PLAN_REUSE = "TORCH_CUDNN_SDPA_AVOID_RECOMPILE"
@@ -125,8 +129,11 @@ def partial_attention(
     if lq == 0 or lk == 0 or q.numel() == 0:
         return empty_state(*q.shape, dtype=q.dtype, device=q.device)
     if left is not None:
-        if backend in ("auto", "flash") and kernels_apply(q) and q.dim() == 3:
-            return _flash_band(q, k, v, causal=causal, scale=scale, left=left)
+        if backend != "reference" and kernels_apply(q) and q.dim() == 3 and left >= 0:
+            res = first_kernel(band_kernel(backend, causal, left), (q.dtype, "band", hq, k.shape[-2], d, causal),
+                               lambda name: _band(name, q, k, v, causal=causal, scale=scale, left=left), _refused)
+            if res is not None:
+                return res
         return _reference_batched(q, k, v, causal=causal, scale=scale, left=left)
     if backend == "reference" or (backend == "auto" and not kernels_apply(q)):
         return _reference_batched(q, k, v, causal=causal, scale=scale)
@@ -168,6 +175,26 @@ def _flash(q4: Tensor, k4: Tensor, v4: Tensor, causal: bool, scale: float) -> tu
 
 
 _KERNELS: dict[str, Callable[..., tuple[Tensor, Tensor]]] = {"cudnn": _cudnn, "flash": _flash}
+
+
+CUDNN_BAND_MIN = 128
+"""Narrowest causal band (``left + 1`` keys) that ``"auto"`` builds from square cuDNN calls: a
+narrower one is mostly masked pairs in the kernels' 128-row tiles, and runs FlashAttention-2's window."""
+
+
+def band_kernel(backend: str, causal: bool, left: int) -> str:
+    """The backend a banded tile's kernels are chosen under (:func:`first_kernel`): ``backend``,
+    but ``"flash"`` for a causal band narrower than :data:`CUDNN_BAND_MIN` under ``"auto"``."""
+    return "flash" if backend == "auto" and causal and left + 1 < CUDNN_BAND_MIN else backend
+
+
+def _band(name: str, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float, left: int) -> tuple[Tensor, Tensor]:
+    """One banded tile through kernel ``name``: cuDNN square causal calls (:func:`band_attention`)
+    or FlashAttention-2's window."""
+    if name == "flash":
+        return _flash_band(q, k, v, causal=causal, scale=scale, left=left)
+    return band_attention(q, k, v, causal=causal, left=left,
+                          attend=lambda a, b, c, mask: _kernel_attention(_cudnn, a, b, c, causal=mask, scale=scale))
 
 
 def _flash_band(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float, left: int) -> tuple[Tensor, Tensor]:

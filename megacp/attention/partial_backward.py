@@ -21,9 +21,11 @@ Backends (the forward's names and default, ``backend=``):
 * ``"flash"`` — ``aten._scaled_dot_product_flash_attention_backward`` (LSE ``[B,H,S]``);
 * ``"reference"`` — exact fp32 math on any device, ``Hq × block_q × Lk`` scores at a time.
 
-A banded tile (``left`` set) runs FlashAttention-2's varlen backward with its window arguments
-(``aten._flash_attention_backward``) for fp16/bf16 CUDA tensors under ``"auto"``/``"flash"``, and the
-reference with the band masked everywhere else. Both kernels take fewer KV heads than query heads and return dK/dV with the KV head count. ``"auto"``
+A banded tile (``left >= 0``) of fp16/bf16 CUDA tensors runs the forward's choice of kernel
+(:func:`~megacp.attention.partial.band_kernel`): batched square causal cuDNN backward calls
+(:func:`~megacp.attention.band.band_backward`, whose gradients are fp32 sums) or FlashAttention-2's
+varlen backward with its window arguments (``aten._flash_attention_backward``); the reference with
+the band masked everywhere else. Both kernels take fewer KV heads than query heads and return dK/dV with the KV head count. ``"auto"``
 tries cuDNN then flash for fp16/bf16 CUDA tensors (a shape a kernel refuses falls back to the next,
 remembered per shape class as in the forward) and uses the reference elsewhere. Kernels return
 gradients in the input dtype, the reference in fp32; callers accumulate blocks in fp32.
@@ -38,8 +40,10 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from megacp.attention.band import band_backward
 from megacp.attention.merge import finite_or_zero
 from megacp.attention.partial import (
+    band_kernel,
     first_kernel,
     heads_first,
     hidden_by_band,
@@ -77,8 +81,13 @@ def partial_attention_backward(
     if q.shape[0] == 0 or k.shape[0] == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     if left is not None:
-        if backend in ("auto", "flash") and kernels_apply(q):
-            return _flash_band_backward(q, k, v, out, lse, dout.contiguous(), causal=causal, scale=scale, left=left)
+        if backend != "reference" and kernels_apply(q) and left >= 0:
+            dout = dout.contiguous()
+            res = first_kernel(band_kernel(backend, causal, left), (q.dtype, "band", q.shape[1], k.shape[1], d, causal),
+                               lambda name: _band_backward(name, q, k, v, out, lse, dout, causal=causal, scale=scale,
+                                                           left=left), _refused)
+            if res is not None:
+                return res
         return reference_backward(q, k, v, out, lse, dout, causal=causal, scale=scale, left=left)
     if backend == "reference" or (backend == "auto" and not kernels_apply(q)):
         return reference_backward(q, k, v, out, lse, dout, causal=causal, scale=scale)
@@ -117,6 +126,16 @@ def _flash_backward(dout4: Tensor, q4: Tensor, k4: Tensor, v4: Tensor, out4: Ten
 _KERNELS: dict[str, Callable[..., Grads]] = {"cudnn": _cudnn_backward, "flash": _flash_backward}
 
 
+def _band_backward(name: str, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor, *,
+                   causal: bool, scale: float, left: int) -> Grads:
+    """One banded tile's backward through kernel ``name``: cuDNN square causal calls
+    (:func:`band_backward`, fp32 sums) or FlashAttention-2's window."""
+    if name == "flash":
+        return _flash_band_backward(q, k, v, out, lse, dout, causal=causal, scale=scale, left=left)
+    return band_backward(q, k, v, out, lse, dout, causal=causal, left=left,
+                         grads=lambda *xs: _kernel_backward(_cudnn_backward, *xs[:6], causal=xs[6], scale=scale))
+
+
 def _flash_band_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor, *,
                          causal: bool, scale: float, left: int) -> Grads:
     """One banded tile (``[L, H, D]``) through FlashAttention-2's varlen backward (one sequence, the
@@ -132,30 +151,35 @@ def _flash_band_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tens
 
 def _kernel_call(kernel: Callable[..., Grads], q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                  dout: Tensor, causal: bool, scale: float) -> Grads:
-    """One fused backward on ``[L, H, D]`` tensors viewed as ``[1, H, L, D]`` (no copies but the
-    small LSE, which the kernels want contiguous ``[1, H, Lq]``), per group of KV heads when one
+    """One fused backward on ``[(B,) L, H, D]`` tensors viewed as ``[B, H, L, D]`` (no copies but the
+    small LSE, which the kernels want contiguous ``[B, H, Lq]``), per group of KV heads when one
     call's workspace would be large (:func:`head_groups`; the groups' gradients are copied into
     place). cuDNN (9.19) refuses one query over one key ("s_q = s_kv = 1 is not supported"): that
     call takes the exact path."""
-    if kernel is _cudnn_backward and q.shape[0] == 1 and k.shape[0] == 1:
-        dq, dk, dv = reference_backward(q, k, v, out, lse, dout, causal=causal, scale=scale)
-        return dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype)
+    if q.dim() == 3:
+        q1, k1, v1, o1, l1, d1 = (x.unsqueeze(0) for x in (q, k, v, out, lse, dout))
+        dq, dk, dv = _kernel_call(kernel, q1, k1, v1, o1, l1, d1, causal, scale)
+        return dq[0], dk[0], dv[0]
+    if kernel is _cudnn_backward and q.shape[1] == 1 and k.shape[1] == 1:
+        grads = [reference_backward(*xs, causal=causal, scale=scale) for xs in zip(q, k, v, out, lse, dout)]
+        dq, dk, dv = (torch.stack(g).to(q.dtype) for g in zip(*grads))
+        return dq, dk, dv
     def view(x: Tensor) -> Tensor:
-        return x.unsqueeze(0).transpose(1, 2)
+        return x.transpose(1, 2)
 
-    lse3 = lse.t().contiguous().unsqueeze(0)
-    groups = head_groups(q.shape[0], q.shape[1], k.shape[1], q.shape[2])
+    lse3 = lse.transpose(1, 2).contiguous()
+    groups = head_groups(q.shape[0] * q.shape[1], q.shape[2], k.shape[2], q.shape[3])
     if groups == 1:
         dq, dk, dv = kernel(view(dout), view(q), view(k), view(v), view(out), lse3, causal, scale)
-        return dq[0].transpose(0, 1), dk[0].transpose(0, 1), dv[0].transpose(0, 1)
+        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    step_kv = k.shape[1] // groups
-    step_q = step_kv * (q.shape[1] // k.shape[1])
+    step_kv = k.shape[2] // groups
+    step_q = step_kv * (q.shape[2] // k.shape[2])
     for i in range(groups):
         hq, hkv = slice(i * step_q, (i + 1) * step_q), slice(i * step_kv, (i + 1) * step_kv)
-        gq, gk, gv = kernel(view(dout[:, hq]), view(q[:, hq]), view(k[:, hkv]), view(v[:, hkv]), view(out[:, hq]),
-                            lse3[:, hq], causal, scale)
-        dq[:, hq], dk[:, hkv], dv[:, hkv] = gq[0].transpose(0, 1), gk[0].transpose(0, 1), gv[0].transpose(0, 1)
+        gq, gk, gv = kernel(view(dout[:, :, hq]), view(q[:, :, hq]), view(k[:, :, hkv]), view(v[:, :, hkv]),
+                            view(out[:, :, hq]), lse3[:, hq], causal, scale)
+        dq[:, :, hq], dk[:, :, hkv], dv[:, :, hkv] = gq.transpose(1, 2), gk.transpose(1, 2), gv.transpose(1, 2)
     return dq, dk, dv
 
 
@@ -179,8 +203,13 @@ def head_groups(lq: int, hq: int, hkv: int, d: int) -> int:
 def _kernel_backward(kernel: Callable[..., Grads], q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                      dout: Tensor, *, causal: bool, scale: float) -> Grads:
     """As the forward's kernels, the fused backward only does square causal masks: a bottom-right
-    mask with ``Lq != Lk`` is split into a dense prefix and a square causal block."""
-    lq, lk = q.shape[0], k.shape[0]
+    mask with ``Lq != Lk`` is split into a dense prefix and a square causal block (``[(B,) L, H, D]``
+    tensors, ``lse`` ``[(B,) L, H]``)."""
+    if q.dim() == 3:
+        q1, k1, v1, o1, l1, d1 = (x.unsqueeze(0) for x in (q, k, v, out, lse, dout))
+        dq, dk, dv = _kernel_backward(kernel, q1, k1, v1, o1, l1, d1, causal=causal, scale=scale)
+        return dq[0], dk[0], dv[0]
+    lq, lk = q.shape[1], k.shape[1]
     if not causal:
         return _kernel_call(kernel, q, k, v, out, lse, dout, False, scale)
     if lq == lk:
@@ -188,12 +217,13 @@ def _kernel_backward(kernel: Callable[..., Grads], q: Tensor, k: Tensor, v: Tens
     if lq > lk:  # the first lq - lk queries see nothing
         tail = slice(lq - lk, lq)
         dq = torch.zeros_like(q)
-        dq[tail], dk, dv = _kernel_call(kernel, q[tail], k, v, out[tail], lse[tail], dout[tail], True, scale)
+        dq[:, tail], dk, dv = _kernel_call(kernel, q[:, tail], k, v, out[:, tail], lse[:, tail], dout[:, tail], True,
+                                           scale)
         return dq, dk, dv
     p = lk - lq
-    dq1, dk1, dv1 = _kernel_call(kernel, q, k[:p], v[:p], out, lse, dout, False, scale)
-    dq2, dk2, dv2 = _kernel_call(kernel, q, k[p:], v[p:], out, lse, dout, True, scale)
-    return dq1 + dq2, torch.cat([dk1, dk2]), torch.cat([dv1, dv2])
+    dq1, dk1, dv1 = _kernel_call(kernel, q, k[:, :p], v[:, :p], out, lse, dout, False, scale)
+    dq2, dk2, dv2 = _kernel_call(kernel, q, k[:, p:], v[:, p:], out, lse, dout, True, scale)
+    return dq1 + dq2, torch.cat([dk1, dk2], dim=1), torch.cat([dv1, dv2], dim=1)
 
 
 # --------------------------------------------------------------------------- reference

@@ -65,8 +65,9 @@ def sdpa(backend: SDPBackend, causal: bool = True) -> Callable[..., torch.Tensor
 
 
 def rank_work(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, plan: ShardPlan,
-              idx: list[torch.Tensor]) -> Callable[[], None]:
-    """One CP rank's tiles forward and backward over every rank's block, computed locally."""
+              idx: list[torch.Tensor], backend: str | None = None) -> Callable[[], None]:
+    """One CP rank's tiles forward and backward over every rank's block, computed locally
+    (``backend``: the attention kernels, :mod:`megacp.attention.partial`)."""
     r, n = plan.rank, plan.cp_size
     qr, dor = q[idx[r]].contiguous(), dout[idx[r]].contiguous()
     blocks = [(k[i].contiguous(), v[i].contiguous()) for i in idx]
@@ -75,11 +76,11 @@ def rank_work(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Ten
     def run() -> None:
         state = None
         for j in order:
-            state = run_tiles(qr, *blocks[j], plan.tiles(r, j), state)
+            state = run_tiles(qr, *blocks[j], plan.tiles(r, j), state, backend=backend)
         out, lse = state[0].to(qr.dtype), state[1]
         dq = None
         for j in order:
-            pq, pk, pv = block_gradients(qr, blocks[j], out, lse, dor, plan.tiles(r, j), scale=None, backend=None)
+            pq, pk, pv = block_gradients(qr, blocks[j], out, lse, dor, plan.tiles(r, j), scale=None, backend=backend)
             dq = accumulate(dq, pq, qr.shape, qr.device, qr.dtype if n == 2 else torch.float32)
             for pieces in (pk, pv):
                 accumulate(None, pieces, blocks[j][0].shape, qr.device)
