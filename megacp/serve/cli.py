@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import signal
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Sequence
 
+import torch
 import torch.distributed as dist
 
 from megacp.attention.strategy import STRATEGIES
@@ -34,11 +36,26 @@ SWITCH_INTERVAL_S = 5e-4
 on the GPU, gets the interpreter from the HTTP thread within this, not a whole decode step later."""
 
 
-DEFAULT_BATCHED_TOKENS = 2048
-"""``--max-num-batched-tokens`` by default (vLLM's for chunked prefill): a step prefills the
+BATCHED_TOKENS = 2048
+"""``--max-num-batched-tokens`` by default, vLLM's rule for its OpenAI server: 8192 on a GPU of at
+least :data:`LARGE_GPU_GIB` that is not an A100 (H100, H200), else this. A step prefills the
 newcomers' prompts together up to this many tokens, so a decode step of the running batch waits
-for at most this many prefill tokens and a burst of arrivals costs the running streams one slow
-step per 2048 prompt tokens, not one per request."""
+for at most this many prefill tokens, and a burst of arrivals costs the running streams one slow
+step per that many prompt tokens, not one per request."""
+
+BATCHED_TOKENS_LARGE_GPU = 8192
+"""``--max-num-batched-tokens`` by default on a GPU of at least :data:`LARGE_GPU_GIB`, not an A100."""
+
+LARGE_GPU_GIB = 70
+
+
+def default_batched_tokens(device: torch.device) -> int:
+    """The default ``--max-num-batched-tokens`` on ``device`` (see :data:`BATCHED_TOKENS`)."""
+    if device.type != "cuda":
+        return BATCHED_TOKENS
+    props = torch.cuda.get_device_properties(device)
+    large = props.total_memory >= LARGE_GPU_GIB * 2**30 and "A100" not in props.name
+    return BATCHED_TOKENS_LARGE_GPU if large else BATCHED_TOKENS
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -61,11 +78,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prefill-chunk", type=int, default=0,
                    help="chunked prefill: tokens per chunk (0 = automatic: sized from the free GPU memory on CUDA, "
                         "the whole prompt on CPU)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_BATCHED_TOKENS,
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="prefill tokens a step that decodes running requests computes at most, over all the "
                         "waiting requests it admits (prefilled together); prompts arriving then are split into "
                         f"chunks of this size (0 = no limit: newcomers are prefilled whole; default: "
-                        f"{DEFAULT_BATCHED_TOKENS})")
+                        f"{BATCHED_TOKENS_LARGE_GPU} on a GPU of >= {LARGE_GPU_GIB} GiB but A100, else {BATCHED_TOKENS})")
     p.add_argument("--no-cuda-graphs", "--enforce-eager", dest="no_cuda_graphs", action="store_true",
                    help="run the running batch's decode step eagerly instead of replaying CUDA graphs")
     p.add_argument("--deepspeed", action="store_true", help="DeepSpeed's own flag, accepted for its launchers")
@@ -76,7 +93,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if not 0 < args.port < 65536:
         p.error(f"--port must be in 1..65535, got {args.port}")
-    if args.max_num_batched_tokens < 0:
+    if args.max_num_batched_tokens is not None and args.max_num_batched_tokens < 0:
         p.error(f"--max-num-batched-tokens must be >= 0 (0 = no limit), got {args.max_num_batched_tokens}")
     if args.prefill_chunk < 0 or (args.max_model_len is not None and args.max_model_len < 2):
         p.error("--prefill-chunk must be >= 0 and --max-model-len >= 2")
@@ -126,6 +143,10 @@ def _serve(args: argparse.Namespace) -> int:
     n = llm.generator.cp_size
     worker = Worker(llm.generator, args.max_num_seqs, max_len if n == 1 else -(-max_len // n) + SESSION_SLACK,
                     vocab=cfg.vocab_size, static=llm.static_decode, capture=llm.generator.cuda_graphs)
+    # everything built so far (modules, model, tokenizer, graphs) is never garbage: later
+    # collections walk only what serving creates, not millions of objects mid-request
+    gc.collect()
+    gc.freeze()
     if state.rank != 0:  # a launcher's SIGTERM reaches every rank: rank 0 drains, then stops the others
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, signal.SIG_IGN)
@@ -137,8 +158,9 @@ def _serve(args: argparse.Namespace) -> int:
     from megacp.serve.app import build_app
     from megacp.serve.engine import Engine
 
+    batched = args.max_num_batched_tokens
     engine = Engine(worker, llm.tokenizer, max_queue=args.max_queue, prefix_reuse=not args.no_prefix_reuse,
-                    max_batched_tokens=args.max_num_batched_tokens)
+                    max_batched_tokens=default_batched_tokens(state.device) if batched is None else batched)
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     name = args.served_model_name or (args.model and Path(args.model).name) or "megacp"
     app = build_app(engine, cfg, model_name=name, max_model_len=max_len, api_key=args.api_key)

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from megacp.checkpoint.staging import exchange_directories
+from megacp.attention.plans import warm_kernel_plans
 from megacp.config import ConfigError
 from megacp.layers.settings import CPSettings
 from megacp.models.config import ModelConfig
@@ -318,6 +319,9 @@ class Trainer:
         self.cp_group = state.group("cp")
         self.dp_group = state.group("dp")
         self.steps_done = 0
+        self.plans_warmed: list[int] | None = None
+        """The length buckets whose kernel plans were built before the first step (``[]``: none
+        apply, e.g. on CPU); ``None`` until then."""
         box = [uuid.uuid4().hex[:16]]
         dist.broadcast_object_list(box, src=0)
         self.run_id: str = box[0]
@@ -359,6 +363,17 @@ class Trainer:
                     capacity=gpu_capacity(device), host=host_available() if device.type == "cuda" else None,
                     tp=self.state.size("tp"), cp=self.state.size("cp"), dense_mlp=dense)
 
+    def _warm_plans(self, tokens: int) -> None:
+        """Before the first step of a megacp model: the attention kernels' plans of every length
+        bucket up to ``tokens`` (:func:`~megacp.attention.plans.warm_kernel_plans`), so no later
+        step stalls on building one."""
+        if self.plans_warmed is not None or self._cfg is None:
+            return
+        cfg, tp = self._cfg, self.state.size("tp")
+        self.plans_warmed = warm_kernel_plans(cfg.num_heads // tp, cfg.num_kv_heads // tp, cfg.head_dim,
+                                              dtype=self.settings.dtype, device=self.state.device, tokens=tokens,
+                                              backend=self.cp.backend)
+
     def longest_seq_len(self, micro_batch: int, *, limit: int | None = None) -> int:
         """The longest packed-sequence length (a multiple of ``2 x CP``, at most ``limit``) whose
         step of ``micro_batch`` sequences fits on this GPU by the memory plan; 0 when none does."""
@@ -379,7 +394,9 @@ class Trainer:
             batch = next(batches)
             shard = shard_batch(batch.input_ids, cu_seqlens=batch.cu_seqlens, cp_size=self.state.size("cp"),
                                 cp_rank=self.state.rank_in("cp"), load_balance=self.cp.load_balance)
-            self.plan_memory(-(-batch.input_ids.numel() // self.state.size("cp")))  # the same on every CP rank
+            local = -(-batch.input_ids.numel() // self.state.size("cp"))
+            self.plan_memory(local)  # the same on every CP rank
+            self._warm_plans(local)
             loss = self.engine(shard) if self.zero3 else self.loss(self.module, shard, settings=self.cp)
             # ZeRO 3's reduce-scatter averages the gradients over DP x CP; the CP ranks' shares must
             # be summed (averaged over DP only), hence the factor CP
