@@ -34,17 +34,14 @@ for shapes a kernel refuses (the refusal is remembered per dtype, batch dimensio
 and mask, not per length; an out-of-memory error is raised, not taken for a refusal); fp32 and CPU
 tensors use the reference path. Every kernel's LSE is natural log, fp32 (checked on H200, see docs/GPU_FACTS.md).
 
-cuDNN plans: torch builds a cuDNN execution plan for every exact sequence length it meets (tens to
-hundreds of milliseconds each), and megacp meets many — each packed document's tile in training,
-each prompt length and chat turn in serving. Importing this module sets
-``TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1`` unless the environment already sets it (``0`` turns it off):
-torch then reuses plans across lengths for BSHD-contiguous inputs without bias, as megacp passes.
+cuDNN plans: torch builds a cuDNN execution plan for every shape it meets; a square causal cuDNN
+call of at most 16K rows runs padded to one of a few lengths so that tiles of every length share
+plans (exact; see :mod:`megacp.attention.plans`).
 """
 
 from __future__ import annotations
 
 import math
-import os
 from typing import Callable, TypeVar
 
 import torch
@@ -52,9 +49,7 @@ from torch import Tensor
 
 from megacp.attention.band import band_attention
 from megacp.attention.merge import finite_or_zero, merge_into, merge_states
-
-CUDNN_PLAN_REUSE = "TORCH_CUDNN_SDPA_AVOID_RECOMPILE"
-os.environ.setdefault(CUDNN_PLAN_REUSE, "1")  # see "cuDNN plans" above
+from megacp.attention.plans import pad_rows, plan_length
 
 BACKENDS = ("auto", "cudnn", "flash", "reference")
 _KERNEL_ORDER = ("cudnn", "flash")
@@ -213,7 +208,13 @@ def _flash_band(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float, 
 
 
 def _kernel_call(kernel: Callable, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
-    """One fused call on ``[(B,) L, H, D]`` inputs viewed as ``[B, H, L, D]`` (no copies)."""
+    """One fused call on ``[(B,) L, H, D]`` inputs viewed as ``[B, H, L, D]`` (no copies); a square
+    causal cuDNN call runs padded to its :func:`~megacp.attention.plans.plan_length`."""
+    n = q.shape[-3]
+    if kernel is _cudnn and causal and k.shape[-3] == n and plan_length(n) != n:
+        m = plan_length(n)
+        out, lse = _kernel_call(kernel, pad_rows(q, m), pad_rows(k, m), pad_rows(v, m), causal, scale)
+        return out[..., :n, :, :], lse[..., :n, :]
     if q.dim() == 3:
         out, lse = _kernel_call(kernel, q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), causal, scale)
         return out[0], lse[0]

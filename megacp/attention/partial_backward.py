@@ -29,6 +29,11 @@ the band masked everywhere else. Both kernels take fewer KV heads than query hea
 tries cuDNN then flash for fp16/bf16 CUDA tensors (a shape a kernel refuses falls back to the next,
 remembered per shape class as in the forward) and uses the reference elsewhere. Kernels return
 gradients in the input dtype, the reference in fp32; callers accumulate blocks in fp32.
+
+A square causal cuDNN call runs padded to its plan length as in the forward (zero rows, LSE 0;
+exact, see :mod:`megacp.attention.plans`). Where torch reuses cuDNN plans across lengths
+(``TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1``) its backward is wrong, so there ``"auto"`` runs
+FlashAttention-2 and ``"cudnn"`` is refused (``ValueError``).
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ from megacp.attention.partial import (
     kernels_apply,
     resolve_backend,
 )
+from megacp.attention.plans import CUDNN_PLAN_REUSE, pad_rows, plan_length, plans_reused_across_lengths
 
 Grads = tuple[Tensor, Tensor, Tensor]
 _refused: set[tuple] = set()
@@ -77,7 +83,7 @@ def partial_attention_backward(
     """
     d = q.shape[-1]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    backend = resolve_backend(backend)
+    backend = _without_wrong_kernels(resolve_backend(backend), q)
     if q.shape[0] == 0 or k.shape[0] == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     if left is not None:
@@ -98,6 +104,18 @@ def partial_attention_backward(
     if res is not None:
         return res
     return reference_backward(q, k, v, out, lse, dout, causal=causal, scale=scale)
+
+
+def _without_wrong_kernels(backend: str, q: Tensor) -> str:
+    """``backend``, but ``"flash"`` for ``"auto"`` on tensors the kernels take (``q``) where torch
+    reuses cuDNN plans across lengths (its cuDNN backward is wrong there); a forced ``"cudnn"``
+    there raises ``ValueError``."""
+    if not plans_reused_across_lengths():
+        return backend
+    if backend == "cudnn":
+        raise ValueError(f"the cuDNN attention backward gives wrong gradients under {CUDNN_PLAN_REUSE}=1 "
+                         "(torch 2.11 reuses plans across lengths); unset it, or use attention backend auto or flash")
+    return "flash" if backend == "auto" and kernels_apply(q) else backend
 
 
 # --------------------------------------------------------------------------- fused kernels
@@ -152,10 +170,17 @@ def _flash_band_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tens
 def _kernel_call(kernel: Callable[..., Grads], q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                  dout: Tensor, causal: bool, scale: float) -> Grads:
     """One fused backward on ``[(B,) L, H, D]`` tensors viewed as ``[B, H, L, D]`` (no copies but the
-    small LSE, which the kernels want contiguous ``[B, H, Lq]``), per group of KV heads when one
+    small LSE, which the kernels want contiguous ``[B, H, Lq]``; a square causal cuDNN call runs
+    padded to its plan length), per group of KV heads when one
     call's workspace would be large (:func:`head_groups`; the groups' gradients are copied into
     place). cuDNN (9.19) refuses one query over one key ("s_q = s_kv = 1 is not supported"): that
     call takes the exact path."""
+    n = q.shape[-3]
+    if kernel is _cudnn_backward and causal and k.shape[-3] == n and plan_length(n) != n:
+        m = plan_length(n)
+        dq, dk, dv = _kernel_call(kernel, *(pad_rows(x, m) for x in (q, k, v, out)), pad_rows(lse, m, dim=-2),
+                                  pad_rows(dout, m), causal, scale)
+        return dq[..., :n, :, :], dk[..., :n, :, :], dv[..., :n, :, :]
     if q.dim() == 3:
         q1, k1, v1, o1, l1, d1 = (x.unsqueeze(0) for x in (q, k, v, out, lse, dout))
         dq, dk, dv = _kernel_call(kernel, q1, k1, v1, o1, l1, d1, causal, scale)

@@ -1,62 +1,89 @@
-"""cuDNN execution plans built ahead of the first step that needs them.
+"""How cuDNN's execution plans are reused: padded lengths, and torch's plan reuse across lengths.
 
-Under ``TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1`` (set by :mod:`megacp.attention.partial`) torch keys
-its cuDNN SDPA plans by the sequence lengths rounded up to powers of two, so a plan is built (tens
-of milliseconds for the forward and as much for the backward) the first time a call lands in a new
-bucket and reused after. Packed training documents of every length fall into a handful of
-buckets, but the first step that meets each one pays for its plans: on one GPU at 16K tokens that
-step took twice the median. :func:`warm_kernel_plans` builds the square causal plans of every
-bucket up to a step's local length once, before the first step, through the same calls the
-training step makes (:func:`~megacp.attention.partial.partial_attention` and its backward), so
-they land under the same keys.
+torch builds a cuDNN SDPA execution plan for every distinct shape it meets (tens of milliseconds
+each, forward and backward alike) and keeps it for the process. Packed training documents and
+prompts come in every length, so without care nearly every step of a packed corpus builds plans.
 
-Rectangular tiles (CP > 1: a rank's query chunk over another rank's KV block) are keyed by pairs
-of buckets and are not built ahead.
+* **Padded causal squares** (all processes): a fused cuDNN call of a square causal tile of
+  ``n <= LONGEST_PADDED`` rows runs at :func:`plan_length` ``(n)`` rows, four lengths per octave,
+  the rows past ``n`` zero (:func:`pad_rows`). That is exact: under a causal mask no real query
+  sees a key past ``n``, the padded queries' outputs are dropped, and in the backward their
+  ``dout`` is zero (and their LSE 0, so their probabilities are finite), so they add nothing to
+  dK/dV. Every tile length then shares one of 33 plans; the work grows by at most a quarter of a
+  tile, and only for tiles of at most 16K rows, whose kernels are short anyway.
+* **torch's own reuse across lengths** (``TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1``): torch rounds
+  lengths up to powers of two and runs the plan on the real lengths. Measured on an H100 with
+  torch 2.11 / cuDNN 9.19 (``docs/GPU_FACTS.md``): the forward is exact, but the **backward gives
+  wrong gradients** (errors of 10-1000× the gradients' size) whenever a plan runs a length other
+  than the one it was built for, and for every batched call. megacp therefore sets it only in
+  processes that never run a backward (:func:`reuse_plans_across_lengths`: ``megacp.generate``
+  and ``megacp.serve``), where it spares the rectangular prefix tiles of each new prompt or chat
+  turn a plan; where it is set anyway, the fused backward runs FlashAttention-2 under ``"auto"``
+  and a forced ``"cudnn"`` backward is refused (:mod:`~megacp.attention.partial_backward`).
 """
 
 from __future__ import annotations
 
 import os
 
-import torch
+from torch import Tensor
 
-from megacp.attention.partial import CUDNN_PLAN_REUSE, kernels_apply, partial_attention, resolve_backend
-from megacp.attention.partial_backward import partial_attention_backward
+CUDNN_PLAN_REUSE = "TORCH_CUDNN_SDPA_AVOID_RECOMPILE"
+"""torch's switch for reusing cuDNN SDPA plans across sequence lengths (``"1"``: on)."""
 
-LONGEST_WARMED = 1 << 14
-"""Longest bucket warmed: past it one call's kernels take longer than its plan is built."""
+LONGEST_PADDED = 1 << 14
+"""Longest tile padded to a plan length: past it a call's kernels take longer than its plan takes to build."""
+
+SHORTEST_PADDED = 64
+"""Shortest plan length (shorter tiles run at this many rows)."""
+
+LENGTHS_PER_OCTAVE = 4
 
 
-def plan_buckets(tokens: int, longest: int = LONGEST_WARMED) -> list[int]:
-    """The powers of two ``1, 2, 4, ...`` up to the bucket of ``tokens`` (the smallest power of two
-    ``>= tokens``), none above ``longest``; ``[]`` for ``tokens < 1``."""
+def plan_length(n: int) -> int:
+    """Rows a square causal cuDNN call of ``n`` rows runs at: ``n`` past :data:`LONGEST_PADDED`,
+    else the next of ``64, 80, 96, 112, 128, 160, ...`` (four per octave) at or above ``n``."""
+    if n > LONGEST_PADDED:
+        return n
+    if n <= SHORTEST_PADDED:
+        return SHORTEST_PADDED
+    octave = 1 << ((n - 1).bit_length() - 1)  # octave < n <= 2 * octave
+    step = octave // LENGTHS_PER_OCTAVE
+    return -(-n // step) * step
+
+
+def plan_lengths(tokens: int) -> list[int]:
+    """Every :func:`plan_length` up to that of ``min(tokens, LONGEST_PADDED)`` (``[]`` for ``tokens < 1``)."""
     if tokens < 1:
         return []
-    top = min(1 << (tokens - 1).bit_length(), longest)
-    return [1 << k for k in range(top.bit_length()) if 1 << k <= top]
+    top = plan_length(min(tokens, LONGEST_PADDED))
+    lengths, n = [], SHORTEST_PADDED
+    while n <= top:
+        lengths.append(n)
+        n = plan_length(n + 1)
+    return lengths
 
 
-def warm_kernel_plans(heads: int, kv_heads: int, head_dim: int, *, dtype: torch.dtype, device: torch.device,
-                      tokens: int, backend: str | None = None) -> list[int]:
-    """Build the forward and backward plans of square causal tiles for every bucket of
-    :func:`plan_buckets` (``tokens``: the longest tile a step will run, local tokens per rank).
+def pad_rows(x: Tensor, rows: int, dim: int = -3) -> Tensor:
+    """``x`` with zero rows appended up to ``rows`` along ``dim``, its token dim (``-3`` for
+    ``[(B,) L, H, D]``, ``-2`` for an LSE ``[(B,) L, H]``): a new tensor, or ``x`` itself when it
+    has ``rows`` already."""
+    n = x.shape[dim]
+    if n == rows:
+        return x
+    shape = list(x.shape)
+    shape[dim] = rows
+    out = x.new_zeros(shape)
+    out.narrow(dim, 0, n).copy_(x)
+    return out
 
-    Runs only where cuDNN's plans are reused across lengths: CUDA fp16/bf16 tensors, ``backend``
-    ``"auto"`` or ``"cudnn"`` and ``TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1``; elsewhere nothing is built.
 
-    Returns:
-        The bucket lengths warmed (tokens), ``[]`` when nothing ran.
-    """
-    backend = resolve_backend(backend)
-    probe = torch.empty(0, dtype=dtype, device=device)
-    if backend not in ("auto", "cudnn") or not kernels_apply(probe) or os.environ.get(CUDNN_PLAN_REUSE) != "1":
-        return []
-    buckets = plan_buckets(tokens)
-    gen = torch.Generator(device=device).manual_seed(0)
-    for n in buckets:
-        q, dout = (torch.randn(n, heads, head_dim, dtype=dtype, device=device, generator=gen) for _ in range(2))
-        k, v = (torch.randn(n, kv_heads, head_dim, dtype=dtype, device=device, generator=gen) for _ in range(2))
-        out, lse = partial_attention(q, k, v, causal=True, backend=backend)
-        partial_attention_backward(q, k, v, out, lse, dout, causal=True, backend=backend)
-    torch.cuda.synchronize(device)
-    return buckets
+def plans_reused_across_lengths() -> bool:
+    """Whether torch reuses cuDNN plans across lengths in this process (``TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1``)."""
+    return os.environ.get(CUDNN_PLAN_REUSE) == "1"
+
+
+def reuse_plans_across_lengths() -> None:
+    """Turn torch's plan reuse across lengths on unless the environment sets it: for processes that
+    never run an attention backward (see the module docstring). Call before the first cuDNN call."""
+    os.environ.setdefault(CUDNN_PLAN_REUSE, "1")

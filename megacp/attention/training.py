@@ -23,8 +23,10 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
+from megacp.attention.partial import kernels_apply, partial_attention, resolve_backend
 from megacp.attention.partial_backward import partial_attention_backward
 from megacp.attention.pass_kv import KVBlock, ring_pass_kv
+from megacp.attention.plans import plan_lengths, plans_reused_across_lengths
 from megacp.attention.prefill import build_kv_block
 from megacp.parallel.ring import Ring
 from megacp.placement import ShardPlan, Tile
@@ -165,3 +167,31 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, plan: ShardPlan, ring: Ring 
     if q.shape[0] != plan.num_local() or k.shape[0] != q.shape[0] or v.shape != k.shape:
         raise ValueError(f"q, k, v must hold this rank's {plan.num_local()} tokens; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     return _RingAttention.apply(q, k, v, plan, ring, scale, backend)
+
+
+def warm_kernel_plans(heads: int, kv_heads: int, head_dim: int, *, dtype: torch.dtype, device: torch.device,
+                      tokens: int, backend: str | None = None) -> list[int]:
+    """Build the cuDNN plans of every padded square causal tile length up to ``tokens`` (the
+    longest tile a step will run, local tokens per rank; :func:`~megacp.attention.plans.plan_lengths`),
+    forward and backward, through the calls a training step makes, so that no step stalls on
+    building one (~33 lengths, tens of milliseconds each, once per process).
+
+    Runs only where the cuDNN kernels would: CUDA fp16/bf16, ``backend`` ``"auto"`` or ``"cudnn"``,
+    and torch not reusing plans across lengths (under it the backward runs FlashAttention-2).
+
+    Returns:
+        The lengths warmed (rows), ``[]`` when nothing ran.
+    """
+    backend = resolve_backend(backend)
+    probe = torch.empty(0, dtype=dtype, device=device)
+    if backend not in ("auto", "cudnn") or not kernels_apply(probe) or plans_reused_across_lengths():
+        return []
+    lengths = plan_lengths(tokens)
+    gen = torch.Generator(device=device).manual_seed(0)
+    for n in lengths:
+        q, dout = (torch.randn(n, heads, head_dim, dtype=dtype, device=device, generator=gen) for _ in range(2))
+        k, v = (torch.randn(n, kv_heads, head_dim, dtype=dtype, device=device, generator=gen) for _ in range(2))
+        out, lse = partial_attention(q, k, v, causal=True, backend=backend)
+        partial_attention_backward(q, k, v, out, lse, dout, causal=True, backend=backend)
+    torch.cuda.synchronize(device)
+    return lengths

@@ -27,6 +27,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
+from megacp.attention.plans import reuse_plans_across_lengths
 from megacp.attention.strategy import STRATEGIES
 from megacp.checkpoint.dtypes import DTYPES
 from megacp.checkpoint.front import default_model_path, read_model_config
@@ -214,6 +215,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _run(args: argparse.Namespace) -> int:
     params, prompt_ids, nested = validate(args)
     _set_threads()
+    reuse_plans_across_lengths()  # no attention backward runs in this process (see attention.plans)
     state = initialize(args.deepspeed_config)
     model_path = args.model or default_model_path()
     cfg: ModelLimits | None

@@ -22,6 +22,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
+from megacp.attention.plans import reuse_plans_across_lengths
 from megacp.attention.strategy import STRATEGIES
 from megacp.checkpoint.dtypes import DTYPES
 from megacp.checkpoint.front import default_model_path
@@ -134,6 +135,7 @@ def _serve(args: argparse.Namespace) -> int:
     from megacp.serve.worker import Worker
 
     _set_threads()
+    reuse_plans_across_lengths()  # no attention backward runs in this process (see attention.plans)
     state = initialize(args.deepspeed_config)
     model_path = args.model or default_model_path()
     llm = LLM(model_path, dtype=args.dtype, strategy=args.strategy, prefill_chunk=args.prefill_chunk,

@@ -34,8 +34,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from megacp.attention.training import warm_kernel_plans
 from megacp.checkpoint.staging import exchange_directories
-from megacp.attention.plans import warm_kernel_plans
 from megacp.config import ConfigError
 from megacp.layers.settings import CPSettings
 from megacp.models.config import ModelConfig
@@ -320,7 +320,7 @@ class Trainer:
         self.dp_group = state.group("dp")
         self.steps_done = 0
         self.plans_warmed: list[int] | None = None
-        """The length buckets whose kernel plans were built before the first step (``[]``: none
+        """The tile lengths whose kernel plans were built before the first step (``[]``: none
         apply, e.g. on CPU); ``None`` until then."""
         box = [uuid.uuid4().hex[:16]]
         dist.broadcast_object_list(box, src=0)
@@ -364,9 +364,9 @@ class Trainer:
                     tp=self.state.size("tp"), cp=self.state.size("cp"), dense_mlp=dense)
 
     def _warm_plans(self, tokens: int) -> None:
-        """Before the first step of a megacp model: the attention kernels' plans of every length
-        bucket up to ``tokens`` (:func:`~megacp.attention.plans.warm_kernel_plans`), so no later
-        step stalls on building one."""
+        """Before the first step of a megacp model: the attention kernels' plans of every padded
+        tile length up to ``tokens`` (:func:`~megacp.attention.training.warm_kernel_plans`), so no
+        later step stalls on building one."""
         if self.plans_warmed is not None or self._cfg is None:
             return
         cfg, tp = self._cfg, self.state.size("tp")

@@ -323,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
             stats = httpx.get(url + "/metrics", headers=_headers(args.api_key), timeout=10).json()
             meta["decode"] = stats.get("decode")
             meta["max_num_batched_tokens"] = stats.get("max_num_batched_tokens")
-            meta["cudnn_sdpa_avoid_recompile"] = os.environ.get("TORCH_CUDNN_SDPA_AVOID_RECOMPILE", "1 (megacp's default)")
+            meta["cudnn_sdpa_avoid_recompile"] = os.environ.get("TORCH_CUDNN_SDPA_AVOID_RECOMPILE", "1 (megacp.serve's default)")
             pool = None
             if args.client_procs > 1:
                 pool = ProcessPoolExecutor(args.client_procs, mp_context=multiprocessing.get_context("spawn"))

@@ -1,24 +1,77 @@
-"""Length buckets of the cuDNN plans warmed before the first training step."""
+"""Padded cuDNN plan lengths: the grid, the padding's exactness on the reference, the warm-up's scope."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from megacp.attention.plans import LONGEST_WARMED, plan_buckets, warm_kernel_plans
+from megacp.attention.partial import partial_attention
+from megacp.attention.partial_backward import partial_attention_backward
+from megacp.attention.plans import LONGEST_PADDED, pad_rows, plan_length, plan_lengths
+from megacp.attention.training import warm_kernel_plans
 
 
-def test_buckets_reach_the_bucket_of_the_length() -> None:
-    assert plan_buckets(0) == []
-    assert plan_buckets(1) == [1]
-    assert plan_buckets(5) == [1, 2, 4, 8]
-    assert plan_buckets(8) == [1, 2, 4, 8]
-    assert plan_buckets(8193) == [1 << k for k in range(15)]
+def test_plan_length_is_the_next_of_four_per_octave() -> None:
+    assert [plan_length(n) for n in (1, 64, 65, 80, 81, 128, 129, 161, 256, 257)] == \
+        [64, 64, 80, 80, 96, 128, 160, 192, 256, 320]
+    assert plan_length(LONGEST_PADDED) == LONGEST_PADDED
+    assert plan_length(LONGEST_PADDED + 1) == LONGEST_PADDED + 1
+    for n in range(1, 5000, 7):
+        m = plan_length(n)
+        assert n <= m <= max(64, n + n // 4 + 1), n
 
 
-def test_buckets_stop_at_the_longest_warmed() -> None:
-    assert plan_buckets(1 << 20)[-1] == LONGEST_WARMED
-    assert plan_buckets(100, longest=16) == [1, 2, 4, 8, 16]
+def test_plan_lengths_are_every_padded_length_once() -> None:
+    assert plan_lengths(0) == []
+    assert plan_lengths(100) == [64, 80, 96, 112]
+    every = plan_lengths(1 << 20)
+    assert every[-1] == LONGEST_PADDED and len(every) == 33
+    assert sorted({plan_length(n) for n in range(1, LONGEST_PADDED + 1)}) == every
 
 
-def test_nothing_is_built_on_cpu() -> None:
+def test_zero_padded_rows_change_no_real_row() -> None:
+    """The padding's claim, on the exact path: a causal square padded with zero rows (LSE 0 and
+    dout 0 on the padded rows) gives the real rows' out, LSE and gradients unchanged (the reference
+    sums in fp32 blocks, hence 1e-6)."""
+    g = torch.Generator().manual_seed(0)
+    n, m, h, hkv, d = 37, 48, 4, 2, 8
+    q, dout = (torch.randn(n, h, d, generator=g, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(n, hkv, d, generator=g, dtype=torch.float64) for _ in range(2))
+    out, lse = partial_attention(q, k, v, causal=True, backend="reference")
+    grads = partial_attention_backward(q, k, v, out.to(q.dtype), lse, dout, causal=True, backend="reference")
+    qp, kp, vp, dp = (pad_rows(x, m) for x in (q, k, v, dout))
+    out_p, lse_p = partial_attention(qp, kp, vp, causal=True, backend="reference")
+    torch.testing.assert_close(out_p[:n], out, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(lse_p[:n], lse, rtol=1e-6, atol=1e-6)
+    out_p = pad_rows(out.to(q.dtype), m)
+    lse_p = pad_rows(lse, m, dim=-2)
+    assert lse_p[n:].eq(0).all()
+    grads_p = partial_attention_backward(qp, kp, vp, out_p, lse_p, dp, causal=True, backend="reference")
+    for got, want in zip(grads_p, grads):
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got[:n], want, rtol=1e-6, atol=1e-6)
+
+
+def test_nothing_is_warmed_on_cpu() -> None:
     assert warm_kernel_plans(4, 2, 16, dtype=torch.bfloat16, device=torch.device("cpu"), tokens=4096) == []
+
+
+def test_cudnn_backward_is_refused_under_torchs_plan_reuse(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TORCH_CUDNN_SDPA_AVOID_RECOMPILE", "1")
+    q = torch.randn(8, 2, 4)
+    with pytest.raises(ValueError, match="TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1"):
+        partial_attention_backward(q, q, q, q, torch.zeros(8, 2), q, causal=True, backend="cudnn")
+    grads = partial_attention_backward(q, q, q, q, torch.zeros(8, 2), q, causal=True, backend="auto")
+    assert all(torch.isfinite(g).all() for g in grads)  # auto on CPU: the exact path
+
+
+def test_inference_entry_points_turn_plan_reuse_on_and_training_does_not() -> None:
+    """Only megacp.generate / megacp.serve set torch's plan reuse (no backward runs there)."""
+    import subprocess
+    import sys
+
+    code = ("import os, megacp, megacp.train.engine, megacp.attention.training; "
+            "print(os.environ.get('TORCH_CUDNN_SDPA_AVOID_RECOMPILE'))")
+    env = {k: v for k, v in __import__("os").environ.items() if k != "TORCH_CUDNN_SDPA_AVOID_RECOMPILE"}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert res.stdout.strip() == "None"
