@@ -178,8 +178,8 @@ def _kernel_call(kernel: Callable[..., Grads], q: Tensor, k: Tensor, v: Tensor, 
     n = q.shape[-3]
     if kernel is _cudnn_backward and causal and k.shape[-3] == n and plan_length(n) != n:
         m = plan_length(n)
-        dq, dk, dv = _kernel_call(kernel, *(pad_rows(x, m) for x in (q, k, v, out)), pad_rows(lse, m, dim=-2),
-                                  pad_rows(dout, m), causal, scale)
+        dq, dk, dv = _kernel_call(kernel, pad_rows(q, m), pad_rows(k, m), pad_rows(v, m), pad_rows(out, m),
+                                  pad_rows(lse, m, dim=-2), pad_rows(dout, m), causal, scale)
         return dq[..., :n, :, :], dk[..., :n, :, :], dv[..., :n, :, :]
     if q.dim() == 3:
         q1, k1, v1, o1, l1, d1 = (x.unsqueeze(0) for x in (q, k, v, out, lse, dout))

@@ -19,7 +19,8 @@ pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a 
 
 
 def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+    """Max error over the reference's largest value (at least 0.01: one query over one key has dQ = 0)."""
+    return ((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-2)).item()
 
 
 @pytest.mark.parametrize("heads, kv_heads, dim", [(9, 3, 64), (32, 8, 128)])
