@@ -1,14 +1,17 @@
 """Running planned tiles (:func:`megacp.placement.plan_tiles`) through the partial-attention
-kernels and folding them into a running (out, LSE) state."""
+kernels and folding them into a running (out, LSE) state; runs of short contiguous tiles (packed
+documents) take one varlen call (:mod:`~megacp.attention.varlen`)."""
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 from torch import Tensor
 
 from megacp.attention.merge import merge_into
-from megacp.attention.partial import empty_state, partial_attention
+from megacp.attention.partial import empty_state, partial_attention, resolve_backend
+from megacp.attention.varlen import Unit, tile_runs, varlen_attention
 from megacp.placement.tiles import Tile
 
 
@@ -31,22 +34,27 @@ def run_tiles(
     Returns the (possibly new) state.
     """
     lq, hq, d = q.shape
+    backend = resolve_backend(backend)
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    units = tile_runs(tiles, backend, q)
 
-    def attend(t: Tile) -> tuple[Tensor, Tensor]:
-        return partial_attention(q[t.q0:t.q1], k[t.k0:t.k1], v[t.k0:t.k1], causal=t.causal, scale=scale,
-                                 backend=backend, left=t.left)
+    def attend(t: Unit) -> tuple[Tensor, Tensor]:
+        if isinstance(t, Tile):
+            return partial_attention(q[t.q0:t.q1], k[t.k0:t.k1], v[t.k0:t.k1], causal=t.causal, scale=scale,
+                                     backend=backend, left=t.left)
+        return varlen_attention(q, k, v, t, scale=scale)
 
     if acc is None:
-        if len(tiles) == 1 and tiles[0].q0 == 0 and tiles[0].q1 == lq:
-            return attend(tiles[0])
+        if len(units) == 1 and units[0].q0 == 0 and units[0].q1 == lq:
+            return attend(units[0])
         out, lse = empty_state(lq, hq, d, dtype=q.dtype, device=q.device)
-        spans = sorted((t.q0, t.q1) for t in tiles)
+        spans = sorted((t.q0, t.q1) for t in units)
         if all(b0 <= a1 for (_, b0), (a1, _) in zip(spans, spans[1:])):
-            for t in tiles:
+            for t in units:
                 out[t.q0:t.q1], lse[t.q0:t.q1] = attend(t)
             return out, lse
         acc = out, lse
     out, lse = acc
-    for t in tiles:
+    for t in units:
         merge_into(out[t.q0:t.q1], lse[t.q0:t.q1], *attend(t))
     return out, lse

@@ -5,7 +5,8 @@ block and the merged ``(out, lse)``. Backward replays the same rotation (:meth:`
 the same per-step tiles: at step ``s`` a rank holds the KV block of rank ``r - s`` together with the
 gradient accumulator of that block (filled by the ranks that held it before), adds the gradients of
 its own tiles (:func:`~megacp.attention.partial_backward.partial_attention_backward`, a fused kernel
-on GPU fed the *final* ``out``/``lse``, so no tile needs a correction), and passes the accumulator on;
+on GPU fed the *final* ``out``/``lse``, so no tile needs a correction; runs of short packed-document
+tiles one varlen call, :mod:`~megacp.attention.varlen`), and passes the accumulator on;
 after N steps every accumulator is back at its owner, as in Transformer Engine's p2p CP. The tile
 gradients of step ``s`` are queued before the wait for the accumulator that arrives with it, so the
 transfers overlap the kernels. dQ stays local; the travelling dK/dV accumulators and dQ are fp32
@@ -18,6 +19,7 @@ through :class:`megacp.parallel.mpu.DeepSpeedMPU`).
 
 from __future__ import annotations
 
+import math
 from typing import Any, Sequence
 
 import torch
@@ -28,6 +30,7 @@ from megacp.attention.partial_backward import partial_attention_backward
 from megacp.attention.pass_kv import KVBlock, ring_pass_kv
 from megacp.attention.plans import plan_lengths, plans_reused_across_lengths
 from megacp.attention.prefill import build_kv_block
+from megacp.attention.varlen import TileRun, tile_runs, varlen_backward
 from megacp.parallel.ring import Ring
 from megacp.placement import ShardPlan, Tile
 
@@ -45,13 +48,12 @@ def accumulate(acc: Tensor | None, pieces: Sequence[Piece], shape: Sequence[int]
     gradient — a training rank's memory traffic beside its kernels.
     """
     if acc is None:
-        spans = sorted((a, b) for a, b, _ in pieces)
-        if len(pieces) == 1 and spans[0] == (0, shape[0]) and pieces[0][2].dtype == dtype:
+        if len(pieces) == 1 and pieces[0][:2] == (0, shape[0]) and pieces[0][2].dtype == dtype:
             return pieces[0][2].contiguous()  # the ring sends it (the fp32 reference returns dK/dV permuted)
-        if all(b0 <= a1 for (_, b0), (a1, _) in zip(spans, spans[1:])):
+        if _disjoint(pieces):
             acc = torch.empty(tuple(shape), dtype=dtype, device=device)
             end = 0
-            for a, b in spans + [(shape[0], shape[0])]:
+            for a, b in sorted((a, b) for a, b, _ in pieces) + [(shape[0], shape[0])]:
                 if a > end:
                     acc[end:a].zero_()
                 end = max(end, b)
@@ -62,6 +64,12 @@ def accumulate(acc: Tensor | None, pieces: Sequence[Piece], shape: Sequence[int]
     for a, b, x in pieces:
         acc[a:b] += x
     return acc
+
+
+def _disjoint(pieces: Sequence[Piece]) -> bool:
+    """Whether no row is in two of ``pieces``."""
+    spans = sorted((a, b) for a, b, _ in pieces)
+    return all(b0 <= a1 for (_, b0), (a1, _) in zip(spans, spans[1:]))
 
 
 def block_gradients(q: Tensor, block: KVBlock, out: Tensor, lse: Tensor, dout: Tensor, tiles: Sequence[Tile], *,
@@ -77,11 +85,16 @@ def block_gradients(q: Tensor, block: KVBlock, out: Tensor, lse: Tensor, dout: T
         and values ``[M, Hkv, D]``.
     """
     k, v = block[0], block[1]
+    backend = resolve_backend(backend)
     dq, dk, dv = [], [], []
-    for t in tiles:
-        rows, keys = slice(t.q0, t.q1), slice(t.k0, t.k1)
-        gq, gk, gv = partial_attention_backward(q[rows], k[keys], v[keys], out[rows], lse[rows], dout[rows],
-                                                causal=t.causal, scale=scale, backend=backend, left=t.left)
+    for t in tile_runs(tiles, backend, q):
+        if isinstance(t, TileRun):
+            gq, gk, gv = varlen_backward(q, k, v, out, lse, dout, t,
+                                         scale=1.0 / math.sqrt(q.shape[-1]) if scale is None else scale)
+        else:
+            rows, keys = slice(t.q0, t.q1), slice(t.k0, t.k1)
+            gq, gk, gv = partial_attention_backward(q[rows], k[keys], v[keys], out[rows], lse[rows], dout[rows],
+                                                    causal=t.causal, scale=scale, backend=backend, left=t.left)
         dq.append((t.q0, t.q1, gq))
         dk.append((t.k0, t.k1, gk))
         dv.append((t.k0, t.k1, gv))
@@ -123,8 +136,10 @@ class _RingAttention(torch.autograd.Function):
                                                         scale=scale, backend=backend, left=whole.left)
                 return gq.to(q.dtype), gk.to(q.dtype), gv.to(q.dtype), None, None, None, None
             pq, pk, pv = block_gradients(q, (bk, bv), out, lse, dout, own, scale=scale, backend=backend)
-            dq = accumulate(None, pq, q.shape, dev)
-            home = [accumulate(None, pk, kv_shape, dev), accumulate(None, pv, kv_shape, dev)]
+            # rows that one piece alone covers are written, not summed: q.dtype holds them exactly
+            q_dtype, kv_dtype = (q.dtype if _disjoint(p) else torch.float32 for p in (pq, pk))
+            dq = accumulate(None, pq, q.shape, dev, q_dtype)
+            home = [accumulate(None, pk, kv_shape, dev, kv_dtype), accumulate(None, pv, kv_shape, dev, kv_dtype)]
         else:
             dq, recv, pending = None, None, None
             # without a window the tiles of one block never overlap in queries, so a query row sums at
