@@ -14,7 +14,9 @@ Which tiles join a run (:func:`tile_runs`): fp16/bf16 CUDA tensors under backend
 ``"flash"``; no window band; one mask kind per run; a causal tile only where it has at least as
 many keys as queries (no query sees nothing). Under ``"auto"`` only tiles of at most
 :data:`VARLEN_MAX_ROWS` queries join (longer ones keep the faster cuDNN call of their own); under
-``"flash"`` every tile may. A run has at least two tiles. Layouts as
+``"flash"`` every tile may. A run has at least two tiles, or is one causal tile with more keys than
+queries — a chunk or a chat turn after its cached prefix, which the square-causal cuDNN calls run
+as a dense call, a causal call and a merge, each new key length a new cuDNN plan. Layouts as
 :mod:`~megacp.attention.partial`: ``q`` ``[Lq, Hq, D]``, ``k``/``v`` ``[Lk, Hkv, D]``, ``lse``
 ``[Lq, Hq]`` fp32 natural log.
 """
@@ -73,6 +75,12 @@ def _joins(t: Tile, max_rows: int | None) -> bool:
     return max_rows is None or t.q1 - t.q0 <= max_rows
 
 
+def _after_prefix(t: Tile) -> bool:
+    """A causal tile with more keys than queries (new tokens after cached ones): one varlen call
+    where the square-causal kernels need two and a merge."""
+    return t.causal and t.k1 - t.k0 > t.q1 - t.q0
+
+
 def tile_runs(tiles: Sequence[Tile], backend: str, x: Tensor) -> list[Unit]:
     """``tiles`` (in order) grouped into :class:`TileRun` s where the varlen kernel serves them
     (``backend`` resolved; ``x`` one of the query/key tensors), the rest left as they are."""
@@ -82,14 +90,15 @@ def tile_runs(tiles: Sequence[Tile], backend: str, x: Tensor) -> list[Unit]:
 
 
 def group_runs(tiles: Sequence[Tile], max_rows: int | None) -> list[Unit]:
-    """``tiles`` (in order) with every maximal stretch of at least two consecutive tiles that may
-    share a varlen call (contiguous queries and keys, one mask kind, no band, a causal tile with at
-    least as many keys as queries, at most ``max_rows`` queries each) as one :class:`TileRun`."""
+    """``tiles`` (in order) with every maximal stretch of consecutive tiles that may share a varlen
+    call (contiguous queries and keys, one mask kind, no band, a causal tile with at least as many
+    keys as queries, at most ``max_rows`` queries each) as one :class:`TileRun`: a stretch of at
+    least two tiles, or one causal tile after a cached prefix."""
     units: list[Unit] = []
     run: list[Tile] = []
 
     def close() -> None:
-        units.extend([TileRun(tuple(run))] if len(run) > 1 else run)
+        units.extend([TileRun(tuple(run))] if len(run) > 1 or (run and _after_prefix(run[0])) else run)
         run.clear()
 
     for t in tiles:

@@ -46,3 +46,22 @@ def test_packed_documents_in_one_call_equal_each_document_alone(heads: int, kv_h
                                      dout[rows].float(), causal=True, scale=dim ** -0.5)
         for name, got, w in zip(("dq", "dk", "dv"), (dq[rows], dk[rows], dv[rows]), want):
             assert _relative(got, w) < 3e-2, (t, name, _relative(got, w))
+
+
+def test_new_tokens_after_a_cached_prefix_in_one_call() -> None:
+    from megacp.placement import Tile
+
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    hq, hkv, d, lq, lk = 32, 8, 128, 96, 33000
+    q, dout = (torch.randn(lq, hq, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
+    k, v = (torch.randn(lk, hkv, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
+    tiles = [Tile(0, lq, 0, lk, True)]
+    assert isinstance(tile_runs(tiles, "auto", q)[0], TileRun)
+    out, lse = run_tiles(q, k, v, tiles, None)
+    ref, ref_lse = pa.partial_attention(q.float(), k.float(), v.float(), causal=True, backend="reference")
+    assert _relative(out, ref) < 2e-2 and _relative(lse, ref_lse) < 1e-4
+    pq, pk, pv = block_gradients(q, (k, v), out, lse, dout, tiles, scale=None, backend="auto")
+    want = pb.reference_backward(q.float(), k.float(), v.float(), ref, ref_lse, dout.float(), causal=True,
+                                 scale=d ** -0.5)
+    for (_, _, got), w in zip((pq[0], pk[0], pv[0]), want):
+        assert _relative(got, w) < 3e-2

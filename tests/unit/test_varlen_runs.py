@@ -33,5 +33,8 @@ def test_ring_tiles_split_by_mask_kind_and_contiguity() -> None:
     assert group_runs(earlier, None) == earlier
     windowed = [Tile(0, 4, 0, 4, True, left=2), Tile(4, 8, 4, 8, True)]
     assert group_runs(windowed, None) == windowed  # a band never joins
+    after_prefix = [Tile(0, 96, 0, 4096, True), Tile(96, 99, 4096, 4099, False)]
+    assert group_runs(after_prefix, None) == [TileRun(tuple(after_prefix[:1])), after_prefix[1]]  # one call, not two
+    assert group_runs(after_prefix, 64) == after_prefix
     short_keys = [Tile(0, 4, 0, 2, True), Tile(4, 8, 2, 6, True)]
     assert group_runs(short_keys, None) == short_keys  # a causal tile whose first queries see nothing
