@@ -122,21 +122,21 @@ def _without_wrong_kernels(backend: str, q: Tensor) -> str:
 
 
 @functools.cache
-def _zero_seed(device: torch.device) -> Tensor:
+def zero_seed(device: torch.device) -> Tensor:
     """The (unused, dropout is 0) RNG seed/offset tensor the kernels' signatures require, on ``device``."""
     return torch.zeros((), dtype=torch.int64, device=device)
 
 
 def _cudnn_backward(dout4: Tensor, q4: Tensor, k4: Tensor, v4: Tensor, out4: Tensor, lse3: Tensor,
                     causal: bool, scale: float) -> Grads:
-    lq, lk, seed = q4.shape[2], k4.shape[2], _zero_seed(q4.device)
+    lq, lk, seed = q4.shape[2], k4.shape[2], zero_seed(q4.device)
     return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
         dout4, q4, k4, v4, out4, lse3.unsqueeze(-1), seed, seed, None, None, None, lq, lk, 0.0, causal, scale=scale)
 
 
 def _flash_backward(dout4: Tensor, q4: Tensor, k4: Tensor, v4: Tensor, out4: Tensor, lse3: Tensor,
                     causal: bool, scale: float) -> Grads:
-    lq, lk, seed = q4.shape[2], k4.shape[2], _zero_seed(q4.device)
+    lq, lk, seed = q4.shape[2], k4.shape[2], zero_seed(q4.device)
     return torch.ops.aten._scaled_dot_product_flash_attention_backward(
         dout4, q4, k4, v4, out4, lse3, None, None, lq, lk, 0.0, causal, seed, seed, scale=scale)
 
@@ -158,7 +158,7 @@ def _flash_band_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tens
                          causal: bool, scale: float, left: int) -> Grads:
     """One banded tile (``[L, H, D]``) through FlashAttention-2's varlen backward (one sequence, the
     forward's window: ``window_size_left=left``, right 0 when causal else unbounded)."""
-    lq, lk, seed = q.shape[0], k.shape[0], _zero_seed(q.device)
+    lq, lk, seed = q.shape[0], k.shape[0], zero_seed(q.device)
     cu_q = torch.tensor([0, lq], dtype=torch.int32, device=q.device)
     cu_k = torch.tensor([0, lk], dtype=torch.int32, device=q.device)
     dq, dk, dv = torch.ops.aten._flash_attention_backward(

@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from megacp.attention.partial import kernels_apply
+from megacp.attention.partial_backward import zero_seed
 from megacp.placement.tiles import Tile
 
 VARLEN_MAX_ROWS = 2048
@@ -158,12 +159,6 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, run: TileRun, *, scale: fl
 
 
 @functools.cache
-def _zero_seed(device: torch.device) -> Tensor:
-    """The (unused: no dropout) RNG seed/offset tensor the kernel's signature requires."""
-    return torch.zeros((), dtype=torch.int64, device=device)
-
-
-@functools.cache
 def _padded_lse_layout(device: torch.device) -> bool:
     """Whether the installed FlashAttention-2 keeps a varlen LSE as ``[B, H, max_q]`` (probed once
     with two sequences; otherwise it is ``[H, total_q]``)."""
@@ -191,7 +186,7 @@ def varlen_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, d
         lse_k[s.seq, :, s.pos] = lse_rows
     else:
         lse_k = lse_rows.t().contiguous()
-    seed = _zero_seed(q.device)
+    seed = zero_seed(q.device)
     keys = slice(run.k0, run.k1)
     dq, dk, dv = torch.ops.aten._flash_attention_backward(
         dout[rows], q[rows], k[keys], v[keys], out[rows], lse_k, s.cu_q, s.cu_k, s.max_q, s.max_k, 0.0, run.causal,
