@@ -20,7 +20,7 @@ through :class:`megacp.parallel.mpu.DeepSpeedMPU`).
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -191,6 +191,12 @@ def warm_kernel_plans(heads: int, kv_heads: int, head_dim: int, *, dtype: torch.
     forward and backward, through the calls a training step makes, so that no step stalls on
     building one (~33 lengths, tens of milliseconds each, once per process).
 
+    torch keeps its cuDNN attention plans per thread, and autograd runs the backward of CUDA
+    tensors (with the layers' recomputed forward under activation checkpointing) on its own device
+    thread: the forward plans are built on the calling thread and, forward and backward, on that
+    device thread (:func:`run_on_backward_thread`). Built on the calling thread alone, every new
+    length cost its first training step tens of milliseconds (measured on an H100).
+
     Runs only where the cuDNN kernels would: CUDA fp16/bf16, ``backend`` ``"auto"`` or ``"cudnn"``,
     and torch not reusing plans across lengths (under it the backward runs FlashAttention-2).
 
@@ -202,11 +208,39 @@ def warm_kernel_plans(heads: int, kv_heads: int, head_dim: int, *, dtype: torch.
     if backend not in ("auto", "cudnn") or not kernels_apply(probe) or plans_reused_across_lengths():
         return []
     lengths = plan_lengths(tokens)
-    gen = torch.Generator(device=device).manual_seed(0)
-    for n in lengths:
-        q, dout = (torch.randn(n, heads, head_dim, dtype=dtype, device=device, generator=gen) for _ in range(2))
-        k, v = (torch.randn(n, kv_heads, head_dim, dtype=dtype, device=device, generator=gen) for _ in range(2))
-        out, lse = partial_attention(q, k, v, causal=True, backend=backend)
-        partial_attention_backward(q, k, v, out, lse, dout, causal=True, backend=backend)
+
+    def warm(backward: bool) -> None:
+        gen = torch.Generator(device=device).manual_seed(0)
+        for n in lengths:
+            q, dout = (torch.randn(n, heads, head_dim, dtype=dtype, device=device, generator=gen) for _ in range(2))
+            k, v = (torch.randn(n, kv_heads, head_dim, dtype=dtype, device=device, generator=gen) for _ in range(2))
+            out, lse = partial_attention(q, k, v, causal=True, backend=backend)
+            if backward:
+                partial_attention_backward(q, k, v, out, lse, dout, causal=True, backend=backend)
+
+    with torch.no_grad():
+        warm(backward=False)
+    run_on_backward_thread(lambda: warm(backward=True), device)
     torch.cuda.synchronize(device)
     return lengths
+
+
+class _RunInBackward(torch.autograd.Function):
+    """Identity whose backward calls ``fn`` (on the thread autograd runs the input's device on)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, fn: Any) -> Tensor:
+        ctx.fn = fn
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple:
+        ctx.fn()
+        return grad, None
+
+
+def run_on_backward_thread(fn: Callable[[], None], device: torch.device) -> None:
+    """Call ``fn`` where autograd runs the backward of tensors on ``device`` (for a CUDA device,
+    autograd's device thread, not the caller's), through a one-element backward pass."""
+    x = torch.zeros((), device=device, requires_grad=True)
+    _RunInBackward.apply(x, fn).backward()

@@ -54,3 +54,27 @@ def test_batched_backward_is_exact() -> None:
                                      causal=True, scale=d ** -0.5)
         for g, w in zip(grads, want):
             assert _relative(g[i], w) < 3e-2
+
+
+def test_plans_are_warmed_on_the_thread_the_backward_runs_on() -> None:
+    """torch keeps cuDNN plans per thread and runs a CUDA backward on autograd's device thread: the
+    warm-up must run there (it did not, and every new tile length slowed its first training step)."""
+    import threading
+
+    from megacp.attention.training import run_on_backward_thread
+
+    names: list[str] = []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):  # type: ignore[no-untyped-def]
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, g):  # type: ignore[no-untyped-def]
+            names.append(threading.current_thread().name)
+            return g * 2
+
+    Probe.apply(torch.ones(2, device="cuda", requires_grad=True)).sum().backward()
+    run_on_backward_thread(lambda: names.append(threading.current_thread().name), torch.device("cuda"))
+    assert names[0] == names[1] != threading.current_thread().name

@@ -75,3 +75,31 @@ def test_inference_entry_points_turn_plan_reuse_on_and_training_does_not() -> No
     env = {k: v for k, v in __import__("os").environ.items() if k != "TORCH_CUDNN_SDPA_AVOID_RECOMPILE"}
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     assert res.stdout.strip() == "None"
+
+
+def test_run_on_backward_thread_runs_where_a_backward_runs() -> None:
+    """The plan warm-up's hook: ``fn`` runs once, on the thread autograd runs a backward of tensors
+    of that device on (the caller's on CPU; autograd's device thread on a GPU, checked in
+    tests/gpu/test_cudnn_plans.py)."""
+    import threading
+
+    import torch
+
+    from megacp.attention.training import run_on_backward_thread
+
+    calls: list[str] = []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):  # type: ignore[no-untyped-def]
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, g):  # type: ignore[no-untyped-def]
+            calls.append(threading.current_thread().name)
+            return g * 2
+
+    x = torch.ones(2, requires_grad=True)
+    Probe.apply(x).sum().backward()
+    run_on_backward_thread(lambda: calls.append(threading.current_thread().name), torch.device("cpu"))
+    assert len(calls) == 2 and calls[0] == calls[1] and x.grad is not None and x.grad.tolist() == [2.0, 2.0]
