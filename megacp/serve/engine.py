@@ -40,6 +40,9 @@ HEARTBEAT_S = 30.0
 IDLE_POLL_S = 0.1
 """How often an idle rank 0 looks whether the server drains."""
 
+STEP_WINDOW = 4096
+"""Latest steps whose host times :meth:`Engine.status` summarises."""
+
 
 class QueueFull(RuntimeError):
     """The waiting queue is at its limit (HTTP 429)."""
@@ -119,6 +122,21 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return lo
 
 
+def step_summary(times: list[tuple[float, bool]]) -> dict[str, Any]:
+    """Milliseconds the engine's latest steps took on the host (``times``: seconds and whether the
+    step prefilled prompt tokens), for the decode-only steps and the steps with prompt chunks:
+    ``{"decode": {"steps", "p50", "p99", "max"}, "prefill": {...}}`` (a kind without steps is left
+    out). A step is asynchronous on a GPU: its time is the host's work plus its wait for the previous
+    step's tokens."""
+    out: dict[str, Any] = {}
+    for kind, flag in (("decode", False), ("prefill", True)):
+        ms = sorted(t * 1e3 for t, p in times if p == flag)
+        if ms:
+            p50, p99 = (round(ms[min(len(ms) - 1, int(q * len(ms)))], 3) for q in (0.5, 0.99))
+            out[kind] = {"steps": len(ms), "p50": p50, "p99": p99, "max": round(ms[-1], 3)}
+    return out
+
+
 class Engine:
     """The scheduler and step loop (rank 0), on a :class:`Worker`.
 
@@ -158,6 +176,7 @@ class Engine:
         self._reader = TokenReader(len(worker.slots), worker.gen.device)
         self._pending: tuple[int, list[Request]] | None = None  # the latest step's reader buffer and rows
         self._outbox: list[tuple[Request, Event]] = []  # a step's events, handed to the event loop at once
+        self._step_times: deque[tuple[float, bool]] = deque(maxlen=STEP_WINDOW)  # (seconds, prefilled)
         self._thread = threading.Thread(target=self._loop, name="megacp-engine", daemon=True)
 
     def start(self) -> None:
@@ -184,7 +203,7 @@ class Engine:
         graphs = getattr(self.worker.decoder, "graphs", {})
         return dict(self.metrics, running=sum(s.request is not None for s in self.slots),
                     prefilling=len(self.prefilling), waiting=len(self.waiting) + self.inbox.qsize(),
-                    cuda_graphs=len(graphs))
+                    cuda_graphs=len(graphs), step_ms=step_summary(list(self._step_times)))
 
     # ------------------------------------------------------------------ the step loop
     def _loop(self) -> None:
@@ -208,7 +227,9 @@ class Engine:
                 except queue.Empty:
                     break
             try:
+                start, prefilled = time.perf_counter(), self.metrics["prefilled_tokens"]
                 self._step()
+                self._step_times.append((time.perf_counter() - start, self.metrics["prefilled_tokens"] > prefilled))
             except Exception as err:  # noqa: BLE001  # a failed step fails its requests, not the server
                 for s in self.slots:
                     if s.request is not None and not s.request.done:

@@ -335,6 +335,7 @@ def main(argv: list[str] | None = None) -> int:
                 many = streams_phase(args, url, args.clients, rng, vocab, pool, TARGET_ITL * single["itl_p99_ms"])
                 after = httpx.get(url + "/metrics", headers=_headers(args.api_key), timeout=10).json()
                 many["prefill_steps"] = after.get("prefill_steps", 0) - before.get("prefill_steps", 0)
+                many["server_step_ms"] = after.get("step_ms", {})  # the engine's latest steps, host time
             finally:
                 if pool is not None:
                     pool.shutdown()
@@ -351,6 +352,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"(p99 passes while at most {many['gaps'] // 100}); the {many['clients']} prompts prefilled in "
                   f"{many['prefill_steps']} steps (--max-num-batched-tokens {meta['max_num_batched_tokens']})",
                   flush=True)
+            for kind, row in many["server_step_ms"].items():
+                print(f"server {kind} steps (latest {row['steps']}): p50 {row['p50']:.2f} p99 {row['p99']:.2f} "
+                      f"max {row['max']:.2f} ms", flush=True)
             print(f"throughput {ratio:.2f}x single stream (target >= {TARGET_RATIO:g}), p99 ITL {itl_ratio:.2f}x "
                   f"(target < {TARGET_ITL:g})", flush=True)
             warmup, turns = chat_phase(args, url, rng, vocab)

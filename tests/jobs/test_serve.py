@@ -308,6 +308,9 @@ def test_a_long_prompt_beside_decoding_streams_is_chunked(servers) -> None:
     assert m["chunked_requests"] > before["chunked_requests"]
     assert m["prefill_chunks"] - before["prefill_chunks"] >= 150 // BUDGET
     assert 0 < m["max_prefill_beside_decode"] <= BUDGET
+    steps = m["step_ms"]  # the engine's host time per step, decode-only and with prompt chunks
+    assert steps["decode"]["steps"] >= 100 and steps["prefill"]["steps"] >= 150 // BUDGET
+    assert all(0 < s["p50"] <= s["p99"] <= s["max"] for s in steps.values())
 
 
 def test_bad_requests_get_openai_errors_and_the_server_goes_on(servers) -> None:
