@@ -28,6 +28,8 @@ What makes steps differ, from the same run (``diagnosis`` in the JSON, one line 
   fills the sequence), per step for both feeds. A least-squares fit of the memory feed's step times,
   ``fixed_s + per_work_s x attention_work`` (its ``r2``: the share of the step-time variance the work
   explains), gives each feed's ``adjusted_spread``: the max / median of step time over fitted time.
+* ``new_plan_lengths``: per step, the padded cuDNN tile lengths no earlier step of the process ran
+  (a plan the warm-up missed is built in the first step that needs it);
 * ``memory_fixed_work``: the memory feed repeating its heaviest sequence (no work variation: the
   spread of the system alone);
 * ``memory_gc_unfrozen``: the memory feed under Python's automatic garbage collector with nothing
@@ -60,6 +62,7 @@ from typing import Any
 
 import torch
 
+from megacp.attention.plans import plan_length
 from megacp.train.data import CorpusBatches, PackedSequence, resolve_corpus
 from scripts.bench import harness as bh
 from scripts.bench.decode_kinds import save_random_model
@@ -160,11 +163,22 @@ def allocator_counts(device: torch.device) -> dict[str, int]:
     return {key: int(stats.get(key, 0)) for key in ALLOCATOR_COUNTS}
 
 
+def new_plan_lengths(group: Sequence[PackedSequence], seen: set[int]) -> int:
+    """How many padded cuDNN tile lengths (:func:`~megacp.attention.plans.plan_length` of the
+    document pieces, CP 1) of ``group`` are not in ``seen`` yet (added to it): the kernel plans a
+    step would build if nothing had warmed them."""
+    lengths = {plan_length(int(n)) for s in group for n in torch.diff(s.cu_seqlens.cpu())}
+    new = lengths - seen
+    seen |= lengths
+    return len(new)
+
+
 def time_steps(trainer: Any, groups: Sequence[Sequence[PackedSequence]], device: torch.device, seq_len: int,
-               warmup: int) -> dict:
+               warmup: int, seen: set[int]) -> dict:
     """Train one step per group of ``groups`` (a step's micro-batches); the stats of the steps after
-    the first ``warmup``, with each step's attention work, garbage-collection time and full
-    collections, and allocator counter deltas."""
+    the first ``warmup``, with each step's attention work, new plan lengths (``seen``: the lengths
+    of the trainer's earlier steps), garbage-collection time and full collections, and allocator
+    counter deltas."""
     rows = []
     with GcClock() as clock:
         for group in groups:
@@ -174,10 +188,11 @@ def time_steps(trainer: Any, groups: Sequence[Sequence[PackedSequence]], device:
             gc_s, full = clock.read()
             after = allocator_counts(device)
             rows.append({"s": result.seconds, "work": attention_work(group, seq_len), "gc_s": gc_s, "gc_full": full,
-                         **{key: after[key] - before[key] for key in after}})
+                         "new_lengths": new_plan_lengths(group, seen), **{key: after[key] - before[key] for key in after}})
     rows = rows[warmup:]
     out = step_stats([r["s"] for r in rows], sum(s.input_ids.numel() for s in groups[0]))
     out["attention_work"] = [r["work"] for r in rows]
+    out["new_plan_lengths"] = [r["new_lengths"] for r in rows]
     for key in ("gc_s", "gc_full", *ALLOCATOR_COUNTS):
         if key in rows[0]:
             out[key] = [r[key] for r in rows]
@@ -232,17 +247,19 @@ def run_memory(ctx: bh.Ctx, args: argparse.Namespace, work: Path, config_path: P
                  for b in islice(batches, args.steps * accumulation)]
     groups = [sequences[i: i + accumulation] for i in range(0, len(sequences), accumulation)]
     trainer = Trainer(model, config.deepspeed, ctx.state, settings, cp=cp)
+    seen: set[int] = set()
     few, warm = groups[: args.diagnose_steps], 1  # the trainer is warm after the main run
     heaviest = max(groups[args.warmup:], key=lambda g: attention_work(g, args.seq_len))
     variants = {}
     try:
         with GarbageCollection():
-            memory = time_steps(trainer, groups, ctx.device, args.seq_len, args.warmup)
-        variants["memory_gc_unfrozen"] = time_steps(trainer, few, ctx.device, args.seq_len, warm)
+            memory = time_steps(trainer, groups, ctx.device, args.seq_len, args.warmup, seen)
+        variants["memory_gc_unfrozen"] = time_steps(trainer, few, ctx.device, args.seq_len, warm, seen)
         with GarbageCollection(every=len(few) + 1):
-            variants["memory_gc_off"] = time_steps(trainer, few, ctx.device, args.seq_len, warm)
+            variants["memory_gc_off"] = time_steps(trainer, few, ctx.device, args.seq_len, warm, seen)
         with GarbageCollection():
-            variants["memory_fixed_work"] = time_steps(trainer, [heaviest] * len(few), ctx.device, args.seq_len, warm)
+            variants["memory_fixed_work"] = time_steps(trainer, [heaviest] * len(few), ctx.device, args.seq_len, warm,
+                                                       seen)
     finally:
         trainer.engine.destroy()
     return memory, variants
@@ -320,12 +337,13 @@ def main(argv: list[str] | None = None) -> int:
 def _print_steps(corpus: dict, memory: dict) -> None:
     """One line per steady step: its attention work, both feeds' seconds, the memory step's
     garbage-collection time and full collections, and its allocator counter deltas."""
-    print("\nsteady steps: attention work (1: one document per sequence), seconds fed from the corpus and from "
-          "memory, the memory step's GC ms / full collections / cudaMalloc calls / alloc retries")
+    print("\nsteady steps: attention work (1: one document per sequence), padded tile lengths no earlier step ran, "
+          "seconds fed from the corpus and from memory, the memory step's GC ms / full collections / cudaMalloc "
+          "calls / alloc retries")
     for i, (w, c, m) in enumerate(zip(memory["attention_work"], corpus["step_s"], memory["step_s"])):
         extra = " ".join(f"{memory[k][i]}" for k in ALLOCATOR_COUNTS if k in memory)
-        print(f"  {i:3d}  work {w:.3f}  corpus {c:.4f}  memory {m:.4f}  gc {1e3 * memory['gc_s'][i]:6.1f} ms "
-              f"{memory['gc_full'][i]} {extra}".rstrip())
+        print(f"  {i:3d}  work {w:.3f}  new lengths {memory['new_plan_lengths'][i]}  corpus {c:.4f}  memory {m:.4f}  "
+              f"gc {1e3 * memory['gc_s'][i]:6.1f} ms {memory['gc_full'][i]} {extra}".rstrip())
 
 
 if __name__ == "__main__":
