@@ -24,6 +24,7 @@ as a dense call, a causal call and a merge, each new key length a new cuDNN plan
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass
 from typing import Sequence, Union
 
@@ -116,15 +117,15 @@ def group_runs(tiles: Sequence[Tile], max_rows: int | None) -> list[Unit]:
 
 @dataclass(frozen=True)
 class _Seqs:
-    """A run's sequence boundaries on the device, and the padded-LSE index where the kernel keeps
-    its LSE as ``[B, H, max_q]`` (older FlashAttention layouts) rather than ``[H, total_q]``."""
+    """A run's sequence boundaries on the device and, where the kernel keeps its LSE as
+    ``[B, H, max_q]`` (older FlashAttention layouts) rather than ``[H, total_q]``, the index of each
+    query row into that layout."""
 
     cu_q: Tensor
     cu_k: Tensor
     max_q: int
     max_k: int
-    seq: Tensor  # [total_q] the sequence of each query row
-    pos: Tensor  # [total_q] its row within that sequence
+    padded: tuple[Tensor, Tensor] | None  # ([total_q] sequence of each row, [total_q] its row in it)
 
 
 @functools.lru_cache(maxsize=256)
@@ -133,11 +134,23 @@ def _seqs(run: TileRun, device: torch.device) -> _Seqs:
     recomputation and backward."""
     lq = [t.q1 - t.q0 for t in run.tiles]
     lk = [t.k1 - t.k0 for t in run.tiles]
-    cu_q = torch.tensor([0, *torch.tensor(lq).cumsum(0).tolist()], dtype=torch.int32)
-    cu_k = torch.tensor([0, *torch.tensor(lk).cumsum(0).tolist()], dtype=torch.int32)
-    seq = torch.repeat_interleave(torch.arange(len(lq)), torch.tensor(lq))
-    pos = torch.arange(int(cu_q[-1])) - cu_q[:-1].long()[seq]
-    return _Seqs(cu_q.to(device), cu_k.to(device), max(lq), max(lk), seq.to(device), pos.to(device))
+    cu_q = torch.tensor([0, *itertools.accumulate(lq)], dtype=torch.int32)
+    cu_k = torch.tensor([0, *itertools.accumulate(lk)], dtype=torch.int32)
+    padded = None
+    if _padded_lse_layout(device):
+        seq = torch.repeat_interleave(torch.arange(len(lq)), torch.tensor(lq))
+        padded = seq.to(device), (torch.arange(int(cu_q[-1])) - cu_q[:-1].long()[seq]).to(device)
+    return _Seqs(cu_q.to(device), cu_k.to(device), max(lq), max(lk), padded)
+
+
+@functools.cache
+def _padded_lse_layout(device: torch.device) -> bool:
+    """Whether the installed FlashAttention-2 keeps a varlen LSE as ``[B, H, max_q]`` (probed once
+    with two sequences; otherwise it is ``[H, total_q]``)."""
+    x = torch.zeros(3, 1, 8, dtype=torch.float16, device=device)
+    cu = torch.tensor([0, 1, 3], dtype=torch.int32, device=device)
+    lse = torch.ops.aten._flash_attention_forward(x, x, x, cu, cu, 2, 2, 0.0, False, False)[1]
+    return lse.dim() == 3
 
 
 def varlen_attention(q: Tensor, k: Tensor, v: Tensor, run: TileRun, *, scale: float) -> tuple[Tensor, Tensor]:
@@ -154,18 +167,8 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, run: TileRun, *, scale: fl
         q[run.q0:run.q1], k[run.k0:run.k1], v[run.k0:run.k1], s.cu_q, s.cu_k, s.max_q, s.max_k, 0.0, run.causal,
         False, scale=scale)
     out, lse = res[0], res[1]
-    lse = lse.t() if lse.dim() == 2 else lse[s.seq, :, s.pos]
+    lse = lse.t() if s.padded is None else lse[s.padded[0], :, s.padded[1]]
     return out, lse.float()
-
-
-@functools.cache
-def _padded_lse_layout(device: torch.device) -> bool:
-    """Whether the installed FlashAttention-2 keeps a varlen LSE as ``[B, H, max_q]`` (probed once
-    with two sequences; otherwise it is ``[H, total_q]``)."""
-    x = torch.zeros(3, 1, 8, dtype=torch.float16, device=device)
-    cu = torch.tensor([0, 1, 3], dtype=torch.int32, device=device)
-    lse = torch.ops.aten._flash_attention_forward(x, x, x, cu, cu, 2, 2, 0.0, False, False)[1]
-    return lse.dim() == 3
 
 
 def varlen_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor, run: TileRun, *,
@@ -181,11 +184,11 @@ def varlen_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, d
     s = _seqs(run, q.device)
     rows = slice(run.q0, run.q1)
     lse_rows = lse[rows]
-    if _padded_lse_layout(q.device):
-        lse_k = lse_rows.new_zeros(len(run.tiles), lse_rows.shape[1], s.max_q)
-        lse_k[s.seq, :, s.pos] = lse_rows
-    else:
+    if s.padded is None:
         lse_k = lse_rows.t().contiguous()
+    else:
+        lse_k = lse_rows.new_zeros(len(run.tiles), lse_rows.shape[1], s.max_q)
+        lse_k[s.padded[0], :, s.padded[1]] = lse_rows
     seed = zero_seed(q.device)
     keys = slice(run.k0, run.k1)
     dq, dk, dv = torch.ops.aten._flash_attention_backward(
