@@ -62,19 +62,8 @@ def test_plans_are_warmed_on_the_thread_the_backward_runs_on() -> None:
     import threading
 
     from megacp.attention.training import run_on_backward_thread
+    from tests.helpers.threads import backward_thread
 
     names: list[str] = []
-
-    class Probe(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):  # type: ignore[no-untyped-def]
-            return x * 2
-
-        @staticmethod
-        def backward(ctx, g):  # type: ignore[no-untyped-def]
-            names.append(threading.current_thread().name)
-            return g * 2
-
-    Probe.apply(torch.ones(2, device="cuda", requires_grad=True)).sum().backward()
     run_on_backward_thread(lambda: names.append(threading.current_thread().name), torch.device("cuda"))
-    assert names[0] == names[1] != threading.current_thread().name
+    assert names == [backward_thread("cuda")] and names[0] != threading.current_thread().name
