@@ -16,7 +16,10 @@ many keys as queries (no query sees nothing). Under ``"auto"`` only tiles of at 
 :data:`VARLEN_MAX_ROWS` queries join (longer ones keep the faster cuDNN call of their own); under
 ``"flash"`` every tile may. A run has at least two tiles, or is one causal tile with more keys than
 queries — a chunk or a chat turn after its cached prefix, which the square-causal cuDNN calls run
-as a dense call, a causal call and a merge, each new key length a new cuDNN plan. Layouts as
+as a dense call, a causal call and a merge, each new key length a new cuDNN plan. Such a run's
+forward is FlashAttention-2's batched (not varlen) call: with few queries it splits the keys over
+the SMs and merges (split-KV), where the varlen call runs each head's queries on one SM over all
+the keys (a 96-token turn over 33K cached keys). Layouts as
 :mod:`~megacp.attention.partial`: ``q`` ``[Lq, Hq, D]``, ``k``/``v`` ``[Lk, Hkv, D]``, ``lse``
 ``[Lq, Hq]`` fp32 natural log.
 """
@@ -162,6 +165,11 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, run: TileRun, *, scale: fl
     Returns:
         ``out`` ``[q1 - q0, Hq, D]`` (q.dtype) and ``lse`` ``[q1 - q0, Hq]`` fp32 of the run's rows.
     """
+    if len(run.tiles) == 1:  # one tile after its prefix: the batched call, whose forward splits the keys
+        res = torch.ops.aten._flash_attention_forward(
+            q[None, run.q0:run.q1], k[None, run.k0:run.k1], v[None, run.k0:run.k1], None, None, run.q1 - run.q0,
+            run.k1 - run.k0, 0.0, run.causal, False, scale=scale)
+        return res[0][0], res[1][0].t().float()
     s = _seqs(run, q.device)
     res = torch.ops.aten._flash_attention_forward(
         q[run.q0:run.q1], k[run.k0:run.k1], v[run.k0:run.k1], s.cu_q, s.cu_k, s.max_q, s.max_k, 0.0, run.causal,

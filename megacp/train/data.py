@@ -39,6 +39,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -224,20 +225,22 @@ def pack_documents(documents: Iterable[Sequence[int]], seq_len: int,
     """
     if seq_len < 1:
         raise ValueError(f"seq_len must be >= 1, got {seq_len}")
-    ids: list[int] = []
+    pieces: list[Sequence[int]] = []
     starts: list[int] = []
+    filled = 0
     for index, doc in enumerate(itertools.islice(documents, start.document, None), start.document):
         offset = start.offset if index == start.document else 0
         while offset < len(doc):
-            take = min(seq_len - len(ids), len(doc) - offset)
-            starts.append(len(ids))
-            ids.extend(doc[offset: offset + take])
+            take = min(seq_len - filled, len(doc) - offset)
+            starts.append(filled)
+            pieces.append(doc[offset: offset + take])
             offset += take
-            if len(ids) == seq_len:
+            filled += take
+            if filled == seq_len:
                 end = StreamPosition(index, offset) if offset < len(doc) else StreamPosition(index + 1, 0)
-                yield PackedSequence(torch.tensor(ids, dtype=torch.long),
-                                     torch.tensor([*starts, seq_len], dtype=torch.int32), end)
-                ids, starts = [], []
+                ids = np.concatenate([np.asarray(p, dtype=np.int64) for p in pieces])
+                yield PackedSequence(torch.from_numpy(ids), torch.tensor([*starts, seq_len], dtype=torch.int32), end)
+                pieces, starts, filled = [], [], 0
 
 
 def concat_sequences(sequences: Sequence[PackedSequence]) -> PackedSequence:

@@ -90,17 +90,18 @@ class TokenCache:
         what = "reused the tokenised corpus" if self.reused else f"tokenised the corpus in {self.seconds:.1f} s"
         return f"{what}: {self.documents} documents, {len(self.tokens):,} tokens ({self.path})"
 
-    def stream(self, skip: int = 0) -> Iterator[list[int]]:
-        """Every document's token ids (EOS included; an empty document as ``[]``), the corpus
-        repeated without end, as :func:`~megacp.train.data.tokenized_documents` gives them; the
-        first ``skip`` documents come as ``[]`` (they are passed over, not read)."""
+    def stream(self, skip: int = 0) -> Iterator[np.ndarray]:
+        """Every document's token ids (EOS included; an empty document empty), the corpus repeated
+        without end, as :func:`~megacp.train.data.tokenized_documents` gives them but as views of
+        the memory-mapped file (``[n]`` uint32; nothing is converted to Python ints); the first
+        ``skip`` documents come empty (they are passed over, not read)."""
         if len(self.tokens) == 0:
             raise CorpusError(f"the corpus ({self.path}) has no text to train on")
         count = 0
         while True:
             for i in range(self.documents):
                 skipped, count = count < skip, count + 1
-                yield [] if skipped else self.tokens[self.offsets[i]:self.offsets[i + 1]].tolist()
+                yield self.tokens[:0] if skipped else self.tokens[self.offsets[i]:self.offsets[i + 1]]
 
 
 def _open(path: Path, reused: bool, seconds: float) -> TokenCache:

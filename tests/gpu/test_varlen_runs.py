@@ -48,11 +48,14 @@ def test_packed_documents_in_one_call_equal_each_document_alone(heads: int, kv_h
             assert _relative(got, w) < 3e-2, (t, name, _relative(got, w))
 
 
-def test_new_tokens_after_a_cached_prefix_in_one_call() -> None:
+@pytest.mark.parametrize("lq", [1, 96, 700])
+def test_new_tokens_after_a_cached_prefix_in_one_call(lq: int) -> None:
+    """One tile after its cached prefix: the forward's batched call (split over the keys) and the
+    varlen backward fed its out/LSE."""
     from megacp.placement import Tile
 
     gen = torch.Generator(device="cuda").manual_seed(2)
-    hq, hkv, d, lq, lk = 32, 8, 128, 96, 33000
+    hq, hkv, d, lk = 32, 8, 128, 33000
     q, dout = (torch.randn(lq, hq, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
     k, v = (torch.randn(lk, hkv, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
     tiles = [Tile(0, lq, 0, lk, True)]
