@@ -36,14 +36,15 @@ def _hf_warped(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return x[0]
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_filters_equal_transformers_warpers(seed: int) -> None:
+@pytest.mark.parametrize("seed, vocab", [(0, 400), (1, 400), (2, 400), (3, 5000)])
+def test_filters_equal_transformers_warpers(seed: int, vocab: int) -> None:
+    """Vocabulary 5000: the top-p cut's cumulative sum spans several of its 1,024-column chunks."""
     params = [SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m) for t, k, p, m in [
         (0.7, 0, 0.9, 0.0), (1.0, 40, 1.0, 0.0), (1.3, 0, 1.0, 0.1), (0.5, 100, 0.8, 0.05),
         (1.0, 0, 1.0, 0.0), (2.0, 7, 0.5, 0.0), (0.9, 0, 0.95, 0.2), (1.1, 300, 0.3, 0.0)]]
     g = torch.Generator().manual_seed(seed)
-    logits = torch.randn(len(params), 400, generator=g) * 3
-    s = Sampler(params, 400, CPU)
+    logits = torch.randn(len(params), vocab, generator=g) * 3
+    s = Sampler(params, vocab, CPU)
     ordered, index = (logits / s.temperature[:, None]).sort(dim=-1)
     ordered = filter_sorted(ordered, s.top_k, s.top_p_floor)
     ordered = ordered.masked_fill(ordered < min_p_floor(ordered[:, -1], s.log_min_p)[:, None], float("-inf"))
@@ -54,7 +55,25 @@ def test_filters_equal_transformers_warpers(seed: int) -> None:
         kept = ~ref.isinf()
         assert torch.allclose(ours[row][kept], ref[kept]), row
     dropped = ours.isinf().sum(-1)
-    assert dropped[4] == 0 and all(0 < d < 400 for i, d in enumerate(dropped.tolist()) if i != 4), dropped
+    assert dropped[4] == 0 and all(0 < d < vocab for i, d in enumerate(dropped.tolist()) if i != 4), dropped
+
+
+def test_greedy_rows_of_a_filtered_batch_take_the_first_largest_logit() -> None:
+    """Greedy rows beside top-p / top-k rows (row 2 greedy with a top-p of its own) are drawn from
+    the sorted, filtered values without noise: their token is ``argmax``'s (the first of three tied
+    largest logits), over several steps."""
+    vocab = 3000
+    params = [SamplingParams(), SamplingParams(temperature=0.8, top_p=0.9, seed=1),
+              SamplingParams(top_p=0.5), SamplingParams(temperature=1.2, top_k=20, seed=2)]
+    g = torch.Generator().manual_seed(5)
+    s = Sampler(params, vocab, CPU)
+    for step in range(6):
+        logits = torch.randn(len(params), vocab, generator=g)
+        for row in (0, 2):  # three exact ties at the top
+            top = logits[row].max() + 1
+            logits[row, [2500 - 7 * step, 40 + step, 1200]] = top
+        tokens = s(logits)
+        assert tokens[0] == tokens[2] == 40 + step == int(logits[0].argmax()), (step, tokens)
 
 
 def test_penalties_equal_transformers_token_for_token() -> None:
