@@ -216,8 +216,9 @@ def tokenized_documents(
 
 def pack_documents(documents: Iterable[Sequence[int]], seq_len: int,
                    start: StreamPosition = StreamPosition()) -> Iterator[PackedSequence]:
-    """Lay ``documents`` (token id lists) back to back and cut the stream into sequences of
-    ``seq_len`` tokens; a document longer than the room left continues in the next sequence.
+    """Lay ``documents`` (token ids: lists, or the token cache's arrays) back to back and cut the
+    stream into sequences of ``seq_len`` tokens; a document longer than the room left continues in
+    the next sequence.
 
     ``documents`` is the stream from its beginning; packing starts at ``start`` (the documents
     before it are passed over, whatever they hold, and the first ``start.offset`` tokens of the
@@ -303,7 +304,7 @@ class CorpusBatches:
 
     def __init__(self, sources: Sequence[CorpusSource], tokenizer: Any, *, eos_id: int, seq_len: int,
                  micro_batch: int, dp_size: int, dp_rank: int, start: StreamPosition = StreamPosition(),
-                 documents: Iterator[list[int]] | None = None) -> None:
+                 documents: Iterator[Sequence[int]] | None = None) -> None:
         if micro_batch < 1:
             raise ValueError(f"micro_batch must be >= 1, got {micro_batch}")
         if not 0 <= dp_rank < dp_size:
