@@ -57,6 +57,11 @@ _refused: set[tuple] = set()
 _R = TypeVar("_R")
 
 
+def softmax_scale(scale: float | None, head_dim: int) -> float:
+    """The scores' scale: ``scale``, or ``1 / sqrt(head_dim)`` when ``None``."""
+    return 1.0 / math.sqrt(head_dim) if scale is None else scale
+
+
 def resolve_backend(backend: str | None) -> str:
     """``backend`` checked against :data:`BACKENDS` (``None``: ``"auto"``, the backend of a call
     that names none). Raises ``ValueError`` naming the allowed values."""
@@ -119,7 +124,7 @@ def partial_attention(
     _check_shapes(q, k, v)
     lq, hq, d = q.shape[-3:]
     lk = k.shape[-3]
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    scale = softmax_scale(scale, d)
     backend = resolve_backend(backend)
     if lq == 0 or lk == 0 or q.numel() == 0:
         return empty_state(*q.shape, dtype=q.dtype, device=q.device)
@@ -352,7 +357,7 @@ def cache_decode_states(
         gets ``out = 0``, ``lse = -inf``.
     """
     b, hq, d = q.shape
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    scale = softmax_scale(scale, d)
     if kernels_apply(q):
         out, lse = _flash_varlen_decode(q, k, v, starts, used, capacity, scale)
     else:

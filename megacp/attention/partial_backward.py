@@ -39,7 +39,6 @@ FlashAttention-2 and ``"cudnn"`` is refused (``ValueError``).
 from __future__ import annotations
 
 import functools
-import math
 from typing import Callable
 
 import torch
@@ -55,6 +54,7 @@ from megacp.attention.partial import (
     hidden_by_causal_mask,
     kernels_apply,
     resolve_backend,
+    softmax_scale,
 )
 from megacp.attention.plans import CUDNN_PLAN_REUSE, pad_rows, plan_length, plans_reused_across_lengths
 
@@ -82,7 +82,7 @@ def partial_attention_backward(
         the reference.
     """
     d = q.shape[-1]
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    scale = softmax_scale(scale, d)
     backend = _without_wrong_kernels(resolve_backend(backend), q)
     if q.shape[0] == 0 or k.shape[0] == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)

@@ -4,13 +4,12 @@ documents) take one varlen call (:mod:`~megacp.attention.varlen`)."""
 
 from __future__ import annotations
 
-import math
 from typing import Sequence
 
 from torch import Tensor
 
 from megacp.attention.merge import merge_into
-from megacp.attention.partial import empty_state, partial_attention, resolve_backend
+from megacp.attention.partial import empty_state, partial_attention, resolve_backend, softmax_scale
 from megacp.attention.varlen import Unit, tile_runs, varlen_attention
 from megacp.placement.tiles import Tile
 
@@ -35,7 +34,7 @@ def run_tiles(
     """
     lq, hq, d = q.shape
     backend = resolve_backend(backend)
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    scale = softmax_scale(scale, d)
     units = tile_runs(tiles, backend, q)
 
     def attend(t: Unit) -> tuple[Tensor, Tensor]:

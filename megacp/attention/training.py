@@ -19,13 +19,12 @@ through :class:`megacp.parallel.mpu.DeepSpeedMPU`).
 
 from __future__ import annotations
 
-import math
 from typing import Any, Callable, Sequence
 
 import torch
 from torch import Tensor
 
-from megacp.attention.partial import kernels_apply, partial_attention, resolve_backend
+from megacp.attention.partial import kernels_apply, partial_attention, resolve_backend, softmax_scale
 from megacp.attention.partial_backward import partial_attention_backward
 from megacp.attention.pass_kv import KVBlock, ring_pass_kv
 from megacp.attention.plans import plan_lengths, plans_reused_across_lengths
@@ -86,11 +85,11 @@ def block_gradients(q: Tensor, block: KVBlock, out: Tensor, lse: Tensor, dout: T
     """
     k, v = block[0], block[1]
     backend = resolve_backend(backend)
+    run_scale = softmax_scale(scale, q.shape[-1])
     dq, dk, dv = [], [], []
     for t in tile_runs(tiles, backend, q):
         if isinstance(t, TileRun):
-            gq, gk, gv = varlen_backward(q, k, v, out, lse, dout, t,
-                                         scale=1.0 / math.sqrt(q.shape[-1]) if scale is None else scale)
+            gq, gk, gv = varlen_backward(q, k, v, out, lse, dout, t, scale=run_scale)
         else:
             rows, keys = slice(t.q0, t.q1), slice(t.k0, t.k1)
             gq, gk, gv = partial_attention_backward(q[rows], k[keys], v[keys], out[rows], lse[rows], dout[rows],
