@@ -14,9 +14,10 @@ also hides key ``j`` from query ``i`` when ``j < i + (Lk - Lq) - w``.
 
 Which kernel serves which tile: a tile without ``left`` (inside the window, or no window) runs as
 below. cuDNN's SDPA op in torch takes no window, so for fp16/bf16 CUDA tensors ``[L, H, D]`` a
-banded tile (``left >= 0``) is built from batched square causal cuDNN calls
-(:mod:`~megacp.attention.band`; ``"cudnn"``, and ``"auto"`` for causal bands of at least
-:data:`CUDNN_BAND_MIN` keys) or runs FlashAttention-2 with its window arguments
+banded tile (``left >= 0``; ``"cudnn"``, and ``"auto"`` for causal bands of at least
+:data:`CUDNN_BAND_MIN` keys) runs cuDNN's own band through the cuDNN frontend package where it is
+installed (:mod:`~megacp.attention.cudnn_band`), else is built from batched square causal cuDNN
+calls (:mod:`~megacp.attention.band`), or runs FlashAttention-2 with its window arguments
 (``aten._flash_attention_forward(window_size_left=, window_size_right=)``; ``"flash"``, and
 ``"auto"`` for narrower causal bands or where cuDNN refuses); everywhere else it takes the reference
 path with the band masked by index.
@@ -47,6 +48,7 @@ from typing import Callable, TypeVar
 import torch
 from torch import Tensor
 
+from megacp.attention import cudnn_band
 from megacp.attention.band import band_attention
 from megacp.attention.merge import finite_or_zero, merge_into, merge_states
 from megacp.attention.plans import pad_rows, plan_length
@@ -130,6 +132,11 @@ def partial_attention(
         return empty_state(*q.shape, dtype=q.dtype, device=q.device)
     if left is not None:
         if backend != "reference" and kernels_apply(q) and q.dim() == 3 and left >= 0:
+            a = dense_rows(lq, lk, causal=causal, left=left)
+            if a:
+                o1, l1 = partial_attention(q[:a], k, v, scale=scale, backend=backend)
+                o2, l2 = partial_attention(q[a:], k, v, scale=scale, backend=backend, left=left)
+                return torch.cat([o1, o2]), torch.cat([l1, l2])
             res = first_kernel(band_kernel(backend, causal, left), (q.dtype, "band", hq, k.shape[-2], d, causal),
                                lambda name: _band(name, q, k, v, causal=causal, scale=scale, left=left), _refused)
             if res is not None:
@@ -188,11 +195,24 @@ def band_kernel(backend: str, causal: bool, left: int) -> str:
     return "flash" if backend == "auto" and causal and left + 1 < CUDNN_BAND_MIN else backend
 
 
+def dense_rows(lq: int, lk: int, *, causal: bool, left: int) -> int:
+    """The first rows of a banded tile that the window kernels are not given: in a non-causal band
+    with more queries than keys, the rows whose band starts at or before key 0 (every key visible),
+    which run as a dense call (FlashAttention-2's window and cuDNN's band both got them wrong when
+    measured, on H100). 0 for every other tile; the rest of the tile has fewer queries than keys."""
+    if causal or lq <= lk:
+        return 0
+    return min(lq, left - (lk - lq) + 1)
+
+
 def _band(name: str, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float, left: int) -> tuple[Tensor, Tensor]:
-    """One banded tile through kernel ``name``: cuDNN square causal calls (:func:`band_attention`)
+    """One banded tile through kernel ``name``: cuDNN's band (:mod:`~megacp.attention.cudnn_band`,
+    where the cuDNN frontend is installed) or square causal cuDNN calls (:func:`band_attention`),
     or FlashAttention-2's window."""
     if name == "flash":
         return _flash_band(q, k, v, causal=causal, scale=scale, left=left)
+    if cudnn_band.serves(q, k, causal=causal, left=left, backward=False):
+        return cudnn_band.band_attention(q, k, v, causal=causal, left=left, scale=scale)
     return band_attention(q, k, v, causal=causal, left=left,
                           attend=lambda a, b, c, mask: _kernel_attention(_cudnn, a, b, c, causal=mask, scale=scale))
 

@@ -22,8 +22,9 @@ Backends (the forward's names and default, ``backend=``):
 * ``"reference"`` — exact fp32 math on any device, ``Hq × block_q × Lk`` scores at a time.
 
 A banded tile (``left >= 0``) of fp16/bf16 CUDA tensors runs the forward's choice of kernel
-(:func:`~megacp.attention.partial.band_kernel`): batched square causal cuDNN backward calls
-(:func:`~megacp.attention.band.band_backward`, whose gradients are fp32 sums) or FlashAttention-2's
+(:func:`~megacp.attention.partial.band_kernel`): cuDNN's band backward where the cuDNN frontend is
+installed (:mod:`~megacp.attention.cudnn_band`), else batched square causal cuDNN backward calls
+(:func:`~megacp.attention.band.band_backward`, whose gradients are fp32 sums), or FlashAttention-2's
 varlen backward with its window arguments (``aten._flash_attention_backward``); the reference with
 the band masked everywhere else. Both kernels take fewer KV heads than query heads and return dK/dV with the KV head count. ``"auto"``
 tries cuDNN then flash for fp16/bf16 CUDA tensors (a shape a kernel refuses falls back to the next,
@@ -44,10 +45,12 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from megacp.attention import cudnn_band
 from megacp.attention.band import band_backward
 from megacp.attention.merge import finite_or_zero
 from megacp.attention.partial import (
     band_kernel,
+    dense_rows,
     first_kernel,
     heads_first,
     hidden_by_band,
@@ -79,7 +82,7 @@ def partial_attention_backward(
 
     Returns:
         ``(dq [Lq,Hq,D], dk [Lk,Hkv,D], dv [Lk,Hkv,D])`` — in ``q.dtype`` from a kernel, fp32 from
-        the reference.
+        the reference (and dK/dV of a band tile whose first rows run dense, :func:`dense_rows`).
     """
     d = q.shape[-1]
     scale = softmax_scale(scale, d)
@@ -88,6 +91,13 @@ def partial_attention_backward(
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     if left is not None:
         if backend != "reference" and kernels_apply(q) and left >= 0:
+            a = dense_rows(q.shape[0], k.shape[0], causal=causal, left=left)
+            if a:  # as the forward: the rows that see every key without the window
+                g1 = partial_attention_backward(q[:a], k, v, out[:a], lse[:a], dout[:a], causal=False, scale=scale,
+                                                backend=backend)
+                g2 = partial_attention_backward(q[a:], k, v, out[a:], lse[a:], dout[a:], causal=False, scale=scale,
+                                                backend=backend, left=left)
+                return torch.cat([g1[0], g2[0]]), g1[1].float() + g2[1], g1[2].float() + g2[2]
             dout = dout.contiguous()
             res = first_kernel(band_kernel(backend, causal, left), (q.dtype, "band", q.shape[1], k.shape[1], d, causal),
                                lambda name: _band_backward(name, q, k, v, out, lse, dout, causal=causal, scale=scale,
@@ -146,10 +156,15 @@ _KERNELS: dict[str, Callable[..., Grads]] = {"cudnn": _cudnn_backward, "flash": 
 
 def _band_backward(name: str, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor, *,
                    causal: bool, scale: float, left: int) -> Grads:
-    """One banded tile's backward through kernel ``name``: cuDNN square causal calls
-    (:func:`band_backward`, fp32 sums) or FlashAttention-2's window."""
+    """One banded tile's backward through kernel ``name``: cuDNN's band backward
+    (:mod:`~megacp.attention.cudnn_band`, where the cuDNN frontend is installed; per group of KV
+    heads as :func:`head_groups` says), cuDNN square causal calls (:func:`band_backward`, fp32 sums)
+    or FlashAttention-2's window."""
     if name == "flash":
         return _flash_band_backward(q, k, v, out, lse, dout, causal=causal, scale=scale, left=left)
+    if cudnn_band.serves(q, k, causal=causal, left=left, backward=True):
+        return cudnn_band.band_backward(q, k, v, out, lse, dout, causal=causal, left=left, scale=scale,
+                                        groups=head_groups(q.shape[0], q.shape[1], k.shape[1], q.shape[2]))
     return band_backward(q, k, v, out, lse, dout, causal=causal, left=left,
                          grads=lambda *xs: _kernel_backward(_cudnn_backward, *xs[:6], causal=xs[6], scale=scale))
 

@@ -5,8 +5,9 @@ how much of the work outside the window the tile planner really skips.
     python -m scripts.bench.window --json out/window.json             # one GPU: 64K tokens, 4K window
     python -m scripts.bench.window --tiny --json /tmp/window.json      # CPU smoke test (seconds)
 
-Banded tiles (every tile of this plan) run as batched square causal cuDNN calls
-(:mod:`megacp.attention.band`, ``window`` rows, backend ``"auto"``) and, with ``--band-kernels
+Banded tiles (every tile of this plan) run as cuDNN's own band where the cuDNN frontend package is
+installed (:mod:`megacp.attention.cudnn_band`), else as batched square causal cuDNN calls
+(:mod:`megacp.attention.band`) (``window`` rows, backend ``"auto"``) and, with ``--band-kernels
 auto,flash`` (the default on CUDA), also through FlashAttention-2's window arguments
 (``window_flash`` rows, backend ``"flash"``), in the same run. The kernel that served the
 ``"auto"`` rows' banded tiles is printed (``band kernel: cudnn``, or ``flash`` where cuDNN refused).
