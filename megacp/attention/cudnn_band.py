@@ -124,9 +124,10 @@ def _lse_dims(h: int, s: int, row_stride: int) -> tuple[list[int], list[int]]:
 
 
 @functools.lru_cache(maxsize=64)
-def _graph(backward: bool, dtype: torch.dtype, device: int, layouts: tuple, band: Band, scale: float) -> Any:
+def _graph(backward: bool, dtype: torch.dtype, device: int, layouts: tuple, band: Band,
+           scale: float) -> tuple[Any, int]:
     """A built cuDNN SDPA graph (``backward``: its backward) for the given tensor layouts
-    (``(dims, strides)`` per uid, in uid order) and band."""
+    (``(uid, (dims, strides))`` in uid order) and band, and its workspace in bytes."""
     cudnn = _cudnn()
     io = cudnn.data_type.HALF if dtype == torch.float16 else cudnn.data_type.BFLOAT16
     g = cudnn.pygraph(handle=_handle(device), io_data_type=io, intermediate_data_type=cudnn.data_type.FLOAT,
@@ -167,7 +168,7 @@ def _graph(backward: bool, dtype: torch.dtype, device: int, layouts: tuple, band
         raise
     except Exception as exc:  # the frontend's "not supported" errors: a refusal, as torch's kernels raise it
         raise RuntimeError(f"cuDNN refused the band graph {band} ({'backward' if backward else 'forward'}): {exc}") from exc
-    return g
+    return g, g.get_workspace_size()
 
 
 def _run(backward: bool, tensors: dict[int, Tensor], layouts: dict[int, tuple[list[int], list[int]]],
@@ -175,12 +176,13 @@ def _run(backward: bool, tensors: dict[int, Tensor], layouts: dict[int, tuple[li
     """Build (or reuse) the graph and run it on torch's current stream."""
     q = tensors[_Q]
     device = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    key = tuple((uid, (tuple(d), tuple(s))) for uid, (d, s) in sorted(layouts.items()))
-    g = _graph(backward, q.dtype, device, key, band, scale)
+    uids = sorted(layouts)
+    key = tuple((uid, (tuple(layouts[uid][0]), tuple(layouts[uid][1]))) for uid in uids)
+    g, workspace_bytes = _graph(backward, q.dtype, device, key, band, scale)
     handle = _handle(device)
     _cudnn().set_stream(handle=handle, stream=torch.cuda.current_stream(q.device).cuda_stream)
-    workspace = torch.empty(g.get_workspace_size(), dtype=torch.uint8, device=q.device)
-    g.execute({uid: t for uid, t in tensors.items()}, workspace, handle=handle)
+    workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=q.device)
+    g.execute([tensors[uid] for uid in uids], workspace, handle=handle, tensor_uids=uids)
 
 
 def _inner(x: Tensor) -> Tensor:
