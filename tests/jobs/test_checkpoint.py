@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -381,13 +382,19 @@ CHAT_TEXT = (
 )
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def smollm(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Module]:
-    """(megacp checkpoint of SmolLM2 converted with TP 3, transformers' model of the GGUF file)."""
+    """(megacp checkpoint of SmolLM2 converted with TP 3, transformers' model of the GGUF file). The
+    conversion (~20 s on 2 cores) runs once per test session: the pytest-xdist workers share its
+    output under ``MEGACP_CACHE_DIR`` (the session's temporary directory, ``tests/conftest.py``)."""
+    from filelock import FileLock
+
     from tests.helpers.smollm2 import smollm2_reference
 
-    out = tmp_path_factory.mktemp("smollm") / "megacp"
-    assert main(["gguf-to-megacp", "--input", str(SMOLLM), "--output", str(out), "--tp", "3"]) == 0
+    out = Path(os.environ["MEGACP_CACHE_DIR"]) / "smollm2-megacp-tp3"
+    with FileLock(f"{out}.lock"):
+        if not out.is_dir():
+            assert main(["gguf-to-megacp", "--input", str(SMOLLM), "--output", str(out), "--tp", "3"]) == 0
     return out, smollm2_reference()
 
 
