@@ -22,7 +22,8 @@ def test_decode_kinds_every_kind_on_cpu(tmp_path) -> None:
     for r in rows:
         assert r["megacp_tok_s"] > 0 and "hf_tok_s" in r and r["megacp_decode"] == "eager", r
     assert not report.get("errors") and report["meta"]["hf_cache"] == "dynamic"
-    assert report["checks"] == [{"model": "tiny", "batch": 2, "first_greedy_token_equal": True}]
+    assert report["checks"] == [{"model": "tiny", "batch": 2, "first_greedy_token_equal": True, "differing": 0,
+                                 "near_ties": 0, "ok": True}]
 
 
 def test_long_prompt_ladder_on_cpu(tmp_path) -> None:
