@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -218,15 +219,15 @@ def band_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, left: int, 
 
 
 def band_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor, *,
-                  causal: bool, left: int, scale: float, groups: int = 1) -> Grads:
+                  causal: bool, left: int, scale: float, heads: Sequence[tuple[slice, slice]]) -> Grads:
     """The gradients of one banded tile's share of attention, given the queries' final ``out`` /
     ``lse`` (:mod:`~megacp.attention.partial_backward`), as cuDNN band backward calls: one per
-    group of ``Hkv / groups`` KV heads (with their query heads; the call's workspace grows with
-    its heads).
+    group of heads (the call's workspace grows with its heads).
 
     Args:
         q, out, dout: ``[Lq, Hq, D]``; k, v: ``[Lk, Hkv, D]``; lse: ``[Lq, Hq]`` fp32 natural log;
-        groups: a divisor of ``Hkv``.
+        heads: ``(query heads, KV heads)`` of each call, covering every head once
+            (:func:`~megacp.attention.partial_backward.head_group_slices`).
 
     Returns:
         ``(dq [Lq, Hq, D], dk [Lk, Hkv, D], dv [Lk, Hkv, D])`` in ``q.dtype`` (zero where no pair of
@@ -251,15 +252,12 @@ def band_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dou
         stats = torch.cat([stats.new_zeros(hq, pad), stats], dim=1)
         dqs = torch.empty_like(qs)
     stats = stats.contiguous()  # cuDNN < 9.26 wants the backward's Stats packed [H, S]
-    step_kv = k.shape[1] // groups
-    step_q = step_kv * (hq // k.shape[1])
-    for i in range(groups):
-        hs, hkv = slice(i * step_q, (i + 1) * step_q), slice(i * step_kv, (i + 1) * step_kv)
+    for hs, hkv in heads:
         xs = {_Q: _inner(qs[:, hs]), _K: _inner(k[keys, hkv]), _V: _inner(v[keys, hkv]),
               _O: _inner(os_[:, hs]), _DO: _inner(dos[:, hs]),
               _DQ: dqs[:, hs], _DK: dk[keys, hkv], _DV: dv[keys, hkv]}
         layouts = {uid: _dims(x) for uid, x in xs.items()}
-        layouts[_LSE] = _lse_dims(step_q, qs.shape[0], qs.shape[0])
+        layouts[_LSE] = _lse_dims(xs[_Q].shape[1], qs.shape[0], qs.shape[0])
         _run(True, {**xs, _LSE: stats[hs]}, layouts, call, scale)
     if pad:
         dq[band.r0:] = dqs[pad:]

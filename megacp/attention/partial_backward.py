@@ -163,8 +163,9 @@ def _band_backward(name: str, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse:
     if name == "flash":
         return _flash_band_backward(q, k, v, out, lse, dout, causal=causal, scale=scale, left=left)
     if cudnn_band.serves(q, k, causal=causal, left=left, backward=True):
+        groups = head_groups(q.shape[0], q.shape[1], k.shape[1], q.shape[2])
         return cudnn_band.band_backward(q, k, v, out, lse, dout, causal=causal, left=left, scale=scale,
-                                        groups=head_groups(q.shape[0], q.shape[1], k.shape[1], q.shape[2]))
+                                        heads=head_group_slices(q.shape[1], k.shape[1], groups))
     return band_backward(q, k, v, out, lse, dout, causal=causal, left=left,
                          grads=lambda *xs: _kernel_backward(_cudnn_backward, *xs[:6], causal=xs[6], scale=scale))
 
@@ -213,10 +214,7 @@ def _kernel_call(kernel: Callable[..., Grads], q: Tensor, k: Tensor, v: Tensor, 
         dq, dk, dv = kernel(view(dout), view(q), view(k), view(v), view(out), lse3, causal, scale)
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    step_kv = k.shape[2] // groups
-    step_q = step_kv * (q.shape[2] // k.shape[2])
-    for i in range(groups):
-        hq, hkv = slice(i * step_q, (i + 1) * step_q), slice(i * step_kv, (i + 1) * step_kv)
+    for hq, hkv in head_group_slices(q.shape[2], k.shape[2], groups):
         gq, gk, gv = kernel(view(dout[:, :, hq]), view(q[:, :, hq]), view(k[:, :, hkv]), view(v[:, :, hkv]),
                             view(out[:, :, hq]), lse3[:, hq], causal, scale)
         dq[:, :, hq], dk[:, :, hkv], dv[:, :, hkv] = gq.transpose(1, 2), gk.transpose(1, 2), gv.transpose(1, 2)
@@ -238,6 +236,14 @@ def head_groups(lq: int, hq: int, hkv: int, d: int) -> int:
         if hkv % groups == 0 and need // groups <= WORKSPACE_BYTES:
             return groups
     return hkv
+
+
+def head_group_slices(hq: int, hkv: int, groups: int) -> list[tuple[slice, slice]]:
+    """``(query heads, KV heads)`` of each of ``groups`` calls over consecutive KV heads (``groups``
+    divides ``hkv``) with the query heads of their GQA groups."""
+    step_kv = hkv // groups
+    step_q = step_kv * (hq // hkv)
+    return [(slice(i * step_q, (i + 1) * step_q), slice(i * step_kv, (i + 1) * step_kv)) for i in range(groups)]
 
 
 def _kernel_backward(kernel: Callable[..., Grads], q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,

