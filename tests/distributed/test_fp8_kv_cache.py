@@ -14,7 +14,8 @@ is fed the unquantised cache's greedy tokens, so the logits of every step compar
   CP size;
 * **accuracy**: FP8 logits stay within :data:`LOGIT_BOUND` (absolute) of the unquantised cache's,
   and the greedy token is the same wherever the unquantised top-2 margin exceeds that bound;
-* the static (CUDA-graph) decode step, run eagerly, equals eager FP8 decode (1e-5).
+* the static (CUDA-graph) decode step, run eagerly, writes the codes eager FP8 decode writes (up to
+  rounding ties, :data:`MAX_TIES`) and gives its logits (1e-5, or :data:`TIE_ERR` after a tie).
 
 Measured on this model (largest logit 3.6): largest difference 0.205 at every CP size (the FP8
 results are CP-exact), 25 of the 27 greedy tokens the same, 12 rows with a margin above the bound.
@@ -39,6 +40,14 @@ from tests.helpers.paths import ROOT
 LOGIT_BOUND = 0.35
 """Largest |FP8 - unquantised| logit allowed on the tiny model, about 10% of its largest logit
 (measured: 0.205)."""
+MAX_TIES, TIE_ERR = 2, 5e-3
+"""The static decode step computes each new K/V row with other fp32 roundings than eager decode (~1e-7
+relative); a value that close to the midpoint of two e4m3 codes rounds to the other code in one of the
+two caches. Measured on this test's model over 24 prompt seeds (one CPU): 2 seeds had one such element,
+the logits then 1.2e-5 and 6.9e-5 apart (6.9e-4 seen on another
+CPU), against <= 8.1e-7 without one. So the check is: the same scales, at most :data:`MAX_TIES`
+elements one code apart, and the logits within 1e-5 without such a tie, else within :data:`TIE_ERR`
+(a plumbing error, e.g. a row read from the wrong slot or an unscaled read, moves them by ~0.1)."""
 STRATEGY = {1: "pass_kv", 2: "pass_q", 3: "pass_kv"}
 PROMPTS, TURN2, DECODE1, DECODE2, STATIC = (1, 9, 40), (5, 1, 20), 4, 3, 3
 
@@ -126,7 +135,15 @@ def _conversation(rank: int, n: int, path: str, prompts: list[list[int]], turn2:
             assert dec.logits is not None
             static_err = max(static_err, float((dec.logits - ref).abs().max() / ref.abs().max()))
             tok = ref.argmax(-1)
+        # the rows eager decode holds (the static step keeps its bookkeeping on the device, not in
+        # `positions`, and may also write rows no request holds);
+        # e4m3 codes of one sign are ordered like their values: a code distance of 1 is one rounding step
+        held = cache.positions >= 0
+        codes = torch.cat([(a.view(torch.uint8).int() - b.view(torch.uint8).int())[:, held].flatten()
+                           for a, b in ((twin.k, cache.k), (twin.v, cache.v))])
+        same_scales = bool(torch.equal(twin.scales, cache.scales))
     return {"logits": {kv: torch.cat(v) for kv, v in logits.items()}, "static_err": static_err,
+            "ties": int((codes != 0).sum()), "code_distance": int(codes.abs().max()), "same_scales": same_scales,
             "scales": caches["fp8_e4m3"][0].scales is not None and caches["fp8_e4m3"][0].k.dtype == torch.float8_e4m3fn}
 
 
@@ -148,7 +165,8 @@ def test_fp8_cache_reads_the_rounded_rows_everywhere(runs: dict[int, dict], n: i
     fp8, ref = got["logits"]["fp8_e4m3"], got["logits"]["reference"]
     assert got["scales"]
     assert float((fp8 - ref).abs().max()) <= 1e-5 * float(ref.abs().max())
-    assert got["static_err"] <= 1e-5
+    assert got["same_scales"] and got["code_distance"] <= 1 and got["ties"] <= MAX_TIES
+    assert got["static_err"] <= (1e-5 if got["ties"] == 0 else TIE_ERR)
 
 
 @pytest.mark.parametrize("n", [2, 3])
