@@ -24,7 +24,13 @@ import torch
 from torch import Tensor, nn
 from transformers.cache_utils import Cache
 
-from megacp.integrations.transformers import NAME, STEP_KWARG, check_model
+from megacp.integrations.transformers import (
+    NAME,
+    STEP_KWARG,
+    check_config_architecture,
+    check_model,
+    verify_attention_calls,
+)
 from megacp.layers.step import CPStep
 
 
@@ -105,10 +111,13 @@ class HFModelInfo:
         """The info of a transformers ``PretrainedConfig`` (and ``GenerationConfig``).
 
         Raises:
-            ValueError: the config lacks a size generation needs (one line naming it).
+            ValueError: the config's architecture computes attention its own way
+                (:func:`~megacp.integrations.transformers.check_config_architecture`), or the config
+                lacks a size generation needs (one line naming it).
         """
         if config is None:
             raise ValueError("megacp.LLM takes a transformers causal LM object (with a config), a directory or a file")
+        check_config_architecture(config)
         kind = getattr(config, "model_type", "model")
         sizes = {}
         for key in ("vocab_size", "max_position_embeddings", "num_hidden_layers", "num_attention_heads", "hidden_size"):
@@ -189,7 +198,7 @@ def prepare_model(model: nn.Module, *, dtype: torch.dtype, state: Any, allow_non
         raise ValueError(f"LLM takes a transformers causal LM object; got a {type(model).__name__}")
     if state.size("tp") > 1 or state.size("pp") > 1:
         raise ValueError("a transformers model runs under CP only: tensor and pipeline parallel sizes must be 1")
-    check_model(model, training=False)
+    check_model(model, training=False)  # what its class and config state: before anything moves
     if not allow_non_finite:
         bad = next((n for n, p in model.named_parameters() if not bool(torch.isfinite(p).all())), None)
         if bad is not None:
@@ -197,7 +206,9 @@ def prepare_model(model: nn.Module, *, dtype: torch.dtype, state: Any, allow_non
     config: Any = model.config
     if config._attn_implementation != NAME:
         model.set_attn_implementation(NAME)  # type: ignore[operator]  # a transformers PreTrainedModel
-    return model.to(device=state.device, dtype=dtype).eval()
+    model = model.to(device=state.device, dtype=dtype).eval()
+    verify_attention_calls(model)
+    return model
 
 
 def load_for_generation(path: str, *, dtype: torch.dtype, state: Any, allow_non_finite: bool = False) -> tuple[nn.Module, Any]:

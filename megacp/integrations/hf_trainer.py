@@ -28,7 +28,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 from transformers import Trainer
 
-from megacp.integrations.transformers import STEP_KWARG, prepare_batch
+from megacp.integrations.transformers import STEP_KWARG, check_model, prepare_batch, verify_attention_calls
 
 BATCH_KEYS = frozenset({"input_ids", "labels", "attention_mask", "position_ids"})
 """What a batch of :class:`CPTrainer` may hold (a collator's output)."""
@@ -50,8 +50,9 @@ class CPTrainer(Trainer):
         args, kwargs: as ``Trainer``'s. The model must use ``attn_implementation="megacp"``.
 
     Raises:
-        ValueError: TP or PP > 1, ``average_tokens_across_devices=False``, or a model without megacp's
-            attention (one line, before training).
+        ValueError: TP or PP > 1, ``average_tokens_across_devices=False``, a model without megacp's
+            attention, or one whose layers do not all reach it (one line, before training:
+            :func:`~megacp.integrations.transformers.verify_attention_calls`).
     """
 
     loss_is_scaled_for_ga = True  # normalised over the whole accumulated batch (get_batch_samples)
@@ -66,6 +67,8 @@ class CPTrainer(Trainer):
         impl = getattr(getattr(self.model, "config", None), "_attn_implementation", None)
         if impl != "megacp":
             raise ValueError(f"CPTrainer needs the model loaded with attn_implementation=\"megacp\", it has {impl!r}")
+        check_model(self.model)
+        verify_attention_calls(self.model)
         self.cp_state = cp_state
 
     def get_train_dataloader(self) -> DataLoader:

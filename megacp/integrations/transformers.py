@@ -16,7 +16,13 @@ ring as megacp's own models, with the module's ``sliding_window`` (transformers 
 Mistral, Qwen2's windowed layers, Gemma-style alternation) planned as in megacp's layers. Without a step the call is CP = 1 attention over this process's tokens
 (documents from ``cu_seq_lens_q`` or from position-id resets, else one per batch row).
 
-What megacp cannot reproduce exactly is refused with one ``ValueError`` naming the model's feature
+A model is computed by megacp's attention in every layer or refused: an architecture whose attention
+bypasses transformers' attention interface or drops the model's arguments on the way (Falcon, BLOOM,
+MPT, GPT-Neo, state-space hybrids) is refused by :func:`check_model` from its class, by
+:func:`megacp_mask` at its first forward, and by :func:`verify_attention_calls`, a dry forward that
+counts the calls that carried megacp's step (what megacp's loaders and :class:`~megacp.integrations.
+hf_trainer.CPTrainer` run before any work). What megacp cannot reproduce exactly is refused with one
+``ValueError`` naming the model's feature
 (:func:`check_model` before any work; :func:`megacp_attention` at every call): non-causal
 attention, attention-logit soft-capping, ALiBi, attention sinks, custom 4-D or padding masks, attention dropout in training, a cache holding past tokens
 (generation keeps them in megacp's CP-sharded cache: :mod:`megacp.integrations.hf_generate`),
@@ -77,8 +83,49 @@ def config_problem(config: Any) -> str | None:
     return None
 
 
+def _interface_problem(model_class: type, config: Any) -> str | None:
+    """Why a model class cannot run under megacp because its attention bypasses transformers'
+    attention interface (or drops the arguments megacp's step travels in), or ``None``.
+
+    transformers marks the classes whose attention modules call the registered attention function
+    with the model's keyword arguments passed through as ``_supports_attention_backend``; the others
+    (Falcon, BLOOM, MPT, GPT-Neo, the state-space hybrids …) compute attention in their own code, or
+    call the interface without megacp's step, so under CP they would attend within each rank's shard.
+    """
+    if getattr(model_class, "_supports_attention_backend", False):
+        return None
+    kind = getattr(config, "model_type", None) or model_class.__name__
+    return (f"{model_class.__name__} ({kind}) computes attention in its own modules, not through transformers' "
+            "attention interface with the model's arguments passed on: megacp cannot run it exactly")
+
+
+def _causal_lm_class(config: Any) -> type | None:
+    """The transformers causal-LM class of a config (``None``: not one transformers maps)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except KeyError:
+        return None
+
+
+def check_config_architecture(config: Any) -> None:
+    """Refuse, in one line, a config whose causal-LM class computes attention its own way
+    (:func:`_interface_problem`); configs transformers maps to no causal-LM class pass (their model
+    is checked by :func:`check_model` and :func:`verify_attention_calls`).
+
+    Raises:
+        ValueError: naming the class and model type.
+    """
+    model_class = _causal_lm_class(config)
+    problem = None if model_class is None else _interface_problem(model_class, config)
+    if problem is not None:
+        raise ValueError(problem)
+
+
 def check_model(model: nn.Module, *, training: bool | None = None) -> None:
-    """Refuse, in one line, a model megacp's attention cannot run exactly, before any work.
+    """Refuse, in one line, a model megacp's attention cannot run exactly, before any work (what its
+    class and config state; :func:`verify_attention_calls` then runs it once).
 
     Args:
         model: a transformers ``PreTrainedModel`` (its ``config``).
@@ -86,16 +133,65 @@ def check_model(model: nn.Module, *, training: bool | None = None) -> None:
             counts.
 
     Raises:
-        ValueError: naming the model's unsupported feature (:func:`config_problem`, dropout).
+        ValueError: naming the model's unsupported feature (:func:`config_problem`, an attention that
+            bypasses the interface, dropout).
     """
     config: Any = getattr(model, "config", None)
     problem = config_problem(config) if config is not None else f"{type(model).__name__} has no transformers config"
+    if problem is None:
+        problem = _interface_problem(type(model), config)
     training = model.training if training is None else training
     if problem is None and training and float(getattr(config, "attention_dropout", 0.0) or 0.0):
         problem = (f"{config.model_type} has attention_dropout={config.attention_dropout} and trains: megacp's "
                    "attention has no dropout; load it with attention_dropout=0.0")
     if problem is not None:
         raise ValueError(problem)
+
+
+_PROBE: list[bool] | None = None
+"""While :func:`verify_attention_calls` runs its dry forward: one entry per :func:`megacp_attention`
+call, whether the call carried a megacp step."""
+
+
+def verify_attention_calls(model: nn.Module) -> None:
+    """Run the model once on two tokens (CP = 1, no gradients, eval mode, no cache) and check that
+    every decoder layer's attention went through :func:`megacp_attention` with the step of
+    :func:`prepare_batch`: a model is either computed by megacp's attention everywhere, or refused.
+
+    The model must already use ``attn_implementation="megacp"``; it runs where its parameters are.
+
+    Raises:
+        ValueError: one line naming the architecture: its forward failed under megacp's attention,
+            a layer's attention did not call it, or a call lost the step (its modules drop the
+            model's keyword arguments).
+    """
+    global _PROBE
+    config: Any = getattr(model, "config", None)
+    name = type(model).__name__
+    layers = getattr(config, "num_hidden_layers", None)
+    device = next(model.parameters()).device
+    inputs = prepare_batch(torch.tensor([[0, min(1, int(getattr(config, "vocab_size", 2)) - 1)]]), training=False)
+    for key in ("labels", "shift_labels", "num_items_in_batch"):
+        inputs.pop(key)
+    inputs = {k: v.to(device) if isinstance(v, Tensor) else v for k, v in inputs.items()}
+    was_training, _PROBE = model.training, []
+    try:
+        model.eval()
+        with torch.no_grad():
+            model(**inputs)
+    except Exception as err:  # noqa: BLE001 - any failure of the dry forward refuses the model
+        if isinstance(err, ValueError) and "megacp" in str(err):
+            raise  # megacp's own one-line refusal of a feature
+        raise ValueError(f"{name} fails under megacp's attention ({type(err).__name__}: {err}); megacp cannot run it") from None
+    finally:
+        calls, _PROBE = _PROBE, None
+        model.train(was_training)
+    with_step = sum(calls)
+    if layers is not None and with_step != layers or with_step == 0 or with_step != len(calls):
+        where = f"{with_step} of its {layers} layers" if layers is not None else f"{with_step} attention calls"
+        raise ValueError(f"{name}: only {where} reached megacp's attention with the model's arguments "
+                         f"({len(calls)} calls in all): its modules compute or call attention their own way, "
+                         "so megacp cannot run it exactly")
 
 
 def _call_problem(module: nn.Module, query: Tensor, key: Tensor, attention_mask: Any, dropout: float,
@@ -174,6 +270,8 @@ def megacp_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tenso
         ValueError: one line naming the unsupported feature of the model or the call.
     """
     step = kwargs.pop(STEP_KWARG, None)
+    if _PROBE is not None:
+        _PROBE.append(step is not None)
     if step is not None and not isinstance(step, CPStep):
         raise TypeError(f"{STEP_KWARG} must be a megacp CPStep (from prepare_batch), got {type(step).__name__}")
     b, hq, s, d = query.shape
@@ -202,7 +300,17 @@ def megacp_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 
                 mask_function: Any = None, attention_mask: Tensor | None = None, **kwargs: Any) -> Tensor | None:
     """transformers' mask-function contract for ``"megacp"``: no dense mask is ever built (the
     plan says which tokens see which); a 2-D padding mask with padding is passed on for
-    :func:`megacp_attention` to refuse. Returns ``None`` or that ``[B, kv_length]`` bool mask."""
+    :func:`megacp_attention` to refuse. Returns ``None`` or that ``[B, kv_length]`` bool mask.
+
+    Every forward builds its mask first, so a model whose attention bypasses the interface (its
+    causal-LM class, from ``config``) is refused here, before any layer runs.
+
+    Raises:
+        ValueError: the model's attention does not go through the interface (one line).
+    """
+    config = kwargs.get("config")
+    if config is not None:
+        check_config_architecture(config)
     if attention_mask is not None:
         attention_mask = attention_mask[:, -kv_length:]
         if attention_mask.shape[1] == kv_length and bool(attention_mask.all()):
@@ -250,7 +358,7 @@ def prepare_batch(input_ids: Tensor, *, labels: Tensor | None = None, position_i
         ``input_ids``, ``position_ids`` (global positions of this rank's tokens, for RoPE),
         ``labels`` and ``shift_labels`` (both the shifted targets, ``[1, n_local]``),
         ``num_items_in_batch`` (valid labels of the whole sequence group: each rank's loss is its
-        share of the group's mean) and :data:`STEP_KWARG`.
+        share of the group's mean), ``use_cache=False`` and :data:`STEP_KWARG`.
 
     Raises:
         ValueError: one line naming the bad input.
@@ -300,6 +408,7 @@ def model_inputs(shard: TrainShard, settings: CPSettings | None = None, *, train
         "labels": shifted,
         "shift_labels": shifted,
         "num_items_in_batch": max(shard.num_valid_tokens, 1),
+        "use_cache": False,  # the tokens are a CP shard: generation keeps its cache in megacp's
         STEP_KWARG: step,
     }
 
@@ -311,6 +420,22 @@ def shard_loss(model: nn.Module, shard: TrainShard, *, settings: CPSettings | No
     device = next(model.parameters()).device
     inputs = {k: v.to(device) if isinstance(v, Tensor) else v for k, v in model_inputs(shard, settings).items()}
     return model(**inputs).loss
+
+
+def read_transformers_config(path: str) -> Any:
+    """The transformers config of the model directory ``path`` (no weights read).
+
+    Raises:
+        CheckpointError: the directory has no config transformers can read (one line).
+    """
+    from transformers import AutoConfig
+
+    from megacp.checkpoint.errors import CheckpointError
+
+    try:
+        return AutoConfig.from_pretrained(path)
+    except (OSError, ValueError, KeyError) as err:
+        raise CheckpointError(f"{path}: transformers cannot read its config ({str(err).splitlines()[0]})") from None
 
 
 def load_pretrained(path: str, *, dtype: torch.dtype, state: Any = None, activation_checkpointing: bool = False,
@@ -332,6 +457,7 @@ def load_pretrained(path: str, *, dtype: torch.dtype, state: Any = None, activat
         raise ValueError("a transformers model runs under CP and DP only: tensor and pipeline parallel sizes must be 1")
     model: Any = AutoModelForCausalLM.from_pretrained(path, attn_implementation=NAME, dtype=dtype)
     check_model(model, training=training)
+    verify_attention_calls(model)
     if activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model.to(state.device if state is not None else "cpu").train(training)

@@ -51,6 +51,7 @@ import torch.distributed as dist
 from megacp.config import ConfigError, OneLineArgumentParser, add_launcher_args, load_config, print_error_once
 
 PROG = "megacp.train"
+from megacp.checkpoint.hf import transformers_only
 from megacp.version import __version__
 
 
@@ -107,7 +108,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--allow-non-finite", action="store_true", help="load weights that hold NaN or inf")
     p.add_argument("--hf-native", action="store_true",
                    help="train the Hugging Face model of --model DIR as transformers builds it, with "
-                        "attn_implementation='megacp' (no conversion; --save writes save_pretrained files)")
+                        "attn_implementation='megacp' (no conversion; --save writes save_pretrained files); "
+                        "implied for an architecture megacp's own models do not implement (Qwen3, Phi-3, ...)")
     p.add_argument("--deepspeed", action="store_true",
                    help="accepted for DeepSpeed scripts' sake: megacp.train always trains under DeepSpeed")
     p.add_argument("--version", action="version", version=f"megacp {__version__}")
@@ -116,8 +118,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.deepspeed_config is None:
         raise UsageError("--deepspeed_config is required (e.g. configs/train_cp2.json, or "
                          "configs/train_cpu_cp2.json on CPU)")
-    if args.seq_len == "auto" and (args.hf_native or not torch.cuda.is_available()):
-        raise UsageError("--seq-len auto fits a megacp model's step into GPU memory: it needs a GPU and no --hf-native")
     if args.seq_len != "auto" and args.seq_len < 1:
         raise UsageError(f"--seq-len must be >= 1, got {args.seq_len}")
     if args.steps < 1:
@@ -135,6 +135,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                          + ("" if args.eval_corpus else " without --eval-corpus"))
     if args.model is not None and not Path(args.model).exists():
         raise UsageError(f"--model {args.model} does not exist")
+    if args.model is not None and transformers_only(args.model):
+        args.hf_native = True  # an architecture megacp's own models do not implement: transformers' modules train
+    if args.seq_len == "auto" and (args.hf_native or not torch.cuda.is_available()):
+        raise UsageError("--seq-len auto fits a megacp model's step into GPU memory: it needs a GPU and one of "
+                         "megacp's own models (not a transformers model)")
     if args.hf_native:
         if args.model is None or not (Path(args.model) / "config.json").is_file():
             raise UsageError("--hf-native needs --model DIR, a Hugging Face model directory with a config.json")
@@ -283,6 +288,7 @@ def run(args: argparse.Namespace) -> int:
     import megacp
     from megacp.checkpoint import load_tokenizer
     from megacp.checkpoint.front import default_model_path, load_on_mesh, read_model_config
+    from megacp.integrations.transformers import read_transformers_config
     from megacp.layers.settings import CPSettings
     from megacp.parallel import peak_memory_mib
     from megacp.train.collector import GarbageCollection
@@ -305,7 +311,7 @@ def run(args: argparse.Namespace) -> int:
     sources = resolve_corpus(args.corpus)
     eval_sources = resolve_corpus(args.eval_corpus) if args.eval_corpus else None
     model_path = args.model or default_model_path()  # CheckpointError (one line) when the package is missing
-    model_config_found = read_model_config(model_path)
+    model_config_found = read_transformers_config(model_path) if args.hf_native else read_model_config(model_path)
     if args.seq_len != "auto":
         check_seq_len(args.seq_len, config.context_parallel.size or 1, model_config_found)
     if args.save is not None:  # --hf-native: save_pretrained files, checked for writability only
@@ -335,11 +341,14 @@ def run(args: argparse.Namespace) -> int:
     model: Any
     model_config: Any
     if args.hf_native:  # a transformers model as it is, its attention through the "megacp" interface
-        from megacp.integrations.transformers import load_pretrained, shard_loss
+        from megacp.integrations.transformers import load_pretrained
+        from megacp.train.hf_memory import training_loss
 
-        model = load_pretrained(model_path, dtype=settings.dtype, state=state,
-                                activation_checkpointing=settings.memory.activation_checkpointing)
-        model_config, tokenizer, loss = model.config, load_tokenizer(model_path), shard_loss
+        try:  # refused here, in one line, when megacp's attention cannot run the model exactly
+            model = load_pretrained(model_path, dtype=settings.dtype, state=state)
+        except ValueError as err:
+            raise UsageError(f"--model {model_path}: {err}") from None
+        model_config, tokenizer, loss = model.config, load_tokenizer(model_path), training_loss(model)
     else:
         loaded = load_on_mesh(model_path, state, dtype=settings.dtype, settings=cp, backend=args.backend,
                               allow_non_finite=args.allow_non_finite)

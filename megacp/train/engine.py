@@ -179,12 +179,38 @@ class LossModule(torch.nn.Module):
 
         self.model, self.loss, self.cp = model, loss, cp
         head = getattr(model, "lm_head_weight", None)  # megacp's model reads it outside its owner
+        embeddings = getattr(model, "get_output_embeddings", None)
+        if head is None and callable(embeddings):  # a transformers model's tiled loss does too
+            head = getattr(embeddings(), "weight", None)
         if isinstance(head, torch.nn.Parameter):
             register_external_parameter(self, head)
 
     def forward(self, shard: Any) -> torch.Tensor:
         """This CP rank's share of the batch's mean token loss (``loss(model, shard, settings=cp)``)."""
         return self.loss(self.model, shard, settings=self.cp)
+
+
+def _transformers_memory(model: torch.nn.Module, memory: MemoryOptions, device: torch.device) -> None:
+    """Apply the memory options to a transformers model (:mod:`megacp.train.hf_memory`):
+    every decoder layer checkpointed (its input on the host with ``offload: "cpu"``) and the MLPs
+    sequence-tiled. The plan that chooses ``"auto"`` values reads megacp's own model configs only.
+
+    Raises:
+        ConfigError: ``"auto"`` offload, or a model these features cannot apply to (one line).
+    """
+    from megacp.models.checkpointing import HostStash
+    from megacp.train.hf_memory import checkpoint_layers, tile_mlps
+
+    if memory.offload == "auto":
+        raise ConfigError('activation_checkpointing.offload: "auto" is chosen by the memory plan of megacp\'s own '
+                          'models; for a transformers model use "cpu" (every layer input on the host) or "none"')
+    try:
+        if memory.activation_checkpointing:
+            checkpoint_layers(model, HostStash(device) if memory.offload == "cpu" else None)
+        if isinstance(memory.mlp_tile, int) and memory.mlp_tile > 0:
+            tile_mlps(model, memory.mlp_tile)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
 
 
 def deepspeed_for(state: ParallelState) -> Any:
@@ -294,17 +320,10 @@ class Trainer:
         self._cfg: ModelConfig | None = cfg if isinstance(cfg, ModelConfig) else None  # a megacp model's
         self._params = count_parameters(model)
         memory = settings.memory
-        if self._cfg is None and (memory.offload != "none" or memory.mlp_tile not in (0, "auto")):
-            raise ConfigError("activation_checkpointing.offload and sequence_tiling.mlp apply to megacp's own models; "
-                              "a transformers model checkpoints through its own gradient checkpointing")
         if memory.activation_checkpointing and self._cfg is not None:
             setattr(model, "activation_checkpointing", True)  # noqa: B010 - a CausalLM attribute
-        elif memory.activation_checkpointing:  # a transformers model: its own (non-reentrant) checkpointing
-            enable = getattr(model, "gradient_checkpointing_enable", None)
-            if enable is None:
-                raise ConfigError(f"activation_checkpointing.enabled: {type(model).__name__} has no gradient "
-                                  "checkpointing megacp can switch on")
-            enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        elif self._cfg is None:
+            _transformers_memory(model, memory, state.device)
         cp = cp or CPSettings.from_state(state)
         if self.zero3:
             model = LossModule(model, loss, cp)

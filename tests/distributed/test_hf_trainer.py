@@ -2,7 +2,8 @@
 (fp32, gloo, two sequences per step in gradient accumulation, labels with ignored tokens, gradient
 clipping) at CP = 2 give the losses and parameters of a plain PyTorch loop over transformers' SDPA
 attention in one process (the loss over the step's valid labels, as ``num_items_in_batch``); a model
-without megacp's attention, and ``average_tokens_across_devices=False``, are refused."""
+without megacp's attention, ``average_tokens_across_devices=False``, and Falcon, BLOOM and MPT (also by
+``LLM`` and at a forward of a CP shard) are refused."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from tests.helpers.distributed import run_distributed
-from tests.helpers.hf_archs import SMALL, make_model
+from tests.helpers.hf_archs import REFUSED, SMALL, make_model, make_refused
 
 STEPS = 3
 ACCUM = 2
@@ -47,6 +48,16 @@ def _train(rank: int, world: int, out_dir: str) -> tuple[list[float], dict[str, 
     params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     with pytest.raises(ValueError, match='attn_implementation="megacp"'):
         CPTrainer(model=make_model("qwen3", attn_implementation="sdpa"), args=args, cp_state=state)
+    from megacp import LLM
+    from megacp.integrations.transformers import prepare_batch
+
+    for arch in REFUSED:  # at CP 2: by the trainer, by LLM and at a forward of a CP shard
+        line = rf"{REFUSED[arch][0]} \({arch}\) computes attention in its own modules"
+        for refused in (lambda: CPTrainer(model=make_refused(arch), args=args, cp_state=state),  # noqa: B023
+                        lambda: LLM(make_refused(arch, "eager"), dtype="float32", state=state),  # noqa: B023
+                        lambda: make_refused(arch)(**prepare_batch(torch.arange(3, 13)[None], state=state))):  # noqa: B023
+            with pytest.raises(ValueError, match=line):
+                refused()
     args.average_tokens_across_devices = False
     with pytest.raises(ValueError, match="average_tokens_across_devices=False is not supported"):
         CPTrainer(model=trainer.model, args=args, cp_state=state)

@@ -22,6 +22,26 @@ ARCHS: dict[str, tuple[str, str, dict[str, Any]]] = {
 }
 """name -> (model class, config class, config arguments beyond :data:`SMALL`)."""
 
+REFUSED: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "falcon": ("FalconForCausalLM", "FalconConfig", dict(hidden_size=32, num_attention_heads=4, num_hidden_layers=2)),
+    "bloom": ("BloomForCausalLM", "BloomConfig", dict(hidden_size=32, n_head=4, n_layer=2)),  # ALiBi
+    "mpt": ("MptForCausalLM", "MptConfig", dict(d_model=32, n_heads=4, n_layers=2)),
+}
+"""Architectures whose attention does not go through transformers' attention interface with the
+model's arguments (megacp refuses them): name -> (model class, config class, config arguments)."""
+
+
+def make_refused(arch: str, attn_implementation: str = "megacp") -> torch.nn.Module:
+    """The tiny fp32 model ``arch`` of :data:`REFUSED` (vocabulary 64), built for ``attn_implementation``."""
+    import transformers
+
+    model_name, config_name, kw = REFUSED[arch]
+    config = getattr(transformers, config_name)(vocab_size=SMALL["vocab_size"], **kw)
+    config._attn_implementation = attn_implementation
+    torch.manual_seed(0)
+    return getattr(transformers, model_name)(config).float().eval()
+
+
 DOCS = [9, 13, 5]
 """Packed documents: ragged, one shorter than 2N at N = 3."""
 

@@ -9,10 +9,11 @@ from pathlib import Path
 import torch
 
 
-def make_tiny_model(directory: Path, *, moe: bool = False) -> None:
+def make_tiny_model(directory: Path, *, moe: bool = False, arch: str = "llama") -> None:
     """A random fp32 Llama (2 layers, hidden 64, 4 / 2 heads; with ``moe`` a Qwen2-MoE of 4 experts,
-    top-2, and a shared expert) with a byte-level tokenizer (256 byte tokens + ``<s>`` and ``</s>``),
-    saved with ``save_pretrained``."""
+    top-2, and a shared expert; ``arch="qwen3"`` or ``"falcon"`` those transformers architectures of
+    the same size) with a byte-level tokenizer (256 byte tokens + ``<s>`` and ``</s>``), saved with
+    ``save_pretrained``."""
     import transformers
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
@@ -29,6 +30,11 @@ def make_tiny_model(directory: Path, *, moe: bool = False) -> None:
         config = transformers.Qwen2MoeConfig(**common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
                                              shared_expert_intermediate_size=80, use_sliding_window=False)
         transformers.Qwen2MoeForCausalLM(config).float().save_pretrained(directory)
+    elif arch == "qwen3":
+        transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common, head_dim=16)).float().save_pretrained(directory)
+    elif arch == "falcon":
+        config = transformers.FalconConfig(**{k: v for k, v in common.items() if k != "intermediate_size"})
+        transformers.FalconForCausalLM(config).float().save_pretrained(directory)
     else:
         transformers.LlamaForCausalLM(transformers.LlamaConfig(**common)).float().save_pretrained(directory)
     tokenizer.save_pretrained(directory)

@@ -131,6 +131,35 @@ def test_torchrun_trains_experts_sharded_over_ep(tiny: tuple[Path, Path], tmp_pa
     assert all(r["tokens"] == 4 * SEQ_LEN and 0 < r["loss"] < 10 for r in rows), rows
 
 
+@pytest.mark.slow
+def test_a_transformers_architecture_trains_long_and_an_unfit_one_is_refused(tiny: tuple[Path, Path],
+                                                                            tmp_path: Path) -> None:
+    """A Qwen3 directory (an architecture megacp's own models do not implement) trains under ``torchrun``
+    (CP = 2) through transformers' modules without ``--hf-native``, with every decoder-layer input on the
+    host and the MLPs in tiles of 8 tokens; a Falcon directory (its attention drops megacp's step) is
+    refused in one line naming it, before DeepSpeed starts."""
+    pytest.importorskip("deepspeed", reason="DeepSpeed not installed")
+    _, corpus = tiny
+    qwen3, falcon, metrics = tmp_path / "qwen3", tmp_path / "falcon", tmp_path / "metrics.jsonl"
+    make_tiny_model(qwen3, arch="qwen3")
+    make_tiny_model(falcon, arch="falcon")
+    config = _config(tmp_path, "long", activation_checkpointing={"enabled": True, "offload": "cpu"},
+                     sequence_tiling={"mlp": 8})
+    base = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+            "-m", "megacp.train", "--corpus", str(corpus), "--seq-len", str(SEQ_LEN), "--deepspeed_config", config]
+    train = _run([*base, "--model", str(qwen3), "--steps", "2", "--metrics", str(metrics)])
+    assert train.returncode == 0, (train.stdout + train.stderr)[-4000:]
+    assert "megacp.train: CP=2 TP=1 DP=1 on cpu (gloo), float32, ZeRO 1, model qwen3" in train.stdout
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and all(0 < r["loss"] < 10 for r in rows), rows
+    base[base.index("--master_port") + 1] = str(free_port())
+    refused = _run([*base, "--model", str(falcon), "--steps", "1"])
+    assert refused.returncode != 0
+    line = f"megacp.train: error: --model {falcon}: FalconForCausalLM (falcon) computes attention in its own modules"
+    assert sum(text.startswith(line) for text in refused.stderr.splitlines()) == 1, refused.stderr[-3000:]
+    assert "deepspeed" not in refused.stdout.lower()
+
+
 def _main_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
     """Run ``megacp.train``'s main in this process; it must exit 2 with one stderr line, returned."""
     from megacp.train.cli import main

@@ -1,7 +1,8 @@
 """``attn_implementation="megacp"`` refuses, in one line naming the model's feature, what it cannot
 compute exactly (attention dropout in training, bidirectional attention, soft-capping, padding and
-4-D masks, a cache with past tokens), and runs sliding windows (shorter than a document, per layer)
-as transformers does."""
+4-D masks, a cache with past tokens) and architectures whose attention bypasses transformers' attention
+interface (Falcon, BLOOM, MPT; a model whose layers drop the step, by the dry forward that counts the
+calls), and runs sliding windows (shorter than a document, per layer) as transformers does."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.helpers.hf_archs import DOCS, SMALL, make_model, packed_batch
+from tests.helpers.hf_archs import DOCS, REFUSED, SMALL, make_model, make_refused, packed_batch
 
 
 def _batch(arch: str, **extra: Any) -> tuple[torch.nn.Module, dict[str, Any]]:
@@ -79,3 +80,39 @@ def test_masks_and_caches_megacp_cannot_honour_are_refused() -> None:
         model(ids, attention_mask=torch.ones(1, 1, ids.shape[1], ids.shape[1], dtype=torch.bool))
     with pytest.raises(ValueError, match="a transformers cache with past tokens"):
         model.generate(ids[:, :5], max_new_tokens=2, do_sample=False)
+
+
+@pytest.mark.parametrize("arch", sorted(REFUSED))
+def test_architectures_that_bypass_the_interface_are_refused_everywhere(arch: str) -> None:
+    """By its class (check_model), at its first forward (the mask), by the dry forward, and by LLM."""
+    from megacp import LLM
+    from megacp.integrations.transformers import check_model, prepare_batch, verify_attention_calls
+
+    name = REFUSED[arch][0]
+    line = f"{name} ({arch}) computes attention in its own modules"
+    model = make_refused(arch)
+    for check in (check_model, verify_attention_calls):
+        with pytest.raises(ValueError, match=line.replace("(", r"\(").replace(")", r"\)")):
+            check(model)
+    batch = prepare_batch(torch.arange(3, 13)[None])
+    with pytest.raises(ValueError) as err:
+        model(**batch)
+    assert str(err.value).startswith(line)
+    with pytest.raises(ValueError) as err:
+        LLM(make_refused(arch, "eager"), dtype="float32")
+    assert str(err.value).startswith(line)
+
+
+def test_a_layer_that_drops_the_step_is_refused_by_the_dry_forward() -> None:
+    """A Llama whose second decoder layer calls its attention without the model's keyword arguments:
+    its class says it uses the interface, the dry forward finds one of two layers without the step."""
+    from megacp.integrations.transformers import check_model, verify_attention_calls
+
+    model = make_model("llama")
+    model.set_attn_implementation("megacp")
+    layer = model.model.layers[1]
+    forward = layer.forward
+    layer.forward = lambda hidden_states, **kw: forward(hidden_states, position_embeddings=kw["position_embeddings"])
+    check_model(model)  # nothing in its class or config says so
+    with pytest.raises(ValueError, match=r"LlamaForCausalLM: only 1 of its 2 layers reached megacp's attention"):
+        verify_attention_calls(model)

@@ -1,0 +1,238 @@
+"""Long-sequence training memory for any transformers causal LM that runs under megacp's attention:
+sequence-tiled MLPs, decoder-layer inputs checkpointed on the device or in host memory, and the
+LM head + loss over chunks of tokens (never the ``S x vocab`` logits).
+
+The same features megacp's own models have (:mod:`megacp.models.tiling`,
+:mod:`megacp.models.checkpointing`, :func:`megacp.train.loss.chunked_cross_entropy`), applied to the
+modules transformers builds:
+
+* :func:`tile_mlps`: each decoder layer's ``mlp`` (any token-wise module ``[B, S, H] -> [B, S, H]``)
+  runs over tiles of ``tile`` tokens (:func:`tiled_tokenwise`): the forward without autograd, the
+  backward recomputing one tile at a time, so the MLP's working set is O(tile) instead of O(S) —
+  what DeepSpeed's ``TiledMLP`` does for ALST;
+* :func:`checkpoint_layers`: every decoder layer keeps only its input ``hidden_states`` for the
+  backward (:func:`~megacp.models.checkpointing.checkpoint_layer`), optionally in pinned host memory
+  (a :class:`~megacp.models.checkpointing.HostStash`, copied out and back on a side stream);
+* :func:`tiled_loss`: the base model's final hidden states times the output embedding, chunk by
+  chunk (:func:`~megacp.train.loss.chunked_cross_entropy`), for heads that are a plain matrix
+  (Granite's ``logits_scaling`` and Cohere's ``logit_scale`` folded in); :func:`check_tiled_loss`
+  compares it once with the model's own loss, so a head that transforms its logits otherwise is
+  trained by the model's own loss instead of a wrong one.
+
+Each leaves the loss and every gradient unchanged (fp32: to rounding).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from megacp.models.checkpointing import HostStash, checkpoint_layer
+from megacp.placement.batch import TrainShard
+from megacp.train.loss import DEFAULT_CHUNK_TOKENS, chunked_cross_entropy
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The decoder layers of a transformers causal LM (``model.get_decoder().layers``).
+
+    Raises:
+        ValueError: the model has no such list (one line naming its class).
+    """
+    get = getattr(model, "get_decoder", None)
+    layers = getattr(get(), "layers", None) if callable(get) else None
+    if not isinstance(layers, nn.ModuleList) or not len(layers):
+        raise ValueError(f"{type(model).__name__} has no decoder layer list (get_decoder().layers) for megacp's "
+                         "tiling and checkpointing")
+    return layers
+
+
+def _experts(config: Any) -> int:
+    return int(getattr(config, "num_experts", 0) or getattr(config, "num_local_experts", 0) or 0)
+
+
+class _TiledTokenwise(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, run: Callable[[Tensor], Tensor], tile: int, params: list[Tensor],
+                *_params: Tensor) -> Tensor:
+        with torch.no_grad():
+            y = torch.cat([run(x[:, a:a + tile]) for a in range(0, x.shape[1], tile)], dim=1)
+        ctx.save_for_backward(x)
+        ctx.run, ctx.tile, ctx.params = run, tile, params  # the parameters themselves, read again in backward
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, ...]:
+        (x,) = ctx.saved_tensors
+        wants = ctx.needs_input_grad[4:]
+        wanted = [p for p, want in zip(ctx.params, wants) if want]
+        dx = torch.empty_like(x) if ctx.needs_input_grad[0] else None
+        sums: list[Tensor | None] = [None] * len(wanted)
+        dy = dy.contiguous()
+        for a in range(0, x.shape[1], ctx.tile):
+            with torch.enable_grad():
+                xt = x[:, a:a + ctx.tile].detach().requires_grad_(dx is not None)
+                yt = ctx.run(xt)
+            inputs = ([xt] if dx is not None else []) + wanted
+            grads = list(torch.autograd.grad(yt, inputs, dy[:, a:a + ctx.tile], allow_unused=True))
+            if dx is not None:
+                dx[:, a:a + ctx.tile] = grads.pop(0)
+            for i, g in enumerate(grads):
+                if g is not None:
+                    s = sums[i]
+                    sums[i] = g.to(torch.promote_types(g.dtype, torch.float32)) if s is None else s.add_(g)
+        summed = iter(sums)
+        out = [(next(summed) if want else None) for want in wants]
+        return (dx, None, None, None, *(s.to(p.dtype) if s is not None else None for s, p in zip(out, ctx.params)))
+
+
+def tiled_tokenwise(module: nn.Module, run: Callable[[Tensor], Tensor], x: Tensor, tile: int) -> Tensor:
+    """``run(x)`` of a token-wise ``run`` (each token's output depends on that token's input only)
+    over tiles of ``tile`` tokens of ``x [B, S, H]`` -> ``[B, S, H]``, keeping only ``x`` for the
+    backward, which recomputes one tile at a time; the gradients of ``module``'s parameters (those
+    ``run`` uses) are summed over the tiles in at least fp32 and handed back once, so a training
+    engine's gradient hooks fire once per parameter, as untiled.
+
+    Raises:
+        ValueError: ``tile < 1``.
+    """
+    if tile < 1:
+        raise ValueError(f"tile must be at least 1 token; got {tile}")
+    params = list(module.parameters())
+    if not (torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params))):
+        return torch.cat([run(x[:, a:a + tile]) for a in range(0, x.shape[1], tile)], dim=1)
+    return _TiledTokenwise.apply(x, run, tile, params, *params)
+
+
+def tile_mlps(model: nn.Module, tile: int) -> int:
+    """Run every decoder layer's ``mlp`` over sequence tiles of ``tile`` tokens (:func:`tiled_tokenwise`).
+
+    Returns:
+        The number of MLPs tiled.
+
+    Raises:
+        ValueError: ``tile < 1``; a mixture-of-experts model (its router's outputs are recorded per
+            call); a layer without an ``mlp`` module.
+    """
+    if tile < 1:
+        raise ValueError(f"sequence_tiling.mlp must be at least 1 token; got {tile}")
+    config = getattr(model, "config", None)
+    if _experts(config):
+        raise ValueError(f"sequence_tiling.mlp: {type(model).__name__} is a mixture of experts, whose routers "
+                         "megacp does not tile; set sequence_tiling.mlp to 0")
+    count = 0
+    for layer in decoder_layers(model):
+        mlp = getattr(layer, "mlp", None)
+        if not isinstance(mlp, nn.Module):
+            raise ValueError(f"sequence_tiling.mlp: {type(layer).__name__} has no mlp module to tile")
+        original = mlp.forward
+
+        def forward(x: Tensor, _mlp: nn.Module = mlp, _run: Callable[[Tensor], Tensor] = original) -> Tensor:
+            return tiled_tokenwise(_mlp, _run, x, tile)
+
+        mlp.forward = forward  # called through the module (its hooks fire)
+        count += 1
+    return count
+
+
+def checkpoint_layers(model: nn.Module, stash: HostStash | None) -> int:
+    """Checkpoint every decoder layer: only its input ``hidden_states`` is kept for the backward (in
+    ``stash``'s host memory, or on the device when ``None``), and the layer runs again there. The
+    model's own gradient checkpointing must be off (this replaces it).
+
+    Returns:
+        The number of layers checkpointed.
+    """
+    layers = decoder_layers(model)
+    if getattr(model, "is_gradient_checkpointing", False):
+        model.gradient_checkpointing_disable()  # type: ignore[operator]  # a transformers PreTrainedModel
+    for layer in layers:
+        original = layer.forward
+
+        def forward(hidden_states: Tensor, *args: Any, _run: Callable[..., Tensor] = original, **kwargs: Any) -> Tensor:
+            if not torch.is_grad_enabled():
+                return _run(hidden_states, *args, **kwargs)
+            return checkpoint_layer(lambda x: _run(x, *args, **kwargs), hidden_states, stash)
+
+        layer.forward = forward
+    if stash is not None:
+        def begin(*_: Any) -> None:
+            if torch.is_grad_enabled():
+                stash.begin()
+
+        model.get_decoder().register_forward_pre_hook(begin)  # type: ignore[operator]
+    return len(layers)
+
+
+def _head(model: nn.Module) -> tuple[Tensor, float] | None:
+    """``(weight [V, H], scale)`` with ``logits = scale * hidden @ weight.T``, or ``None`` when the
+    output embedding is not a plain matrix megacp knows how to scale."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None  # type: ignore[operator]
+    config = getattr(model, "config", None)
+    if not isinstance(head, nn.Linear) or head.bias is not None or getattr(config, "final_logit_softcapping", None):
+        return None
+    scale = 1.0
+    if getattr(config, "logits_scaling", None):  # Granite divides the logits
+        scale /= float(config.logits_scaling)
+    if getattr(config, "logit_scale", None):  # Cohere multiplies them
+        scale *= float(config.logit_scale)
+    return head.weight, scale
+
+
+def tiled_loss(model: nn.Module, shard: TrainShard, *, settings: Any = None,
+               chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> Tensor:
+    """This CP rank's share of the batch's mean token loss from a transformers causal LM, its LM
+    head applied ``chunk_tokens`` rows at a time (fp32 logits of one chunk live at once).
+
+    Raises:
+        ValueError: the model's head is not a plain matrix (:func:`check_tiled_loss` says which
+            models take :func:`~megacp.integrations.transformers.shard_loss` instead).
+    """
+    from megacp.integrations.transformers import model_inputs
+
+    head = _head(model)
+    if head is None:
+        raise ValueError(f"{type(model).__name__}'s LM head is not a plain matrix: train it with its own loss")
+    weight, scale = head
+    inputs = model_inputs(shard, settings)
+    labels, count = inputs.pop("labels"), inputs.pop("num_items_in_batch")
+    inputs.pop("shift_labels")
+    device = weight.device
+    inputs = {k: v.to(device) if isinstance(v, Tensor) else v for k, v in inputs.items()}
+    hidden = model.get_decoder()(**inputs).last_hidden_state[0]  # type: ignore[operator]
+    if scale != 1.0:
+        hidden = hidden * scale
+    return chunked_cross_entropy(hidden, weight, labels[0].to(device), chunk_tokens) / count
+
+
+def check_tiled_loss(model: nn.Module, vocab_size: int) -> bool:
+    """Whether :func:`tiled_loss` gives the model's own loss on a short random sequence (CP = 1, no
+    gradients; 1e-3 relative, the bf16 rounding of a one-chunk head): ``False`` for a head that is
+    not a plain matrix or that the model's forward transforms in a way megacp does not know."""
+    from megacp.integrations.transformers import shard_loss
+    from megacp.placement.batch import shard_batch
+
+    if _head(model) is None:
+        return False
+    g = torch.Generator().manual_seed(0)
+    shard = shard_batch(torch.randint(0, vocab_size, (8,), generator=g), None, cu_seqlens=[0, 8], cp_size=1, cp_rank=0)
+    was_training = model.training
+    try:
+        model.eval()
+        with torch.no_grad():
+            own, tiled = float(shard_loss(model, shard)), float(tiled_loss(model, shard))
+    finally:
+        model.train(was_training)
+    return abs(own - tiled) <= 1e-3 * max(abs(own), 1.0)
+
+
+def training_loss(model: nn.Module) -> Callable[..., Tensor]:
+    """The loss :class:`megacp.train.engine.Trainer` trains a transformers model with: :func:`tiled_loss`
+    where :func:`check_tiled_loss` finds it equal to the model's own, else the model's own
+    (:func:`~megacp.integrations.transformers.shard_loss`, whose head forms the shard's whole logits)."""
+    from megacp.integrations.transformers import shard_loss
+
+    vocab = int(getattr(getattr(model, "config", None), "vocab_size", 0) or 0)
+    return tiled_loss if vocab and check_tiled_loss(model, vocab) else shard_loss

@@ -1,0 +1,74 @@
+"""Long-sequence memory features on transformers models (:mod:`megacp.train.hf_memory`) on real gloo
+processes at CP = 1 and 2 (fp32): the sequence-tiled MLP (tiles of 4 tokens), checkpointed decoder
+layers with their inputs in host memory, and the tiled LM head + loss each leave every rank's loss and
+every parameter's gradient what the model's own forward and loss give (1e-6 relative), for a Llama, a
+Qwen3 (q/k norms) and a Mistral whose window (4 tokens) is shorter than its documents; all three at
+once as well. A Granite head (``logits_scaling``) passes the tiled loss's check against the model's own."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from tests.helpers.distributed import run_distributed
+from tests.helpers.hf_archs import DOCS, SMALL, make_model, packed_batch
+
+VARIANTS = ("tiled_mlp", "host_offload", "tiled_loss", "all")
+ARCHS = {"llama": {}, "qwen3": {}, "mistral": dict(sliding_window=4)}
+
+
+def _grads(rank: int, world: int) -> dict[str, dict[str, float]]:
+    import megacp
+    from megacp.integrations.transformers import shard_loss
+    from megacp.layers.settings import CPSettings
+    from megacp.models.checkpointing import HostStash
+    from megacp.placement.batch import shard_batch
+    from megacp.train import hf_memory
+
+    state = megacp.initialize()
+    settings = CPSettings.from_state(state, prefill="pass_kv") if world > 1 else None
+    ids, _, _ = packed_batch(seed=2)
+    cu = torch.tensor([0, *DOCS]).cumsum(0).tolist()
+    shard = shard_batch(ids.reshape(-1), None, cu_seqlens=cu, cp_size=world, cp_rank=rank)
+    errors: dict[str, dict[str, float]] = {}
+    for arch, extra in ARCHS.items():
+        base = make_model(arch, **extra)
+        base.set_attn_implementation("megacp")
+        base.train()
+
+        def run(model: torch.nn.Module, loss) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:  # noqa: ANN001
+            model.zero_grad()
+            value = loss(model, shard, settings=settings)
+            value.backward()
+            return value.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+        ref_loss, ref_grads = run(base, shard_loss)
+        for variant in VARIANTS:
+            model = copy.deepcopy(base)
+            if variant in ("tiled_mlp", "all"):
+                assert hf_memory.tile_mlps(model, 4) == SMALL["num_hidden_layers"]
+            if variant in ("host_offload", "all"):
+                hf_memory.checkpoint_layers(model, HostStash(torch.device("cpu")))
+            tiled = variant in ("tiled_loss", "all")
+            if tiled:
+                assert hf_memory.check_tiled_loss(model, SMALL["vocab_size"])
+            loss, grads = run(model, hf_memory.tiled_loss if tiled else shard_loss)
+            assert grads.keys() == ref_grads.keys()
+            worst = max(float((grads[k] - g).norm() / g.norm().clamp_min(1e-30)) for k, g in ref_grads.items())
+            errors[f"{arch}/{variant}"] = {"loss": float((loss - ref_loss).abs() / ref_loss.abs()), "grad": worst}
+    granite = make_model("granite")
+    granite.set_attn_implementation("megacp")
+    errors["granite/check"] = {"loss": 0.0 if hf_memory.check_tiled_loss(granite, SMALL["vocab_size"]) else 1.0,
+                               "grad": 0.0}
+    megacp.shutdown()
+    return errors
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_memory_features_leave_losses_and_gradients_unchanged(world: int) -> None:
+    for rank, errors in enumerate(run_distributed(_grads, world, timeout=240)):
+        bad = {k: v for k, v in errors.items() if v["loss"] > 1e-6 or v["grad"] > 1e-6}
+        assert not bad, f"rank {rank}: {bad}"
+        assert len(errors) == len(ARCHS) * len(VARIANTS) + 1
