@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import time
 import types
@@ -232,6 +233,9 @@ class MegacpConfig(BaseModel):
             near = _near_section(str(key))
             if near is not None:
                 raise ConfigError(f"{prefix}{key}: unknown top-level key; did you mean {near}?")
+            alias = _cp_size_alias(str(key))
+            if alias is not None:
+                raise ConfigError(f"{prefix}{key}: {alias}")
         sections = {name: raw[name] for name in SECTIONS if name in raw}
         try:
             config = cls(**sections, deepspeed=dict(raw), source=source)
@@ -345,6 +349,23 @@ def add_launcher_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
         help="DeepSpeed JSON/hjson config with megacp's context_parallel section",
     )
     return parser
+
+
+def _cp_size_alias(key: str) -> str | None:
+    """Why a top-level ``key`` that reads as a CP size (or DeepSpeed's Ulysses size, or a nested megacp
+    section) is refused, else ``None``: the CP size is read from ``context_parallel.size`` only, so a
+    size under another name would otherwise leave CP at 1 without a word."""
+    flat = re.sub(r"[^a-z]", "", key.lower())
+    if key in SECTIONS:
+        return None
+    if flat == "sequenceparallelsize":
+        return ("DeepSpeed's Ulysses sequence-parallel size; megacp splits sequences by context parallelism "
+                'instead: set {"context_parallel": {"size": N}} and remove this key')
+    if flat == "megacp":
+        return "megacp's sections sit at the top level of the DeepSpeed config (context_parallel, runtime, ...)"
+    if flat in ("cp", "cpsize", "cpdegree") or ("context" in flat and "parallel" in flat):
+        return 'megacp reads the CP size only as {"context_parallel": {"size": N}}'
+    return None
 
 
 def _near_section(key: str) -> str | None:

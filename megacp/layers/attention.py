@@ -71,6 +71,37 @@ def sliding_window_of(window_size: tuple[int, int] | None, attn_mask_type: str) 
     return left + 1
 
 
+_TE_CP_ARGS = ("cp_group", "cp_global_ranks", "cp_stream", "cp_comm_type", "ring")
+"""Transformer Engine's own CP arguments (and an older ``ring=``): megacp's layers take their ring
+from megacp's settings, so a value here would be ignored; it is refused instead."""
+
+
+def check_te_arguments(layer: str, kwargs: dict[str, Any]) -> None:
+    """Refuse the constructor arguments of TE's ``DotProductAttention`` that megacp's layers do not
+    honour: TE's CP arguments, a TP size other than 1 (the head counts given are this rank's), a
+    cross-attention type, and any unknown name. Accepted and unused: ``sequence_parallel``,
+    ``get_rng_state_tracker`` (dropout, refused in training anyway), ``tp_group`` and ``tp_size=1``,
+    ``attention_type="self"``, ``softmax_type="vanilla"``.
+
+    Raises:
+        TypeError: one line naming the argument.
+    """
+    for name, value in kwargs.items():
+        if name in _TE_CP_ARGS:
+            if value is None:
+                continue
+            raise TypeError(f"{layer}: {name}= is Transformer Engine's own CP; megacp's layer takes its ring from "
+                            "megacp (megacp.swap_attention(model, state), or settings=CPSettings.from_state(state))")
+        ok = {"sequence_parallel": True, "get_rng_state_tracker": True, "tp_group": True,
+              "tp_size": value in (None, 1), "attention_type": value in (None, "self"),
+              "softmax_type": value in (None, "vanilla")}.get(name)
+        if ok is None:
+            raise TypeError(f"{layer}: unexpected keyword argument {name!r}")
+        if not ok:
+            raise TypeError(f"{layer}: {name}={value!r} is not supported (give this rank's head counts with tp_size=1; "
+                            "self-attention with the vanilla softmax only)")
+
+
 class DotProductAttention(nn.Module):
     """Local attention, TE-compatible constructor and forward.
 
@@ -83,6 +114,8 @@ class DotProductAttention(nn.Module):
         index (TE convention); softmax_scale: default ``1/sqrt(D)``; window_size: TE's sliding
         window ``(left, right)`` of a causal layer: ``(W - 1, 0)`` lets a query at position ``x``
         see keys ``x - W + 1 .. x`` (:attr:`sliding_window` ``= W``); ``None`` or ``(-1, 0)``: full causal.
+        te_kwargs: TE's other constructor arguments, checked by :func:`check_te_arguments` (TE's CP
+            arguments and unknown names are refused).
     """
 
     # TE >= 2.16's MultiheadAttention reads and sets `core_attention.name` (quantizer roles)
@@ -99,9 +132,10 @@ class DotProductAttention(nn.Module):
         layer_number: int | None = None,
         softmax_scale: float | None = None,
         window_size: tuple[int, int] | None = None,
-        **_: Any,
+        **te_kwargs: Any,
     ) -> None:
         super().__init__()
+        check_te_arguments(type(self).__name__, te_kwargs)
         check_format(qkv_format, attn_mask_type)
         self.window_size = window_size
         self.sliding_window = sliding_window_of(window_size, attn_mask_type)

@@ -35,6 +35,8 @@ class CPDotProductAttention(DotProductAttention):
         :class:`~megacp.layers.attention.DotProductAttention` for ``attention_dropout``).
         settings: the CP settings of a step the layer plans itself (no ``inference_params``);
             default: CP = 1 (:class:`~megacp.layers.settings.CPSettings`).
+        te_kwargs: TE's other arguments (:func:`~megacp.layers.attention.check_te_arguments`:
+            ``cp_group``, ``cp_global_ranks``, ``cp_comm_type`` and unknown names are refused).
     """
 
     def __init__(
@@ -50,11 +52,11 @@ class CPDotProductAttention(DotProductAttention):
         window_size: tuple[int, int] | None = None,
         *,
         settings: CPSettings | None = None,
-        **_: Any,
+        **te_kwargs: Any,
     ) -> None:
         super().__init__(num_attention_heads, kv_channels, num_gqa_groups, attention_dropout, qkv_format=qkv_format,
                          attn_mask_type=attn_mask_type, layer_number=layer_number, softmax_scale=softmax_scale,
-                         window_size=window_size)
+                         window_size=window_size, **te_kwargs)
         _check_causal(attn_mask_type)
         self.settings = settings or CPSettings()
 

@@ -204,6 +204,27 @@ def _check_checkpointing(args: argparse.Namespace) -> None:
                          "and --resume need DeepSpeed checkpoints (drop --hf-native)")
 
 
+def _open_metrics(path: str, done: int) -> Any:
+    """``--metrics`` opened for this run's rows: a fresh run starts the file; a run resumed after step
+    ``done`` keeps the rows of steps ``<= done`` (those of a crashed run's later steps, which this run
+    trains again, are dropped; the rewrite is atomic) and appends."""
+    target = Path(path)
+    if done == 0 or not target.is_file():
+        return open(target, "w", encoding="utf-8")
+    kept = []
+    for line in target.read_text(encoding="utf-8").splitlines():
+        try:
+            step = json.loads(line).get("step")
+        except (ValueError, AttributeError):
+            continue  # a line cut short by the crash
+        if isinstance(step, int) and step <= done:
+            kept.append(line + "\n")
+    tmp = target.with_name(f".{target.name}.tmp")
+    tmp.write_text("".join(kept), encoding="utf-8")
+    tmp.replace(target)
+    return open(target, "a", encoding="utf-8")
+
+
 def _eos_id(tokenizer: Any, model_config: Any) -> int:
     if tokenizer.eos_token_id is not None:
         return int(tokenizer.eos_token_id)
@@ -401,7 +422,7 @@ def run(args: argparse.Namespace) -> int:
     losses, tokens, seconds = [], 0, 0.0
     saved, data = "", None
     with contextlib.ExitStack() as stack:
-        metrics = stack.enter_context(open(args.metrics, "w", encoding="utf-8")) if rank0 and args.metrics else None
+        metrics = stack.enter_context(_open_metrics(args.metrics, first - 1)) if rank0 and args.metrics else None
         batches = stack.enter_context(Prefetcher(CorpusBatches(
             sources, tokenizer, eos_id=eos_id, seq_len=args.seq_len, micro_batch=micro_batch,
             dp_size=state.size("dp"), dp_rank=state.rank_in("dp"), start=start,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import re
 import subprocess
 import sys
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 import megacp
+from megacp.layers.attention import DotProductAttention
 from megacp.layers.cp_attention import CPDotProductAttention
 from megacp.layers.swap import TECPDotProductAttention
 from megacp.models import ModelConfig, build_model
@@ -86,3 +88,21 @@ def test_swap_keeps_each_modules_training_mode() -> None:
     assert [m.training for m in model] == [False, True]
     q, k = torch.randn(1, 6, 4, 8), torch.randn(1, 6, 2, 8)
     assert model[0](q, k, k).shape == (1, 6, 32)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(cp_group=object()), "cp_group= is Transformer Engine's own CP"),
+    (dict(cp_global_ranks=[0, 1]), "cp_global_ranks= is Transformer Engine's own CP"),
+    (dict(cp_comm_type="p2p"), "cp_comm_type= is Transformer Engine's own CP"),
+    (dict(ring=object()), "ring= is Transformer Engine's own CP"),
+    (dict(tp_size=2), "tp_size=2 is not supported"),
+    (dict(attention_type="cross"), "attention_type='cross' is not supported"),
+    (dict(windw_size=(3, 0)), "unexpected keyword argument 'windw_size'"),
+])
+def test_te_arguments_megacp_does_not_honour_are_refused(kwargs: dict, message: str) -> None:
+    """A TE constructor argument the layer would ignore is one TypeError naming it (the layer would
+    otherwise run at CP 1); TE's harmless ones are accepted."""
+    for cls in (DotProductAttention, CPDotProductAttention):
+        with pytest.raises(TypeError, match=re.escape(message)):
+            cls(4, 8, 2, **kwargs)
+        cls(4, 8, 2, sequence_parallel=False, tp_size=1, tp_group=None, attention_type="self", cp_group=None)

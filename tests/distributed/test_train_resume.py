@@ -108,7 +108,7 @@ def _runs(rank: int, world_size: int, tmp: Path, killed_at: int, ports: list[int
     assert _main(ports.pop(), _args(tmp, 1, "--steps", ref, "--save", str(tmp / "ref1"), "--metrics",
                                     str(tmp / "ref1.jsonl"), *evaluation)) == 0
     assert _main(ports.pop(), _args(tmp, 1, "--steps", ref, "--save", str(tmp / "killed"), "--resume",
-                                    str(tmp / "killed"), "--metrics", str(tmp / "resumed1.jsonl"), *evaluation)) == 0
+                                    str(tmp / "killed"), "--metrics", str(tmp / "killed.jsonl"), *evaluation)) == 0
     for stage in (0, 2, 3):
         assert _main(ports.pop(), _args(tmp, stage, "--steps", "12", "--save", str(tmp / f"ref{stage}"), "--save-every",
                                         "3", "--keep-last", "2", "--metrics", str(tmp / f"ref{stage}.jsonl"))) == 0
@@ -162,10 +162,12 @@ def test_killed_and_resumed_runs_continue_exactly(tmp_path: Path) -> None:
     run_distributed(_runs, 2, tmp_path, killed_at, [free_port() for _ in range(8)], timeout=120.0)
 
     ref = _rows(tmp_path / "ref1.jsonl")
-    before = _rows(tmp_path / "killed.jsonl")[:killed_at]  # the killed run, up to its checkpoint
+    # one --metrics file for both runs: the killed run's rows up to its checkpoint (its later ones dropped
+    # on resume), then the resumed run's, every step once
+    rows = _rows(tmp_path / "killed.jsonl")
+    assert [r["step"] for r in rows] == list(range(1, killed_at + MORE + 1))
+    before, resumed1 = rows[:killed_at], rows[killed_at:]
     assert [(r["step"], r["loss"]) for r in before] == [(r["step"], r["loss"]) for r in ref[:killed_at]]
-    resumed1 = _rows(tmp_path / "resumed1.jsonl")
-    assert [r["step"] for r in resumed1] == list(range(killed_at + 1, killed_at + MORE + 1))
     _assert_same_run(ref, resumed1, tmp_path / "ref1", tmp_path / "killed")
     ref1 = ref
     for stage in (0, 2, 3):
