@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from megacp.attention.preconditions import agree, content_digest
 from megacp.layers.settings import CPSettings
 from megacp.layers.step import CPStep, cacheless_step, plan_step
 from megacp.placement.batch import TrainShard, shard_batch
@@ -338,7 +339,8 @@ def prepare_batch(input_ids: Tensor, *, labels: Tensor | None = None, position_i
                   training: bool = True) -> dict[str, Any]:
     """This CP rank's share of a batch, as keyword arguments of a transformers causal LM's forward.
 
-    Every rank of a CP group passes the same batch. Documents are the rows of a ``[B, S]`` batch
+    Every rank of a CP group passes the same batch (checked with a state: a digest of each input in
+    one small all-gather, a mismatch is one ``ValueError`` on every rank). Documents are the rows of a ``[B, S]`` batch
     (without the tokens ``attention_mask`` pads), or the documents of one packed row: given by
     ``cu_seqlens``, else by the resets of ``position_ids`` to 0 (what transformers'
     ``DataCollatorWithFlattening`` produces). Labels (unshifted, ``-100`` ignored; default the
@@ -364,6 +366,14 @@ def prepare_batch(input_ids: Tensor, *, labels: Tensor | None = None, position_i
         ValueError: one line naming the bad input.
     """
     cp_size, cp_rank = (state.size("cp"), state.rank_in("cp")) if state is not None else (cp_size or 1, cp_rank or 0)
+    if state is not None and cp_size > 1:  # one small all-gather: the CP ranks must shard the same batch
+        given = {"input_ids": input_ids, "labels": labels, "position_ids": position_ids, "attention_mask": attention_mask,
+                 "cu_seqlens": None if cu_seqlens is None else torch.as_tensor(cu_seqlens)}
+        fields: list[tuple[str, object]] = []
+        for name, t in given.items():
+            fields += [(f"{name} shape", [-1] if t is None else list(t.shape)),
+                       (name, content_digest(t) if t is not None else 0)]
+        agree(CPSettings.from_state(state).ring, fields, device=state.device, what="prepare_batch")
     if input_ids.dim() == 2 and cu_seqlens is None and not (input_ids.shape[0] == 1 and position_ids is not None):
         if position_ids is not None:
             raise ValueError("position_ids of a [B, S] batch with B > 1: pack the documents into one row instead")

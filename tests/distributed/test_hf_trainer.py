@@ -3,7 +3,7 @@
 clipping) at CP = 2 give the losses and parameters of a plain PyTorch loop over transformers' SDPA
 attention in one process (the loss over the step's valid labels, as ``num_items_in_batch``); a model
 without megacp's attention, ``average_tokens_across_devices=False``, and Falcon, BLOOM and MPT (also by
-``LLM`` and at a forward of a CP shard) are refused."""
+``LLM`` and at a forward of a CP shard) are refused, as is a batch that differs between the CP ranks."""
 
 from __future__ import annotations
 
@@ -58,6 +58,10 @@ def _train(rank: int, world: int, out_dir: str) -> tuple[list[float], dict[str, 
                         lambda: make_refused(arch)(**prepare_batch(torch.arange(3, 13)[None], state=state))):  # noqa: B023
             with pytest.raises(ValueError, match=line):
                 refused()
+    with pytest.raises(ValueError, match=r"prepare_batch: the 2 CP ranks must pass the same values but differ in input_ids "):
+        prepare_batch(torch.arange(3, 13)[None] + rank, state=state)  # rank-divergent input
+    with pytest.raises(ValueError, match=r"differ in labels shape"):
+        prepare_batch(torch.arange(3, 13)[None], labels=torch.arange(3, 13)[None] if rank else None, state=state)
     args.average_tokens_across_devices = False
     with pytest.raises(ValueError, match="average_tokens_across_devices=False is not supported"):
         CPTrainer(model=trainer.model, args=args, cp_state=state)
