@@ -13,7 +13,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import os
 import signal
+import socket
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,6 +31,7 @@ from megacp.checkpoint.front import default_model_path
 from megacp.config import OneLineArgumentParser, add_launcher_args, print_error_once
 from megacp.generate.llm import LLM, SESSION_SLACK
 from megacp.kv_cache import KV_CACHE_DTYPES
+from megacp.version import __version__
 
 PROG = "megacp.serve"
 
@@ -87,6 +90,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-cuda-graphs", "--enforce-eager", dest="no_cuda_graphs", action="store_true",
                    help="run the running batch's decode step eagerly instead of replaying CUDA graphs")
     p.add_argument("--deepspeed", action="store_true", help="DeepSpeed's own flag, accepted for its launchers")
+    p.add_argument("--version", action="version", version=f"megacp {__version__}")
     add_launcher_args(p)
     args = p.parse_args(argv)
     for name in ("max_num_seqs", "max_queue"):
@@ -136,6 +140,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     _set_threads()
     reuse_plans_across_lengths()  # no attention backward runs in this process (see attention.plans)
+    # the HTTP rank takes its port before anything loads: a busy port is one line, not a model load later
+    listener = listen(args.host, args.port) if int(os.environ.get("RANK", "0")) == 0 else None
     state = initialize(args.deepspeed_config)
     model_path = args.model or default_model_path()
     llm = LLM(model_path, dtype=args.dtype, strategy=args.strategy, prefill_chunk=args.prefill_chunk,
@@ -169,6 +175,24 @@ def _serve(args: argparse.Namespace) -> int:
     print(f"megacp.serve: {name} CP={n} decode={worker.decode_mode} on http://{args.host}:{args.port}", flush=True)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))
     server.capture_signals = lambda: _drain_on_signals(server)  # type: ignore[method-assign]
-    server.run()
+    server.run(sockets=[listener] if listener is not None else None)
     dist.destroy_process_group()
     return 0
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (what uvicorn then serves on).
+
+    Raises:
+        ValueError: the address cannot be taken (in use, not this machine's): one line naming it.
+    """
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as err:
+        raise ValueError(f"--host {host} --port {port}: cannot listen there ({err.strerror or err})") from None
+    sock.set_inheritable(True)
+    return sock

@@ -155,6 +155,28 @@ def test_the_eager_flag_and_its_vllm_alias() -> None:
     assert parse_args(["--no-cuda-graphs"]).no_cuda_graphs and parse_args(["--enforce-eager"]).no_cuda_graphs
 
 
+def test_a_busy_port_is_one_line_before_the_model_loads(capsys: pytest.CaptureFixture[str]) -> None:
+    """The HTTP rank binds its port first: a taken one ends in one line and exit 2 within a second
+    (the model would take seconds to load); --version answers."""
+    import socket
+    import time
+
+    from megacp.serve.cli import main
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        start = time.monotonic()
+        assert main(["--port", str(port)]) == 2
+        assert time.monotonic() - start < 1.0
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"megacp.serve: --host 127.0.0.1 --port {port}: cannot listen"), lines
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out.startswith("megacp ")
+
+
 def test_common_prefix_equals_a_token_by_token_count() -> None:
     import random
 
