@@ -22,7 +22,7 @@ from megacp.checkpoint.hf import transformers_only
 from megacp.generate.loop import Generator, batch_params
 from megacp.generate.outputs import GenerationOutput, TextStream, chat_ids, complete, stop_string_check, with_eos
 from megacp.generate.requests import check_prompt, encode
-from megacp.generate.sampling import SamplingParams
+from megacp.generate.sampling import SamplingParams, SeedSource
 from megacp.generate.session import Session
 from megacp.kv_cache import CacheCapacityError, ShardedKVCache, kv_cache_format
 from megacp.layers.settings import CPSettings
@@ -192,6 +192,8 @@ class LLM:
         self.generator = Generator.for_model(net, mc, settings, device=device, dtype=self.dtype, tp_size=tp,
                                              prefill_chunk=prefill_chunk, kv_cache_dtype=self.kv_cache_dtype,
                                              cuda_graphs=cuda_graphs)
+        self.seeds = SeedSource(self.state.device)
+        """Fresh seeds of the requests that give none (the same on every rank: collective here)."""
         self.max_sessions = max_sessions
         self.max_session_tokens = max_session_tokens or min(mc.max_position_embeddings, 4096)
         self._session_cache: ShardedKVCache | None = None
@@ -219,7 +221,7 @@ class LLM:
         return ids, params
 
     def _params(self, sampling: SamplingParams) -> SamplingParams:
-        params = with_eos(sampling, self.model_config.eos_token_ids)
+        params = with_eos(self.seeds.resolve(sampling), self.model_config.eos_token_ids)
         stop_string_check(self.tokenizer, params)  # stop strings need a tokenizer: say so before any work
         return params
 
@@ -281,5 +283,5 @@ class LLM:
             raise CacheCapacityError(f"all {self.max_sessions} sessions are open; close one or raise "
                                      "LLM(max_sessions=...)") from None
         return Session(self.generator, self._session_cache, slot, self.model_config, self.tokenizer,
-                       self.max_session_tokens)
+                       self.max_session_tokens, self.seeds)
 

@@ -21,7 +21,9 @@ the same pass over the sorted, filtered values.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Sequence, TypeVar
@@ -51,7 +53,8 @@ class SamplingParams:
         top_k: keep the ``top_k`` most likely tokens (0 = all).
         min_p: drop tokens less likely than ``min_p`` times the most likely one, in [0, 1] (0 = off).
         seed: seed of the request's draws (its tokens depend on its seed and logits only: the same
-            alone or in any batch, on every rank and CP size).
+            alone or in any batch, on every rank and CP size); ``None`` (default): a fresh seed per
+            request, as vLLM's and OpenAI's unseeded requests (:class:`SeedSource`).
         stop: strings that end a request (found in the decoded text; the text ends before it).
         stop_token_ids: token ids that end a request (kept in ``token_ids``).
         ignore_eos: do not add the model's end-of-sequence tokens to ``stop_token_ids``.
@@ -72,7 +75,7 @@ class SamplingParams:
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
-    seed: int = 0
+    seed: int | None = None
     stop: Sequence[str] = ()
     stop_token_ids: Sequence[int] = ()
     ignore_eos: bool = False
@@ -102,8 +105,8 @@ class SamplingParams:
                                           or self.logprobs < 0):
             raise ValueError(f"logprobs must be None or an integer >= 0 (top tokens per generated token), "
                              f"got {self.logprobs!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
         if isinstance(self.stop, str):
             self.stop = (self.stop,)
         if not all(isinstance(s, str) and s for s in self.stop):
@@ -142,6 +145,36 @@ def mix32(x: _Int) -> _Int:
     for _ in range(2):
         x = (((x >> 16) ^ x) * 0x45D9F3B) & _MASK32
     return (x >> 16) ^ x
+
+
+class SeedSource:
+    """Seeds for requests that give none (``seed=None``): fresh for every request and every run, yet
+    the same on every rank of a job, so that the ranks draw the same tokens and agree on the settings.
+
+    Rank 0 draws a random 63-bit base from the OS and broadcasts it over the default process group
+    (collective: every rank builds its source at the same point); each rank then takes the same
+    sequence of seeds from a generator of that base, one per unseeded request in the order the
+    requests come (every rank sees the same requests in the same order).
+
+    Args:
+        device: where the broadcast's tensor lives (the backend's device: CUDA for NCCL).
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        import secrets
+
+        import torch.distributed as dist
+
+        base = torch.tensor([secrets.randbits(63)], dtype=torch.long, device=device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast(base, src=0)
+        self._draws = random.Random(int(base))
+
+    def resolve(self, params: SamplingParams) -> SamplingParams:
+        """``params`` with a fresh seed when it has none."""
+        if params.seed is not None:
+            return params
+        return dataclasses.replace(params, seed=self._draws.getrandbits(63))
 
 
 def seed_key(seed: int) -> int:
@@ -288,7 +321,9 @@ class Sampler:
         self.repetition = col([p.repetition_penalty for p in params], torch.float32)
         self.presence = col([p.presence_penalty for p in params], torch.float32)
         self.frequency = col([p.frequency_penalty for p in params], torch.float32)
-        self.keys = col([seed_key(p.seed) for p in params], torch.long)
+        # the entry points (LLM, sessions, the server) give unseeded requests fresh seeds first
+        # (SeedSource); a Sampler built directly draws an unseeded row as seed 0
+        self.keys = col([seed_key(p.seed or 0) for p in params], torch.long)
         self.steps = torch.zeros(len(params), dtype=torch.long, device=device)
         self.columns = mix32(torch.arange(vocab if self.sampled else 0, dtype=torch.long, device=device))
         shape = (len(params), vocab) if self.penalised else (len(params), 0)

@@ -14,7 +14,7 @@ from typing import Any, Sequence
 from megacp.generate.loop import Generator
 from megacp.generate.outputs import GenerationOutput, chat_ids, complete, with_eos
 from megacp.generate.requests import ModelLimits, check_context, check_prompt, encode
-from megacp.generate.sampling import SamplingParams
+from megacp.generate.sampling import SamplingParams, SeedSource
 from megacp.kv_cache import CacheCapacityError, ShardedKVCache
 
 
@@ -26,8 +26,9 @@ class Session:
     """
 
     def __init__(self, gen: Generator, cache: ShardedKVCache, slot: int, model_config: ModelLimits,
-                 tokenizer: Any, max_tokens: int) -> None:
+                 tokenizer: Any, max_tokens: int, seeds: SeedSource) -> None:
         self._gen, self._cache, self._slot, self._cfg, self._tokenizer = gen, cache, slot, model_config, tokenizer
+        self._seeds = seeds
         self.max_tokens = max_tokens
         """Tokens the session may hold in all (``LLM(max_session_tokens=...)``)."""
         self._history: list[int] = []
@@ -55,7 +56,7 @@ class Session:
         """
         if self.closed:
             raise ValueError("this session is closed")
-        params = with_eos(sampling or SamplingParams(), self._cfg.eos_token_ids)
+        params = with_eos(self._seeds.resolve(sampling or SamplingParams()), self._cfg.eos_token_ids)
         turn = encode(self._tokenizer, turn, "turn", special_tokens=not self._history)
         check_prompt(self._cfg, turn, params.max_tokens, "turn")
         check_context(self._cfg, len(self._history) + len(turn), params.max_tokens, "the conversation")

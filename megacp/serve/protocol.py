@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import secrets
 from typing import Any, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
@@ -48,7 +49,7 @@ class SamplingFields(BaseModel):
     top_k: int = 0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
-    seed: int = 0
+    seed: Union[int, None] = None
     stop: Union[str, list[str], None] = None
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
@@ -86,7 +87,8 @@ class SamplingFields(BaseModel):
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         try:
             return SamplingParams(max_tokens=max_tokens or default_max, temperature=self.temperature, top_p=self.top_p,
-                                  top_k=self.top_k, min_p=self.min_p, seed=self.seed, stop=stop,
+                                  top_k=self.top_k, min_p=self.min_p,
+                                  seed=secrets.randbits(63) if self.seed is None else self.seed, stop=stop,
                                   stop_token_ids=tuple(self.stop_token_ids), ignore_eos=self.ignore_eos,
                                   repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
                                   frequency_penalty=self.frequency_penalty, logprobs=logprobs)

@@ -118,7 +118,7 @@ def test_sampling_params_validate_each_value() -> None:
         (dict(repetition_penalty=0.0), "repetition_penalty must be > 0 (1 = off), got 0.0"),
         (dict(stop=[""]), "stop must be non-empty strings, got ['']"),
         (dict(stop_token_ids=[-1]), "stop_token_ids must be integers >= 0, got [-1]"),
-        (dict(seed=1.5), "seed must be an integer, got 1.5"),
+        (dict(seed=1.5), "seed must be an integer or None, got 1.5"),
     ]
     for kw, message in bad:
         with pytest.raises(ValueError) as err:

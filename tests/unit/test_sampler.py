@@ -316,3 +316,20 @@ def test_logprobs_are_the_raw_log_softmax_of_each_row() -> None:
             assert abs(v - float(ref[b, t])) < 1e-5
     assert logprob_dicts([1], [-0.5], [[1, 2]], [[-0.5, -1.0]], [None]) == [None]
     assert logprob_dicts([2], [-1.0], [[1, 2]], [[-0.5, -1.0]], [2]) == [{2: -1.0, 1: -0.5}]
+
+
+def test_unseeded_requests_get_fresh_seeds_and_seeded_ones_keep_theirs() -> None:
+    """``seed=None`` (the default, as vLLM's and OpenAI's) draws a fresh seed per request and per run;
+    a given seed is kept; the server's unseeded requests get fresh seeds too."""
+    from megacp.generate.sampling import SamplingParams, SeedSource
+    from megacp.serve.protocol import CompletionRequest
+
+    assert SamplingParams().seed is None
+    one, two = SeedSource(torch.device("cpu")), SeedSource(torch.device("cpu"))
+    p = SamplingParams(temperature=0.8)
+    seeds = [one.resolve(p).seed for _ in range(3)] + [two.resolve(p).seed]
+    assert all(isinstance(s, int) for s in seeds) and len(set(seeds)) == 4
+    assert one.resolve(SamplingParams(temperature=0.8, seed=7)).seed == 7
+    body = {"model": "m", "prompt": "hi", "temperature": 0.8}
+    drawn = {CompletionRequest(**body).sampling(None, 4, 64).seed for _ in range(3)}
+    assert len(drawn) == 3 and CompletionRequest(**body, seed=5).sampling(None, 4, 64).seed == 5
