@@ -190,14 +190,18 @@ class LossModule(torch.nn.Module):
         return self.loss(self.model, shard, settings=self.cp)
 
 
-def _transformers_memory(model: torch.nn.Module, memory: MemoryOptions, device: torch.device) -> None:
+def _transformers_memory(model: torch.nn.Module, memory: MemoryOptions, device: torch.device, *, zero3: bool) -> None:
     """Apply the memory options to a transformers model (:mod:`megacp.train.hf_memory`):
     every decoder layer checkpointed (its input on the host with ``offload: "cpu"``) and the MLPs
     sequence-tiled. The plan that chooses ``"auto"`` values reads megacp's own model configs only.
 
     Raises:
-        ConfigError: ``"auto"`` offload, or a model these features cannot apply to (one line).
+        ConfigError: ``"auto"`` offload, tiled MLPs under ZeRO 3 (ZeRO 3 releases each projection's
+            weights after its call, between the tiles), or a model these features cannot apply to.
     """
+    if zero3 and isinstance(memory.mlp_tile, int) and memory.mlp_tile > 0:
+        raise ConfigError("sequence_tiling.mlp: a transformers model's MLPs are tiled under ZeRO 0-2 only (ZeRO 3 "
+                          "partitions each projection's weights between the tiles); set it to 0 or use ZeRO <= 2")
     from megacp.models.checkpointing import HostStash
     from megacp.train.hf_memory import checkpoint_layers, tile_mlps
 
@@ -323,7 +327,7 @@ class Trainer:
         if memory.activation_checkpointing and self._cfg is not None:
             setattr(model, "activation_checkpointing", True)  # noqa: B010 - a CausalLM attribute
         elif self._cfg is None:
-            _transformers_memory(model, memory, state.device)
+            _transformers_memory(model, memory, state.device, zero3=settings.zero_stage == 3)
         cp = cp or CPSettings.from_state(state)
         if self.zero3:
             model = LossModule(model, loss, cp)

@@ -19,6 +19,10 @@ gradient clipping 1.0. Both DeepSpeed configs share :func:`ds_config`: ZeRO ``--
   ``scripts/bench/train_step.py``); the memory sections come from ``--megacp-config``, a preset of
   :data:`MEGACP_PRESETS` or a JSON file whose top-level sections replace the base config's. The
   Trainer's memory plan must accept the step (a refusal ends the ladder as ``plan``).
+* ``hf``: the same model as a user brings it — transformers' ``LlamaForCausalLM`` with
+  ``attn_implementation="megacp"`` — through megacp's ``Trainer`` with the same memory sections
+  (:mod:`megacp.train.hf_memory`: checkpointed layers with host-offloaded inputs, tiled MLPs, the
+  tiled LM head + loss; :func:`hf_step`).
 * ``alst``: Hugging Face ``LlamaForCausalLM`` (SDPA) under ``deepspeed.initialize`` (built inside
   ``deepspeed.zero.Init``), with each piece of the recipe switchable: ``LlamaMLP.forward`` through
   DeepSpeed's ``TiledMLP`` (``ceil(S / hidden)`` shards, its documented rule; ``--no-alst-tiled-mlp``),
@@ -35,7 +39,7 @@ refused it) or ``error``; ``--concurrent`` (CPU checks only) climbs the methods'
 side. Per point: the build time, ``--steps`` step times after ``--warmup``, tokens/s of the median
 timed step, the loss, peak GPU memory allocated / reserved over the child's whole run, the child's
 peak host RSS (``os.wait4``), megacp's plan; then each method's longest sequence and megacp / ALST
-tokens/s at equal lengths. The header records the command, GPU, host
+tokens/s at equal lengths (and hf / megacp). The header records the command, GPU, host
 RAM and the torch / DeepSpeed / transformers versions.
 """
 
@@ -153,6 +157,39 @@ def megacp_step(args: argparse.Namespace, cfg: Any, state: Any, seq: int) -> tup
                                   "plan": plan.describe() if plan else None}
 
 
+def hf_step(args: argparse.Namespace, cfg: Any, state: Any, seq: int) -> tuple[Step, Any, dict[str, Any]]:
+    """A user's own Hugging Face model through megacp's trainer at ``seq`` tokens: transformers'
+    ``LlamaForCausalLM`` with ``attn_implementation="megacp"``, the memory sections of megacp's config
+    applied to it (:mod:`megacp.train.hf_memory`; an ``"auto"`` MLP tile becomes
+    :data:`~megacp.train.memory.AUTO_MLP_TILE` tokens under ZeRO <= 2, as the plan tiles megacp's own
+    model, and untiled under ZeRO 3, where megacp tiles no transformers MLP yet), and the tiled LM
+    head + loss."""
+    from transformers import LlamaForCausalLM
+
+    from megacp.train.data import PackedSequence
+    from megacp.train.engine import Trainer, read_settings
+    from megacp.train.hf_memory import training_loss
+    from megacp.train.memory import AUTO_MLP_TILE
+    from scripts.bench.train_step import hf_config
+
+    config = megacp_config(args, state.device.type == "cuda")
+    if config.get("sequence_tiling", {}).get("mlp", "auto") == "auto":  # untiled under ZeRO 3 (refused there)
+        config["sequence_tiling"] = {"mlp": 0 if args.zero == 3 else AUTO_MLP_TILE}
+    settings = read_settings(config)
+    device = "cpu" if settings.zero_stage == 3 else state.device  # ZeRO 3: partitioned as the Trainer builds
+    with torch.device(device):
+        model = LlamaForCausalLM(hf_config(cfg, "megacp")).to(settings.dtype)
+    loss = training_loss(model)
+    trainer = Trainer(model.train(), config, state, settings, loss=loss)
+    ids = torch.randint(0, cfg.vocab_size, (seq,), device=state.device)
+    batch = PackedSequence(ids, torch.tensor([0, seq], dtype=torch.int32))
+
+    def step() -> float:
+        return trainer.step(iter([batch])).loss
+    return step, trainer.engine, {"dtype": str(settings.dtype).replace("torch.", ""), "loss_fn": loss.__name__,
+                                  "mlp_tile": config["sequence_tiling"]["mlp"]}
+
+
 def alst_step(args: argparse.Namespace, cfg: Any, state: Any, seq: int) -> tuple[Step, Any, dict[str, Any]]:
     """The ALST recipe's step at ``seq`` tokens, its engine, and what the row notes (the pieces on)."""
     import torch.nn.functional as F
@@ -236,7 +273,7 @@ def child(args: argparse.Namespace) -> int:
     torch.manual_seed(0)
     t0 = time.perf_counter()
     try:
-        step, engine, notes = (megacp_step if args.child == "megacp" else alst_step)(args, cfg, state, seq)
+        step, engine, notes = {"megacp": megacp_step, "hf": hf_step, "alst": alst_step}[args.child](args, cfg, state, seq)
     except MemoryPlanError as err:
         bh.print_result({**row, "error": "plan", "message": str(err)})
         return 0
@@ -261,6 +298,7 @@ def child(args: argparse.Namespace) -> int:
 
 
 MODULE = "scripts.bench.train_long"
+METHODS = ("megacp", "hf", "alst")
 
 
 def run_point(argv: list[str], method: str, seq: int) -> dict[str, Any]:
@@ -273,7 +311,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--seq-lens", type=bh.parse_sizes, default=bh.parse_sizes("64K,128K,256K,512K,1M"))
     p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--methods", type=bh.parse_names, default=["megacp", "alst"])
+    p.add_argument("--methods", type=bh.parse_names, default=["megacp", "hf", "alst"],
+                   help="megacp: megacp's own model; hf: transformers' Llama (attn_implementation='megacp') through "
+                        "megacp's trainer; alst: DeepSpeed's recipe")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--tiny", action="store_true", help="a small model shape (CPU checks)")
     p.add_argument("--warmup", type=int, default=1)
@@ -291,11 +331,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--alst-offload", action=bool_flag, default=True, help="checkpointed layer inputs on the host")
     p.add_argument("--concurrent", action="store_true", help="CPU checks: the methods' ladders side by side")
     p.add_argument("--json", default=None)
-    p.add_argument("--child", choices=("megacp", "alst"), help=argparse.SUPPRESS)
+    p.add_argument("--child", choices=METHODS, help=argparse.SUPPRESS)
     p.add_argument("--child-seq", type=int, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if set(args.methods) - {"megacp", "alst"} or not args.methods:
-        p.error(f"--methods: got {','.join(args.methods)!r}; a subset of megacp,alst")
+    if set(args.methods) - set(METHODS) or not args.methods:
+        p.error(f"--methods: got {','.join(args.methods)!r}; a subset of {','.join(METHODS)}")
     if args.layers < 1 or args.steps < 1 or args.warmup < 0 or min(args.seq_lens, default=0) < 2:
         p.error("--layers and --steps must be >= 1, --warmup >= 0, --seq-lens at least 2 each")
     if args.offload_param and args.zero != 3:
@@ -308,7 +348,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error("--concurrent would put both methods on one GPU at once: it is for --device cpu")
     if args.bf16_optimizer_states and args.device == "cpu":
         p.error("--bf16-optimizer-states needs bf16 training on CUDA")
-    if "megacp" in args.methods:
+    if {"megacp", "hf"} & set(args.methods):
         from megacp.train.engine import read_settings
 
         try:  # a config megacp refuses: one line before any child runs
@@ -338,17 +378,19 @@ def main(argv: list[str] | None = None) -> int:
     rows = [row for rows_of_method in ladders for row in rows_of_method]
     ok = {(r["method"], r["seq"]): r for r in rows if "error" not in r}
     longest = {m: max((s for (mm, s) in ok if mm == m), default=0) for m in args.methods}
-    ratios = {s: round(ok[("megacp", s)]["tokens_per_s"] / ok[("alst", s)]["tokens_per_s"], 3)
-              for (m, s) in ok if m == "megacp" and ("alst", s) in ok}
+    ratios = {f"{m}/alst": {s: round(ok[(m, s)]["tokens_per_s"] / ok[("alst", s)]["tokens_per_s"], 3)
+                            for (mm, s) in ok if mm == m and ("alst", s) in ok} for m in ("megacp", "hf")}
+    ratios["hf/megacp"] = {s: round(ok[("hf", s)]["tokens_per_s"] / ok[("megacp", s)]["tokens_per_s"], 3)
+                           for (m, s) in ok if m == "hf" and ("megacp", s) in ok}
+    ratios = {k: v for k, v in ratios.items() if v}
     table = [{**r, "step": statistics.median(r["step_s"]) if "step_s" in r else None} for r in rows]
     bh.print_table(None, table, COLUMNS, f"training steps, {args.layers} layers, one sequence per step")
     print("longest: " + ", ".join(f"{m} {bh.size_label(s) if s else 'none'}" for m, s in longest.items()))
-    if ratios:
-        print("megacp / ALST tokens/s: " + ", ".join(f"{bh.size_label(s)} {r:.3f}" for s, r in ratios.items()))
+    for name, by_seq in ratios.items():
+        print(f"{name} tokens/s: " + ", ".join(f"{bh.size_label(s)} {r:.3f}" for s, r in by_seq.items()))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({**info, "results": rows, "longest": longest, "megacp_over_alst_tokens_per_s": ratios}, f,
-                      indent=1)
+            json.dump({**info, "results": rows, "longest": longest, "tokens_per_s_ratios": ratios}, f, indent=1)
     return 0
 
 

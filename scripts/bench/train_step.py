@@ -106,10 +106,11 @@ def hf_model(cfg: ModelConfig, attn_implementation: str) -> torch.nn.Module:
 
 def hf_megacp_step(state: megacp.ParallelState, cfg: ModelConfig, ids: torch.Tensor) -> tuple[Callable[[], None], Trainer]:
     """The same Hugging Face model with ``attn_implementation="megacp"``, trained by megacp's Trainer
-    (the ``--hf-native`` path: transformers' own LM head and loss)."""
-    from megacp.integrations.transformers import shard_loss
+    (the ``--hf-native`` path: the tiled LM head + loss of :mod:`megacp.train.hf_memory`)."""
+    from megacp.train.hf_memory import training_loss
 
-    trainer = Trainer(hf_model(cfg, "megacp"), DS_CONFIG, state, read_settings(DS_CONFIG), loss=shard_loss)
+    model = hf_model(cfg, "megacp")
+    trainer = Trainer(model, DS_CONFIG, state, read_settings(DS_CONFIG), loss=training_loss(model))
     seq = PackedSequence(ids, torch.tensor([0, ids.numel()], dtype=torch.int32))
 
     def step() -> None:

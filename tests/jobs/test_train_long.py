@@ -1,5 +1,5 @@
-"""scripts/bench/train_long.py on CPU with a tiny shape: both methods (megacp and the ALST peer)
-run one length in child processes (the ladder's logic is the same at any length); each step's loss is the mean next-token cross-entropy
+"""scripts/bench/train_long.py on CPU with a tiny shape: the three methods (megacp's own model, the same
+model as transformers builds it through megacp's trainer, and the ALST peer) run one length in child processes (the ladder's logic is the same at any length); each step's loss is the mean next-token cross-entropy
 of random ids under random weights, ln(vocab) to within the init's spread."""
 
 from __future__ import annotations
@@ -13,14 +13,14 @@ from scripts.bench.train_long import TINY
 from tests.helpers.paths import ROOT
 
 
-def test_both_methods_ladder_on_cpu(tmp_path):
+def test_the_methods_ladder_on_cpu(tmp_path):
     out = tmp_path / "long.json"
     subprocess.run([sys.executable, "-m", "scripts.bench.train_long", "--tiny", "--device", "cpu", "--layers", "2",
                     "--seq-lens", "64", "--warmup", "0", "--steps", "1", "--concurrent", "--json", str(out)],
                    cwd=ROOT, check=True, capture_output=True, timeout=120)
     report = json.loads(out.read_text())
     rows = report["results"]
-    assert sorted((r["method"], r["seq"]) for r in rows) == [("alst", 64), ("megacp", 64)]
+    assert sorted((r["method"], r["seq"]) for r in rows) == [("alst", 64), ("hf", 64), ("megacp", 64)]
     for r in rows:
         assert "error" not in r, r
         assert math.isfinite(r["loss"]) and abs(r["loss"] - math.log(TINY["vocab_size"])) < 0.5, r
@@ -30,9 +30,13 @@ def test_both_methods_ladder_on_cpu(tmp_path):
     assert "2 layer inputs offloaded" in megacp[64]["plan"]
     assert alst[64]["alst_mlp_shards"] == 1 and alst[64]["alst_loss_shards"] == 1
     assert "offloads nothing on CPU" in alst[64]["note"] and alst[64]["alst_offloaded_gib"] == 0.0
-    assert report["longest"] == {"megacp": 64, "alst": 64}
+    hf = {r["seq"]: r for r in rows if r["method"] == "hf"}
+    assert hf[64]["loss_fn"] == "tiled_loss" and hf[64]["mlp_tile"] == 0  # ZeRO 3 (the default)
+    assert report["longest"] == {"megacp": 64, "hf": 64, "alst": 64}
     ratio = megacp[64]["tokens_per_s"] / alst[64]["tokens_per_s"]
-    assert math.isclose(report["megacp_over_alst_tokens_per_s"]["64"], ratio, rel_tol=1e-2)
+    assert math.isclose(report["tokens_per_s_ratios"]["megacp/alst"]["64"], ratio, rel_tol=1e-2)
+    ratio = hf[64]["tokens_per_s"] / megacp[64]["tokens_per_s"]
+    assert math.isclose(report["tokens_per_s_ratios"]["hf/megacp"]["64"], ratio, rel_tol=1e-2)
     assert "--tiny" in report["command"] and report["host_ram_gib"] > 0 and report["deepspeed"]
 
 
