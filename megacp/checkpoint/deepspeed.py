@@ -111,6 +111,19 @@ def _config_and_dtype(path: Path, meta: dict[str, Any]) -> tuple[ModelConfig, to
         raise CheckpointError(f"{path / TRAIN_STATE_FILE}: bad model_config or dtype ({err})") from None
 
 
+def read_zero_stage(directory: str | os.PathLike[str]) -> int:
+    """The ZeRO stage the checkpoints of ``directory`` (a ``--save`` directory) were written under.
+
+    Raises:
+        CheckpointError: no readable :data:`TRAIN_STATE_FILE`, or no stage in it.
+    """
+    path = Path(directory)
+    stage = _read_meta(path).get("zero_stage")
+    if not isinstance(stage, int):
+        raise CheckpointError(f"{path / TRAIN_STATE_FILE}: no zero_stage")
+    return stage
+
+
 def read_train_config(directory: str | os.PathLike[str]) -> ModelConfig:
     """The model config of a ``megacp.train`` checkpoint directory (its :data:`TRAIN_STATE_FILE`
     only: no weights read).
@@ -138,7 +151,7 @@ def _latest_tag(path: Path) -> str:
     return latest.read_text(encoding="utf-8").strip()
 
 
-def _tag_dir(path: Path, tag: str) -> Path:
+def tag_dir(path: Path, tag: str) -> Path:
     """The directory of checkpoint ``tag`` (from ``latest`` or ``--tag``), which must lie inside ``path``
     (a tag like ``../other`` or an absolute path is refused: nothing outside the checkpoint is read)."""
     root = path.resolve()
@@ -218,22 +231,22 @@ def read_deepspeed_checkpoint(directory: str | os.PathLike[str], tag: str | None
         raise CheckpointError(f"{path} was trained with tensor_model_parallel.size {meta['tp_size']}; "
                               "converting TP-sharded DeepSpeed checkpoints is not supported")
     tag = tag or _latest_tag(path)
-    tag_dir = _tag_dir(path, tag)
-    if not tag_dir.is_dir():
+    directory = tag_dir(path, tag)
+    if not directory.is_dir():
         raise CheckpointError(f"{path} has no checkpoint tag {tag!r}")
     config, dtype = _config_and_dtype(path, meta)
-    verify_tag(tag_dir, path / TRAIN_STATE_FILE, train_state_sha256(meta))
+    verify_tag(directory, path / TRAIN_STATE_FILE, train_state_sha256(meta))
     if not trust:
-        check_data_only(sorted(tag_dir.glob("*.pt")))
-    if any(tag_dir.glob("*_optim_states.pt")):  # ZeRO 1/2/3 partitions of the fp32 master weights
+        check_data_only(sorted(directory.glob("*.pt")))
+    if any(directory.glob("*_optim_states.pt")):  # ZeRO 1/2/3 partitions of the fp32 master weights
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         with contextlib.redirect_stdout(io.StringIO()):  # its progress prints
-            state = get_fp32_state_dict_from_zero_checkpoint(str(path), tag=str(tag_dir.relative_to(path.resolve())))
+            state = get_fp32_state_dict_from_zero_checkpoint(str(path), tag=str(directory.relative_to(path.resolve())))
     else:
-        model_file = tag_dir / "mp_rank_00_model_states.pt"
+        model_file = directory / "mp_rank_00_model_states.pt"
         if not model_file.is_file():
-            raise CheckpointError(f"{tag_dir} has neither ZeRO optimizer shards nor {model_file.name}")
+            raise CheckpointError(f"{directory} has neither ZeRO optimizer shards nor {model_file.name}")
         with torch.serialization.safe_globals(_deepspeed_safe_globals()):
             state = torch.load(model_file, map_location="cpu", weights_only=not trust)["module"]
     state = _model_names(state, int(meta.get("zero_stage", 0)))

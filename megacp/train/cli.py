@@ -308,6 +308,7 @@ def run(args: argparse.Namespace) -> int:
 
     import megacp
     from megacp.checkpoint import load_tokenizer
+    from megacp.checkpoint.deepspeed import read_zero_stage
     from megacp.checkpoint.front import default_model_path, load_on_mesh, read_model_config
     from megacp.integrations.transformers import read_transformers_config
     from megacp.layers.settings import CPSettings
@@ -345,6 +346,11 @@ def run(args: argparse.Namespace) -> int:
     point = None
     if resume_at is not None:
         point = ResumePoint.read(resume_at[0] / resume_at[1])
+        saved_stage = read_zero_stage(resume_at[0])
+        if saved_stage != settings.zero_stage:
+            raise UsageError(f"--resume {resume_at[0] / resume_at[1]}: saved under ZeRO stage {saved_stage}, and this "
+                             f"run's zero_optimization.stage is {settings.zero_stage}; DeepSpeed resumes a run under its "
+                             "own stage only (tools/convert_checkpoint.py exports the weights to start a new run)")
         if point.step >= args.steps:
             raise UsageError(f"--resume: {resume_at[0] / resume_at[1]} has {point.step} steps done, --steps is {args.steps}")
     _world_of_one_env()

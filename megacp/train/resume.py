@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from megacp.checkpoint.deepspeed import tag_dir
 from megacp.checkpoint.errors import CheckpointError
 from megacp.train.data import StreamPosition
 
@@ -149,7 +150,9 @@ def locate(resume: str, save: str | None) -> tuple[Path, str] | None:
         if save is None:
             raise CheckpointError("--resume auto resumes from the --save directory: pass --save DIR")
         latest = Path(save) / "latest"
-        return (Path(save), latest.read_text(encoding="utf-8").strip()) if latest.is_file() else None
+        if not latest.is_file():
+            return None
+        resume = save
     path = Path(resume)
     if not path.is_dir():
         raise CheckpointError(f"--resume {resume}: not a directory")
@@ -160,6 +163,10 @@ def locate(resume: str, save: str | None) -> tuple[Path, str] | None:
     else:
         raise CheckpointError(f"--resume {resume}: neither a --save directory of megacp.train (no 'latest' file) "
                               f"nor one of its checkpoint tags (no {RESUME_FILE})")
+    try:  # a tag of the save directory itself: not ../other, an absolute path or a link out of it
+        tag_dir(directory, tag)
+    except CheckpointError:
+        raise CheckpointError(f"--resume {resume}: the checkpoint tag {tag!r} lies outside {directory}") from None
     if not (directory / tag).is_dir():
         raise CheckpointError(f"--resume {resume}: 'latest' names {tag}, which is missing")
     return directory, tag

@@ -109,6 +109,9 @@ def _runs(rank: int, world_size: int, tmp: Path, killed_at: int, ports: list[int
                                     str(tmp / "ref1.jsonl"), *evaluation)) == 0
     assert _main(ports.pop(), _args(tmp, 1, "--steps", ref, "--save", str(tmp / "killed"), "--resume",
                                     str(tmp / "killed"), "--metrics", str(tmp / "killed.jsonl"), *evaluation)) == 0
+    with pytest.raises(SystemExit) as exit_:  # another ZeRO stage than the checkpoint's: one line, exit 2
+        _main(ports.pop(), _args(tmp, 2, "--steps", ref, "--save", str(tmp / "killed"), "--resume", str(tmp / "killed")))
+    assert exit_.value.code == 2
     for stage in (0, 2, 3):
         assert _main(ports.pop(), _args(tmp, stage, "--steps", "12", "--save", str(tmp / f"ref{stage}"), "--save-every",
                                         "3", "--keep-last", "2", "--metrics", str(tmp / f"ref{stage}.jsonl"))) == 0
@@ -159,7 +162,7 @@ def test_killed_and_resumed_runs_continue_exactly(tmp_path: Path) -> None:
     _write_configs(tmp_path)
     killed_at = _kill_after_a_checkpoint(tmp_path)
     assert killed_at % 7 == 0
-    run_distributed(_runs, 2, tmp_path, killed_at, [free_port() for _ in range(8)], timeout=120.0)
+    run_distributed(_runs, 2, tmp_path, killed_at, [free_port() for _ in range(9)], timeout=120.0)
 
     ref = _rows(tmp_path / "ref1.jsonl")
     # one --metrics file for both runs: the killed run's rows up to its checkpoint (its later ones dropped
