@@ -1,6 +1,6 @@
 """The HTTP side (FastAPI): OpenAI's ``/v1/completions``, ``/v1/chat/completions`` (plain JSON or
-server-sent events; with ``logprobs``, in OpenAI's shapes), ``/v1/models``, ``/health`` and
-``/metrics`` (the engine's counters as JSON)."""
+server-sent events; with ``logprobs``, in OpenAI's shapes), ``/v1/models``, ``/health`` (503 once the
+engine's step loop has died) and ``/metrics`` (the engine's counters as JSON)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from pydantic import ValidationError
 from megacp.generate.outputs import chat_ids, with_eos
 from megacp.generate.requests import ModelLimits, check_prompt, encode
 from megacp.serve.engine import Draining, Engine, Event, QueueFull, Request
-from megacp.serve.protocol import APIError, ChatRequest, CompletionRequest, SamplingFields
+from megacp.serve.protocol import MAX_BODY_BYTES, APIError, ChatRequest, CompletionRequest, SamplingFields
 
 Body = TypeVar("Body", bound=SamplingFields)
 
@@ -64,8 +64,14 @@ def chat_logprobs(tokenizer: Any, tokens: Sequence[int], logprobs: Sequence[dict
 
 
 def build_app(engine: Engine, cfg: ModelLimits, *, model_name: str, max_model_len: int,
-              api_key: str | None) -> FastAPI:
-    """The FastAPI app over ``engine`` (started and drained with the app's lifespan)."""
+              api_key: str | None, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+    """The FastAPI app over ``engine`` (started and drained with the app's lifespan).
+
+    Request bodies over ``max_body_bytes`` are refused with 413 as they arrive (by their
+    ``Content-Length``, else once that many bytes came), tokenisation runs off the event loop, and
+    with an ``api_key`` the interactive docs and the OpenAPI schema are off (every route but
+    ``/health`` needs the key).
+    """
     tokenizer = engine.tokenizer
 
     @asynccontextmanager
@@ -74,7 +80,8 @@ def build_app(engine: Engine, cfg: ModelLimits, *, model_name: str, max_model_le
         yield
         await asyncio.to_thread(engine.drain)
 
-    app = FastAPI(title="megacp", lifespan=lifespan)
+    closed = dict(docs_url=None, redoc_url=None, openapi_url=None) if api_key is not None else {}
+    app = FastAPI(title="megacp", lifespan=lifespan, **closed)
 
     @app.exception_handler(APIError)
     async def api_error(_: HTTPRequest, err: APIError) -> JSONResponse:
@@ -84,10 +91,25 @@ def build_app(engine: Engine, cfg: ModelLimits, *, model_name: str, max_model_le
         if api_key is not None and request.headers.get("authorization") != f"Bearer {api_key}":
             raise APIError(401, "invalid API key", kind="authentication_error", code="invalid_api_key")
 
+    async def body(request: HTTPRequest) -> bytes:
+        too_big = APIError(413, f"the request body is larger than {max_body_bytes} bytes (--max-request-bytes)",
+                           code="request_too_large")
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
+            raise too_big
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_body_bytes:
+                raise too_big
+            chunks.append(chunk)
+        return b"".join(chunks)
+
     async def parse(request: HTTPRequest, model: type[Body]) -> Body:
         authorize(request)
+        raw = await body(request)
         try:  # parsed and validated in one pass (pydantic's JSON parser: a 32K-token prompt in ~1 ms)
-            req = model.model_validate_json(await request.body())
+            req = model.model_validate_json(raw)
         except ValidationError as err:
             e = err.errors()[0]
             if e["type"] == "json_invalid":
@@ -204,8 +226,8 @@ def build_app(engine: Engine, cfg: ModelLimits, *, model_name: str, max_model_le
             if len(prompt) != 1:
                 raise APIError(400, "only one prompt per request is supported", param="prompt")
             prompt = prompt[0]
-        try:
-            ids = encode(tokenizer, prompt)
+        try:  # off the event loop: a long text does not hold up other requests and /health
+            ids = await asyncio.to_thread(encode, tokenizer, prompt)
         except ValueError as err:
             raise APIError(400, str(err), param="prompt") from None
         return await respond(submit(ids, req, req.max_tokens), req, chat=False)
@@ -214,7 +236,7 @@ def build_app(engine: Engine, cfg: ModelLimits, *, model_name: str, max_model_le
     async def chat_completions(request: HTTPRequest) -> Any:
         req = await parse(request, ChatRequest)
         try:
-            ids = chat_ids(tokenizer, [{"role": m.role, "content": m.text()} for m in req.messages])
+            ids = await asyncio.to_thread(chat_ids, tokenizer, [{"role": m.role, "content": m.text()} for m in req.messages])
         except ValueError as err:
             raise APIError(400, str(err), param="messages") from None
         return await respond(submit(ids, req, req.max_completion_tokens or req.max_tokens), req, chat=True)
@@ -227,6 +249,8 @@ def build_app(engine: Engine, cfg: ModelLimits, *, model_name: str, max_model_le
 
     @app.get("/health")
     async def health() -> Any:
+        if engine.failure is not None:  # the step loop died (a CP rank failed): the server is about to exit
+            return JSONResponse({"status": "error", "error": engine.failure}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/metrics")

@@ -31,6 +31,7 @@ from megacp.checkpoint.front import default_model_path
 from megacp.config import OneLineArgumentParser, add_launcher_args, print_error_once
 from megacp.generate.llm import LLM, SESSION_SLACK
 from megacp.kv_cache import KV_CACHE_DTYPES
+from megacp.serve.protocol import MAX_BODY_BYTES
 from megacp.version import __version__
 
 PROG = "megacp.serve"
@@ -90,10 +91,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-cuda-graphs", "--enforce-eager", dest="no_cuda_graphs", action="store_true",
                    help="run the running batch's decode step eagerly instead of replaying CUDA graphs")
     p.add_argument("--deepspeed", action="store_true", help="DeepSpeed's own flag, accepted for its launchers")
+    p.add_argument("--max-request-bytes", type=int, default=MAX_BODY_BYTES,
+                   help="largest request body; larger ones get 413 as they arrive (default: 32 MiB)")
     p.add_argument("--version", action="version", version=f"megacp {__version__}")
     add_launcher_args(p)
     args = p.parse_args(argv)
-    for name in ("max_num_seqs", "max_queue"):
+    for name in ("max_num_seqs", "max_queue", "max_request_bytes"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if not 0 < args.port < 65536:
@@ -171,11 +174,16 @@ def _serve(args: argparse.Namespace) -> int:
                     max_batched_tokens=default_batched_tokens(state.device) if batched is None else batched)
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     name = args.served_model_name or (args.model and Path(args.model).name) or "megacp"
-    app = build_app(engine, cfg, model_name=name, max_model_len=max_len, api_key=args.api_key)
+    app = build_app(engine, cfg, model_name=name, max_model_len=max_len, api_key=args.api_key,
+                    max_body_bytes=args.max_request_bytes)
     print(f"megacp.serve: {name} CP={n} decode={worker.decode_mode} on http://{args.host}:{args.port}", flush=True)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))
     server.capture_signals = lambda: _drain_on_signals(server)  # type: ignore[method-assign]
+    engine.on_failure = lambda: setattr(server, "should_exit", True)
     server.run(sockets=[listener] if listener is not None else None)
+    if engine.failure is not None:  # a CP rank died or froze: the other ranks are stopped by the launcher
+        print_error_once(PROG, f"the engine stopped: {engine.failure}")
+        return 3
     dist.destroy_process_group()
     return 0
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import queue
+import re
 import threading
 import time
 from collections import deque
@@ -137,6 +138,15 @@ def step_summary(times: list[tuple[float, bool]]) -> dict[str, Any]:
     return out
 
 
+def public_error(err: BaseException) -> str:
+    """An exception as a client may see it: its type and first line, without source paths or peer
+    addresses (gloo and NCCL name their source files and the peer's address and port)."""
+    text = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    text = re.sub(r"\[?[\w./-]+\.(?:cc|cpp|cu|h|hpp|py):\d+\]?", "", text)
+    text = re.sub(r"\[?\d{1,3}(?:\.\d{1,3}){3}\]?:\d+|\[[0-9a-f:]+\]:\d+", "a peer", text)
+    return f"{type(err).__name__}: {' '.join(text.split())}".rstrip(": ")
+
+
 class Engine:
     """The scheduler and step loop (rank 0), on a :class:`Worker`.
 
@@ -177,10 +187,31 @@ class Engine:
         self._pending: tuple[int, list[Request]] | None = None  # the latest step's reader buffer and rows
         self._outbox: list[tuple[Request, Event]] = []  # a step's events, handed to the event loop at once
         self._step_times: deque[tuple[float, bool]] = deque(maxlen=STEP_WINDOW)  # (seconds, prefilled)
-        self._thread = threading.Thread(target=self._loop, name="megacp-engine", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="megacp-engine", daemon=True)
+        self.failure: str | None = None
+        """Why the step loop died (a collective failed: a CP rank died or froze past the timeout), else
+        ``None``; ``/health`` then answers 503 and :attr:`on_failure` is called once."""
+        self.on_failure: Callable[[], None] | None = None
 
     def start(self) -> None:
         self._thread.start()
+
+    def _run(self) -> None:
+        """The step loop; when it dies, every request still open gets the error and :attr:`on_failure`
+        is called (the server then exits non-zero)."""
+        try:
+            self._loop()
+        except BaseException as err:  # noqa: BLE001 - the engine thread must not die silently
+            self.failure = public_error(err)
+            self.draining = True
+            stranded = [s.request for s in self.slots if s.request is not None] + [*self.waiting, *self.prefilling]
+            while not self.inbox.empty():
+                stranded.append(self.inbox.get_nowait())
+            for req in stranded:
+                if not req.done:
+                    req.put(Event(None, "", error=self.failure))
+            if self.on_failure is not None:
+                self.on_failure()
 
     def submit(self, req: Request) -> None:
         """Queue ``req`` (raises :class:`Draining` or :class:`QueueFull`)."""
@@ -227,13 +258,13 @@ class Engine:
                 except queue.Empty:
                     break
             try:
-                start, prefilled = time.perf_counter(), self.metrics["prefilled_tokens"]
-                self._step()
-                self._step_times.append((time.perf_counter() - start, self.metrics["prefilled_tokens"] > prefilled))
+                start, chunks = time.perf_counter(), self.metrics["prefill_chunks"]
+                self._step()  # a step with prompt chunks (each chunk counts; admission alone does not)
+                self._step_times.append((time.perf_counter() - start, self.metrics["prefill_chunks"] > chunks))
             except Exception as err:  # noqa: BLE001  # a failed step fails its requests, not the server
                 for s in self.slots:
                     if s.request is not None and not s.request.done:
-                        s.request.put(Event(None, "", error=f"{type(err).__name__}: {err}"))
+                        s.request.put(Event(None, "", error=public_error(err)))
                     s.request, s.tokens = None, []
                 self.batch, self.prefilling, self._pending, self._outbox = [], [], None, []
                 self.worker.run(self.worker.share(Work(truncate=[(i, 0) for i in range(len(self.slots))], batch=[])))

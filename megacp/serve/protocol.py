@@ -37,11 +37,15 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+MAX_BODY_BYTES = 32 << 20
+"""Default largest request body (``--max-request-bytes``): a prompt of ~4M characters or ~2M token ids."""
+
+
 class SamplingFields(BaseModel):
     """The fields completions and chat share (OpenAI's names; ``top_k``, ``min_p``,
     ``repetition_penalty``, ``stop_token_ids``, ``ignore_eos`` as in vLLM)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)  # OpenAI's types: "5" is no integer, "yes" no boolean
     model: str
     max_tokens: int | None = None
     temperature: float = 1.0

@@ -356,6 +356,45 @@ def test_bad_requests_get_openai_errors_and_the_server_goes_on(servers) -> None:
     assert httpx.post(url + "/v1/completions", json=ok, headers=headers, timeout=10).json()["usage"]["completion_tokens"] >= 1
 
 
+def test_oversized_bodies_loose_types_and_the_docs_are_refused(servers) -> None:
+    """A body over --max-request-bytes (32 MiB) is refused with 413 in OpenAI's shape, by its declared
+    length and while it streams, and /health answers meanwhile within a second; "5" and "yes" are no
+    integer and no boolean; with an API key the docs and the schema are not served."""
+
+    url, headers = servers["urls"][0], {"Authorization": f"Bearer {KEY}"}
+    big = b'{"model": "tiny", "prompt": "' + b"a" * (50 << 20) + b'"}'
+    r = httpx.post(url + "/v1/completions", content=big, headers=headers, timeout=60)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text
+
+    def chunks():  # no Content-Length: refused once 32 MiB have come
+        for _ in range(50):
+            yield b"a" * (1 << 20)
+    seen: list[float] = []
+    slow = threading.Thread(target=lambda: seen.append(httpx.post(url + "/v1/completions", content=chunks(),
+                                                                  headers=headers, timeout=60).status_code))
+    slow.start()
+    start = time.monotonic()
+    assert httpx.get(url + "/health", timeout=5).json() == {"status": "ok"}
+    assert time.monotonic() - start < 1.0
+    slow.join()
+    assert seen == [413]
+    ok = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2}
+    for field, value in (("max_tokens", "5"), ("stream", "yes"), ("temperature", "0.5")):
+        r = httpx.post(url + "/v1/completions", json=dict(ok, **{field: value}), headers=headers, timeout=10)
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+    for path in ("/docs", "/openapi.json", "/redoc"):
+        assert httpx.get(url + path, timeout=10).status_code == 404
+
+
+def test_errors_name_no_source_paths_or_peer_addresses() -> None:
+    from megacp.serve.engine import public_error
+
+    gloo = RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer "
+                        "[127.0.0.1]:41235\nmore detail")
+    assert public_error(gloo) == "RuntimeError: Connection closed by peer a peer"
+    assert public_error(ValueError("plain")) == "ValueError: plain"
+
+
 def test_the_serving_bench_runs_against_a_server(servers, tmp_path) -> None:
     """``scripts/bench/serve.py`` (its ``--url`` mode, small phases) measures both phases; the chat
     turns after the first come from the cache."""
