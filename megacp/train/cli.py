@@ -318,7 +318,7 @@ def run(args: argparse.Namespace) -> int:
     from megacp.train.engine import Trainer, check_batch_config, read_settings
     from megacp.train.loss import lm_loss
     from megacp.train.resume import ResumePoint, locate
-    from megacp.train.save_target import check_save_target
+    from megacp.train.save_target import SaveLock, check_save_target, checkpoints_at_once, saved_tags
 
     silence_harmless_warnings()
     if not torch.cuda.is_available():  # before DeepSpeed is imported: gloo on CPU, as megacp.initialize
@@ -336,10 +336,16 @@ def run(args: argparse.Namespace) -> int:
     model_config_found = read_transformers_config(model_path) if args.hf_native else read_model_config(model_path)
     if args.seq_len != "auto":
         check_seq_len(args.seq_len, config.context_parallel.size or 1, model_config_found)
+    lock = None
     if args.save is not None:  # --hf-native: save_pretrained files, checked for writability only
+        saves = (args.steps // args.save_every if args.save_every else 0) + int(
+            args.save_at_end and not (args.save_every and args.steps % args.save_every == 0))
         try:
             check_save_target(args.save, None if args.hf_native else model_config_found, settings.dtype,
-                              force=args.force)
+                              force=args.force,
+                              checkpoints=checkpoints_at_once(saves, args.keep_last, len(saved_tags(args.save))))
+            if int(os.environ.get("RANK", "0")) == 0:  # held until this process ends
+                lock = SaveLock(args.save)
         except ValueError as err:
             raise UsageError(str(err)) from None
     resume_at = locate(args.resume, args.save) if args.resume else None
@@ -477,6 +483,7 @@ def run(args: argparse.Namespace) -> int:
               f"{tokens / seconds:,.0f} tokens/s, peak memory {peak:,.0f} MiB per rank{evaluated}{saved}", flush=True)
     dist.barrier()
     dist.destroy_process_group()
+    del lock  # the save directory is free for the next run
     return 0
 
 

@@ -215,6 +215,7 @@ def _config(tmp_path: Path, name: str, **changes) -> str:
         ("missing_eval_corpus", "corpus /nonexistent/eval.txt does not exist"),
         ("monitor", "the comet_ml package is not installed: pip install comet_ml, or disable the comet monitor"),
         ("save_other_model", "holds a checkpoint of a different model (megacp_train.json); use --force to save over it"),
+        ("save_in_use", "is in use by another run (pid "),
     ],
 )
 def test_bad_input_is_one_line(case: str, expected: str, tiny: tuple[Path, Path], tmp_path: Path,
@@ -228,6 +229,11 @@ def test_bad_input_is_one_line(case: str, expected: str, tiny: tuple[Path, Path]
         (tmp_path / "other").mkdir()
         write_train_state(tmp_path / "other", model_config=tiny_config(tied=False), dtype=torch.float32, tp_size=1,
                           zero_stage=1, tag="step1", tokenizer=None)
+    held = None
+    if case == "save_in_use":  # another run's lock on the directory
+        from megacp.train.save_target import SaveLock
+
+        held = SaveLock(tmp_path / "busy")
     argv = {
         "no_config": ["--model", str(model_dir)],
         "seq_len": base + ["--seq-len", "0"],
@@ -260,8 +266,10 @@ def test_bad_input_is_one_line(case: str, expected: str, tiny: tuple[Path, Path]
         "missing_eval_corpus": base + ["--eval-corpus", "/nonexistent/eval.txt"],
         "monitor": base[:4] + ["--deepspeed_config", _config(tmp_path, "monitor", comet={"enabled": True})],
         "save_other_model": base + ["--seq-len", "40", "--save", str(tmp_path / "other")],
+        "save_in_use": base + ["--seq-len", "40", "--save", str(tmp_path / "busy")],
     }[case]
     assert expected in _main_error(argv, capsys)
+    del held
 
 
 def test_trains_without_a_launcher(tiny: tuple[Path, Path], tmp_path: Path) -> None:
