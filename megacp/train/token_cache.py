@@ -4,7 +4,8 @@ of tokenising, and the training loop's host work per step is a slice of an array
 
 Layout of a cache directory ``<root>/<key>/``: ``tokens.npy`` (uint32, all documents back to back),
 ``offsets.npy`` (int64, ``[documents + 1]`` starts; an empty document has two equal offsets) and
-``meta.json`` (counts, the tokenizer and sources it was made from). The key is a SHA-256 of the
+``meta.json`` (counts, the tokenizer and sources it was made from, and the SHA-256 of the two array
+files: a cache whose files changed since, were cut short or went missing is made again). The key is a SHA-256 of the
 tokenizer's full definition, the EOS id and the bytes of every source file, so a changed corpus or
 tokenizer makes a new cache. A cache is written into a temporary directory beside its final place
 and renamed there when complete: a killed run leaves no half cache, and two runs building the same
@@ -74,6 +75,7 @@ class TokenCache:
         path: its directory; tokens: ``[total]`` uint32 (memory-mapped); offsets: ``[documents + 1]``.
         reused: it existed before this run (nothing was tokenised).
         seconds: time spent tokenising (0 when reused).
+        rebuilt: a cache was there but did not match its recorded digest, so it was made again.
     """
 
     path: Path
@@ -81,6 +83,7 @@ class TokenCache:
     offsets: np.ndarray
     reused: bool
     seconds: float
+    rebuilt: bool = False
 
     @property
     def documents(self) -> int:
@@ -88,6 +91,8 @@ class TokenCache:
 
     def describe(self) -> str:
         what = "reused the tokenised corpus" if self.reused else f"tokenised the corpus in {self.seconds:.1f} s"
+        if self.rebuilt:
+            what += " (the cached copy did not match its recorded digest: made again)"
         return f"{what}: {self.documents} documents, {len(self.tokens):,} tokens ({self.path})"
 
     def stream(self, skip: int = 0) -> Iterator[np.ndarray]:
@@ -104,8 +109,29 @@ class TokenCache:
                 yield self.tokens[:0] if skipped else self.tokens[self.offsets[i]:self.offsets[i + 1]]
 
 
-def _open(path: Path, reused: bool, seconds: float) -> TokenCache:
-    return TokenCache(path, np.load(path / "tokens.npy", mmap_mode="r"), np.load(path / "offsets.npy"), reused, seconds)
+def _files_digest(path: Path) -> str:
+    """SHA-256 of the cache's ``tokens.npy`` and ``offsets.npy`` bytes (read in 8 MiB pieces)."""
+    h = hashlib.sha256()
+    for name in ("tokens.npy", "offsets.npy"):
+        with open(path / name, "rb") as f:
+            while piece := f.read(8 << 20):
+                h.update(piece)
+    return h.hexdigest()
+
+
+def _intact(path: Path) -> bool:
+    """Whether the cache at ``path`` holds what was written (its files' digest is the one ``meta.json``
+    recorded); a file changed, truncated or missing since, or a cache without a recorded digest, is not."""
+    try:
+        meta = json.loads((path / "meta.json").read_text(encoding="utf-8"))
+        return isinstance(meta, dict) and meta.get("sha256") == _files_digest(path)
+    except (OSError, ValueError):
+        return False
+
+
+def _open(path: Path, reused: bool, seconds: float, rebuilt: bool = False) -> TokenCache:
+    return TokenCache(path, np.load(path / "tokens.npy", mmap_mode="r"), np.load(path / "offsets.npy"), reused, seconds,
+                      rebuilt)
 
 
 def build_token_cache(sources: Sequence[CorpusSource], tokenizer: Any, *, eos_id: int,
@@ -119,8 +145,11 @@ def build_token_cache(sources: Sequence[CorpusSource], tokenizer: Any, *, eos_id
     """
     root = root or default_root()
     path = root / corpus_key(sources, tokenizer, eos_id)
-    if (path / "meta.json").is_file():
+    rebuilt = path.exists()
+    if (path / "meta.json").is_file() and _intact(path):
         return _open(path, True, 0.0)
+    if rebuilt:  # changed, truncated or half-gone since it was made: made again
+        shutil.rmtree(path, ignore_errors=True)
     start = time.perf_counter()
     try:
         root.mkdir(parents=True, exist_ok=True)
@@ -150,7 +179,7 @@ def build_token_cache(sources: Sequence[CorpusSource], tokenizer: Any, *, eos_id
         offsets = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
         np.save(work / "tokens.npy", tokens)
         np.save(work / "offsets.npy", offsets)
-        meta = {"documents": len(lengths), "tokens": int(tokens.size), "eos_id": eos_id,
+        meta = {"documents": len(lengths), "tokens": int(tokens.size), "eos_id": eos_id, "sha256": _files_digest(work),
                 "tokenizer": getattr(tokenizer, "name_or_path", type(tokenizer).__name__),
                 "sources": [str(s.path) for s in sources]}
         (work / "meta.json").write_text(json.dumps(meta, indent=1), encoding="utf-8")
@@ -163,4 +192,4 @@ def build_token_cache(sources: Sequence[CorpusSource], tokenizer: Any, *, eos_id
         raise CorpusError(f"cannot write the token cache {path}: {err.strerror or err}") from None
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    return _open(path, False, time.perf_counter() - start)
+    return _open(path, False, time.perf_counter() - start, rebuilt)

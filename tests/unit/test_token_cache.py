@@ -1,6 +1,6 @@
 """The tokenised-corpus cache: the batches it feeds equal tokenising as the run goes (from the start
 and from a resumed position), a second build reuses it and says so, and a changed corpus, EOS or
-tokenizer makes a new one."""
+tokenizer makes a new one, as does a cache whose files changed since it was made."""
 
 from __future__ import annotations
 
@@ -81,3 +81,24 @@ def test_empty_corpus_and_unwritable_root(tmp_path: Path) -> None:
     with pytest.raises(CorpusError, match="cannot write the token cache under"):
         build_token_cache(_corpus(tmp_path), BatchCharTokenizer(), eos_id=EOS, root=blocker / "sub")
     assert np.load(cache.path / "offsets.npy").tolist() == [0, 0]
+
+
+@pytest.mark.parametrize("damage", ["shuffled", "truncated", "missing"])
+def test_a_changed_cache_is_made_again(tmp_path: Path, damage: str) -> None:
+    """tokens.npy shuffled in place (same size), cut short or gone: the cache no longer matches its
+    recorded digest, so the next build tokenises again (and says so) and the batches are the corpus's."""
+    sources, tok = _corpus(tmp_path), BatchCharTokenizer()
+    cache = build_token_cache(sources, tok, eos_id=EOS, root=tmp_path / "cache")
+    tokens = cache.path / "tokens.npy"
+    if damage == "shuffled":
+        arr = np.load(tokens)
+        np.save(tokens, arr[np.random.default_rng(0).permutation(len(arr))])
+    elif damage == "truncated":
+        tokens.write_bytes(tokens.read_bytes()[:-8])
+    else:
+        tokens.unlink()
+    again = build_token_cache(sources, tok, eos_id=EOS, root=tmp_path / "cache")
+    assert not again.reused and again.rebuilt and "did not match its recorded digest" in again.describe()
+    for a, b in zip(_batches(sources, tok), _batches(sources, tok, again)):
+        assert torch.equal(a, b)
+    assert build_token_cache(sources, tok, eos_id=EOS, root=tmp_path / "cache").reused
