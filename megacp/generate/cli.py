@@ -97,7 +97,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-cuda-graphs", action="store_true",
                    help="decode eagerly on a GPU (default there: greedy decode replays a CUDA graph per token)")
     p.add_argument("--output", help="write {'tokens': ..., 'report': ...} JSON here (rank 0; default: no file)")
-    p.add_argument("--quiet", action="store_true", help="no streaming text")
+    p.add_argument("--quiet", action="store_true",
+                   help="print only the generated text: no progress, streaming or report line")
     p.add_argument("--deepspeed", action="store_true",
                    help="DeepSpeed's own flag, accepted for its launchers; megacp reads --deepspeed_config either way")
     add_launcher_args(p)
@@ -275,9 +276,10 @@ def _report(args: argparse.Namespace, llm: LLM, outputs: list[Any], text: TextSt
         return
     if text is not None:
         print(outputs[0].text[text.sent:])
-    elif llm.tokenizer is not None and not args.quiet:
+    else:  # each answer: its text, or its token ids without a tokenizer ("[i] " before it in a batch)
         for i, o in enumerate(outputs):
-            print(f"[{i}] {o.text}")
+            body = o.text if llm.tokenizer is not None else " ".join(map(str, o.token_ids))
+            print(body if len(outputs) == 1 else f"[{i}] {body}")
     if not args.quiet:
         print("report:", json.dumps(report))
     if args.output:

@@ -111,6 +111,8 @@ def test_cli_contract_under_torchrun(hf_models, tmp_path: Path) -> None:
            "--dtype", "float32", "--no-stop", "--output", str(out), "--quiet"]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # --quiet: the texts only (one line per prompt), no progress or report
+    assert [line[:4] for line in proc.stdout.splitlines()] == [f"[{i}] " for i in range(len(PROMPT_LENS))], proc.stdout
     payload = json.loads(out.read_text())
     assert payload["tokens"] == expected
     rep = payload["report"]
