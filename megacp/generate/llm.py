@@ -248,7 +248,14 @@ class LLM:
              sampling: SamplingParams | None = None, **kw: Any) -> list[GenerationOutput]:
         """:meth:`generate` for one conversation (``[{"role": "user", "content": ...}, ...]``) or a
         list of them, through the tokenizer's chat template."""
-        convs: list[Any] = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        if isinstance(messages, (str, dict)) or not messages:
+            raise ValueError("chat takes a conversation, a list of {'role': ..., 'content': ...} messages (or a list "
+                             f"of conversations), got {type(messages).__name__ if messages else 'an empty one'}; "
+                             "generate() takes plain text")
+        convs: list[Any] = [messages] if isinstance(messages[0], dict) else list(messages)
+        if not all(isinstance(c, (list, tuple)) and c and all(isinstance(m, dict) for m in c) for c in convs):
+            raise ValueError("chat takes a conversation, a list of {'role': ..., 'content': ...} messages (or a list "
+                             "of conversations)")
         return self.generate([chat_ids(self.tokenizer, c) for c in convs], sampling, **kw)
 
     def stream(self, prompt: Prompt, sampling: SamplingParams | None = None) -> Iterator[StreamPiece]:

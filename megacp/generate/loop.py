@@ -30,11 +30,17 @@ def batch_params(params: SamplingParams | Sequence[SamplingParams], n: int) -> l
     """One :class:`SamplingParams` per request of a batch of ``n``: ``params`` for all, or a list of ``n``.
 
     Raises:
-        ValueError: a list of another length.
+        ValueError: a list of another length, or anything but :class:`SamplingParams` (a dict, say).
     """
     if isinstance(params, SamplingParams):
         return [params] * n
+    if isinstance(params, (dict, str)) or not hasattr(params, "__iter__"):
+        raise ValueError(f"sampling must be a SamplingParams or a list of them, got a {type(params).__name__}"
+                         + (": pass SamplingParams(**that_dict)" if isinstance(params, dict) else ""))
     rows = list(params)
+    bad = next((type(r).__name__ for r in rows if not isinstance(r, SamplingParams)), None)
+    if bad is not None:
+        raise ValueError(f"sampling must be a SamplingParams or a list of them, got a list holding a {bad}")
     if len(rows) != n:
         raise ValueError(f"{len(rows)} SamplingParams for {n} prompts; give one for all or one per prompt")
     return rows

@@ -44,6 +44,11 @@ def _llm_body(rank: int, n: int, path: str, prompts: list[list[int]], ref_text: 
     pieces = list(llm.stream("hello world", SamplingParams(max_tokens=NEW, ignore_eos=True, stop=[stop])))
     chat = llm.chat([{"role": "user", "content": "hi"}], greedy)[0]
     penalised = llm.generate(prompts, SamplingParams(max_tokens=NEW, ignore_eos=True, repetition_penalty=1.5))
+    for wrong, call in (("got a dict: pass SamplingParams", lambda: llm.generate("hi", {"max_tokens": 2})),
+                        ("got a list holding a dict", lambda: llm.generate(["a", "b"], [greedy, {}])),
+                        ("chat takes a conversation", lambda: llm.chat("a string"))):
+        with pytest.raises(ValueError, match=wrong):
+            call()
     with llm.session() as session:  # the chat template applied to the whole conversation, only the new part sent
         messages = [{"role": "user", "content": "hi"}]
         first = session.chat(messages, greedy)
