@@ -210,11 +210,16 @@ def initialize(
         backend: ``torch.distributed`` backend override.
 
     Raises:
-        ConfigError: the config or an environment override is invalid, the sizes do not fit the
-            world size, or rank 0 cannot listen on the launcher's ``MASTER_PORT``.
+        ConfigError: the config or an environment override is invalid (a CUDA attention backend
+            without a GPU too), the sizes do not fit the world size, or rank 0 cannot listen on the
+            launcher's ``MASTER_PORT``.
         ValueError: ``backend`` differs from that of an already initialised process group.
     """
     cfg = with_env_overrides(load_config({} if config is None else config), os.environ)
+    kernels = cfg.runtime.attention_backend
+    if kernels in ("cudnn", "flash") and not torch.cuda.is_available():
+        raise ConfigError(f"runtime.attention_backend: {kernels!r} runs on CUDA GPUs and this machine has none; "
+                          "use 'auto' or 'reference'")
     atexit.unregister(shutdown)  # registered once, however often initialize runs
     atexit.register(shutdown)
     if dist.is_initialized():

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from megacp import ConfigError, MegacpConfig, ParallelLayout, load_config
 from megacp.config import with_env_overrides
@@ -288,3 +289,16 @@ def test_tensor_parallel_size_breaks_deepspeed_itself() -> None:
 
     with pytest.raises(Exception, match="size"):
         DeepSpeedConfig({"train_micro_batch_size_per_gpu": 1, "tensor_parallel": {"size": 2}})
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is of a machine without a GPU")
+@pytest.mark.parametrize("kernels", ["cudnn", "flash"])
+def test_a_cuda_attention_backend_without_a_gpu_is_refused_before_any_work(kernels: str) -> None:
+    """Refused by initialize, before the process group starts (it would fail in the first step)."""
+    import torch.distributed as dist
+
+    import megacp
+
+    with pytest.raises(ConfigError, match=rf"runtime.attention_backend: '{kernels}' runs on CUDA GPUs"):
+        megacp.initialize({"runtime": {"attention_backend": kernels}})
+    assert not dist.is_initialized()
