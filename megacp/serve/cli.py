@@ -139,8 +139,10 @@ def _drain_on_signals(server: Any) -> Iterator[None]:
 def _serve(args: argparse.Namespace) -> int:
     from megacp.generate.cli import _set_threads
     from megacp.parallel import initialize
+    from megacp.parallel.launcher_watch import watch_launcher
     from megacp.serve.worker import Worker
 
+    watch_launcher(PROG)  # a SIGKILLed launcher ends this rank too
     _set_threads()
     reuse_plans_across_lengths()  # no attention backward runs in this process (see attention.plans)
     # the HTTP rank takes its port before anything loads: a busy port is one line, not a model load later

@@ -313,6 +313,7 @@ def run(args: argparse.Namespace) -> int:
     from megacp.integrations.transformers import read_transformers_config
     from megacp.layers.settings import CPSettings
     from megacp.parallel import peak_memory_mib
+    from megacp.parallel.launcher_watch import watch_launcher
     from megacp.train.collector import GarbageCollection
     from megacp.train.data import CorpusBatches, Prefetcher, StreamPosition, held_out_sequences, resolve_corpus
     from megacp.train.engine import Trainer, check_batch_config, read_settings
@@ -321,6 +322,7 @@ def run(args: argparse.Namespace) -> int:
     from megacp.train.save_target import SaveLock, check_save_target, checkpoints_at_once, saved_tags
 
     silence_harmless_warnings()
+    watch_launcher(PROG)  # a SIGKILLed launcher ends this rank too
     if not torch.cuda.is_available():  # before DeepSpeed is imported: gloo on CPU, as megacp.initialize
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from megacp.train.experts import check_expert_training  # imports DeepSpeed

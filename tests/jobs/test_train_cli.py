@@ -160,6 +160,52 @@ def test_a_transformers_architecture_trains_long_and_an_unfit_one_is_refused(tin
     assert "deepspeed" not in refused.stdout.lower()
 
 
+@pytest.mark.slow
+def test_the_ranks_stop_when_the_deepspeed_launcher_is_killed(tiny: tuple[Path, Path], tmp_path: Path) -> None:
+    """``kill -9`` of the ``deepspeed`` command while it trains: both ranks (and the launcher process
+    between them) end within seconds, rank 0 saying why in one line; nothing goes on training."""
+    pytest.importorskip("deepspeed", reason="DeepSpeed not installed: its launcher cannot run")
+    import signal
+    import time
+
+    deepspeed = shutil.which("deepspeed")
+    assert deepspeed is not None
+    model_dir, corpus = tiny
+    metrics = tmp_path / "metrics.jsonl"
+    proc = subprocess.Popen([deepspeed, "--num_gpus", "2", "--master_port", str(free_port()), "--module", "megacp.train",
+                             "--deepspeed_config", str(CPU_CONFIG), "--model", str(model_dir), "--corpus", str(corpus),
+                             "--seq-len", str(SEQ_LEN), "--steps", "100000", "--metrics", str(metrics), "--quiet"],
+                            cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (metrics.is_file() and metrics.read_text().count("\n") >= 2):  # training
+            assert proc.poll() is None and time.monotonic() < deadline, "the job did not start training"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGKILL)  # the deepspeed command only, not its process group
+        proc.wait()
+        deadline = time.monotonic() + 15
+        while _group_alive(proc.pid):
+            assert time.monotonic() < deadline, "ranks still running 15 s after the launcher was killed"
+            time.sleep(0.2)
+        rows = metrics.read_text().count("\n")
+        time.sleep(1.5)
+        assert metrics.read_text().count("\n") == rows  # nothing trains any more
+    finally:
+        if _group_alive(proc.pid):
+            os.killpg(proc.pid, signal.SIGKILL)
+    out = proc.stdout.read() if proc.stdout else ""
+    assert out.count("megacp.train: the launcher (pid") == 1, out[-3000:]
+
+
+def _group_alive(group: int) -> bool:
+    try:
+        os.killpg(group, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 def _main_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
     """Run ``megacp.train``'s main in this process; it must exit 2 with one stderr line, returned."""
     from megacp.train.cli import main
