@@ -65,10 +65,14 @@ class DeepSpeedCheckpoint:
     path: Path
 
 
-def train_state(*, model_config: ModelConfig, dtype: torch.dtype, tp_size: int, zero_stage: int,
+def train_state(*, model_config: Any, dtype: torch.dtype, tp_size: int, zero_stage: int,
                 tag: str) -> dict[str, Any]:
-    """The contents of :data:`TRAIN_STATE_FILE` (see the module docstring)."""
-    return {"format": FORMAT, "version": FORMAT_VERSION, "model_config": model_config.to_dict(),
+    """The contents of :data:`TRAIN_STATE_FILE` (see the module docstring); ``model_config`` is a
+    :class:`ModelConfig`, or a transformers config (a model trained through transformers' modules:
+    kept as ``transformers_config``, its ``to_json_string`` values)."""
+    described = ({"model_config": model_config.to_dict()} if isinstance(model_config, ModelConfig)
+                 else {"transformers_config": json.loads(model_config.to_json_string(use_diff=False))})
+    return {"format": FORMAT, "version": FORMAT_VERSION, **described,
             "dtype": dtype_name(dtype), "tp_size": tp_size, "zero_stage": zero_stage, "tag": tag}
 
 
@@ -78,7 +82,7 @@ def train_state_sha256(meta: dict[str, Any]) -> str:
     return canonical_sha256({key: value for key, value in meta.items() if key != "tag"})
 
 
-def write_train_state(directory: str | os.PathLike[str], *, model_config: ModelConfig, dtype: torch.dtype,
+def write_train_state(directory: str | os.PathLike[str], *, model_config: Any, dtype: torch.dtype,
                       tp_size: int, zero_stage: int, tag: str, tokenizer: TokenizerSource) -> None:
     """Write :data:`TRAIN_STATE_FILE` (atomically) and the tokenizer files into ``directory``."""
     path = Path(directory)
@@ -105,10 +109,65 @@ def _read_meta(path: Path) -> dict[str, Any]:
 
 
 def _config_and_dtype(path: Path, meta: dict[str, Any]) -> tuple[ModelConfig, torch.dtype]:
+    if "transformers_config" in meta:
+        kind = (meta["transformers_config"].get("architectures") or ["a transformers model"])[0]
+        raise CheckpointError(f"{path} holds {kind} trained through transformers' modules, not one of megacp's "
+                              "models: tools/convert_checkpoint.py deepspeed-to-hf writes it as a Hugging Face "
+                              "directory")
     try:
         return ModelConfig.from_dict(meta["model_config"]), dtype_from_name(meta["dtype"])
     except (KeyError, TypeError, ValueError) as err:
         raise CheckpointError(f"{path / TRAIN_STATE_FILE}: bad model_config or dtype ({err})") from None
+
+
+def read_transformers_checkpoint(directory: str | os.PathLike[str], tag: str | None = None, *,
+                                 trust: bool = False) -> tuple[dict[str, Any], dict[str, torch.Tensor], torch.dtype]:
+    """The transformers config (as a dict), full weights (under the model's own names; fp32 when
+    rebuilt from ZeRO shards) and training dtype of a checkpoint ``megacp.train`` wrote for a model
+    trained through transformers' modules.
+
+    Raises:
+        CheckpointError: as :func:`read_deepspeed_checkpoint`, or a checkpoint of megacp's own model.
+    """
+    path = Path(directory)
+    meta = _read_meta(path)
+    if "transformers_config" not in meta:
+        raise CheckpointError(f"{path} holds one of megacp's own models: read it with read_deepspeed_checkpoint")
+    tag = tag or _latest_tag(path)
+    state = _merged_state(path, tag, meta, trust=trust)
+    return meta["transformers_config"], state, dtype_from_name(meta["dtype"])
+
+
+def _merged_state(path: Path, tag: str, meta: dict[str, Any], *, trust: bool) -> dict[str, Any]:
+    """The full state of tag ``tag`` of ``path``, checked against its manifest and (unless ``trust``)
+    for plain data: ZeRO shards merged to fp32, else the module states (names without ZeRO 3's prefix)."""
+    directory = tag_dir(path, tag)
+    if not directory.is_dir():
+        raise CheckpointError(f"{path} has no checkpoint tag {tag!r}")
+    verify_tag(directory, path / TRAIN_STATE_FILE, train_state_sha256(meta))
+    if not trust:
+        check_data_only(sorted(directory.glob("*.pt")))
+    if any(directory.glob("*_optim_states.pt")):  # ZeRO 1/2/3 partitions of the fp32 master weights
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        with contextlib.redirect_stdout(io.StringIO()):  # its progress prints
+            state = get_fp32_state_dict_from_zero_checkpoint(str(path), tag=str(directory.relative_to(path.resolve())))
+    else:
+        model_file = directory / "mp_rank_00_model_states.pt"
+        if not model_file.is_file():
+            raise CheckpointError(f"{directory} has neither ZeRO optimizer shards nor {model_file.name}")
+        with torch.serialization.safe_globals(_deepspeed_safe_globals()):
+            state = torch.load(model_file, map_location="cpu", weights_only=not trust)["module"]
+    return _model_names(state, int(meta.get("zero_stage", 0)))
+
+
+def read_train_kind(directory: str | os.PathLike[str]) -> str:
+    """``"megacp"`` or ``"transformers"``: which kind of model the checkpoints of ``directory`` hold.
+
+    Raises:
+        CheckpointError: no readable :data:`TRAIN_STATE_FILE`.
+    """
+    return "transformers" if "transformers_config" in _read_meta(Path(directory)) else "megacp"
 
 
 def read_zero_stage(directory: str | os.PathLike[str]) -> int:
@@ -231,31 +290,15 @@ def read_deepspeed_checkpoint(directory: str | os.PathLike[str], tag: str | None
         raise CheckpointError(f"{path} was trained with tensor_model_parallel.size {meta['tp_size']}; "
                               "converting TP-sharded DeepSpeed checkpoints is not supported")
     tag = tag or _latest_tag(path)
-    directory = tag_dir(path, tag)
-    if not directory.is_dir():
-        raise CheckpointError(f"{path} has no checkpoint tag {tag!r}")
     config, dtype = _config_and_dtype(path, meta)
-    verify_tag(directory, path / TRAIN_STATE_FILE, train_state_sha256(meta))
-    if not trust:
-        check_data_only(sorted(directory.glob("*.pt")))
-    if any(directory.glob("*_optim_states.pt")):  # ZeRO 1/2/3 partitions of the fp32 master weights
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-        with contextlib.redirect_stdout(io.StringIO()):  # its progress prints
-            state = get_fp32_state_dict_from_zero_checkpoint(str(path), tag=str(directory.relative_to(path.resolve())))
-    else:
-        model_file = directory / "mp_rank_00_model_states.pt"
-        if not model_file.is_file():
-            raise CheckpointError(f"{directory} has neither ZeRO optimizer shards nor {model_file.name}")
-        with torch.serialization.safe_globals(_deepspeed_safe_globals()):
-            state = torch.load(model_file, map_location="cpu", weights_only=not trust)["module"]
-    state = _model_names(state, int(meta.get("zero_stage", 0)))
+    state = _merged_state(path, tag, meta, trust=trust)
+    directory = tag_dir(path, tag)
     shapes = parameter_shapes(config)
     missing = [name for name in shapes if name not in state]
     if missing:
-        raise CheckpointError(f"{tag_dir}: the checkpoint lacks {missing[:3]} of the model in {TRAIN_STATE_FILE}")
+        raise CheckpointError(f"{directory}: the checkpoint lacks {missing[:3]} of the model in {TRAIN_STATE_FILE}")
     for name, shape in shapes.items():
         if tuple(state[name].shape) != tuple(shape):
-            raise CheckpointError(f"{tag_dir}: {name} has shape {list(state[name].shape)}, the model config "
+            raise CheckpointError(f"{directory}: {name} has shape {list(state[name].shape)}, the model config "
                                   f"expects {list(shape)}")
     return DeepSpeedCheckpoint(config, {name: state[name].detach() for name in shapes}, dtype, tag, path)

@@ -108,7 +108,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--allow-non-finite", action="store_true", help="load weights that hold NaN or inf")
     p.add_argument("--hf-native", action="store_true",
                    help="train the Hugging Face model of --model DIR as transformers builds it, with "
-                        "attn_implementation='megacp' (no conversion; --save writes save_pretrained files); "
+                        "attn_implementation='megacp' (no conversion; --save writes DeepSpeed checkpoints as for "
+                        "megacp's models and, under ZeRO <= 2, the model's save_pretrained files at the end); "
                         "implied for an architecture megacp's own models do not implement (Qwen3, Phi-3, ...)")
     p.add_argument("--deepspeed", action="store_true",
                    help="accepted for DeepSpeed scripts' sake: megacp.train always trains under DeepSpeed")
@@ -199,9 +200,6 @@ def _check_checkpointing(args: argparse.Namespace) -> None:
         args.save_at_end = args.save is not None
     if args.save is not None and not args.save_at_end and args.save_every is None:
         raise UsageError("--no-save-at-end without --save-every saves nothing: drop --save or add --save-every N")
-    if args.hf_native and (args.save_every or args.keep_last or args.resume):
-        raise UsageError("--hf-native saves save_pretrained files at the end only: --save-every, --keep-last "
-                         "and --resume need DeepSpeed checkpoints (drop --hf-native)")
 
 
 def _open_metrics(path: str, done: int) -> Any:
@@ -473,13 +471,16 @@ def run(args: argparse.Namespace) -> int:
     peak_t = torch.tensor([peak_memory_mib(state.device)], device=state.device)
     dist.all_reduce(peak_t, op=dist.ReduceOp.MAX)
     peak = float(peak_t)
-    if args.save and args.hf_native:
-        from megacp.integrations.transformers import save_pretrained
-
-        save_pretrained(trainer.module, args.save, tokenizer=tokenizer)
-        saved = f", saved {args.save}"
-    elif args.save_at_end and not (args.save_every and args.steps % args.save_every == 0):
+    if args.save_at_end and not (args.save_every and args.steps % args.save_every == 0):
         saved = f", saved {save(data)}"
+    if args.save and args.save_at_end and args.hf_native:  # and the model's own files, loadable as they are
+        if settings.zero_stage == 3:  # partitioned: tools/convert_checkpoint.py deepspeed-to-hf gathers them
+            saved += " (ZeRO 3: deepspeed-to-hf converts it to the model's own files)"
+        else:
+            from megacp.integrations.transformers import save_pretrained
+
+            save_pretrained(trainer.module, args.save, tokenizer=tokenizer)
+            saved += f" and the model's own files in {args.save}"
     if rank0 and not args.quiet:
         print(f"{PROG}: {args.steps - first + 1} steps, loss {losses[0]:.4f} -> {losses[-1]:.4f}, "
               f"{tokens / seconds:,.0f} tokens/s, peak memory {peak:,.0f} MiB per rank{evaluated}{saved}", flush=True)

@@ -246,3 +246,48 @@ def _hf_eval_loss(hf_dir: Path, corpus: Path) -> tuple[float, int]:
             total += float(torch.nn.functional.cross_entropy(logits[:-1], piece[1:], reduction="sum"))
             count += b - a - 1
     return total / count, count
+
+
+def _hf_runs(rank: int, world_size: int, tmp: Path, killed_at: int, ports: list[int]) -> None:
+    """A transformers Qwen3 (trained through transformers' modules): the uninterrupted run, and the
+    killed one resumed, both with their layer inputs on the host and tiled MLPs."""
+    ref = str(killed_at + MORE)
+    assert _main(ports.pop(), _args(tmp, 1, "--steps", ref, "--save", str(tmp / "ref1"), "--metrics",
+                                    str(tmp / "ref1.jsonl"))) == 0
+    assert _main(ports.pop(), _args(tmp, 1, "--steps", ref, "--save", str(tmp / "killed"), "--resume", "auto",
+                                    "--metrics", str(tmp / "killed.jsonl"))) == 0
+
+
+def test_a_killed_transformers_model_run_resumes_exactly(tmp_path: Path) -> None:
+    """``megacp.train`` on a Qwen3 directory (an architecture megacp's own models lack: transformers'
+    modules train, with ``offload: "cpu"`` and ``sequence_tiling.mlp`` 8) at CP 2, ZeRO 1: killed
+    (SIGKILL) after its first periodic checkpoint and resumed, it ends with the losses and weights of
+    an uninterrupted run (1e-6); ``tools/convert_checkpoint.py deepspeed-to-hf`` turns the checkpoint
+    into the model's own directory, which transformers loads with those weights, and equals the
+    run's own ``save_pretrained`` files."""
+    make_tiny_model(tmp_path / "model", arch="qwen3")
+    make_corpus(tmp_path / "corpus")
+    config = json.loads((ROOT / "configs" / "train_cpu_cp2.json").read_text())
+    config.update(activation_checkpointing={"enabled": True, "offload": "cpu"}, sequence_tiling={"mlp": 8})
+    (tmp_path / "zero1.json").write_text(json.dumps({**config, "zero_optimization": {"stage": 1}}))
+    killed_at = _kill_after_a_checkpoint(tmp_path)
+    run_distributed(_hf_runs, 2, tmp_path, killed_at, [free_port() for _ in range(2)], timeout=120.0)
+
+    from megacp.checkpoint.convert import main as convert
+    from megacp.checkpoint.deepspeed import read_transformers_checkpoint
+
+    ref, rows = _rows(tmp_path / "ref1.jsonl"), _rows(tmp_path / "killed.jsonl")
+    assert [r["step"] for r in rows] == [r["step"] for r in ref] == list(range(1, killed_at + MORE + 1))
+    for a, b in zip(ref, rows):
+        assert (b["loss"], b["lr"]) == pytest.approx((a["loss"], a["lr"]), rel=1e-6)
+    _, want, _ = read_transformers_checkpoint(tmp_path / "ref1")
+    config_values, got, dtype = read_transformers_checkpoint(tmp_path / "killed")
+    assert config_values["architectures"] == ["Qwen3ForCausalLM"] and dtype == torch.float32
+    assert got.keys() == want.keys() and max(rel_err(got[k], t) for k, t in want.items()) <= 1e-6
+    assert convert(["deepspeed-to-hf", "--input", str(tmp_path / "killed"), "--output", str(tmp_path / "hf")]) == 0
+    from transformers import AutoModelForCausalLM
+
+    converted = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").state_dict()
+    own = AutoModelForCausalLM.from_pretrained(tmp_path / "killed").state_dict()  # the run's save_pretrained files
+    for name, tensor in converted.items():
+        assert rel_err(tensor, own[name]) <= 1e-6 and rel_err(tensor, got[name]) <= 1e-6, name
