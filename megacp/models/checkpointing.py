@@ -14,11 +14,14 @@ stream right after the layer's forward (overlapped with the next layer's compute
 on that stream when the backward of the *following* layer starts (overlapped with that layer's
 recompute and backward), so that at most two offloaded inputs are on the GPU at once. Pinned buffers
 are pooled by shape and reused across steps. On CPU the stash holds plain copies (tests).
+
+:func:`checkpoint_block` makes several layers one checkpoint (a second level: one kept input per block,
+the block's layers checkpointed again while its backward runs).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -158,3 +161,18 @@ def checkpoint_layer(run: Callable[[Tensor], Tensor], x: Tensor, stash: HostStas
     """
     anchor = None if x.requires_grad else torch.empty(0, requires_grad=True)
     return _Checkpoint.apply(x, anchor, run, stash)
+
+
+def checkpoint_block(runs: Sequence[Callable[[Tensor], Tensor]]) -> Callable[[Tensor], Tensor]:
+    """The layers ``runs`` one after another as one function for :func:`checkpoint_layer`: a second
+    checkpoint level. The block's input is all that is kept for the backward; when the backward
+    recomputes the block, each of its layers is checkpointed again (its input kept on the device),
+    so the block's backward holds ``len(runs)`` layer inputs and one layer's working set. Each layer's
+    forward runs three times a step instead of two; the inputs kept through the whole step drop to one
+    per block.
+    """
+    def run(x: Tensor) -> Tensor:
+        for layer in runs:
+            x = checkpoint_layer(layer, x) if torch.is_grad_enabled() else layer(x)
+        return x
+    return run

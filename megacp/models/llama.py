@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megacp.layers.attention import DotProductAttention
-from megacp.models.checkpointing import HostStash, checkpoint_layer
+from megacp.models.checkpointing import HostStash, checkpoint_block, checkpoint_layer
 from megacp.models.config import ModelConfig
 from megacp.models.moe import MoEMLP
 from megacp.models.ops import copy_to_tp, group_size, reduce_from_tp, rms_norm, swiglu, tp_shard
@@ -242,12 +242,16 @@ class CausalLM(nn.Module):
             on every rank). A plain attribute: it may also be set after construction.
 
     Attributes:
-        offloaded_layers: indices of the checkpointed layers whose inputs wait for the backward
-            in pinned host memory (:class:`~megacp.models.checkpointing.HostStash`) rather than
-            on the device; empty by default (only with ``activation_checkpointing``).
+        offloaded_layers: indices of the checkpointed layers (of the first layers of the checkpoint
+            blocks) whose inputs wait for the backward in pinned host memory
+            (:class:`~megacp.models.checkpointing.HostStash`) rather than on the device; empty by
+            default (only with ``activation_checkpointing``).
+        layers_per_checkpoint: consecutive layers checkpointed as one block (a second checkpoint
+            level, :func:`~megacp.models.checkpointing.checkpoint_block`); 1 by default.
     """
 
     offloaded_layers: frozenset[int] = frozenset()
+    layers_per_checkpoint: int = 1
     host_stash: HostStash | None = None
 
     def __init__(
@@ -320,13 +324,15 @@ class CausalLM(nn.Module):
         x = self.embedding(input_ids)
         cos, sin = (c.to(x.dtype) for c in self.rotary(position_ids))
         recompute = self.activation_checkpointing and torch.is_grad_enabled()
-        stash = self._stash(x.device) if recompute and self.offloaded_layers else None
-        for i, layer in enumerate(self.layers):
-            if recompute:
-                x = checkpoint_layer(_bound(layer, cos, sin, cu_seqlens, inference_params), x,
-                                     stash if i in self.offloaded_layers else None)
-            else:
+        if not recompute:
+            for layer in self.layers:
                 x = layer(x, cos, sin, cu_seqlens, inference_params)
+            return x
+        stash = self._stash(x.device) if self.offloaded_layers else None
+        per = self.layers_per_checkpoint
+        for i in range(0, len(self.layers), per):
+            runs = [_bound(layer, cos, sin, cu_seqlens, inference_params) for layer in self.layers[i:i + per]]
+            x = checkpoint_layer(runs[0] if per == 1 else checkpoint_block(runs), x, stash if i in self.offloaded_layers else None)
         return x
 
     def _stash(self, device: torch.device) -> HostStash:

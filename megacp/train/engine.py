@@ -205,12 +205,15 @@ def _transformers_memory(model: torch.nn.Module, memory: MemoryOptions, device: 
     from megacp.models.checkpointing import HostStash
     from megacp.train.hf_memory import checkpoint_layers, tile_mlps
 
-    if memory.offload == "auto":
-        raise ConfigError('activation_checkpointing.offload: "auto" is chosen by the memory plan of megacp\'s own '
-                          'models; for a transformers model use "cpu" (every layer input on the host) or "none"')
+    for key, value in (("offload", memory.offload), ("layers_per_checkpoint", memory.layers_per_checkpoint)):
+        if value == "auto":
+            raise ConfigError(f'activation_checkpointing.{key}: "auto" is chosen by the memory plan of megacp\'s '
+                              'own models; give a transformers model its value (offload "cpu" or "none", '
+                              "layers_per_checkpoint a number)")
     try:
         if memory.activation_checkpointing:
-            checkpoint_layers(model, HostStash(device) if memory.offload == "cpu" else None)
+            per = memory.layers_per_checkpoint if isinstance(memory.layers_per_checkpoint, int) else 1
+            checkpoint_layers(model, HostStash(device) if memory.offload == "cpu" else None, per)
         if isinstance(memory.mlp_tile, int) and memory.mlp_tile > 0:
             tile_mlps(model, memory.mlp_tile)
     except ValueError as err:

@@ -10,9 +10,10 @@ modules transformers builds:
   runs over tiles of ``tile`` tokens (:func:`tiled_tokenwise`): the forward without autograd, the
   backward recomputing one tile at a time, so the MLP's working set is O(tile) instead of O(S) —
   what DeepSpeed's ``TiledMLP`` does for ALST;
-* :func:`checkpoint_layers`: every decoder layer keeps only its input ``hidden_states`` for the
-  backward (:func:`~megacp.models.checkpointing.checkpoint_layer`), optionally in pinned host memory
-  (a :class:`~megacp.models.checkpointing.HostStash`, copied out and back on a side stream);
+* :func:`checkpoint_layers`: every decoder layer (or block of layers: a second checkpoint level) keeps
+  only its input ``hidden_states`` for the backward (:func:`~megacp.models.checkpointing.checkpoint_layer`),
+  optionally in pinned host memory (a :class:`~megacp.models.checkpointing.HostStash`, copied out and
+  back on a side stream);
 * :func:`tiled_loss`: the base model's final hidden states times the output embedding, chunk by
   chunk (:func:`~megacp.train.loss.chunked_cross_entropy`), for heads that are a plain matrix
   (Granite's ``logits_scaling`` and Cohere's ``logit_scale`` folded in); :func:`check_tiled_loss`
@@ -30,7 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from megacp.models.checkpointing import HostStash, checkpoint_layer
+from megacp.models.checkpointing import HostStash, checkpoint_block, checkpoint_layer
 from megacp.placement.batch import TrainShard
 from megacp.train.loss import DEFAULT_CHUNK_TOKENS, chunked_cross_entropy
 
@@ -137,24 +138,39 @@ def tile_mlps(model: nn.Module, tile: int) -> int:
     return count
 
 
-def checkpoint_layers(model: nn.Module, stash: HostStash | None) -> int:
-    """Checkpoint every decoder layer: only its input ``hidden_states`` is kept for the backward (in
-    ``stash``'s host memory, or on the device when ``None``), and the layer runs again there. The
-    model's own gradient checkpointing must be off (this replaces it).
+def checkpoint_layers(model: nn.Module, stash: HostStash | None, per: int = 1) -> int:
+    """Checkpoint the decoder layers in blocks of ``per``: only a block's input ``hidden_states`` is
+    kept for the backward (in ``stash``'s host memory, or on the device when ``None``), and the block
+    runs again there (``per > 1``: a second level, its layers checkpointed again while its backward
+    runs, :func:`~megacp.models.checkpointing.checkpoint_block`). The model's own gradient
+    checkpointing is switched off (this replaces it).
+
+    Under autograd the first layer of a block runs the whole block and the block's other layers pass
+    their input on; without autograd every layer runs as transformers wrote it.
 
     Returns:
-        The number of layers checkpointed.
+        The number of checkpoint blocks.
+
+    Raises:
+        ValueError: ``per < 1``.
     """
+    if per < 1:
+        raise ValueError(f"activation_checkpointing.layers_per_checkpoint must be >= 1; got {per}")
     layers = decoder_layers(model)
     if getattr(model, "is_gradient_checkpointing", False):
         model.gradient_checkpointing_disable()  # type: ignore[operator]  # a transformers PreTrainedModel
-    for layer in layers:
-        original = layer.forward
+    originals = [layer.forward for layer in layers]
+    for i, layer in enumerate(layers):
+        block = originals[i:i + per] if i % per == 0 else []
 
-        def forward(hidden_states: Tensor, *args: Any, _run: Callable[..., Tensor] = original, **kwargs: Any) -> Tensor:
+        def forward(hidden_states: Tensor, *args: Any, _run: Callable[..., Tensor] = originals[i],
+                    _block: list[Callable[..., Tensor]] = block, **kwargs: Any) -> Tensor:
             if not torch.is_grad_enabled():
                 return _run(hidden_states, *args, **kwargs)
-            return checkpoint_layer(lambda x: _run(x, *args, **kwargs), hidden_states, stash)
+            if not _block:  # inside a block, whose first layer ran it
+                return hidden_states
+            runs = [_bind(f, args, kwargs) for f in _block]
+            return checkpoint_layer(runs[0] if len(runs) == 1 else checkpoint_block(runs), hidden_states, stash)
 
         layer.forward = forward
     if stash is not None:
@@ -163,7 +179,12 @@ def checkpoint_layers(model: nn.Module, stash: HostStash | None) -> int:
                 stash.begin()
 
         model.get_decoder().register_forward_pre_hook(begin)  # type: ignore[operator]
-    return len(layers)
+    return -(-len(layers) // per)
+
+
+def _bind(layer: Callable[..., Tensor], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Callable[[Tensor], Tensor]:
+    """``x -> layer(x, *args, **kwargs)``."""
+    return lambda x: layer(x, *args, **kwargs)
 
 
 def _head(model: nn.Module) -> tuple[Tensor, float] | None:

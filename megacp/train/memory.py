@@ -62,11 +62,16 @@ class MemoryOptions:
         activation_checkpointing: checkpoint every decoder layer.
         offload: where the checkpointed inputs wait (``"none"``: on the GPU).
         mlp_tile: tokens per MLP tile, ``0`` untiled, or ``"auto"``.
+        layers_per_checkpoint: consecutive decoder layers checkpointed as one block (``1``: every
+            layer; ``k > 1``: a second checkpoint level, one block input kept per ``k`` layers and each
+            block's layers checkpointed again while its backward runs), or ``"auto"`` (the plan's
+            choice among 1, 2, 4 and 8 per length).
     """
 
     activation_checkpointing: bool = False
     offload: Offload = "none"
     mlp_tile: int | Literal["auto"] = "auto"
+    layers_per_checkpoint: int | Literal["auto"] = 1
 
 
 def read_memory_options(raw: Mapping[str, Any], *, activation_checkpointing: bool = False) -> MemoryOptions:
@@ -86,8 +91,9 @@ def read_memory_options(raw: Mapping[str, Any], *, activation_checkpointing: boo
             hint = ' use "offload": "cpu"' if key == "cpu_checkpointing" else ""
             raise ConfigError(f"activation_checkpointing.{key}: configures deepspeed.checkpointing, which megacp's "
                               f"layers do not use (they checkpoint themselves);{hint or ' remove it'}")
-        if key not in ("enabled", "offload"):
-            raise ConfigError(f"activation_checkpointing.{key}: unknown key; allowed keys: enabled, offload")
+        if key not in ("enabled", "offload", "layers_per_checkpoint"):
+            raise ConfigError(f"activation_checkpointing.{key}: unknown key; allowed keys: enabled, offload, "
+                              "layers_per_checkpoint")
     enabled = section.get("enabled", False)
     if not isinstance(enabled, bool):
         raise ConfigError(f"activation_checkpointing.enabled: got {enabled!r}; allowed values: true, false")
@@ -98,8 +104,15 @@ def read_memory_options(raw: Mapping[str, Any], *, activation_checkpointing: boo
     if offload != "none" and not enabled:
         raise ConfigError(f'activation_checkpointing.offload: "{offload}" needs checkpointing on ("enabled": true '
                           "or --activation-checkpointing)")
+    per = section.get("layers_per_checkpoint", 1)
+    if per != "auto" and (isinstance(per, bool) or not isinstance(per, int) or per < 1):
+        raise ConfigError(f"activation_checkpointing.layers_per_checkpoint: got {per!r}; allowed values: an integer "
+                          ">= 1 or 'auto'")
+    if per != 1 and not enabled:
+        raise ConfigError("activation_checkpointing.layers_per_checkpoint: needs activation checkpointing "
+                          '("enabled": true or --activation-checkpointing)')
     return MemoryOptions(activation_checkpointing=enabled, offload=offload,
-                         mlp_tile=load_config(raw).sequence_tiling.mlp)
+                         mlp_tile=load_config(raw).sequence_tiling.mlp, layers_per_checkpoint=per)
 
 
 @dataclass(frozen=True)
@@ -213,7 +226,8 @@ class MemoryPlan:
     Attributes:
         tokens: local tokens per micro-batch (sequence length x micro-batch / CP).
         mlp_tile: tokens per MLP tile (0 untiled).
-        offloaded_layers: layers whose checkpointed inputs go to the host.
+        offloaded_layers: the first layers of the checkpoint blocks whose inputs go to the host.
+        layers_per_checkpoint: layers per checkpoint block (1: every layer is one).
         gpu_bytes / host_bytes: the estimated peaks (states included).
         capacity_bytes: the GPU bytes the plan fits into (``None``: unchecked, CPU).
     """
@@ -224,17 +238,21 @@ class MemoryPlan:
     gpu_bytes: int
     host_bytes: int
     capacity_bytes: int | None
+    layers_per_checkpoint: int = 1
 
     def describe(self) -> str:
-        off = len(self.offloaded_layers)
+        off, per = len(self.offloaded_layers), self.layers_per_checkpoint
+        inputs = "block inputs" if per > 1 else "layer inputs"
         return (f"{self.tokens} tokens per rank: ~{self.gpu_bytes / 2**30:.1f} GiB GPU"
                 + (f" of {self.capacity_bytes / 2**30:.1f}" if self.capacity_bytes else "")
                 + f", ~{self.host_bytes / 2**30:.1f} GiB host; MLP "
                 + (f"tiled by {self.mlp_tile}" if self.mlp_tile else "untiled")
-                + (f", {off} layer inputs offloaded" if off else ""))
+                + (f", checkpoints of {per} layers" if per > 1 else "")
+                + (f", {off} {inputs} offloaded" if off else ""))
 
     def apply(self, model: torch.nn.Module) -> None:
-        """Set the model's MLP tiles and offloaded layers (megacp's :class:`~megacp.models.llama.CausalLM`)."""
+        """Set the model's MLP tiles, checkpoint blocks and offloaded blocks (megacp's
+        :class:`~megacp.models.llama.CausalLM`)."""
         from megacp.models.llama import LayerNormMLP
 
         for module in model.modules():
@@ -242,6 +260,7 @@ class MemoryPlan:
                 module.tile_tokens = self.mlp_tile
         if hasattr(model, "offloaded_layers"):
             setattr(model, "offloaded_layers", self.offloaded_layers)  # noqa: B010 - a CausalLM attribute
+            setattr(model, "layers_per_checkpoint", self.layers_per_checkpoint)  # noqa: B010
 
 
 def gpu_capacity(device: torch.device) -> int | None:
@@ -287,15 +306,19 @@ def plan_memory(cfg: ModelConfig, *, params: int, tokens: int, options: MemoryOp
     layers = cfg.num_layers
     loss = min(tokens, DEFAULT_CHUNK_TOKENS) * cfg.vocab_size * LOSS_BYTES_PER_ROW + 2 * layer_input
 
-    def estimate(tile: int, offloaded: int) -> tuple[int, int]:
-        """(GPU, host) peaks: the states plus the larger of the loss's forward and a layer's backward."""
-        kept = (layers - offloaded) if options.activation_checkpointing else 0
+    def estimate(tile: int, offloaded: int, per: int) -> tuple[int, int]:
+        """(GPU, host) peaks: the states plus the larger of the loss's forward and a layer's backward
+        (``offloaded`` of the ``ceil(layers / per)`` checkpoint blocks' inputs on the host; a block
+        of ``per > 1`` layers holds its layers' inputs while its backward runs)."""
+        blocks = -(-layers // per)
+        kept = (blocks - offloaded) if options.activation_checkpointing else 0
         work = working_bytes_per_token(cfg, elem, tokens, tp=tp, cp=cp, mlp_tiled=tile > 0) * tokens
         if not options.activation_checkpointing:  # every layer's activations stay for the backward
             work *= layers
         tile_work = elem * tile * 10 * cfg.intermediate_size // tp if tile else 0
-        prefetch = 2 * layer_input if offloaded else 0  # a layer's input and the next one, fetched back
-        backward = kept * layer_input + work + tile_work + prefetch
+        prefetch = 2 * layer_input if offloaded else 0  # a block's input and the next one, fetched back
+        inner = per * layer_input if per > 1 else 0  # the recomputed block's layer inputs
+        backward = kept * layer_input + inner + work + tile_work + prefetch
         return gpu_states + max(kept * layer_input + loss, backward), host_states + offloaded * layer_input
 
     tiles = [options.mlp_tile] if options.mlp_tile != "auto" else [0, AUTO_MLP_TILE]
@@ -305,25 +328,34 @@ def plan_memory(cfg: ModelConfig, *, params: int, tokens: int, options: MemoryOp
             raise ConfigError("sequence_tiling.mlp: tiles megacp's dense torch layers only (this model has MoE or "
                               "Transformer Engine layers); set it to 0 or \"auto\"")
         tiles = [0]
-    offloads = {"none": [0], "cpu": [layers], "auto": list(range(layers + 1))}[options.offload]
-    if not options.activation_checkpointing:
-        offloads = [0]
-    candidates = [(t, o) for t in tiles for o in offloads]  # cheapest first: untiled, fewest offloaded
+    pers = [options.layers_per_checkpoint] if options.layers_per_checkpoint != "auto" else [1, 2, 4, 8]
+    pers = [p for p in pers if p == 1 or p <= layers] or [1]
+
+    def offloads(per: int) -> list[int]:
+        blocks = -(-layers // per)
+        if not options.activation_checkpointing:
+            return [0]
+        return {"none": [0], "cpu": [blocks], "auto": list(range(blocks + 1))}[options.offload]
+
+    # cheapest first: untiled, every layer its own checkpoint (no third forward), fewest offloaded
+    candidates = [(t, p, o) for t in tiles for p in pers for o in offloads(p)]
     best = None
-    for tile, offloaded in candidates:
-        gpu, host_need = estimate(tile, offloaded)
-        if best is None or gpu < best[2]:
-            best = (tile, offloaded, gpu, host_need)
+    for tile, per, offloaded in candidates:
+        gpu, host_need = estimate(tile, offloaded, per)
+        if best is None or gpu < best[3]:
+            best = (tile, per, offloaded, gpu, host_need)
         if (capacity is None or gpu <= capacity) and (host is None or host_need <= host):
-            return MemoryPlan(tokens, tile, frozenset(range(offloaded)), gpu, host_need, capacity)
+            return MemoryPlan(tokens, tile, frozenset(range(0, offloaded * per, per)), gpu, host_need, capacity, per)
     assert best is not None
-    tile, offloaded, gpu, host_need = best
-    plan = MemoryPlan(tokens, tile, frozenset(range(offloaded)), gpu, host_need, capacity)
+    tile, per, offloaded, gpu, host_need = best
+    plan = MemoryPlan(tokens, tile, frozenset(range(0, offloaded * per, per)), gpu, host_need, capacity, per)
     if capacity is not None and gpu > capacity:
         raise MemoryPlanError(f"a training step will not fit: {plan.describe()}; "
                               + _suggestion(cfg, options, zero, tokens, gpu - capacity))
+    hint = ('; try "activation_checkpointing": {"layers_per_checkpoint": "auto"} (fewer inputs on the host)'
+            if options.layers_per_checkpoint == 1 and options.activation_checkpointing else "")
     raise MemoryPlanError(f"a training step will not fit in host memory: {plan.describe()} "
-                          f"(available {host / 2**30:.1f} GiB)" if host is not None else plan.describe())
+                          f"(available {host / 2**30:.1f} GiB){hint}" if host is not None else plan.describe())
 
 
 def _suggestion(cfg: ModelConfig, options: MemoryOptions, zero: ZeroSettings, tokens: int, excess: int) -> str:

@@ -1,6 +1,7 @@
 """Long-sequence memory features on transformers models (:mod:`megacp.train.hf_memory`) on real gloo
 processes at CP = 1 and 2 (fp32): the sequence-tiled MLP (tiles of 4 tokens), checkpointed decoder
-layers with their inputs in host memory, and the tiled LM head + loss each leave every rank's loss and
+layers with their inputs in host memory, the second checkpoint level (both layers one block, its input
+on the host) and the tiled LM head + loss each leave every rank's loss and
 every parameter's gradient what the model's own forward and loss give (1e-6 relative), for a Llama, a
 Qwen3 (q/k norms) and a Mistral whose window (4 tokens) is shorter than its documents; all three at
 once as well. A Granite head (``logits_scaling``) passes the tiled loss's check against the model's own."""
@@ -15,7 +16,7 @@ import torch
 from tests.helpers.distributed import run_distributed
 from tests.helpers.hf_archs import DOCS, SMALL, make_model, packed_batch
 
-VARIANTS = ("tiled_mlp", "host_offload", "tiled_loss", "all")
+VARIANTS = ("tiled_mlp", "host_offload", "second_level", "tiled_loss", "all")
 ARCHS = {"llama": {}, "qwen3": {}, "mistral": dict(sliding_window=4)}
 
 
@@ -49,8 +50,10 @@ def _grads(rank: int, world: int) -> dict[str, dict[str, float]]:
             model = copy.deepcopy(base)
             if variant in ("tiled_mlp", "all"):
                 assert hf_memory.tile_mlps(model, 4) == SMALL["num_hidden_layers"]
-            if variant in ("host_offload", "all"):
-                hf_memory.checkpoint_layers(model, HostStash(torch.device("cpu")))
+            if variant == "host_offload":
+                assert hf_memory.checkpoint_layers(model, HostStash(torch.device("cpu"))) == SMALL["num_hidden_layers"]
+            if variant in ("second_level", "all"):  # one block of both layers, its input on the host
+                assert hf_memory.checkpoint_layers(model, HostStash(torch.device("cpu")), per=2) == 1
             tiled = variant in ("tiled_loss", "all")
             if tiled:
                 assert hf_memory.check_tiled_loss(model, SMALL["vocab_size"])

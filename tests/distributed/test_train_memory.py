@@ -1,5 +1,6 @@
 """Training memory options on real gloo processes (fp32): activation checkpointing with the layer
-inputs offloaded to host memory and the sequence-tiled MLP change no gradient and no step.
+inputs offloaded to host memory, the second checkpoint level (blocks of 2 layers) and the
+sequence-tiled MLP change no gradient and no step.
 
 * CP 2, plain ``lm_loss``: the gradients with every layer checkpointed, offloaded and its MLP
   tiled (tiles of 5 tokens, shorter than a rank's shard) equal those without (≤ 1e-6 relative).
@@ -39,16 +40,18 @@ def _grads(rank: int, world_size: int) -> float:
     ids = torch.randint(0, CFG.vocab_size, (40,), generator=g)
     shard = shard_batch(ids, cu_seqlens=torch.tensor([0, 13, 40], dtype=torch.int32), cp_size=world_size, cp_rank=rank)
     grads = []
-    for memory in (False, True):
+    for memory, per in ((False, 1), (True, 1), (True, 2)):  # per 2: blocks of layers 0-1 and 2 (second level)
         model.zero_grad()
         model.activation_checkpointing = memory
-        model.offloaded_layers = frozenset(range(CFG.num_layers)) if memory else frozenset()
+        model.layers_per_checkpoint = per
+        model.offloaded_layers = frozenset(range(0, CFG.num_layers, per)) if memory else frozenset()
         for layer in model.layers:
             layer.layernorm_mlp.tile_tokens = 5 if memory else 0
         lm_loss(model, shard, settings=settings).backward()
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
-    assert model.host_stash is not None and model.host_stash.bytes_offloaded > 0
-    return max(rel_err(grads[1][n], grads[0][n]) for n in grads[0])
+        if memory:
+            assert model.host_stash is not None and model.host_stash.bytes_offloaded > 0
+    return max(rel_err(g[n], grads[0][n]) for g in grads[1:] for n in grads[0])
 
 
 def test_offload_and_tiling_change_no_gradient():
@@ -72,8 +75,9 @@ def _train(rank: int, world_size: int) -> dict:
     batches = [PackedSequence(torch.randint(0, CFG.vocab_size, (24,), generator=g),
                               torch.tensor([0, 10, 24], dtype=torch.int32))] * STEPS  # the loss visibly falls
     zero3 = {"stage": 3, "stage3_param_persistence_threshold": 0}
+    second = {**MEMORY, "activation_checkpointing": {"enabled": True, "offload": "cpu", "layers_per_checkpoint": 2}}
     for name, zero, memory in (("zero1", {"stage": 1}, {}), ("zero1_memory", {"stage": 1}, MEMORY),
-                               ("zero3", zero3, {}), ("zero3_memory", zero3, MEMORY)):
+                               ("zero3", zero3, {}), ("zero3_memory", zero3, MEMORY), ("zero3_second", zero3, second)):
         config = {"train_micro_batch_size_per_gpu": 1, "gradient_clipping": 0.5, "steps_per_print": 10**6,
                   "zero_optimization": zero, "context_parallel": {"size": world_size},
                   "optimizer": {"type": "AdamW", "params": {"lr": 2e-3, "weight_decay": 0.01, "torch_adam": True}},
@@ -88,17 +92,19 @@ def _train(rank: int, world_size: int) -> dict:
         with deepspeed.zero.GatheredParameters(params):
             weights = torch.cat([p.detach().flatten().clone() for p in params])
         tiles = {layer.layernorm_mlp.tile_tokens for layer in trainer.module.layers}
-        out[name] = (losses, weights, tiles, trainer.module.offloaded_layers)
+        out[name] = (losses, weights, tiles, trainer.module.offloaded_layers, trainer.module.layers_per_checkpoint)
         trainer.engine.destroy()
     return out
 
 
 def test_trainer_memory_options_equal_plain_steps():
     out = run_distributed(_train, 2)[0]
-    for name in ("zero1", "zero3"):
-        losses, weights, _, _ = out[name]
-        l2, w2, tiles, offloaded = out[name + "_memory"]
-        assert tiles == {5} and offloaded == frozenset(range(CFG.num_layers)), name
+    for name, memory, blocks, per in (("zero1", "zero1_memory", range(CFG.num_layers), 1),
+                                      ("zero3", "zero3_memory", range(CFG.num_layers), 1),
+                                      ("zero3", "zero3_second", (0, 2), 2)):
+        losses, weights, *_ = out[name]
+        l2, w2, tiles, offloaded, layers_per_checkpoint = out[memory]
+        assert tiles == {5} and offloaded == frozenset(blocks) and layers_per_checkpoint == per, memory
         assert max(abs(a - b) / abs(a) for a, b in zip(losses, l2)) <= 1e-6, (name, losses, l2)
         assert rel_err(w2, weights) <= 1e-5, name
         assert losses[-1] < losses[0]

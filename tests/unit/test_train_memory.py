@@ -46,7 +46,12 @@ def test_options_from_the_deepspeed_config():
      "activation_checkpointing.partition_activations: configures deepspeed.checkpointing, which megacp's layers do "
      "not use (they checkpoint themselves); remove it"),
     ({"activation_checkpointing": {"enable": True}},
-     "activation_checkpointing.enable: unknown key; allowed keys: enabled, offload"),
+     "activation_checkpointing.enable: unknown key; allowed keys: enabled, offload, layers_per_checkpoint"),
+    ({"activation_checkpointing": {"enabled": True, "layers_per_checkpoint": 0}},
+     "activation_checkpointing.layers_per_checkpoint: got 0; allowed values: an integer >= 1 or 'auto'"),
+    ({"activation_checkpointing": {"layers_per_checkpoint": 2}},
+     "activation_checkpointing.layers_per_checkpoint: needs activation checkpointing (\"enabled\": true or "
+     "--activation-checkpointing)"),
     ({"sequence_tiling": {"mlp": -1}}, "sequence_tiling.mlp: got -1; allowed values: 'auto' or an integer >= 0"),
 ])
 def test_bad_options_are_one_line(raw, message):
@@ -112,3 +117,27 @@ def test_seq_len_auto_needs_a_gpu(capsys):
     with pytest.raises(SystemExit):
         main(["--deepspeed_config", "configs/train_cpu_cp1.json", "--seq-len", "long"])
     assert "--seq-len: expected a number of tokens or 'auto', got 'long'" in capsys.readouterr().err
+
+
+def test_the_second_checkpoint_level_keeps_fewer_inputs_on_the_host():
+    """32 layers of the 8B shape at 256K tokens, every input on the host: 32 inputs (8 KiB/token each,
+    64 GiB) do not fit a host with 40 GiB free beyond the states; "auto" takes blocks of 2 (16 inputs,
+    32 GiB) and holds the 2 inputs of the block being recomputed on the GPU, "layers_per_checkpoint": 4
+    blocks of 4 (8 inputs)."""
+    cfg = ModelConfig(**{**LLAMA.to_dict(), "num_layers": 32})
+    zero = ZeroSettings(stage=3, partition=1, offload_optimizer=True, offload_param=True, param_bytes=2)
+    tokens, layer_input = 256 << 10, 2 * 4096 * (256 << 10)
+    states = state_bytes(8_000_000_000, cfg.vocab_size * cfg.hidden_size, zero)[1]
+    host = states + 40 * GIB
+    per_layer = MemoryOptions(True, "cpu", 8192)
+    with pytest.raises(MemoryPlanError, match='try "activation_checkpointing": {"layers_per_checkpoint": "auto"}'):
+        plan_memory(cfg, params=8_000_000_000, tokens=tokens, options=per_layer, zero=zero, capacity=None, host=host)
+    auto = plan_memory(cfg, params=8_000_000_000, tokens=tokens, options=MemoryOptions(True, "cpu", 8192, "auto"),
+                       zero=zero, capacity=None, host=host)
+    assert auto.layers_per_checkpoint == 2 and auto.offloaded_layers == frozenset(range(0, 32, 2))
+    assert auto.host_bytes == states + 16 * layer_input
+    assert "checkpoints of 2 layers, 16 block inputs offloaded" in auto.describe()
+    four = plan_memory(cfg, params=8_000_000_000, tokens=tokens, options=MemoryOptions(True, "cpu", 8192, 4),
+                       zero=zero, capacity=None, host=host)
+    assert four.layers_per_checkpoint == 4 and four.host_bytes == states + 8 * layer_input
+    assert four.gpu_bytes - auto.gpu_bytes == 2 * layer_input  # 4 inputs of the recomputed block instead of 2
