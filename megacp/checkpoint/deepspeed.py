@@ -138,7 +138,7 @@ def read_transformers_checkpoint(directory: str | os.PathLike[str], tag: str | N
     return meta["transformers_config"], state, dtype_from_name(meta["dtype"])
 
 
-def _merged_state(path: Path, tag: str, meta: dict[str, Any], *, trust: bool) -> dict[str, Any]:
+def _merged_state(path: Path, tag: str, meta: dict[str, Any], *, trust: bool, remedy: str = "") -> dict[str, Any]:
     """The full state of tag ``tag`` of ``path``, checked against its manifest and (unless ``trust``)
     for plain data: ZeRO shards merged to fp32, else the module states (names without ZeRO 3's prefix)."""
     directory = tag_dir(path, tag)
@@ -146,7 +146,7 @@ def _merged_state(path: Path, tag: str, meta: dict[str, Any], *, trust: bool) ->
         raise CheckpointError(f"{path} has no checkpoint tag {tag!r}")
     verify_tag(directory, path / TRAIN_STATE_FILE, train_state_sha256(meta))
     if not trust:
-        check_data_only(sorted(directory.glob("*.pt")))
+        check_data_only(sorted(directory.glob("*.pt")), remedy or TRUST_REMEDY)
     if any(directory.glob("*_optim_states.pt")):  # ZeRO 1/2/3 partitions of the fp32 master weights
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
@@ -269,13 +269,15 @@ def _model_names(state: dict[str, Any], zero_stage: int) -> dict[str, Any]:
 
 
 def read_deepspeed_checkpoint(directory: str | os.PathLike[str], tag: str | None = None, *,
-                              trust: bool = False) -> DeepSpeedCheckpoint:
+                              trust: bool = False, remedy: str = "") -> DeepSpeedCheckpoint:
     """Rebuild the full weights of a ``megacp.train`` DeepSpeed checkpoint.
 
     Args:
         directory: the ``--save`` directory.
         tag: the checkpoint tag (default: the one ``latest`` names); it must lie inside ``directory``.
         trust: unpickle the files without checking that they hold only data (they could run code).
+        remedy: what the refusal of a file that is not plain data offers (default :data:`TRUST_REMEDY`,
+            the converters' flag).
 
     Raises:
         CheckpointError: not such a checkpoint, a missing tag, files that do not match the tag's
@@ -291,7 +293,7 @@ def read_deepspeed_checkpoint(directory: str | os.PathLike[str], tag: str | None
                               "converting TP-sharded DeepSpeed checkpoints is not supported")
     tag = tag or _latest_tag(path)
     config, dtype = _config_and_dtype(path, meta)
-    state = _merged_state(path, tag, meta, trust=trust)
+    state = _merged_state(path, tag, meta, trust=trust, remedy=remedy)
     directory = tag_dir(path, tag)
     shapes = parameter_shapes(config)
     missing = [name for name in shapes if name not in state]

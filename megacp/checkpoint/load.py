@@ -25,6 +25,10 @@ from megacp.checkpoint.errors import CheckpointError
 from megacp.checkpoint.hf import hf_to_megacp, open_hf_checkpoint
 from megacp.checkpoint.megacp_format import MANIFEST, load_megacp_checkpoint
 from megacp.checkpoint.tokenizer_files import TokenizerSource
+
+LOAD_REMEDY = ("only if you trust where it came from, convert it with tools/convert_checkpoint.py deepspeed-to-hf "
+               "--trust-checkpoint and load the converted directory")
+"""What a refused (not plain data) DeepSpeed checkpoint's message offers where a model is loaded."""
 from megacp.checkpoint.tp import check_ep_rank, check_tp_size, shard_experts, shard_tensor
 from megacp.checkpoint.values import check_finite, check_model_values
 from megacp.models.build import Backend, build_model, resolve_backend
@@ -92,7 +96,7 @@ def load_model(
             tensors = hf_to_megacp(cfg, checkpoint.get, checkpoint.names)
             return _load(cfg, tensors, sharded=False, **build), cfg, _tokenizer_dir(path)
     if (path / TRAIN_STATE_FILE).is_file():  # a megacp.train --save directory: its latest tag
-        trained = read_deepspeed_checkpoint(path)
+        trained = read_deepspeed_checkpoint(path, remedy=LOAD_REMEDY)
         return _load(trained.config, trained.tensors.items(), sharded=False, **build), trained.config, _tokenizer_dir(path)
     if (path.parent / TRAIN_STATE_FILE).is_file():
         raise CheckpointError(

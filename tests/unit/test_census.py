@@ -60,6 +60,12 @@ def test_pickle_payload_runs_nothing(tmp_path: Path) -> None:
     assert "mp_rank_00_model_states.pt is not plain tensor data" in message and "posix.system" in message
     assert "--trust-checkpoint" in message
     assert not marker.exists()
+    from megacp.checkpoint.load import load_model  # where a model loads: the converter's flag is named as such
+
+    with pytest.raises(CheckpointError, match="convert it with tools/convert_checkpoint.py deepspeed-to-hf "
+                                              "--trust-checkpoint and load the converted directory"):
+        load_model(root, dtype=torch.float32, device="cpu")
+    assert not marker.exists()
 
 
 @pytest.mark.parametrize("how", ["latest_dotdot", "tag_absolute", "tag_symlink"])
