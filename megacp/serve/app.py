@@ -63,6 +63,10 @@ def chat_logprobs(tokenizer: Any, tokens: Sequence[int], logprobs: Sequence[dict
                         for t, lp in zip(tokens, logprobs)], "refusal": None}
 
 
+DISCONNECT_POLL_S = 0.1
+"""How often a non-streaming request looks whether its client is still there."""
+
+
 def build_app(engine: Engine, cfg: ModelLimits, *, model_name: str, max_model_len: int,
               api_key: str | None, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     """The FastAPI app over ``engine`` (started and drained with the app's lifespan).
@@ -149,7 +153,7 @@ def build_app(engine: Engine, cfg: ModelLimits, *, model_name: str, max_model_le
         return {"prompt_tokens": len(r.prompt), "completion_tokens": len(r.tokens),
                 "total_tokens": len(r.prompt) + len(r.tokens), "prompt_tokens_details": {"cached_tokens": r.cached}}
 
-    async def respond(r: Request, req: Any, chat: bool) -> Any:
+    async def respond(r: Request, req: Any, chat: bool, http: HTTPRequest) -> Any:
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created, obj = int(time.time()), "chat.completion" if chat else "text_completion"
         top = r.params.logprobs  # None: no log-probabilities asked
@@ -178,6 +182,14 @@ def build_app(engine: Engine, cfg: ModelLimits, *, model_name: str, max_model_le
             text: list[str] = []
             tokens: list[int] = []
             logprobs: list[dict[int, float]] = []
+
+            async def watch() -> None:  # a client gone before the answer: its request stops at the next step
+                while not await http.is_disconnected():
+                    await asyncio.sleep(DISCONNECT_POLL_S)
+                r.cancelled = True
+                r.events.put_nowait(Event(None, "", error="the client disconnected"))
+
+            watcher = asyncio.create_task(watch())
             try:
                 while True:
                     ev: Event = await r.events.get()
@@ -191,6 +203,7 @@ def build_app(engine: Engine, cfg: ModelLimits, *, model_name: str, max_model_le
                         break
             finally:
                 r.cancelled = True
+                watcher.cancel()
             return {"id": rid, "object": obj, "created": created, "model": model_name,
                     "choices": [choice("".join(text), tokens, logprobs, ev.finish_reason, False)], "usage": usage(r)}
 
@@ -230,7 +243,7 @@ def build_app(engine: Engine, cfg: ModelLimits, *, model_name: str, max_model_le
             ids = await asyncio.to_thread(encode, tokenizer, prompt)
         except ValueError as err:
             raise APIError(400, str(err), param="prompt") from None
-        return await respond(submit(ids, req, req.max_tokens), req, chat=False)
+        return await respond(submit(ids, req, req.max_tokens), req, chat=False, http=request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: HTTPRequest) -> Any:
@@ -239,7 +252,8 @@ def build_app(engine: Engine, cfg: ModelLimits, *, model_name: str, max_model_le
             ids = await asyncio.to_thread(chat_ids, tokenizer, [{"role": m.role, "content": m.text()} for m in req.messages])
         except ValueError as err:
             raise APIError(400, str(err), param="messages") from None
-        return await respond(submit(ids, req, req.max_completion_tokens or req.max_tokens), req, chat=True)
+        return await respond(submit(ids, req, req.max_completion_tokens or req.max_tokens), req, chat=True,
+                             http=request)
 
     @app.get("/v1/models")
     async def models(request: HTTPRequest) -> Any:

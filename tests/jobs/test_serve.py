@@ -424,6 +424,15 @@ def test_a_disconnect_frees_the_slot_and_sigterm_drains(servers) -> None:
             break
         time.sleep(0.05)
     assert m["running"] == 0 and m["generated_tokens"] < 1000
+    before = m["generated_tokens"]  # a non-streaming request whose client leaves stops too
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(url + "/v1/completions", headers=headers, timeout=0.05, json=dict(body, stream=False, max_tokens=240))
+    for _ in range(100):
+        m = httpx.get(url + "/metrics", headers=headers).json()
+        if m["running"] == 0:
+            break
+        time.sleep(0.05)
+    assert m["running"] == 0 and m["generated_tokens"] - before < 240, m
     done: dict = {}
 
     def long() -> None:
