@@ -59,6 +59,7 @@ from megacp.train.resume import ResumePoint, load_rng_file, prune, rng_file, rng
 
 if TYPE_CHECKING:
     from megacp.checkpoint.shard_manifest import FileDigest, Manifest
+    from megacp.train.hf_memory import Tiling
 
 ZERO_STAGES = (0, 1, 2, 3)
 """ZeRO stages megacp trains with."""
@@ -190,18 +191,15 @@ class LossModule(torch.nn.Module):
         return self.loss(self.model, shard, settings=self.cp)
 
 
-def _transformers_memory(model: torch.nn.Module, memory: MemoryOptions, device: torch.device, *, zero3: bool) -> None:
+def _transformers_memory(model: torch.nn.Module, memory: MemoryOptions, device: torch.device) -> Tiling | None:
     """Apply the memory options to a transformers model (:mod:`megacp.train.hf_memory`):
     every decoder layer checkpointed (its input on the host with ``offload: "cpu"``) and the MLPs
-    sequence-tiled. The plan that chooses ``"auto"`` values reads megacp's own model configs only.
+    sequence-tiled (returned: the :class:`~megacp.train.hf_memory.Tiling`, else ``None``). The plan that
+    chooses ``"auto"`` values reads megacp's own model configs only.
 
     Raises:
-        ConfigError: ``"auto"`` offload, tiled MLPs under ZeRO 3 (ZeRO 3 releases each projection's
-            weights after its call, between the tiles), or a model these features cannot apply to.
+        ConfigError: ``"auto"`` offload or checkpoint blocks, or a model these features cannot apply to.
     """
-    if zero3 and isinstance(memory.mlp_tile, int) and memory.mlp_tile > 0:
-        raise ConfigError("sequence_tiling.mlp: a transformers model's MLPs are tiled under ZeRO 0-2 only (ZeRO 3 "
-                          "partitions each projection's weights between the tiles); set it to 0 or use ZeRO <= 2")
     from megacp.models.checkpointing import HostStash
     from megacp.train.hf_memory import checkpoint_layers, tile_mlps
 
@@ -215,9 +213,10 @@ def _transformers_memory(model: torch.nn.Module, memory: MemoryOptions, device: 
             per = memory.layers_per_checkpoint if isinstance(memory.layers_per_checkpoint, int) else 1
             checkpoint_layers(model, HostStash(device) if memory.offload == "cpu" else None, per)
         if isinstance(memory.mlp_tile, int) and memory.mlp_tile > 0:
-            tile_mlps(model, memory.mlp_tile)
+            return tile_mlps(model, memory.mlp_tile)
     except ValueError as err:
         raise ConfigError(str(err)) from None
+    return None
 
 
 def deepspeed_for(state: ParallelState) -> Any:
@@ -327,10 +326,12 @@ class Trainer:
         self._cfg: ModelConfig | None = cfg if isinstance(cfg, ModelConfig) else None  # a megacp model's
         self._params = count_parameters(model)
         memory = settings.memory
+        self._tiling: Tiling | None = None
+        """A transformers model's MLP tiling (its ``step_tokens`` set before each micro-batch)."""
         if memory.activation_checkpointing and self._cfg is not None:
             setattr(model, "activation_checkpointing", True)  # noqa: B010 - a CausalLM attribute
         elif self._cfg is None:
-            _transformers_memory(model, memory, state.device, zero3=settings.zero_stage == 3)
+            self._tiling = _transformers_memory(model, memory, state.device)
         cp = cp or CPSettings.from_state(state)
         if self.zero3:
             model = LossModule(model, loss, cp)
@@ -422,6 +423,8 @@ class Trainer:
                                 cp_rank=self.state.rank_in("cp"), load_balance=self.cp.load_balance)
             local = -(-batch.input_ids.numel() // self.state.size("cp"))
             self.plan_memory(local)  # the same on every CP rank
+            if self._tiling is not None:  # every rank cuts as many MLP tiles (ZeRO 3 gathers per call)
+                self._tiling.step_tokens = local
             self._warm_plans(local)
             loss = self.engine(shard) if self.zero3 else self.loss(self.module, shard, settings=self.cp)
             # ZeRO 3's reduce-scatter averages the gradients over DP x CP; the CP ranks' shares must
@@ -452,6 +455,8 @@ class Trainer:
             for seq in sequences:
                 shard = shard_batch(seq.input_ids, cu_seqlens=seq.cu_seqlens, cp_size=self.state.size("cp"),
                                     cp_rank=self.state.rank_in("cp"), load_balance=self.cp.load_balance)
+                if self._tiling is not None:
+                    self._tiling.step_tokens = -(-seq.input_ids.numel() // self.state.size("cp"))
                 loss = self.engine(shard) if self.zero3 else self.loss(self.module, shard, settings=self.cp)
                 sums[0] += loss.double() * shard.num_valid_tokens
                 sums[1] += shard.num_valid_tokens if first_cp_rank else 0

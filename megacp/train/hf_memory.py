@@ -26,6 +26,7 @@ Each leaves the loss and every gradient unchanged (fp32: to rounding).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -89,7 +90,73 @@ class _TiledTokenwise(torch.autograd.Function):
         return (dx, None, None, None, *(s.to(p.dtype) if s is not None else None for s, p in zip(out, ctx.params)))
 
 
-def tiled_tokenwise(module: nn.Module, run: Callable[[Tensor], Tensor], x: Tensor, tile: int) -> Tensor:
+class _TiledPartitioned(torch.autograd.Function):
+    """:class:`_TiledTokenwise` for parameters ZeRO 3 partitions: they are no inputs of the function
+    (ZeRO 3 gathers them only around each projection's call, so their recorded shapes would be the
+    empty partitions); the backward recomputes each tile through the module's own calls and
+    back-propagates into the parameters' ``.grad``, telling DeepSpeed (``ds_grad_is_ready``, its
+    protocol for tiled compute) that a parameter's gradient is complete only after the last tile.
+    Every rank cuts the same number of tiles (:func:`_common_tiles`; some may be empty), so that their
+    weight gathers pair up."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, run: Callable[[Tensor], Tensor], tiles: int, params: list[Tensor]) -> Tensor:
+        with torch.no_grad():
+            y = torch.cat([run(t) for t in torch.tensor_split(x, tiles, dim=1)], dim=1)
+        ctx.save_for_backward(x)
+        ctx.run, ctx.tiles, ctx.params = run, tiles, [p for p in params if p.requires_grad]
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, ...]:
+        (x,) = ctx.saved_tensors
+        wants_dx = ctx.needs_input_grad[0]
+        grads = []
+        for n, (xt, dyt) in enumerate(zip(torch.tensor_split(x, ctx.tiles, dim=1),
+                                          torch.tensor_split(dy.contiguous(), ctx.tiles, dim=1))):
+            for p in ctx.params:
+                p.ds_grad_is_ready = n == ctx.tiles - 1
+            with torch.enable_grad():
+                xt = xt.detach().requires_grad_(wants_dx)
+                yt = ctx.run(xt)
+            torch.autograd.backward(yt, dyt)
+            grads.append(xt.grad)
+        return (torch.cat(grads, dim=1) if wants_dx else None), None, None, None  # type: ignore[arg-type]
+
+
+def _common_tiles(tokens: int, tile: int, device: torch.device) -> int:
+    """How many tiles every rank cuts its ``tokens`` into: enough for the rank with the most (ZeRO 3
+    gathers a projection's weights in a collective at each call, so every rank must call as often)."""
+    import torch.distributed as dist
+
+    count = torch.tensor([max(-(-tokens // tile), 1)], device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    return int(count)
+
+
+@dataclass
+class Tiling:
+    """The sequence tiling of a model's MLPs (what :func:`tile_mlps` returns).
+
+    Attributes:
+        tile: tokens per tile.
+        step_tokens: the most tokens any rank's MLP call holds in the current step, set by the trainer
+            before each micro-batch (under ZeRO 3 every rank must cut as many tiles: with it they agree
+            without a collective; ``None``: they agree through one small all-reduce per call).
+    """
+
+    tile: int
+    step_tokens: int | None = None
+
+    def tiles(self, tokens: int, device: torch.device) -> int:
+        """The number of tiles every rank cuts under ZeRO 3 (:func:`_common_tiles` when unset)."""
+        if self.step_tokens is not None:
+            return max(-(-self.step_tokens // self.tile), 1)
+        return _common_tiles(tokens, self.tile, device)
+
+
+def tiled_tokenwise(module: nn.Module, run: Callable[[Tensor], Tensor], x: Tensor, tiling: Tiling | int) -> Tensor:
     """``run(x)`` of a token-wise ``run`` (each token's output depends on that token's input only)
     over tiles of ``tile`` tokens of ``x [B, S, H]`` -> ``[B, S, H]``, keeping only ``x`` for the
     backward, which recomputes one tile at a time; the gradients of ``module``'s parameters (those
@@ -99,19 +166,27 @@ def tiled_tokenwise(module: nn.Module, run: Callable[[Tensor], Tensor], x: Tenso
     Raises:
         ValueError: ``tile < 1``.
     """
+    tiling = tiling if isinstance(tiling, Tiling) else Tiling(tiling)
+    tile = tiling.tile
     if tile < 1:
         raise ValueError(f"tile must be at least 1 token; got {tile}")
     params = list(module.parameters())
-    if not (torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params))):
+    grads = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params))
+    if any(hasattr(p, "ds_id") for p in params):  # partitioned by ZeRO 3: as many tiles on every rank
+        tiles = tiling.tiles(x.shape[1], x.device)
+        if not grads:
+            return torch.cat([run(t) for t in torch.tensor_split(x, tiles, dim=1)], dim=1)
+        return _TiledPartitioned.apply(x, run, tiles, params)
+    if not grads:
         return torch.cat([run(x[:, a:a + tile]) for a in range(0, x.shape[1], tile)], dim=1)
     return _TiledTokenwise.apply(x, run, tile, params, *params)
 
 
-def tile_mlps(model: nn.Module, tile: int) -> int:
+def tile_mlps(model: nn.Module, tile: int) -> Tiling:
     """Run every decoder layer's ``mlp`` over sequence tiles of ``tile`` tokens (:func:`tiled_tokenwise`).
 
     Returns:
-        The number of MLPs tiled.
+        The :class:`Tiling` the MLPs read (a trainer sets its ``step_tokens``).
 
     Raises:
         ValueError: ``tile < 1``; a mixture-of-experts model (its router's outputs are recorded per
@@ -123,7 +198,7 @@ def tile_mlps(model: nn.Module, tile: int) -> int:
     if _experts(config):
         raise ValueError(f"sequence_tiling.mlp: {type(model).__name__} is a mixture of experts, whose routers "
                          "megacp does not tile; set sequence_tiling.mlp to 0")
-    count = 0
+    tiling = Tiling(tile)
     for layer in decoder_layers(model):
         mlp = getattr(layer, "mlp", None)
         if not isinstance(mlp, nn.Module):
@@ -131,11 +206,10 @@ def tile_mlps(model: nn.Module, tile: int) -> int:
         original = mlp.forward
 
         def forward(x: Tensor, _mlp: nn.Module = mlp, _run: Callable[[Tensor], Tensor] = original) -> Tensor:
-            return tiled_tokenwise(_mlp, _run, x, tile)
+            return tiled_tokenwise(_mlp, _run, x, tiling)
 
         mlp.forward = forward  # called through the module (its hooks fire)
-        count += 1
-    return count
+    return tiling
 
 
 def checkpoint_layers(model: nn.Module, stash: HostStash | None, per: int = 1) -> int:

@@ -161,9 +161,8 @@ def hf_step(args: argparse.Namespace, cfg: Any, state: Any, seq: int) -> tuple[S
     """A user's own Hugging Face model through megacp's trainer at ``seq`` tokens: transformers'
     ``LlamaForCausalLM`` with ``attn_implementation="megacp"``, the memory sections of megacp's config
     applied to it (:mod:`megacp.train.hf_memory`; an ``"auto"`` MLP tile becomes
-    :data:`~megacp.train.memory.AUTO_MLP_TILE` tokens under ZeRO <= 2, as the plan tiles megacp's own
-    model, and untiled under ZeRO 3, where megacp tiles no transformers MLP yet), and the tiled LM
-    head + loss."""
+    :data:`~megacp.train.memory.AUTO_MLP_TILE` tokens, as the plan tiles megacp's own model), and the
+    tiled LM head + loss."""
     from transformers import LlamaForCausalLM
 
     from megacp.train.data import PackedSequence
@@ -173,8 +172,8 @@ def hf_step(args: argparse.Namespace, cfg: Any, state: Any, seq: int) -> tuple[S
     from scripts.bench.train_step import hf_config
 
     config = megacp_config(args, state.device.type == "cuda")
-    if config.get("sequence_tiling", {}).get("mlp", "auto") == "auto":  # untiled under ZeRO 3 (refused there)
-        config["sequence_tiling"] = {"mlp": 0 if args.zero == 3 else AUTO_MLP_TILE}
+    if config.get("sequence_tiling", {}).get("mlp", "auto") == "auto":
+        config["sequence_tiling"] = {"mlp": AUTO_MLP_TILE}
     settings = read_settings(config)
     device = "cpu" if settings.zero_stage == 3 else state.device  # ZeRO 3: partitioned as the Trainer builds
     with torch.device(device):

@@ -49,7 +49,7 @@ def _grads(rank: int, world: int) -> dict[str, dict[str, float]]:
         for variant in VARIANTS:
             model = copy.deepcopy(base)
             if variant in ("tiled_mlp", "all"):
-                assert hf_memory.tile_mlps(model, 4) == SMALL["num_hidden_layers"]
+                assert hf_memory.tile_mlps(model, 4).tile == 4
             if variant == "host_offload":
                 assert hf_memory.checkpoint_layers(model, HostStash(torch.device("cpu"))) == SMALL["num_hidden_layers"]
             if variant in ("second_level", "all"):  # one block of both layers, its input on the host
@@ -75,3 +75,56 @@ def test_memory_features_leave_losses_and_gradients_unchanged(world: int) -> Non
         bad = {k: v for k, v in errors.items() if v["loss"] > 1e-6 or v["grad"] > 1e-6}
         assert not bad, f"rank {rank}: {bad}"
         assert len(errors) == len(ARCHS) * len(VARIANTS) + 1
+
+
+def _train(rank: int, world_size: int) -> dict:
+    """4 AdamW steps of the tiny Qwen3 through megacp's Trainer at CP 2, plain and with every memory
+    feature (host-offloaded blocks of 2 layers, MLP tiles of 4 tokens, the tiled loss), at ZeRO 1 and 3."""
+    import os
+
+    os.environ["DS_ACCELERATOR"] = "cpu"
+    import deepspeed
+
+    import megacp
+    from megacp.integrations.transformers import shard_loss
+    from megacp.train.data import PackedSequence
+    from megacp.train.engine import Trainer, read_settings
+    from megacp.train.hf_memory import tiled_loss
+
+    g = torch.Generator().manual_seed(5)
+    batches = [PackedSequence(torch.randint(3, SMALL["vocab_size"], (24,), generator=g),
+                              torch.tensor([0, 10, 24], dtype=torch.int32))] * 4
+    memory = {"activation_checkpointing": {"enabled": True, "offload": "cpu", "layers_per_checkpoint": 2},
+              "sequence_tiling": {"mlp": 4}}
+    out = {}
+    for stage in (1, 3):
+        for name, extra in (("plain", {}), ("memory", memory)):
+            config = {"train_micro_batch_size_per_gpu": 1, "gradient_clipping": 0.5, "steps_per_print": 10**6,
+                      "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+                      "context_parallel": {"size": world_size},
+                      "optimizer": {"type": "AdamW", "params": {"lr": 2e-3, "weight_decay": 0.01, "torch_adam": True}},
+                      **extra}
+            state = megacp.initialize(config)
+            model = make_model("qwen3")
+            model.set_attn_implementation("megacp")
+            trainer = Trainer(model.train(), config, state, read_settings(config),
+                              loss=tiled_loss if extra else shard_loss)
+            losses = [trainer.step(iter([b])).loss for b in batches]
+            params = list(trainer.module.parameters())
+            with deepspeed.zero.GatheredParameters(params):
+                weights = torch.cat([p.detach().flatten().clone() for p in params])
+            out[(stage, name)] = (losses, weights)
+            trainer.engine.destroy()
+    megacp.shutdown()
+    return out
+
+
+def test_the_trainer_with_every_memory_feature_equals_plain_steps() -> None:
+    """Under DeepSpeed at ZeRO 1 and ZeRO 3 (parameters partitioned: the tiled MLP's backward recomputes
+    through the projections' own calls), the memory features change no loss and no weight (1e-5)."""
+    out = run_distributed(_train, 2, timeout=240)[0]
+    for stage in (1, 3):
+        (plain, w0), (memory, w1) = out[(stage, "plain")], out[(stage, "memory")]
+        assert max(abs(a - b) / abs(a) for a, b in zip(plain, memory)) <= 1e-5, (stage, plain, memory)
+        assert float((w1 - w0).abs().max() / w0.abs().max()) <= 1e-5, stage
+        assert plain[-1] < plain[0], stage
