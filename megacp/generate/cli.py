@@ -126,6 +126,8 @@ def validate(args: argparse.Namespace) -> tuple[SamplingParams, list[list[int]] 
                                 presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty)
         for text in args.prompt or ():
             check_text(text, "--prompt")
+            if not text.strip():  # said before the model loads, not after
+                raise ValueError("--prompt is empty: give it some text")
     except ValueError as err:
         raise UsageError(str(err)) from None
     if args.output:

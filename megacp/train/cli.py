@@ -370,6 +370,11 @@ def run(args: argparse.Namespace) -> int:
     rank0 = state.rank == 0
 
     cp = CPSettings.from_state(state, prefill="pass_kv")
+    if rank0 and not args.quiet:  # the load and DeepSpeed's set-up take a while: say what is happening
+        what = "transformers' modules" if args.hf_native else "megacp's model"
+        print(f"{PROG}: loading {Path(model_path).name} ({what}) and setting up DeepSpeed ...", flush=True)
+        if args.resume == "auto" and resume_at is None:
+            print(f"{PROG}: --resume auto: {args.save} holds no checkpoint yet, starting at step 1", flush=True)
     loss: Callable[..., torch.Tensor] = lm_loss
     model: Any
     model_config: Any
@@ -467,6 +472,8 @@ def run(args: argparse.Namespace) -> int:
                 metrics.flush()
             if args.save_every and step % args.save_every == 0:
                 saved = f", saved {save(data)}"
+                if rank0 and not args.quiet:
+                    bar.write(f"{PROG}: step {step}{saved}")
             collector.after_step(step)
     peak_t = torch.tensor([peak_memory_mib(state.device)], device=state.device)
     dist.all_reduce(peak_t, op=dist.ReduceOp.MAX)

@@ -261,6 +261,7 @@ def test_config_error_is_one_line_from_one_rank_under_torchrun(config: str, argv
     (["--top-p", "0"], "megacp.generate: top_p must be in (0, 1], got 0.0"),
     (["--output", "/nonexistent-dir/out.json"], "megacp.generate: --output /nonexistent-dir/out.json: the directory does not exist"),
     (["--stop", ""], "megacp.generate: stop must be non-empty strings, got ['']"),
+    (["--prompt", " "], "megacp.generate: --prompt is empty: give it some text"),
     (["--temperature", "0.5"], "megacp.generate: MEGACP_ATTN_BACKEND='magic': allowed values: 'auto', 'cudnn', 'flash', "
                                "'reference'"),
 ])

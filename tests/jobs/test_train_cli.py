@@ -157,7 +157,7 @@ def test_a_transformers_architecture_trains_long_and_an_unfit_one_is_refused(tin
     assert refused.returncode != 0
     line = f"megacp.train: error: --model {falcon}: FalconForCausalLM (falcon) computes attention in its own modules"
     assert sum(text.startswith(line) for text in refused.stderr.splitlines()) == 1, refused.stderr[-3000:]
-    assert "deepspeed" not in refused.stdout.lower()
+    assert "megacp.train: CP=" not in refused.stdout  # stopped before the engine was built
 
 
 @pytest.mark.slow
