@@ -17,6 +17,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Sequence
@@ -181,13 +182,18 @@ def _serve(args: argparse.Namespace) -> int:
     print(f"megacp.serve: {name} CP={n} decode={worker.decode_mode} on http://{args.host}:{args.port}", flush=True)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))
     server.capture_signals = lambda: _drain_on_signals(server)  # type: ignore[method-assign]
-    engine.on_failure = lambda: setattr(server, "should_exit", True)
+    # /health answers 503 for a few seconds (load balancers see why), then the server exits
+    engine.on_failure = lambda: threading.Timer(FAILED_HEALTH_S, setattr, (server, "should_exit", True)).start()
     server.run(sockets=[listener] if listener is not None else None)
     if engine.failure is not None:  # a CP rank died or froze: the other ranks are stopped by the launcher
         print_error_once(PROG, f"the engine stopped: {engine.failure}")
         return 3
     dist.destroy_process_group()
     return 0
+
+
+FAILED_HEALTH_S = 5.0
+"""Seconds a server whose engine died keeps answering (``/health``: 503 with the reason) before it exits."""
 
 
 def listen(host: str, port: int) -> socket.socket:

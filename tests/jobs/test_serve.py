@@ -448,3 +448,49 @@ def test_a_disconnect_frees_the_slot_and_sigterm_drains(servers) -> None:
     t.join(60)
     assert proc.wait(30) == 0
     assert done["usage"]["completion_tokens"] == 120 and done["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_frozen_rank_ends_the_cp2_server(servers, tmp_path) -> None:
+    """CP 2 under torchrun with ``runtime.timeout_minutes`` 0.2 (12 s): rank 1 frozen (SIGSTOP), a
+    request's step waits for it until the collective times out; the request gets an error, /health
+    answers 503 with the reason, and the server exits non-zero, within the timeout + 30 s."""
+    import os
+
+    import psutil
+
+    config = tmp_path / "cp2.json"
+    config.write_text(json.dumps({"context_parallel": {"size": 2}, "runtime": {"timeout_minutes": 0.2}}))
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                             str(free_port()), "-m", "megacp.serve", "--model", servers["dir"], "--served-model-name",
+                             "tiny", "--max-model-len", "256", "--deepspeed_config", str(config), "--port", str(port),
+                             "--dtype", "float32"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait(proc, url)
+        ranks = {int(p.environ().get("RANK", -1)): p for p in psutil.Process(proc.pid).children(recursive=True)
+                 if "megacp.serve" in " ".join(p.cmdline())}
+        ranks[1].send_signal(signal.SIGSTOP)
+        start = time.monotonic()
+        body = {"model": "tiny", "prompt": [4, 5, 6], "max_tokens": 4}
+        r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 500 and r.json()["error"]["type"] == "server_error", r.text
+        health = None
+        while proc.poll() is None and time.monotonic() - start < 12 + 30:
+            try:
+                health = httpx.get(url + "/health", timeout=2)
+            except httpx.HTTPError:
+                pass
+            if health is not None and health.status_code == 503:
+                break
+            time.sleep(0.2)
+        assert health is not None and health.status_code == 503 and "error" in health.json(), health
+        ranks[0].wait(12 + 30 - (time.monotonic() - start))  # the serving rank has exited
+        ranks[1].send_signal(signal.SIGCONT)  # so that torchrun's SIGTERM reaches the frozen one
+        assert proc.wait(30) != 0
+        out = proc.stdout.read() if proc.stdout else ""
+        assert "megacp.serve: the engine stopped:" in out and "exitcode  : 3" in out, out[-3000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
