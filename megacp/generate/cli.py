@@ -194,10 +194,19 @@ def write_atomically(path: Path, text: str) -> None:
         raise
 
 
-def _set_threads() -> None:
-    """On CPU, share the cores among the local ranks unless ``OMP_NUM_THREADS`` says otherwise."""
-    if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+def _set_threads(prog: str = PROG, quiet: bool = False) -> None:
+    """On CPU, share the idle cores among the local ranks unless ``OMP_NUM_THREADS`` says otherwise:
+    the cores less the 1-minute load average (threads beyond the idle cores make CPU decode many times
+    slower than one thread), said in one line (launcher rank 0) when the load takes some away."""
+    if torch.cuda.is_available() or "OMP_NUM_THREADS" in os.environ:
+        return
+    cores, ranks = os.cpu_count() or 1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    busy = min(int(os.getloadavg()[0] + 0.5), cores - ranks) if hasattr(os, "getloadavg") else 0
+    threads = max(1, (cores - max(busy, 0)) // ranks)
+    torch.set_num_threads(threads)
+    if busy > 0 and threads < cores // ranks and not quiet and int(os.environ.get("RANK", "0")) == 0:
+        print(f"{prog}: {busy} of {cores} cores are busy: {threads} thread(s) per rank "
+              "(OMP_NUM_THREADS sets it)", flush=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -217,7 +226,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     params, prompt_ids, nested = validate(args)
-    _set_threads()
+    _set_threads(quiet=args.quiet)
     reuse_plans_across_lengths()  # no attention backward runs in this process (see attention.plans)
     state = initialize(args.deepspeed_config)
     model_path = args.model or default_model_path()

@@ -144,7 +144,7 @@ def _serve(args: argparse.Namespace) -> int:
     from megacp.serve.worker import Worker
 
     watch_launcher(PROG)  # a SIGKILLed launcher ends this rank too
-    _set_threads()
+    _set_threads(PROG)
     reuse_plans_across_lengths()  # no attention backward runs in this process (see attention.plans)
     # the HTTP rank takes its port before anything loads: a busy port is one line, not a model load later
     listener = listen(args.host, args.port) if int(os.environ.get("RANK", "0")) == 0 else None
