@@ -31,5 +31,5 @@ setup(
                 "triton; platform_system == 'Linux'",
                 "fastapi", "uvicorn", "httpx", "openai"],
     },
-    entry_points={"console_scripts": ["megacp-generate=megacp.generate:main", "megacp-serve=megacp.serve:main"]},
+    entry_points={"console_scripts": ["megacp-generate=megacp.generate:main", "megacp-serve=megacp.serve.cli:entry"]},
 )

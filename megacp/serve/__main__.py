@@ -1,5 +1,3 @@
-import sys
+from megacp.serve.cli import entry
 
-from megacp.serve.cli import main
-
-sys.exit(main())
+entry()

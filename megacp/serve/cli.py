@@ -20,7 +20,7 @@ import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, NoReturn, Sequence
 
 import torch
 import torch.distributed as dist
@@ -120,6 +120,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, CheckpointError, ValueError) as err:
         print_error_once(PROG, str(err))
         return 2
+
+
+def entry() -> NoReturn:
+    """``python -m megacp.serve`` and ``megacp-serve``: :func:`main`, then the process ends with its
+    status without the interpreter's finalization (by then megacp has closed what it owns; triton's
+    nanobind extension would otherwise print dozens of "leaked" objects at every exit)."""
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 @contextlib.contextmanager
