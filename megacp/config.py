@@ -41,6 +41,7 @@ Every problem raises :class:`ConfigError` with a one-line message that starts wi
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 import sys
@@ -250,24 +251,85 @@ class MegacpConfig(BaseModel):
 
     @property
     def dtype_name(self) -> str | None:
-        """The model dtype DeepSpeed's own sections ask for: ``"bfloat16"`` when ``bf16.enabled``,
-        ``"float16"`` when ``fp16.enabled``, ``None`` when neither (the caller's default).
+        """The model dtype DeepSpeed's own sections ask for (:attr:`DeepSpeedSections.dtype_name`).
 
         Raises:
             ConfigError: both are enabled, or ``enabled`` is not a boolean.
         """
-        prefix = f"{self.source}: " if self.source else ""
-        enabled = []
-        for section, name in (("bf16", "bfloat16"), ("fp16", "float16")):
-            value = self.deepspeed.get(section)
-            flag = value.get("enabled", False) if isinstance(value, Mapping) else False
-            if not isinstance(flag, bool):
-                raise ConfigError(f"{prefix}{section}.enabled: got {flag!r}; allowed values: true, false")
-            if flag:
-                enabled.append(name)
+        try:
+            return DeepSpeedSections.read(self.deepspeed).dtype_name
+        except ConfigError as err:
+            raise ConfigError(f"{self.source}: {err}" if self.source else str(err)) from None
+
+
+@dataclasses.dataclass(frozen=True)
+class DeepSpeedSections:
+    """The parts of DeepSpeed's own sections megacp reads, read and checked once (:meth:`read`):
+    everything in megacp that depends on precision or ZeRO placement takes them from here.
+
+    Attributes:
+        dtype_name: ``"bfloat16"`` when ``bf16.enabled`` (DeepSpeed's alias section ``bfloat16``
+            too), ``"float16"`` when ``fp16.enabled``, ``None`` when neither.
+        bf16_optimizer_states: ``bf16.bf16_master_weights_and_grads`` and ``bf16_optimizer_states``
+            both set (master weights, gradients and Adam moments in bf16).
+        zero_stage: ``zero_optimization.stage`` (0 when absent; any integer here, the trainer
+            checks the stages it supports).
+        offload_optimizer / offload_param: ``zero_optimization.offload_*.device`` is ``"cpu"``.
+        reduce_scatter: ``zero_optimization.reduce_scatter`` (DeepSpeed's default true).
+    """
+
+    dtype_name: str | None = None
+    bf16_optimizer_states: bool = False
+    zero_stage: int = 0
+    offload_optimizer: bool = False
+    offload_param: bool = False
+    reduce_scatter: bool = True
+
+    @classmethod
+    def read(cls, raw: Mapping[str, Any]) -> DeepSpeedSections:
+        """Read ``raw`` (the whole DeepSpeed config).
+
+        Raises:
+            ConfigError: a section that is not an object, a flag that is not a boolean, a stage that
+                is not an integer, or both bf16 and fp16 enabled (one line naming the key).
+        """
+        def section(*names: str) -> Mapping[str, Any]:
+            for name in names:
+                value = raw.get(name)
+                if value is None:
+                    continue
+                if not isinstance(value, Mapping):
+                    raise ConfigError(f"{name}: expected an object, got {value!r}")
+                return value
+            return {}
+
+        def flag(where: str, values: Mapping[str, Any], key: str, default: bool = False) -> bool:
+            value = values.get(key, default)
+            if not isinstance(value, bool):
+                raise ConfigError(f"{where}.{key}: got {value!r}; allowed values: true, false")
+            return value
+
+        bf16, fp16 = section("bf16", "bfloat16"), section("fp16")
+        enabled = [name for where, values, name in (("bf16", bf16, "bfloat16"), ("fp16", fp16, "float16"))
+                   if flag(where, values, "enabled")]
         if len(enabled) > 1:
-            raise ConfigError(f"{prefix}bf16.enabled and fp16.enabled are both true; enable at most one")
-        return enabled[0] if enabled else None
+            raise ConfigError("bf16.enabled and fp16.enabled are both true; enable at most one")
+        zero = section("zero_optimization")
+        stage = zero.get("stage", 0)
+        if type(stage) is not int:
+            raise ConfigError(f"zero_optimization.stage: got {stage!r}; allowed values: 0, 1, 2, 3")
+
+        def on_cpu(key: str) -> bool:
+            value = zero.get(key) or {}
+            if not isinstance(value, Mapping):
+                raise ConfigError(f"zero_optimization.{key}: expected an object, got {value!r}")
+            return value.get("device", "none") == "cpu"
+
+        return cls(dtype_name=enabled[0] if enabled else None,
+                   bf16_optimizer_states=bool(bf16.get("bf16_master_weights_and_grads"))
+                   and bool(bf16.get("bf16_optimizer_states")),
+                   zero_stage=stage, offload_optimizer=on_cpu("offload_optimizer"), offload_param=on_cpu("offload_param"),
+                   reduce_scatter=flag("zero_optimization", zero, "reduce_scatter", True))
 
 
 def with_env_overrides(config: MegacpConfig, environ: Mapping[str, str]) -> MegacpConfig:

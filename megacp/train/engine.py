@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from megacp.attention.training import warm_kernel_plans
 from megacp.checkpoint.staging import exchange_directories
-from megacp.config import ConfigError
+from megacp.config import ConfigError, DeepSpeedSections
 from megacp.layers.settings import CPSettings
 from megacp.models.config import ModelConfig
 from megacp.parallel.mpu import DeepSpeedMPU
@@ -72,11 +72,14 @@ class TrainSettings:
         dtype: of the model parameters: ``torch.bfloat16`` when ``bf16.enabled``, else fp32.
         zero_stage: ``zero_optimization.stage``.
         memory: activation checkpointing, offload and sequence tiling (:mod:`megacp.train.memory`).
+        sections: DeepSpeed's precision and ZeRO placement as read once
+            (:class:`~megacp.config.DeepSpeedSections`).
     """
 
     dtype: torch.dtype
     zero_stage: int
     memory: MemoryOptions = MemoryOptions()
+    sections: DeepSpeedSections = DeepSpeedSections()
 
 
 def _section(raw: Mapping[str, Any], key: str) -> Mapping[str, Any]:
@@ -126,34 +129,31 @@ def read_settings(raw: Mapping[str, Any], *, activation_checkpointing: bool = Fa
             :data:`ZERO_STAGES`, the optimizer is missing or unknown, or an enabled monitor's
             package (:data:`MONITOR_PACKAGES`) is missing.
     """
-    if _section(raw, "fp16").get("enabled", False) is True:
+    sections = DeepSpeedSections.read(raw)  # bf16 / fp16 and ZeRO placement: read here, once
+    if sections.dtype_name == "float16":
         raise ConfigError("fp16.enabled: fp16 training (loss scaling) is not supported; "
                           'use "bf16": {"enabled": true} or fp32')
-    bf16 = _section(raw, "bf16") if "bf16" in raw else _section(raw, "bfloat16")
-    enabled = bf16.get("enabled", False)
-    if not isinstance(enabled, bool):
-        raise ConfigError(f"bf16.enabled: got {enabled!r}; allowed values: true, false")
-    zero = _section(raw, "zero_optimization")
-    stage = zero.get("stage", 0)
-    if type(stage) is not int or stage not in ZERO_STAGES:
+    stage = sections.zero_stage
+    if stage not in ZERO_STAGES:
         raise ConfigError(f"zero_optimization.stage: got {stage!r}; allowed values: 0, 1, 2, 3")
-    if stage < 3 and "offload_param" in zero:
+    if stage < 3 and "offload_param" in _section(raw, "zero_optimization"):
         raise ConfigError(f"zero_optimization.offload_param: needs stage 3 (got stage {stage})")
     _check_optimizer(raw)
     _check_monitors(raw)
     if stage == 3:
-        _check_zero3(raw)
+        _check_zero3(raw, sections)
     memory = read_memory_options(raw, activation_checkpointing=activation_checkpointing)
-    return TrainSettings(dtype=torch.bfloat16 if enabled else torch.float32, zero_stage=stage, memory=memory)
+    return TrainSettings(dtype=torch.bfloat16 if sections.dtype_name == "bfloat16" else torch.float32,
+                         zero_stage=stage, memory=memory, sections=sections)
 
 
-def _check_zero3(raw: Mapping[str, Any]) -> None:
+def _check_zero3(raw: Mapping[str, Any], sections: DeepSpeedSections) -> None:
     """Refuse what ZeRO 3 under megacp cannot train: ``reduce_scatter: false`` with CP (see
     :meth:`Trainer.step`), tensor parallelism (DeepSpeed's stage 3 would
     partition the TP shards over DP x CP without TP-aware gathering in megacp's layers) and
     expert parallelism (DeepSpeed's MoE gradient path is a ZeRO 1/2 path)."""
     cp = _section(raw, "context_parallel").get("size")
-    if cp not in (None, 1) and _section(raw, "zero_optimization").get("reduce_scatter", True) is not True:
+    if cp not in (None, 1) and not sections.reduce_scatter:
         raise ConfigError(f"zero_optimization.reduce_scatter: false with stage 3 and context_parallel.size {cp} "
                           "is not supported; leave reduce_scatter at its default (true)")
     tp = _section(raw, "tensor_model_parallel").get("size", 1)
@@ -386,7 +386,8 @@ class Trainer:
             isinstance(getattr(layer, "layernorm_mlp", None), LayerNormMLP) for layer in model.layers)
         device = self.state.device
         return dict(params=self._params, options=self.settings.memory,
-                    zero=ZeroSettings.from_config(self.config, partition=self.state.size("dp_cp"), dtype=self.settings.dtype),
+                    zero=ZeroSettings.of(self.settings.sections, partition=self.state.size("dp_cp"),
+                                         dtype=self.settings.dtype),
                     capacity=gpu_capacity(device), host=host_available() if device.type == "cuda" else None,
                     tp=self.state.size("tp"), cp=self.state.size("cp"), dense_mlp=dense)
 

@@ -33,7 +33,7 @@ from typing import Any, Literal
 
 import torch
 
-from megacp.config import ConfigError, load_config
+from megacp.config import ConfigError, DeepSpeedSections, load_config
 from megacp.models.config import ModelConfig
 from megacp.train.loss import DEFAULT_CHUNK_TOKENS
 
@@ -135,18 +135,17 @@ class ZeroSettings:
     bf16_optimizer_states: bool = False
 
     @classmethod
+    def of(cls, sections: DeepSpeedSections, *, partition: int, dtype: torch.dtype) -> ZeroSettings:
+        """The placement DeepSpeed's sections (read once, :class:`~megacp.config.DeepSpeedSections`) give
+        a model of ``dtype`` partitioned over ``partition`` ranks."""
+        return cls(stage=sections.zero_stage, partition=partition, offload_optimizer=sections.offload_optimizer,
+                   offload_param=sections.offload_param, param_bytes=torch.empty((), dtype=dtype).element_size(),
+                   bf16_optimizer_states=sections.bf16_optimizer_states)
+
+    @classmethod
     def from_config(cls, raw: Mapping[str, Any], *, partition: int, dtype: torch.dtype) -> ZeroSettings:
-        zero = raw.get("zero_optimization", {}) or {}
-        bf16 = raw.get("bf16", {}) or {}
-
-        def on(key: str) -> bool:
-            value = zero.get(key) or {}
-            return isinstance(value, Mapping) and value.get("device", "none") == "cpu"
-
-        return cls(stage=int(zero.get("stage", 0)), partition=partition, offload_optimizer=on("offload_optimizer"),
-                   offload_param=on("offload_param"), param_bytes=torch.empty((), dtype=dtype).element_size(),
-                   bf16_optimizer_states=bool(bf16.get("bf16_master_weights_and_grads"))
-                   and bool(bf16.get("bf16_optimizer_states")))
+        """:meth:`of` the sections of the DeepSpeed config ``raw``."""
+        return cls.of(DeepSpeedSections.read(raw), partition=partition, dtype=dtype)
 
 
 def state_bytes(params: int, largest_module: int, zero: ZeroSettings) -> tuple[int, int]:

@@ -302,3 +302,28 @@ def test_a_cuda_attention_backend_without_a_gpu_is_refused_before_any_work(kerne
     with pytest.raises(ConfigError, match=rf"runtime.attention_backend: '{kernels}' runs on CUDA GPUs"):
         megacp.initialize({"runtime": {"attention_backend": kernels}})
     assert not dist.is_initialized()
+
+
+def test_deepspeed_sections_are_read_once_into_one_view() -> None:
+    """Precision and ZeRO placement come from one reader (the trainer, the memory plan and the dtype of
+    generation all take them from it), with one-line refusals of malformed values."""
+    from megacp.config import DeepSpeedSections
+    from megacp.train.engine import read_settings
+    from megacp.train.memory import ZeroSettings
+
+    raw = {"bfloat16": {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True},
+           "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}},
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}
+    view = DeepSpeedSections.read(raw)
+    assert view == DeepSpeedSections("bfloat16", True, 3, True, True, True)
+    settings = read_settings(raw)
+    assert settings.sections == view and settings.dtype == torch.bfloat16 and settings.zero_stage == 3
+    zero = ZeroSettings.of(settings.sections, partition=2, dtype=settings.dtype)
+    assert (zero.stage, zero.offload_param, zero.offload_optimizer, zero.bf16_optimizer_states) == (3, True, True, True)
+    assert load_config(raw).dtype_name == "bfloat16"
+    for bad, message in (({"zero_optimization": {"stage": "3"}}, "zero_optimization.stage: got '3'"),
+                         ({"zero_optimization": {"reduce_scatter": "no"}}, "zero_optimization.reduce_scatter: got 'no'"),
+                         ({"zero_optimization": {"offload_param": "cpu"}}, "zero_optimization.offload_param: expected an object"),
+                         ({"bf16": True}, "bf16: expected an object, got True")):
+        with pytest.raises(ConfigError, match=message):
+            DeepSpeedSections.read(bad)
