@@ -38,6 +38,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import socket
 import sys
 import warnings
@@ -202,6 +203,16 @@ def _check_checkpointing(args: argparse.Namespace) -> None:
         raise UsageError("--no-save-at-end without --save-every saves nothing: drop --save or add --save-every N")
 
 
+def _remove_dead_staging(save: Path) -> None:
+    """Remove the staging directories a save that did not finish left in ``save`` (this run holds the
+    directory's lock, so no save is in progress), one line each."""
+    for stale in sorted(save.glob(".step*.staging")) if save.is_dir() else []:
+        size = sum(f.stat().st_size for f in stale.rglob("*") if f.is_file())
+        shutil.rmtree(stale, ignore_errors=True)
+        print(f"{PROG}: removed {stale} ({size / 2**20:,.0f} MiB), the staging of a save that did not finish",
+              flush=True)
+
+
 def _open_metrics(path: str, done: int) -> Any:
     """``--metrics`` opened for this run's rows: a fresh run starts the file; a run resumed after step
     ``done`` keeps the rows of steps ``<= done`` (those of a crashed run's later steps, which this run
@@ -341,11 +352,13 @@ def run(args: argparse.Namespace) -> int:
         saves = (args.steps // args.save_every if args.save_every else 0) + int(
             args.save_at_end and not (args.save_every and args.steps % args.save_every == 0))
         try:
+            check_save_target(args.save, None, settings.dtype, force=args.force)  # writable
+            if int(os.environ.get("RANK", "0")) == 0:  # held until this process ends
+                lock = SaveLock(args.save)
+                _remove_dead_staging(Path(args.save))  # before the room for the new checkpoints is counted
             check_save_target(args.save, None if args.hf_native else model_config_found, settings.dtype,
                               force=args.force,
                               checkpoints=checkpoints_at_once(saves, args.keep_last, len(saved_tags(args.save))))
-            if int(os.environ.get("RANK", "0")) == 0:  # held until this process ends
-                lock = SaveLock(args.save)
         except ValueError as err:
             raise UsageError(str(err)) from None
     resume_at = locate(args.resume, args.save) if args.resume else None

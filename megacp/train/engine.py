@@ -494,11 +494,19 @@ class Trainer:
         dist.barrier()
         # every file goes to a staging directory first: a save killed part-way leaves the previous
         # checkpoint (its tag directory and the 'latest' naming it) untouched
-        self.engine.save_checkpoint(str(staging), tag=tag, save_latest=False)
-        if resume is not None:
-            torch.save(rng_state(), rng_file(staging / tag, dist.get_rank()))
-            if dist.get_rank() == 0:
-                resume.write(staging / tag)
+        try:
+            self.engine.save_checkpoint(str(staging), tag=tag, save_latest=False)
+            if resume is not None:
+                torch.save(rng_state(), rng_file(staging / tag, dist.get_rank()))
+                if dist.get_rank() == 0:
+                    resume.write(staging / tag)
+        except (OSError, RuntimeError) as err:  # a full disk, say: this rank's write failed
+            from megacp.checkpoint.errors import CheckpointError
+
+            shutil.rmtree(staging, ignore_errors=True)
+            reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise CheckpointError(f"saving {tag} into {directory} failed ({reason}); its staging directory is "
+                                  "removed and the previous checkpoint is kept") from None
         dist.barrier()
         meta = train_state(model_config=model_config, dtype=self.settings.dtype, tp_size=self.state.size("tp"),
                            zero_stage=self.settings.zero_stage, tag=tag)

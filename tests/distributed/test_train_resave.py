@@ -1,5 +1,6 @@
 """Re-saving a training checkpoint under the same tag (a run repeated into its own ``--save``
-directory) replaces the tag with the new weights and leaves no staging or old directory."""
+directory) replaces the tag with the new weights and leaves no staging or old directory; a save whose
+writes fail ends in one line and leaves the previous checkpoint as it was."""
 
 from __future__ import annotations
 
@@ -35,11 +36,25 @@ def _resave(rank: int, world_size: int, directory: str) -> tuple[list[str], floa
     trainer.save(directory, model_config=cfg, tokenizer=None)
     saved = read_deepspeed_checkpoint(directory).tensors["embedding.weight"]
     trained = trainer.module.embedding.weight.detach()
-    return (sorted(p.name for p in Path(directory).iterdir()), float((saved - trained).abs().max()),
-            float((first - trained).abs().max()))
+    names = sorted(p.name for p in Path(directory).iterdir())
+    # a save whose writes fail (its staging path cannot take the files): one line, the checkpoint kept
+    from megacp.checkpoint import CheckpointError
+
+    trainer.steps_done = 1
+    (Path(directory) / ".step1.staging").write_text("not a directory")
+    try:
+        trainer.save(directory, model_config=cfg, tokenizer=None)
+        failure = ""
+    except CheckpointError as err:
+        failure = str(err)
+    kept = read_deepspeed_checkpoint(directory)
+    return (names, float((saved - trained).abs().max()), float((first - trained).abs().max()), failure,
+            kept.tag, float((kept.tensors["embedding.weight"] - saved).abs().max()))
 
 
 def test_resaving_a_tag_replaces_it(tmp_path):
-    names, diff, moved = run_distributed(_resave, 1, str(tmp_path / "ckpt"))[0]
+    names, diff, moved, failure, kept_tag, kept_diff = run_distributed(_resave, 1, str(tmp_path / "ckpt"))[0]
     assert diff == 0.0 and moved > 0  # the tag holds the trained weights, not the first save's
     assert "step0" in names and not any(n.startswith(".") for n in names), names
+    assert failure.startswith(f"saving step1 into {tmp_path / 'ckpt'} failed (") and "\n" not in failure, failure
+    assert "the previous checkpoint is kept" in failure and kept_tag == "step0" and kept_diff == 0.0

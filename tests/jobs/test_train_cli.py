@@ -206,13 +206,16 @@ def _group_alive(group: int) -> bool:
     return True
 
 
-def _main_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
-    """Run ``megacp.train``'s main in this process; it must exit 2 with one stderr line, returned."""
+def _main_error(argv: list[str], capsys: pytest.CaptureFixture[str], keep_out: bool = False) -> str:
+    """Run ``megacp.train``'s main in this process; it must exit 2 with one stderr line, returned
+    (``keep_out``: what it printed on stdout is written back for the caller to read)."""
     from megacp.train.cli import main
 
     with pytest.raises(SystemExit) as exit_info:
         main(argv)
     captured = capsys.readouterr()
+    if keep_out:
+        sys.stdout.write(captured.out)
     assert exit_info.value.code == 2
     lines = [line for line in captured.err.splitlines() if line.strip()]
     assert len(lines) == 1, captured.err
@@ -425,3 +428,20 @@ def test_only_the_known_harmless_warnings_are_silenced() -> None:
     assert seen == ["ZeRO: something worth reading"]
     assert [(w.category, str(w.message)) for w in caught] == [
         (UserWarning, "`torch.distributed.all_gather_into_tensor` is deprecated"), (FutureWarning, "some other deprecation")]
+
+
+def test_a_dead_saves_staging_is_removed_and_named(tiny: tuple[Path, Path], tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """A save that did not finish left ``.step7.staging`` (say, the disk filled): the next run into the
+    directory removes it, in one line naming it, before it counts the room it needs (here the run then
+    stops at its bad --resume, in one line)."""
+    model_dir, corpus = tiny
+    stale = tmp_path / "ckpt" / ".step7.staging" / "step7"
+    stale.mkdir(parents=True)
+    (stale / "mp_rank_00_model_states.pt").write_bytes(b"\0" * (3 << 20))
+    base = ["--model", str(model_dir), "--corpus", str(corpus), "--deepspeed_config", str(CPU_CONFIG)]
+    assert "--resume" in _main_error(base + ["--seq-len", "40", "--save", str(tmp_path / "ckpt"), "--resume",
+                                             str(tmp_path)], capsys, keep_out=True)
+    assert not stale.parent.exists()
+    assert capsys.readouterr().out == (f"megacp.train: removed {stale.parent} (3 MiB), the staging of a save that "
+                                       "did not finish\n")
