@@ -44,6 +44,11 @@ def _llm_body(rank: int, n: int, path: str, prompts: list[list[int]], ref_text: 
     pieces = list(llm.stream("hello world", SamplingParams(max_tokens=NEW, ignore_eos=True, stop=[stop])))
     chat = llm.chat([{"role": "user", "content": "hi"}], greedy)[0]
     penalised = llm.generate(prompts, SamplingParams(max_tokens=NEW, ignore_eos=True, repetition_penalty=1.5))
+    sampled = SamplingParams(max_tokens=NEW, ignore_eos=True, temperature=1.0)
+    unseeded = [llm.generate(prompts[0], sampled)[0].token_ids for _ in range(2)]
+    seeded = [llm.generate(prompts[0], SamplingParams(max_tokens=NEW, ignore_eos=True, temperature=1.0, seed=3))[0]
+              .token_ids for _ in range(2)]
+    assert unseeded[0] != unseeded[1] and seeded[0] == seeded[1]  # fresh draws unless seeded (same on every rank)
     for wrong, call in (("got a dict: pass SamplingParams", lambda: llm.generate("hi", {"max_tokens": 2})),
                         ("got a list holding a dict", lambda: llm.generate(["a", "b"], [greedy, {}])),
                         ("chat takes a conversation", lambda: llm.chat("a string"))):

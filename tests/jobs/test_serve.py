@@ -384,6 +384,11 @@ def test_oversized_bodies_loose_types_and_the_docs_are_refused(servers) -> None:
         assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
     for path in ("/docs", "/openapi.json", "/redoc"):
         assert httpx.get(url + path, timeout=10).status_code == 404
+    # requests without a seed draw afresh (OpenAI's and vLLM's behaviour); seeded ones repeat
+    sample = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 12, "temperature": 1.0, "ignore_eos": True}
+    draws = [httpx.post(url + "/v1/completions", json=body, headers=headers, timeout=30).json()["choices"][0]["token_ids"]
+             for body in (sample, sample, dict(sample, seed=9), dict(sample, seed=9))]
+    assert draws[0] != draws[1] and draws[2] == draws[3]
 
 
 def test_errors_name_no_source_paths_or_peer_addresses() -> None:
