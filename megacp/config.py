@@ -276,6 +276,7 @@ class DeepSpeedSections:
             checks the stages it supports).
         offload_optimizer / offload_param: ``zero_optimization.offload_*.device`` is ``"cpu"``.
         reduce_scatter: ``zero_optimization.reduce_scatter`` (DeepSpeed's default true).
+        monitors: the monitor sections enabled (``tensorboard``, ``csv_monitor``, ``wandb``, ``comet``).
     """
 
     dtype_name: str | None = None
@@ -284,6 +285,7 @@ class DeepSpeedSections:
     offload_optimizer: bool = False
     offload_param: bool = False
     reduce_scatter: bool = True
+    monitors: tuple[str, ...] = ()
 
     @classmethod
     def read(cls, raw: Mapping[str, Any]) -> DeepSpeedSections:
@@ -325,7 +327,9 @@ class DeepSpeedSections:
                 raise ConfigError(f"zero_optimization.{key}: expected an object, got {value!r}")
             return value.get("device", "none") == "cpu"
 
-        return cls(dtype_name=enabled[0] if enabled else None,
+        monitors = tuple(name for name in ("tensorboard", "csv_monitor", "wandb", "comet")
+                         if flag(name, section(name), "enabled"))
+        return cls(monitors=monitors, dtype_name=enabled[0] if enabled else None,
                    bf16_optimizer_states=bool(bf16.get("bf16_master_weights_and_grads"))
                    and bool(bf16.get("bf16_optimizer_states")),
                    zero_stage=stage, offload_optimizer=on_cpu("offload_optimizer"), offload_param=on_cpu("offload_param"),

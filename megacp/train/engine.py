@@ -111,11 +111,11 @@ MONITOR_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "comet": "co
 """DeepSpeed's monitor sections and the package each needs (``csv_monitor`` needs none)."""
 
 
-def _check_monitors(raw: Mapping[str, Any]) -> None:
+def _check_monitors(sections: DeepSpeedSections) -> None:
     """Refuse an enabled DeepSpeed monitor whose package is missing (DeepSpeed would fail once the
     model is loaded)."""
     for section, package in MONITOR_PACKAGES.items():
-        if _section(raw, section).get("enabled", False) is True and importlib.util.find_spec(package) is None:
+        if section in sections.monitors and importlib.util.find_spec(package) is None:
             raise ConfigError(f"{section}.enabled: the {package} package is not installed: pip install {package}, "
                               f"or disable the {section} monitor")
 
@@ -139,7 +139,7 @@ def read_settings(raw: Mapping[str, Any], *, activation_checkpointing: bool = Fa
     if stage < 3 and "offload_param" in _section(raw, "zero_optimization"):
         raise ConfigError(f"zero_optimization.offload_param: needs stage 3 (got stage {stage})")
     _check_optimizer(raw)
-    _check_monitors(raw)
+    _check_monitors(sections)
     if stage == 3:
         _check_zero3(raw, sections)
     memory = read_memory_options(raw, activation_checkpointing=activation_checkpointing)

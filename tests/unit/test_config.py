@@ -321,6 +321,7 @@ def test_deepspeed_sections_are_read_once_into_one_view() -> None:
     zero = ZeroSettings.of(settings.sections, partition=2, dtype=settings.dtype)
     assert (zero.stage, zero.offload_param, zero.offload_optimizer, zero.bf16_optimizer_states) == (3, True, True, True)
     assert load_config(raw).dtype_name == "bfloat16"
+    assert DeepSpeedSections.read({"csv_monitor": {"enabled": True}, "wandb": {"enabled": False}}).monitors == ("csv_monitor",)
     for bad, message in (({"zero_optimization": {"stage": "3"}}, "zero_optimization.stage: got '3'"),
                          ({"zero_optimization": {"reduce_scatter": "no"}}, "zero_optimization.reduce_scatter: got 'no'"),
                          ({"zero_optimization": {"offload_param": "cpu"}}, "zero_optimization.offload_param: expected an object"),
