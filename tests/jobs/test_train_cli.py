@@ -71,8 +71,13 @@ def test_deepspeed_launcher_trains_saves_and_converts(tiny: tuple[Path, Path], t
     save, metrics = tmp_path / "ckpt", tmp_path / "metrics.jsonl"
     train = _run([deepspeed, "--num_gpus", "2", "--master_port", str(free_port()), "--module", "megacp.train",
                   "--deepspeed_config", str(CPU_CONFIG), "--model", str(model_dir), "--corpus", str(corpus),
-                  "--seq-len", str(SEQ_LEN), "--steps", str(STEPS), "--save", str(save), "--metrics", str(metrics)])
+                  "--seq-len", str(SEQ_LEN), "--steps", str(STEPS), "--save", str(save), "--metrics", str(metrics),
+                  "--save-every", "2", "--resume", "auto"])
     assert train.returncode == 0, (train.stdout + train.stderr)[-4000:]
+    # what happens is said as it happens: the load, a fresh start under --resume auto, each periodic save
+    assert f"megacp.train: loading {model_dir.name} (megacp's model) and setting up DeepSpeed ..." in train.stdout
+    assert f"megacp.train: --resume auto: {save} holds no checkpoint yet, starting at step 1" in train.stdout
+    assert f"megacp.train: step 2, saved {save / 'step2'}" in train.stdout
     assert "megacp.train: CP=2 TP=1 DP=1 on cpu (gloo), float32, ZeRO 1" in train.stdout
     assert f"megacp.train: {STEPS} steps, loss " in train.stdout and f"saved {save / f'step{STEPS}'}" in train.stdout
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
