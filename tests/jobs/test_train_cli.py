@@ -8,6 +8,9 @@
   ``megacp.generate --model`` does).
 * Under ``torchrun`` (4 gloo processes) it trains a tiny Qwen2-MoE with its experts sharded over
   EP = the DP ranks (CP 2 x DP 2).
+* Under ``torchrun`` (2 processes) a Qwen3 directory trains through transformers' modules with its
+  layer inputs on the host and tiled MLPs, and a Falcon directory is refused in one line.
+* ``kill -9`` of the ``deepspeed`` command ends its ranks; a dead save's staging is removed by the next run.
 * Bad arguments or config end with one stderr line and exit status 2 before anything is loaded:
   in-process for each check, and under ``torchrun`` (2 processes) for a config DeepSpeed rejects.
 """
