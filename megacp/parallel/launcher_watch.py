@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 from pathlib import Path
 
 POLL_S = 1.0
@@ -61,6 +62,22 @@ def launcher_processes(pid: int | None = None) -> list[tuple[int, str]]:
     return found
 
 
+def _stop(prog: str, pid: int) -> None:
+    """End this rank: rank 0 says why in one line; every rank's further output is dropped (a peer
+    that ended first makes its collectives fail with tracebacks that say nothing new), and the other
+    ranks wait a moment first, so that rank 0 ends before their exits break its collectives."""
+    rank = int(os.environ.get("RANK", "0"))
+    if rank == 0:
+        print(f"{prog}: the launcher (pid {pid}) is gone: the ranks stop", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    os.dup2(devnull, 2)
+    if rank != 0:
+        time.sleep(POLL_S + 1.0)
+    os._exit(1)
+
+
 def watch_launcher(prog: str) -> threading.Thread | None:
     """Start the watch in a launched rank (``LOCAL_RANK`` set; nothing otherwise or without
     ``/proc``); returns its thread."""
@@ -75,9 +92,7 @@ def watch_launcher(prog: str) -> threading.Thread | None:
         while not stop.wait(POLL_S):
             for pid, start in watched:
                 if _start_time(pid) != start:
-                    if int(os.environ.get("RANK", "0")) == 0:  # every rank stops; one says why
-                        print(f"{prog}: the launcher (pid {pid}) is gone: the ranks stop", file=sys.stderr, flush=True)
-                    os._exit(1)
+                    _stop(prog, pid)
 
     thread = threading.Thread(target=watch, name="megacp-launcher-watch", daemon=True)
     thread.start()
