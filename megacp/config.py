@@ -538,13 +538,19 @@ ERROR_LINGER_S = 10.0
 """Seconds a launched rank other than 0 waits before it exits on an error that every rank meets."""
 
 
+def launcher_rank() -> int:
+    """This process's global rank as the launcher set it (``$RANK``; 0 without a launcher), known
+    before any process group exists."""
+    return int(os.environ.get("RANK", "0"))
+
+
 def print_error_once(prefix: str, message: str) -> None:
     """Print ``<prefix>: <message>`` as one stderr line (whitespace collapsed) from the launcher's
     rank 0 only (``$RANK``): every rank of a job fails alike, and one line says it. Called just
     before the rank exits. The other ranks of a launched job first wait up to
     :data:`ERROR_LINGER_S`: a launcher stops the whole job when its first rank exits, and a rank 0
     that reached the error later (still importing, say) would be stopped before it said it."""
-    if int(os.environ.get("RANK", "0")) == 0:
+    if launcher_rank() == 0:
         print(f"{prefix}: {' '.join(str(message).split())}", file=sys.stderr, flush=True)
     elif int(os.environ.get("WORLD_SIZE", "1")) > 1:
         time.sleep(ERROR_LINGER_S)

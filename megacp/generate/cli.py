@@ -32,7 +32,7 @@ from megacp.attention.strategy import STRATEGIES
 from megacp.checkpoint.dtypes import DTYPES
 from megacp.checkpoint.front import default_model_path, read_model_config
 from megacp.checkpoint.hf import transformers_only
-from megacp.config import OneLineArgumentParser, add_launcher_args, print_error_once
+from megacp.config import OneLineArgumentParser, add_launcher_args, launcher_rank, print_error_once
 from megacp.generate.llm import LLM
 from megacp.generate.outputs import TextStream, chat_ids, stop_string_check
 from megacp.generate.requests import ModelLimits, check_context, check_prompt, check_text
@@ -204,7 +204,7 @@ def _set_threads(prog: str = PROG, quiet: bool = False) -> None:
     busy = min(int(os.getloadavg()[0] + 0.5), cores - ranks) if hasattr(os, "getloadavg") else 0
     threads = max(1, (cores - max(busy, 0)) // ranks)
     torch.set_num_threads(threads)
-    if busy > 0 and threads < cores // ranks and not quiet and int(os.environ.get("RANK", "0")) == 0:
+    if busy > 0 and threads < cores // ranks and not quiet and launcher_rank() == 0:
         print(f"{prog}: {busy} of {cores} cores are busy: {threads} thread(s) per rank "
               "(OMP_NUM_THREADS sets it)", flush=True)
 

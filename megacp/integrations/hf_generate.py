@@ -184,10 +184,13 @@ class HFGenerationModel(nn.Module):
         return out.logits[0]
 
 
-def prepare_model(model: nn.Module, *, dtype: torch.dtype, state: Any, allow_non_finite: bool = False) -> nn.Module:
+def prepare_model(model: nn.Module, *, dtype: torch.dtype, state: Any, allow_non_finite: bool = False,
+                  verified: bool = False) -> nn.Module:
     """Ready a transformers causal LM (the object itself) for megacp's generation: checked by
     :func:`~megacp.integrations.transformers.check_model`, switched to ``attn_implementation="megacp"``,
-    cast to ``dtype``, moved to the state's device, in eval mode.
+    cast to ``dtype``, moved to the state's device, in eval mode, and run once by
+    :func:`~megacp.integrations.transformers.verify_attention_calls` (``verified``: it was already,
+    by :func:`~megacp.integrations.transformers.load_pretrained`).
 
     Raises:
         ValueError: the model is no transformers model, has a feature megacp cannot run exactly, a
@@ -207,7 +210,8 @@ def prepare_model(model: nn.Module, *, dtype: torch.dtype, state: Any, allow_non
     if config._attn_implementation != NAME:
         model.set_attn_implementation(NAME)  # type: ignore[operator]  # a transformers PreTrainedModel
     model = model.to(device=state.device, dtype=dtype).eval()
-    verify_attention_calls(model)
+    if not verified:  # a model :func:`load_pretrained` built has had its dry forward
+        verify_attention_calls(model)
     return model
 
 
@@ -219,5 +223,5 @@ def load_for_generation(path: str, *, dtype: torch.dtype, state: Any, allow_non_
 
     model = load_pretrained(path, dtype=dtype, state=state, training=False)
     has_tokenizer = any((Path(path) / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json"))
-    return (prepare_model(model, dtype=dtype, state=state, allow_non_finite=allow_non_finite),
+    return (prepare_model(model, dtype=dtype, state=state, allow_non_finite=allow_non_finite, verified=True),
             load_tokenizer(path) if has_tokenizer else None)

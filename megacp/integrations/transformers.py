@@ -467,10 +467,11 @@ def load_pretrained(path: str, *, dtype: torch.dtype, state: Any = None, activat
         raise ValueError("a transformers model runs under CP and DP only: tensor and pipeline parallel sizes must be 1")
     model: Any = AutoModelForCausalLM.from_pretrained(path, attn_implementation=NAME, dtype=dtype)
     check_model(model, training=training)
-    verify_attention_calls(model)
+    model = model.to(state.device if state is not None else "cpu")
+    verify_attention_calls(model)  # on the device it will run on
     if activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return model.to(state.device if state is not None else "cpu").train(training)
+    return model.train(training)
 
 
 def save_pretrained(model: nn.Module, directory: str, *, tokenizer: Any = None) -> None:

@@ -18,6 +18,8 @@ import threading
 import time
 from pathlib import Path
 
+from megacp.config import launcher_rank
+
 POLL_S = 1.0
 """Seconds between two looks at the launcher processes."""
 
@@ -66,7 +68,7 @@ def _stop(prog: str, pid: int) -> None:
     """End this rank: rank 0 says why in one line; every rank's further output is dropped (a peer
     that ended first makes its collectives fail with tracebacks that say nothing new), and the other
     ranks wait a moment first, so that rank 0 ends before their exits break its collectives."""
-    rank = int(os.environ.get("RANK", "0"))
+    rank = launcher_rank()
     if rank == 0:
         print(f"{prog}: the launcher (pid {pid}) is gone: the ranks stop", file=sys.stderr, flush=True)
     sys.stdout.flush()

@@ -29,7 +29,7 @@ from megacp.attention.plans import reuse_plans_across_lengths
 from megacp.attention.strategy import STRATEGIES
 from megacp.checkpoint.dtypes import DTYPES
 from megacp.checkpoint.front import default_model_path
-from megacp.config import OneLineArgumentParser, add_launcher_args, print_error_once
+from megacp.config import OneLineArgumentParser, add_launcher_args, launcher_rank, print_error_once
 from megacp.generate.llm import LLM, SESSION_SLACK
 from megacp.kv_cache import KV_CACHE_DTYPES
 from megacp.serve.protocol import MAX_BODY_BYTES
@@ -157,7 +157,7 @@ def _serve(args: argparse.Namespace) -> int:
     _set_threads(PROG)
     reuse_plans_across_lengths()  # no attention backward runs in this process (see attention.plans)
     # the HTTP rank takes its port before anything loads: a busy port is one line, not a model load later
-    listener = listen(args.host, args.port) if int(os.environ.get("RANK", "0")) == 0 else None
+    listener = listen(args.host, args.port) if launcher_rank() == 0 else None
     state = initialize(args.deepspeed_config)
     model_path = args.model or default_model_path()
     llm = LLM(model_path, dtype=args.dtype, strategy=args.strategy, prefill_chunk=args.prefill_chunk,

@@ -49,7 +49,14 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
-from megacp.config import ConfigError, OneLineArgumentParser, add_launcher_args, load_config, print_error_once
+from megacp.config import (
+    ConfigError,
+    OneLineArgumentParser,
+    add_launcher_args,
+    launcher_rank,
+    load_config,
+    print_error_once,
+)
 
 PROG = "megacp.train"
 from megacp.checkpoint.hf import transformers_only
@@ -353,7 +360,7 @@ def run(args: argparse.Namespace) -> int:
             args.save_at_end and not (args.save_every and args.steps % args.save_every == 0))
         try:
             check_save_target(args.save, None, settings.dtype, force=args.force)  # writable
-            if int(os.environ.get("RANK", "0")) == 0:  # held until this process ends
+            if launcher_rank() == 0:  # held until this process ends
                 lock = SaveLock(args.save)
                 _remove_dead_staging(Path(args.save))  # before the room for the new checkpoints is counted
             check_save_target(args.save, None if args.hf_native else model_config_found, settings.dtype,

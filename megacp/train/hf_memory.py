@@ -57,8 +57,7 @@ def _experts(config: Any) -> int:
 
 class _TiledTokenwise(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: Tensor, run: Callable[[Tensor], Tensor], tile: int, params: list[Tensor],
-                *_params: Tensor) -> Tensor:
+    def forward(ctx: Any, x: Tensor, run: Callable[[Tensor], Tensor], tile: int, *params: Tensor) -> Tensor:
         with torch.no_grad():
             y = torch.cat([run(x[:, a:a + tile]) for a in range(0, x.shape[1], tile)], dim=1)
         ctx.save_for_backward(x)
@@ -68,7 +67,7 @@ class _TiledTokenwise(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, ...]:
         (x,) = ctx.saved_tensors
-        wants = ctx.needs_input_grad[4:]
+        wants = ctx.needs_input_grad[3:]
         wanted = [p for p, want in zip(ctx.params, wants) if want]
         dx = torch.empty_like(x) if ctx.needs_input_grad[0] else None
         sums: list[Tensor | None] = [None] * len(wanted)
@@ -87,7 +86,7 @@ class _TiledTokenwise(torch.autograd.Function):
                     sums[i] = g.to(torch.promote_types(g.dtype, torch.float32)) if s is None else s.add_(g)
         summed = iter(sums)
         out = [(next(summed) if want else None) for want in wants]
-        return (dx, None, None, None, *(s.to(p.dtype) if s is not None else None for s, p in zip(out, ctx.params)))
+        return (dx, None, None, *(s.to(p.dtype) if s is not None else None for s, p in zip(out, ctx.params)))
 
 
 class _TiledPartitioned(torch.autograd.Function):
@@ -179,7 +178,7 @@ def tiled_tokenwise(module: nn.Module, run: Callable[[Tensor], Tensor], x: Tenso
         return _TiledPartitioned.apply(x, run, tiles, params)
     if not grads:
         return torch.cat([run(x[:, a:a + tile]) for a in range(0, x.shape[1], tile)], dim=1)
-    return _TiledTokenwise.apply(x, run, tile, params, *params)
+    return _TiledTokenwise.apply(x, run, tile, *params)
 
 
 def tile_mlps(model: nn.Module, tile: int) -> Tiling:
