@@ -41,6 +41,11 @@ FP8_MAX = 448.0
 FP8_HEADROOM = 4.0
 """A request's first step maps its largest key (value) of each head to between ``448 / 8`` and
 ``448 / 4``: later tokens up to 4-8x larger are stored without clamping."""
+FP8_TILE_ROWS = 65536
+"""Rows of an FP8 KV block a prefill dequantises at a time (:mod:`megacp.attention.fp8_kv`): a
+chunk's transient is O(chunk + this), not O(cached length). 64K rows of the Llama-3.1-8B shape
+(8 KV heads of 128) are 256 MiB of bf16 keys and values; a 16K-query chunk spends ~30 ms of
+attention on them on an H100, against well under 1 ms to dequantise and merge them."""
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 """``kv_cache_dtype`` names: ``"auto"`` (the compute dtype; also accepted: its name, e.g.
 ``"bfloat16"``), ``"fp8_e4m3"`` (``"fp8"`` is its alias, as in vLLM)."""
@@ -141,6 +146,8 @@ class ShardedKVCache:
         self.scales = (torch.ones((num_layers, max_requests, 2, num_kv_heads), dtype=torch.float32, device=device)
                        if self.quantized else None)
         self.positions = torch.full((max_requests, capacity), -1, dtype=torch.long, device=device)
+        self.fp8_tile_rows = FP8_TILE_ROWS
+        """Rows of a KV block a prefill over this (FP8) cache dequantises at a time."""
         self._free = list(range(max_requests - 1, -1, -1))
         self._history: dict[int, list[int]] = {}
         self._held: dict[int, list[int]] = {}  # slot -> tokens held by each CP rank

@@ -10,8 +10,9 @@ NCCL, window slots over the copy engine), so the transfer of hop s+1 overlaps th
 On CUDA, step 0's compute is queued before the rotation starts and, for short shards, the received
 blocks' compute runs on a second stream beside it (see :func:`ring_pass_kv`).
 
-With an FP8 KV cache the block is an :class:`FP8KVBlock`: the cache's FP8 rows travel as bytes (half
-of bf16's) and each rank dequantises the block in hand before its tiles.
+With an FP8 KV cache the block is an :class:`~megacp.attention.fp8_kv.FP8KVBlock`: the cache's FP8
+rows travel as bytes (half of bf16's) and each rank dequantises the block in hand one key tile at a
+time, inside its tiles (:mod:`megacp.attention.fp8_kv`).
 
 The loop is a sequence of (block source, tiles) steps over :meth:`Ring.rotate`; the training
 backward (:mod:`megacp.attention.training`) replays the same rotation and tiles while the K/V
@@ -22,54 +23,16 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 from torch import Tensor
 
+from megacp.attention.fp8_kv import FP8KVBlock, KVBlock
 from megacp.attention.merge import merge_into
 from megacp.attention.tile_attention import run_tiles
-from megacp.kv_cache import dequantize_fp8
 from megacp.parallel.ring import Block, Ring, side_stream
-from megacp.placement import ShardPlan
-
-KVBlock = Tensor | tuple[Tensor, Tensor]
-"""A rank's KV block: ``[2, L, Hkv, D]`` (keys ``[0]``, values ``[1]``), or the pair ``(k, v)`` of
-``[L, Hkv, D]`` contiguous tensors when they already are the block (no copy; see
-:func:`~megacp.attention.prefill.build_kv_block`)."""
-
-
-@dataclass(frozen=True)
-class FP8KVBlock:
-    """A rank's KV block in an FP8 KV cache's format (:mod:`megacp.kv_cache`).
-
-    Attributes:
-        data: the block (:data:`KVBlock`) as ``float8_e4m3fn``, ``L`` rows in
-            ``plan.kv_layout(rank)`` order.
-        scales: ``[B, 2, Hkv]`` fp32 power-of-two scales of each request of the step (K then V),
-            the same on every CP rank, so they need not travel with the block.
-        owners: ``[N, L]`` int64, the request of each row of rank ``j``'s block (padding rows:
-            any; their bytes are zero), :func:`~megacp.attention.prefill.block_owners`.
-        dtype: the compute dtype the block in hand is dequantised to.
-    """
-
-    data: KVBlock
-    scales: Tensor
-    owners: Tensor
-    dtype: torch.dtype
-
-    def wire(self) -> Block:
-        """The block as the ring passes it: ``uint8`` views of :attr:`data` (gloo has no float8)."""
-        if isinstance(self.data, tuple):
-            return self.data[0].view(torch.uint8), self.data[1].view(torch.uint8)
-        return self.data.view(torch.uint8)
-
-    def dequantize(self, block: Block, src: int, rows: int) -> tuple[Tensor, Tensor]:
-        """Keys and values ``[rows, Hkv, D]`` in :attr:`dtype`: the first ``rows`` of ``block``,
-        rank ``src``'s block as stored or received (``float8_e4m3fn`` or ``uint8``, stacked or a pair)."""
-        scale = self.scales.index_select(0, self.owners[src, :rows])[:, :, :, None]  # [rows, 2, Hkv, 1]
-        return (dequantize_fp8(block[0][:rows], scale[:, 0], self.dtype),
-                dequantize_fp8(block[1][:rows], scale[:, 1], self.dtype))
+from megacp.placement import ShardPlan, Tile
 
 SECOND_STREAM_MAX_ROWS = 16384
 """Pass-KV computes the received blocks on a second stream when a rank holds at most this many
@@ -119,7 +82,8 @@ def ring_pass_kv(
         q: ``[n_local, Hq, D]`` local queries in ``plan.q_layout(rank)`` order.
         kv_block: this rank's keys (``[0]``) and values (``[1]``), ``plan.max_kv_block`` rows in
             ``plan.kv_layout(rank)`` order (padded at the end), stacked or as a pair (:data:`KVBlock`),
-            or an :class:`FP8KVBlock` (its bytes travel; every block in hand is dequantised).
+            or an :class:`FP8KVBlock` (its bytes travel; the block in hand is dequantised a key
+            tile at a time).
         plan: the step's sharding plan; ring: the CP ring (``None`` when N = 1).
 
     Returns:
@@ -130,21 +94,22 @@ def ring_pass_kv(
     own = plan.tiles(r, r)
     fp8 = kv_block if isinstance(kv_block, FP8KVBlock) else None
 
-    def in_hand(block: Block, step: int) -> tuple[Tensor, Tensor]:
-        """The block of rank ``r - step`` to compute on (an FP8 block: the rows this rank reads, dequantised)."""
+    def attend(q_rows: Tensor, block: Block, step: int, tiles: Sequence[Tile],
+               acc: tuple[Tensor, Tensor] | None) -> tuple[Tensor, Tensor]:
+        """``tiles`` of ``q_rows`` over the block of rank ``r - step`` (in hand), folded into ``acc``."""
         if fp8 is None:
-            return block[0], block[1]
-        src = (r - step) % n
-        return fp8.dequantize(block, src, plan.kv_rows_read(r, src))
+            return run_tiles(q_rows, block[0], block[1], tiles, acc, scale=scale, backend=backend)
+        return fp8.attend(q_rows, block, (r - step) % n, tiles, acc, scale=scale, backend=backend)
 
     wire: Block = fp8.wire() if fp8 is not None else kv_block  # type: ignore[assignment]  # not FP8: a KVBlock
     if ring is None:
-        return run_tiles(q, *in_hand(wire, 0), own, None, scale=scale, backend=backend)
+        out, lse = attend(q, wire, 0, own, None)
+        return out.to(q.dtype), lse
     state = ready = None
     if q.is_cuda:  # step 0 first: an isolated call waits for its first kernel's (slow) host-side launch
         ready = torch.cuda.Event()
         ready.record()  # the inputs are complete: the transfers and the second stream wait on this
-        state = run_tiles(q, *in_hand(wire, 0), own, None, scale=scale, backend=backend)
+        state = attend(q, wire, 0, own, None)
     later = [t for s in range(1, n) for t in plan.tiles(r, (r - s) % n)]
     lo, hi = min((t.q0 for t in later), default=0), max((t.q1 for t in later), default=0)
     aux = side_stream(q.device, "pass_kv later steps") if q.is_cuda and q.shape[0] <= SECOND_STREAM_MAX_ROWS else None
@@ -158,14 +123,14 @@ def ring_pass_kv(
     for step, block in ring.rotate((wire[0], wire[1]), stream=aux, ready=ready, rows=need):
         if step == 0:
             if state is None:  # gloo: the transfers were posted first, step 0 overlaps them
-                state = run_tiles(q, *in_hand(block, 0), own, None, scale=scale, backend=backend)
+                state = attend(q, block, 0, own, None)
             continue
         tiles = plan.tiles(r, (r - step) % n)
         with torch.cuda.stream(aux) if aux is not None else contextlib.nullcontext():
             tiles = [dataclasses.replace(t, q0=t.q0 - lo, q1=t.q1 - lo) for t in tiles]
             if rest is not None and rest[0].dtype != torch.float32:  # a sum of partials is kept in fp32
                 rest = (rest[0].float(), rest[1])
-            rest = run_tiles(q[lo:hi], *in_hand(block, step), tiles, rest, scale=scale, backend=backend)
+            rest = attend(q[lo:hi], block, step, tiles, rest)
     if rest is not None and hi > lo:
         if aux is not None:
             main.wait_stream(aux)
@@ -174,4 +139,4 @@ def ring_pass_kv(
         assert state is not None  # step 0 ran
         merge_into(state[0][lo:hi], state[1][lo:hi], *rest)
     assert state is not None
-    return state
+    return state[0].to(q.dtype), state[1]

@@ -10,19 +10,22 @@ cannot (it needs every partial).
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 from torch import Tensor
 
+from megacp.attention.fp8_kv import FP8KVBlock, KVBlock
 from megacp.attention.merge import merge_stack, pack_states, unpack_states
-from megacp.attention.pass_kv import KVBlock, check_ring
+from megacp.attention.pass_kv import check_ring
 from megacp.attention.tile_attention import run_tiles
 from megacp.parallel.ring import Ring
-from megacp.placement import ShardPlan
+from megacp.placement import ShardPlan, Tile
 
 
 def ring_pass_q(
     q: Tensor,
-    kv_block: KVBlock,
+    kv_block: KVBlock | FP8KVBlock,
     plan: ShardPlan,
     ring: Ring | None,
     *,
@@ -40,15 +43,24 @@ def ring_pass_q(
     Args:
         q: ``[n_local, Hq, D]`` local queries in ``plan.q_layout(rank)`` order.
         kv_block: this rank's keys/values in ``plan.kv_layout(rank)`` order, stacked ``[2, L, Hkv, D]``
-            or a pair (``L >= `` its block length; it never travels, so it needs no padding).
+            or a pair (``L >= `` its block length; it never travels, so it needs no padding), or an
+            :class:`FP8KVBlock` of it (dequantised a key tile at a time, inside the tiles).
 
     Returns:
         ``(out [n_local, Hq, D] q.dtype, lse [n_local, Hq] fp32)``.
     """
     check_ring(plan, ring)
     n, r = plan.cp_size, plan.rank
+
+    def partial(q_rows: Tensor, tiles: Sequence[Tile]) -> tuple[Tensor, Tensor]:
+        """``tiles`` of ``q_rows`` over this rank's KV block: ``(out in q.dtype, lse fp32)``."""
+        if isinstance(kv_block, FP8KVBlock):
+            out, lse = kv_block.attend(q_rows, kv_block.data, r, tiles, None, scale=scale, backend=backend)
+            return out.to(q.dtype), lse
+        return run_tiles(q_rows, kv_block[0], kv_block[1], tiles, None, scale=scale, backend=backend)
+
     if n == 1:
-        return run_tiles(q, kv_block[0], kv_block[1], plan.tiles(r, r), None, scale=scale, backend=backend)
+        return partial(q, plan.tiles(r, r))
     hq, d = q.shape[1], q.shape[2]
     # [N origins of the queries, max_local rows, packed (out, lse) bytes]; rows past an origin's
     # count are never read
@@ -56,8 +68,7 @@ def ring_pass_q(
 
     def attend(origin: int, q_rows: Tensor) -> None:
         """Partial attention of ``origin``'s query rows over this rank's KV block, packed into ``send[origin]``."""
-        out, lse = run_tiles(q_rows, kv_block[0], kv_block[1], plan.tiles(origin, r), None,
-                             scale=scale, backend=backend)
+        out, lse = partial(q_rows, plan.tiles(origin, r))
         pack_states(out, lse, into=send[origin, : q_rows.shape[0]])
 
     padded = q

@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from megacp.attention.pass_kv import FP8KVBlock, KVBlock, ring_pass_kv
+from megacp.attention.fp8_kv import FP8KVBlock, KVBlock
+from megacp.attention.pass_kv import ring_pass_kv
 from megacp.attention.pass_q import ring_pass_q
 from megacp.attention.preconditions import agree, check_inputs, content_digest
 from megacp.attention.strategy import STRATEGIES, Choice, choose_strategy, hardware_for
@@ -114,7 +115,7 @@ def cp_prefill(
 
     Args:
         q: ``[n_local, Hq, D]`` local queries; kv_block: from :func:`build_kv_block`, or an
-            :class:`FP8KVBlock` of its FP8 form (pass-KV passes its bytes; pass-Q dequantises it here).
+            :class:`FP8KVBlock` of its FP8 form (pass-KV passes its bytes; both dequantise it a key tile at a time).
         strategy: ``"pass_kv"`` or ``"pass_q"`` (resolve ``"auto"`` with :func:`resolve_strategy`).
 
     Returns:
@@ -125,8 +126,6 @@ def cp_prefill(
     if strategy == "pass_kv":
         out, _ = ring_pass_kv(q, kv_block, plan, ring, scale=scale, backend=backend)
     elif strategy == "pass_q":
-        if isinstance(kv_block, FP8KVBlock):  # the keys stay: dequantise them once
-            kv_block = kv_block.dequantize(kv_block.data, plan.rank, plan.max_kv_block)
         out, _ = ring_pass_q(q, kv_block, plan, ring, scale=scale, backend=backend)
     else:
         raise ValueError(f"prefill strategy {strategy!r} must be resolved to pass_kv or pass_q")

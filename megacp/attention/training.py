@@ -24,9 +24,10 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import Tensor
 
+from megacp.attention.fp8_kv import KVBlock
 from megacp.attention.partial import kernels_apply, partial_attention, resolve_backend, softmax_scale
 from megacp.attention.partial_backward import partial_attention_backward
-from megacp.attention.pass_kv import KVBlock, ring_pass_kv
+from megacp.attention.pass_kv import ring_pass_kv
 from megacp.attention.plans import plan_lengths, plans_reused_across_lengths
 from megacp.attention.prefill import build_kv_block
 from megacp.attention.varlen import TileRun, tile_runs, varlen_backward

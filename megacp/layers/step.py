@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from megacp.attention.decode import allgather_decode, static_decode
-from megacp.attention.pass_kv import FP8KVBlock, KVBlock
+from megacp.attention.fp8_kv import FP8KVBlock, KVBlock
 from megacp.attention.preconditions import agree, check_inputs
 from megacp.attention.prefill import block_owners, build_kv_block, cp_prefill, resolve_strategy, strategy_name
 from megacp.attention.strategy import Choice
@@ -273,11 +273,13 @@ class CachedStep(PrefillStep):
         cache, slots, index, plan = self.cache, self.slots, layer.layer_index, self.plan
         k_stored, v_stored = cache.write(index, slots, plan, k, v, amax_reduce=self.amax_over_ranks())
         prefix = plan.prefix_counts[plan.rank]
-        if cache.quantized:  # the FP8 rows travel; each rank dequantises the block in hand
-            stored = build_kv_block(plan, k_stored, v_stored, lambda i: cache.stored_kv(index, slots[i], prefix[i]))
+        if cache.quantized:  # the FP8 rows travel; each rank dequantises the block in hand a key tile at a time
+            stored: KVBlock = (cache.stored_kv(index, slots[0], plan.max_kv_block) if len(slots) == 1 else
+                               build_kv_block(plan, k_stored, v_stored, lambda i: cache.stored_kv(index, slots[i], prefix[i])))
             if self.owners is None:
                 self.owners = block_owners(plan).to(k.device)
-            block: KVBlock | FP8KVBlock = FP8KVBlock(stored, cache.step_scales(index, slots), self.owners, k.dtype)
+            block: KVBlock | FP8KVBlock = FP8KVBlock(stored, cache.step_scales(index, slots), self.owners, k.dtype,
+                                                     cache.fp8_tile_rows)
         elif len(slots) == 1:  # rows past this rank's tokens (the block's padding) are never read
             block = cache.kv(index, slots[0], plan.max_kv_block)
         else:

@@ -135,3 +135,41 @@ def plan_tiles(q_layout: Sequence[SeqLayout], kv_layout: Sequence[SeqLayout], wi
         else:
             tiles.extend(_windowed_request_tiles(q, kv, window, prefix_runs[i] if prefix_runs else None))
     return tiles
+
+
+def split_keys(tiles: Sequence[Tile], max_keys: int) -> list[Tile]:
+    """``tiles`` with every tile that reads more than ``max_keys`` keys cut, where its mask allows,
+    into tiles of at most ``max_keys`` keys (queries whose rows overlap are merged as partial
+    states). The keys every query of a tile sees — all of a dense tile's, a causal tile's keys
+    before its last ``q1 - q0`` — go in dense pieces of ``max_keys``; a causal tile's last
+    ``q1 - q0`` keys stay one causal tile, and a windowed (``left``) tile stays whole (it reads at
+    most its queries plus the window). So each piece reads at most ``max(max_keys, q1 - q0 + window)``
+    keys: what an FP8 block dequantises at a time (:mod:`megacp.attention.fp8_kv`)."""
+    if max_keys < 1:
+        raise ValueError(f"a key tile must hold at least 1 key, got {max_keys}")
+    out: list[Tile] = []
+    for t in tiles:
+        if t.left is not None or t.k1 - t.k0 <= max(max_keys, t.q1 - t.q0 if t.causal else 0):
+            out.append(t)
+            continue
+        dense_end = t.k1 - (t.q1 - t.q0) if t.causal else t.k1  # keys [k0, dense_end) are seen by every query
+        out.extend(Tile(t.q0, t.q1, a, min(a + max_keys, dense_end), False) for a in range(t.k0, dense_end, max_keys))
+        if t.causal:
+            out.append(Tile(t.q0, t.q1, dense_end, t.k1, True))
+    return out
+
+
+def key_groups(tiles: Sequence[Tile], max_keys: int) -> list[tuple[int, int, list[Tile]]]:
+    """``tiles`` (in order) as consecutive groups whose keys span at most ``max_keys`` rows (a tile
+    longer than that forms a group alone): ``(k0, k1, tiles)``, the key span ``[k0, k1)`` one group
+    reads. Short tiles (packed documents) thus share one read of their keys."""
+    groups: list[tuple[int, int, list[Tile]]] = []
+    for t in tiles:
+        if groups:
+            a, b, group = groups[-1]
+            lo, hi = min(a, t.k0), max(b, t.k1)
+            if hi - lo <= max_keys:
+                groups[-1] = (lo, hi, [*group, t])
+                continue
+        groups.append((t.k0, t.k1, [t]))
+    return groups

@@ -9,7 +9,8 @@ is fed the unquantised cache's greedy tokens, so the logits of every step compar
 * **exact plumbing**: the FP8 cache's logits equal, within fp32 noise (1e-5 of the largest logit),
   those of an fp32 cache whose writes this file quantises itself (scales from the first step's
   amax over all ranks, round to e4m3, clamp at 448): the quantised rows are what every path reads,
-  the ring's FP8 blocks (pass-KV at CP = 1 and 3, pass-Q at CP = 2) included;
+  the ring's FP8 blocks (pass-KV at CP = 1 and 3, pass-Q at CP = 2) included, dequantised
+  :data:`FP8_TILE_ROWS` rows at a time;
 * **CP-exact**: FP8 logits at CP = 2 and 3 equal CP = 1's (1e-5): the scales do not depend on the
   CP size;
 * **accuracy**: FP8 logits stay within :data:`LOGIT_BOUND` (absolute) of the unquantised cache's,
@@ -49,6 +50,9 @@ CPU), against <= 8.1e-7 without one. So the check is: the same scales, at most :
 elements one code apart, and the logits within 1e-5 without such a tie, else within :data:`TIE_ERR`
 (a plumbing error, e.g. a row read from the wrong slot or an unscaled read, moves them by ~0.1)."""
 STRATEGY = {1: "pass_kv", 2: "pass_q", 3: "pass_kv"}
+FP8_TILE_ROWS = 8
+"""Rows of a block the FP8 cache's prefill dequantises at a time here (the default is 64K): the
+turn-2 chunks and the 40-token prompt's later chunks read their cached keys in several tiles."""
 PROMPTS, TURN2, DECODE1, DECODE2, STATIC = (1, 9, 40), (5, 1, 20), 4, 3, 3
 
 
@@ -104,6 +108,7 @@ def _conversation(rank: int, n: int, path: str, prompts: list[list[int]], turn2:
     for kv, gen in gens.items():
         cache = (ReferenceQuantCache(**gen.shape, max_requests=3, capacity=96, cp_size=n, cp_rank=rank)
                  if kv == "reference" else gen.new_cache(3, 96))
+        cache.fp8_tile_rows = FP8_TILE_ROWS  # so prefill chunks read their cached rows in several tiles
         caches[kv] = (cache, [cache.allocate() for _ in prompts])
     logits: dict[str, list[torch.Tensor]] = {kv: [] for kv in gens}
     fed: list[list[int]] = []
