@@ -354,6 +354,16 @@ class ShardedKVCache:
         kf.index_copy_(0, rows, k)
         vf.index_copy_(0, rows, v)
 
+    def stored_rows(self, layer: int, starts: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """An FP8 cache's rows as stored, for a decode kernel that reads them so
+        (:mod:`~megacp.attention.fp8_decode_kernel`): ``(k, v, scales)``, the :meth:`flat_kv` views
+        and the ``[B, 2, Hkv]`` fp32 scales of the requests whose first rows are ``starts [B]``
+        (int64). No host synchronisation."""
+        if self.scales is None:
+            raise ValueError("a KV cache that is not FP8 has no scales")
+        kf, vf = self.flat_kv(layer)
+        return kf, vf, self.scales[layer].index_select(0, torch.div(starts, self.capacity, rounding_mode="floor"))
+
     def static_rows(self, layer: int, starts: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """What a static decode step attends over for ``layer``, for the requests whose first rows
         of :meth:`flat_kv` are ``starts [B]`` (int64): ``(k, v, starts)``, where request ``b``'s rows

@@ -16,8 +16,9 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from megacp.attention import fp8_decode_kernel
 from megacp.attention.merge import merge_stack, pack_states, unpack_states
-from megacp.attention.partial import cache_decode_states, empty_state, partial_attention
+from megacp.attention.partial import cache_decode_states, empty_state, partial_attention, softmax_scale
 from megacp.parallel.ring import Ring
 
 
@@ -96,6 +97,7 @@ def static_decode(
     ring: Ring | None,
     *,
     scale: float | None = None,
+    fp8_scales: Tensor | None = None,
 ) -> Tensor:
     """All-gather decode with every length in device memory (the step a CUDA graph replays).
 
@@ -104,9 +106,22 @@ def static_decode(
             ``[R * capacity, Hkv, D]``; starts, used, capacity: each request's first row and the
             rows it attends over on this rank (:func:`~megacp.attention.partial.cache_decode_states`).
         ring: the CP ring (``None`` or size 1: local attention only).
+        fp8_scales: with ``k``/``v`` as an FP8 cache stores them (``float8_e4m3fn`` or ``uint8``),
+            each request's ``[B, 2, Hkv]`` fp32 key and value scales: the rows are read as stored
+            (:mod:`~megacp.attention.fp8_decode_kernel`; needs :func:`fp8_decode_applies`).
 
     Returns:
         ``[B, Hq, D]`` in ``q.dtype``, identical on every rank.
     """
-    out, lse = cache_decode_states(q, k, v, starts, used, capacity, scale=scale)
+    if fp8_scales is not None:
+        out, lse = fp8_decode_kernel.fp8_cache_decode_states(q, k, v, fp8_scales, starts, used, capacity,
+                                                             scale=softmax_scale(scale, q.shape[-1]))
+    else:
+        out, lse = cache_decode_states(q, k, v, starts, used, capacity, scale=scale)
     return merge_over_ring(out, lse, ring, q.dtype)
+
+
+def fp8_decode_applies(q: Tensor, k: Tensor) -> bool:
+    """Whether decode queries ``q`` read an FP8 cache's rows ``k`` as stored (the Triton kernel
+    applies: CUDA, fp16/bf16 queries, power-of-two head dim); elsewhere the rows are dequantised first."""
+    return fp8_decode_kernel.available(q, k)

@@ -30,7 +30,7 @@ from typing import ClassVar, Protocol, Sequence
 import torch
 from torch import Tensor
 
-from megacp.attention.decode import allgather_decode, static_decode
+from megacp.attention.decode import allgather_decode, fp8_decode_applies, static_decode
 from megacp.attention.fp8_kv import FP8KVBlock, KVBlock
 from megacp.attention.preconditions import agree, check_inputs
 from megacp.attention.prefill import block_owners, build_kv_block, cp_prefill, resolve_strategy, strategy_name
@@ -301,6 +301,9 @@ class DecodeStep(CPStep):
     slots: list[int] = field(kw_only=True)
     cached: ClassVar[bool] = True
     replicated: ClassVar[bool] = True
+    rows: tuple[Tensor, Tensor] | None = field(default=None, init=False, repr=False)
+    """Over an FP8 cache read as stored: each request's first row ``[B]`` int64 and rows it
+    attends over ``[B]`` int32 on this rank, on the device (made at the first layer)."""
 
     @property
     def strategy(self) -> str:
@@ -324,8 +327,18 @@ class DecodeStep(CPStep):
         owned = plan.local_index().to(k.device)
         self.cache.write(index, self.slots, plan, k[owned], v[owned], amax_reduce=self.amax_over_ranks())
         lens = [plan.prefix_counts[plan.rank][i] + lay.num_new for i, lay in enumerate(plan.q_layout(plan.rank))]
+        windowed = plan.with_window(window).window is not None
+        if self.cache.quantized and not windowed and fp8_decode_applies(q, self.cache.k):  # read as stored
+            if self.rows is None:
+                c = self.cache.capacity
+                self.rows = (torch.tensor([s * c for s in self.slots], dtype=torch.long).to(q.device),
+                             torch.tensor(lens, dtype=torch.int32).to(q.device))
+            starts, used = self.rows
+            kf, vf, scales = self.cache.stored_rows(index, starts)
+            return static_decode(q, kf, vf, starts, used, self.cache.capacity, self.settings.ring, scale=scale,
+                                 fp8_scales=scales)
         kv = self.cache.decode_kv(index, self.slots, lens)
-        if plan.with_window(window).window is not None:
+        if windowed:
             assert window is not None
             kv = self._in_window(kv, lens, window)
         return allgather_decode(q, kv, self.settings.ring, scale=scale, backend=self.settings.backend)
@@ -414,6 +427,10 @@ class StaticDecodeStep(CPStep):
     def _attention(self, layer: AttentionLayer, q: Tensor, k: Tensor, v: Tensor, scale: float | None,
                    window: int | None) -> Tensor:
         self.cache.write_rows(layer.layer_index, self.rows, k, v)
+        if self.cache.quantized and fp8_decode_applies(q, self.cache.k):  # the FP8 rows are read as stored
+            kf, vf, scales = self.cache.stored_rows(layer.layer_index, self.starts)
+            return static_decode(q, kf, vf, self.starts, self.used, self.cache.capacity, self.settings.ring,
+                                 scale=scale, fp8_scales=scales)
         kf, vf, starts = self.cache.static_rows(layer.layer_index, self.starts)
         return static_decode(q, kf, vf, starts, self.used, self.cache.capacity, self.settings.ring, scale=scale)
 

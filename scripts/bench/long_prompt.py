@@ -27,7 +27,10 @@ memory ends that point only; each method climbs ``--lengths`` and stops at its f
 reserved over the child's run, the weights and the KV cache the request needs in GiB (megacp: its
 cache), so ``transient_gib`` = peak allocated - weights - cache is what the prefill itself took;
 megacp's prefill chunk; the child's peak host RSS. Then each method's longest length and megacp / HF
-TTFT at equal lengths. Writes ``--json``.
+TTFT at equal lengths. megacp's points also give the prefill's model TFLOP/s (the decoder layers'
+linear ``2·params·S`` plus causal attention ``2·S²·Hq·D`` per layer, over the TTFT) and the cache's own
+capacity: the GPU memory free after the weights over the cache's bytes per token
+(``capacity_tokens``; a prompt near it leaves nothing for the prefill's transients). Writes ``--json``.
 """
 
 from __future__ import annotations
@@ -82,20 +85,25 @@ def megacp_point(shape: dict[str, Any], length: int, args: argparse.Namespace, c
     model = build_model(cfg, dtype=ctx.dtype, device=ctx.device, backend="torch")
     settings = CPSettings.from_state(ctx.state)
     megacp.swap_attention(model, settings)
+    elem = 1 if args.kv_cache_dtype == "fp8_e4m3" else torch.empty((), dtype=ctx.dtype).element_size()
+    per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * elem
+    free = torch.cuda.mem_get_info()[0] if ctx.cuda else None  # after the weights, before the cache
     gen = Generator.for_model(model, cfg, settings, device=ctx.device, dtype=ctx.dtype, prefill_chunk=args.prefill_chunk,
                               kv_cache_dtype=args.kv_cache_dtype, cuda_graphs=ctx.cuda)
     g = torch.Generator().manual_seed(1)
     params = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True)
     gen.generate([torch.randint(0, cfg.vocab_size, (min(WARMUP_TOKENS, length),), generator=g).tolist()], params)
     prompt = torch.randint(0, cfg.vocab_size, (length,), generator=g).tolist()
-    elem = 1 if gen.kv_cache_dtype == "fp8_e4m3" else torch.empty((), dtype=ctx.dtype).element_size()
     if ctx.cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     result = gen.generate([prompt], params)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    cache = 2 * cfg.num_layers * gen.cache_rows([length], args.new_tokens) * cfg.num_kv_heads * cfg.head_dim * elem
-    return {"ttft_s": result.report["ttft_s"], "decode_tokens_per_s": result.report["decode_tokens_per_s"],
+    cache = gen.cache_rows([length], args.new_tokens) * per_token
+    linear = 2 * length * sum(p.numel() for name, p in model.named_parameters() if name.startswith("layers."))
+    attention = 2 * length * length * cfg.num_heads * cfg.head_dim * cfg.num_layers  # causal QK^T and PV
+    return {"ttft_s": result.report["ttft_s"], "prefill_tflops": round((linear + attention) / result.report["ttft_s"] / 1e12, 1),
+            "capacity_tokens": None if free is None else free // per_token, "decode_tokens_per_s": result.report["decode_tokens_per_s"],
             "decode": result.report["decode"], "prefill_chunk": gen.prefill_chunk or length,
             "prefill_steps": len(result.report["prefill_strategy"]), "weights_gib": _gib(weights),
             "kv_cache_gib": _gib(cache)}
@@ -190,6 +198,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 COLUMNS = [("method", "method", "s"), ("length", "prompt", "d"), ("ttft_s", "TTFT s", ".2f"),
+           ("prefill_tflops", "prefill TFLOP/s", ".0f"), ("capacity_tokens", "cache capacity", "d"),
            ("decode_tokens_per_s", "decode tok/s", ".1f"), ("peak_alloc_gib", "GPU alloc GiB", ".1f"),
            ("peak_reserved_gib", "GPU reserved GiB", ".1f"), ("kv_cache_gib", "KV GiB", ".1f"),
            ("transient_gib", "transient GiB", ".1f"), ("prefill_chunk", "chunk", "d"),

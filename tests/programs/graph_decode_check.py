@@ -36,8 +36,9 @@ shape (``scripts.bench.decode_hf.MODELS["smollm2"]``), each in float32 and bfloa
   repetition / presence / frequency penalties) through both LLMs, and the nucleus request alone on
   the graph LLM: identical tokens (the sampler runs inside the captured step).
 
-With ``--kv-cache-dtype fp8_e4m3`` both LLMs of every case keep an FP8 cache (the static step
-dequantises the rows it gathers; pass-KV prefill at CP = 2 passes the FP8 bytes over NCCL or the
+With ``--kv-cache-dtype fp8_e4m3`` both LLMs of every case keep an FP8 cache (bf16 decode reads the
+FP8 rows as stored, :mod:`megacp.attention.fp8_decode_kernel`, checked first against attention over
+the dequantised rows by ``fp8 kernel``; fp32 decode dequantises the rows it gathers; pass-KV prefill at CP = 2 passes the FP8 bytes over NCCL or the
 copy engine), and one more check per case, ``fp8``, feeds the eager FP8 LLM and an eager LLM with
 the unquantised cache the unquantised one's greedy tokens (prefill + 32 steps) and reports the
 largest logit difference relative to the largest logit (PASS at most :data:`FP8_TOL`) and the
@@ -121,6 +122,40 @@ def check_kernel(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -
         worst_o = max(worst_o, float((out[b].float() - ro[0]).abs().max() / ro.abs().max()))
         worst_l = max(worst_l, float((lse[b] - rl[0]).abs().max()))
     tol, lse_tol = TOL[dtype], 1e-5 if dtype == torch.float32 else 1e-3
+    ok = worst_o <= tol and worst_l <= lse_tol
+    return ("PASS" if ok else "FAIL"), f"out rel err {worst_o:.2e} (tol {tol:g}), LSE abs err {worst_l:.2e} (tol {lse_tol:g})"
+
+
+def check_fp8_kernel(heads: int, kv_heads: int, head_dim: int) -> tuple[str, str]:
+    """The compiled FP8 decode kernel (bf16 queries) against fp32 attention over the dequantised
+    rows: requests of 0, 1, 37 and all rows of a 64-row capacity, and one of 300K rows (64 key splits)."""
+    from megacp.attention.fp8_decode_kernel import fp8_cache_decode_states
+    from megacp.attention.partial import partial_attention
+    from megacp.kv_cache import quantize_fp8
+
+    worst_o = worst_l = 0.0
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for cap, used in ((64, [0, 1, 37, 64]), (300_000, [299_999])):
+        b = len(used)
+        x = torch.randn(2, b * cap, kv_heads, head_dim, device="cuda", generator=g) * 3
+        scales = torch.exp2(torch.randint(-3, 3, (b, 2, kv_heads), device="cuda", generator=g).float())
+        k8, v8 = (quantize_fp8(x[i].view(b, cap, kv_heads, head_dim), scales[:, i, None, :, None]).view(b * cap, kv_heads, head_dim)
+                  for i in range(2))
+        q = torch.randn(b, heads, head_dim, device="cuda", generator=g).bfloat16()
+        starts = torch.arange(b, device="cuda") * cap
+        out, lse = fp8_cache_decode_states(q, k8.view(torch.uint8), v8.view(torch.uint8), scales, starts,
+                                           torch.tensor(used, dtype=torch.int32, device="cuda"), cap, scale=head_dim ** -0.5)
+        for i, n in enumerate(used):
+            if n == 0:
+                if out[i].abs().max() != 0 or not torch.isneginf(lse[i]).all():
+                    return "FAIL", "a request with no rows must give out = 0 and LSE = -inf"
+                continue
+            rows = slice(i * cap, i * cap + n)
+            ro, rl = partial_attention(q[i:i + 1].float(), k8[rows].float() * scales[i, 0, :, None],
+                                       v8[rows].float() * scales[i, 1, :, None], backend="reference")
+            worst_o = max(worst_o, float((out[i].float() - ro[0]).abs().max() / ro.abs().max()))
+            worst_l = max(worst_l, float((lse[i] - rl[0]).abs().max()))
+    tol, lse_tol = TOL[torch.bfloat16], 1e-2
     ok = worst_o <= tol and worst_l <= lse_tol
     return ("PASS" if ok else "FAIL"), f"out rel err {worst_o:.2e} (tol {tol:g}), LSE abs err {worst_l:.2e} (tol {lse_tol:g})"
 
@@ -289,6 +324,8 @@ def main() -> int:
             checks.run(f"{case} generate", lambda: check_generate(graph, eager, dtype))
             checks.run(f"{case} session", lambda: check_session(graph, eager, dtype))
             checks.run(f"{case} sampled", lambda: check_sampled(graph, eager, dtype))
+            if kv != "auto" and dtype == torch.bfloat16:
+                checks.run(f"{case} fp8 kernel", lambda: check_fp8_kernel(mc.num_heads, mc.num_kv_heads, mc.head_dim))
             if kv != "auto":
                 plain = LLM(str(path), dtype=dtype, cuda_graphs=False, state=state)
                 checks.run(f"{case} fp8", lambda: check_fp8(eager, plain))
