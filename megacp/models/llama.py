@@ -278,17 +278,21 @@ class CausalLM(nn.Module):
     def reset_parameters(self, std: float = 0.02) -> None:
         """Random init: norm weights 1, biases 0, matrices N(0, std²) (a no-op on ``meta``).
 
-        Layers passed in by the caller (TE) keep their own initialisation.
+        Layers passed in by the caller (TE) keep their own initialisation. A model built inside
+        ``deepspeed.zero.Init`` (:func:`megacp.train.engine.build_for_training`) has its parameters
+        partitioned by the time this runs: each rank initialises its partition (``ds_tensor``) in
+        place, on the device DeepSpeed keeps it on, and no full copy is made.
         """
         for name, param in self.named_parameters():
             if name.startswith("layers.") and not self._owns_layers:
                 continue
+            data = getattr(param, "ds_tensor", param)  # ZeRO 3: this rank's flat partition
             if name.endswith(("norm_weight", "norm.weight")):
-                param.fill_(1.0)
-            elif param.dim() == 1:
-                param.zero_()
+                data.fill_(1.0)
+            elif len(getattr(param, "ds_shape", param.shape)) == 1:
+                data.zero_()
             else:
-                param.normal_(0.0, std)
+                data.normal_(0.0, std)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:

@@ -328,11 +328,12 @@ def run(args: argparse.Namespace) -> int:
     from megacp.checkpoint.front import default_model_path, load_on_mesh, read_model_config
     from megacp.integrations.transformers import read_transformers_config
     from megacp.layers.settings import CPSettings
+    from megacp.models.config import ModelConfig
     from megacp.parallel import peak_memory_mib
     from megacp.parallel.launcher_watch import watch_launcher
     from megacp.train.collector import GarbageCollection
     from megacp.train.data import CorpusBatches, Prefetcher, StreamPosition, held_out_sequences, resolve_corpus
-    from megacp.train.engine import Trainer, check_batch_config, read_settings
+    from megacp.train.engine import Trainer, check_batch_config, plan_from_config, read_settings
     from megacp.train.loss import lm_loss
     from megacp.train.resume import ResumePoint, locate
     from megacp.train.save_target import SaveLock, check_save_target, checkpoints_at_once, saved_tags
@@ -390,6 +391,10 @@ def run(args: argparse.Namespace) -> int:
     rank0 = state.rank == 0
 
     cp = CPSettings.from_state(state, prefill="pass_kv")
+    if not args.hf_native and isinstance(model_config_found, ModelConfig):
+        # planned from the config: a length that does not fit is refused before any weight is read
+        args.seq_len, _ = plan_from_config(model_config_found, settings, state, seq_len=args.seq_len,
+                                           micro_batch=micro_batch, backend=args.backend)
     if rank0 and not args.quiet:  # the load and DeepSpeed's set-up take a while: say what is happening
         what = "transformers' modules" if args.hf_native else "megacp's model"
         print(f"{PROG}: loading {Path(model_path).name} ({what}) and setting up DeepSpeed ...", flush=True)

@@ -237,6 +237,90 @@ def deepspeed_for(state: ParallelState) -> Any:
     return deepspeed
 
 
+def memory_inputs(model: torch.nn.Module, settings: TrainSettings, state: ParallelState, *,
+                  params: int | None = None, host: int | None = None) -> dict[str, Any]:
+    """What :func:`~megacp.train.memory.plan_memory` and :func:`~megacp.train.memory.longest_fitting`
+    take besides the model config and the tokens, for ``model`` (a ``meta`` skeleton will do:
+    nothing is read) on this rank of ``state``: its parameters (``params``, else counted), the memory
+    options, where ZeRO keeps the states, the GPU's capacity and the host memory the run's states
+    and offloaded activations may use (``host``, else what is free now; on a GPU only)."""
+    from megacp.models.llama import CausalLM, LayerNormMLP
+
+    dense = isinstance(model, CausalLM) and all(
+        isinstance(getattr(layer, "layernorm_mlp", None), LayerNormMLP) for layer in model.layers)
+    device = state.device
+    return dict(params=count_parameters(model) if params is None else params, options=settings.memory,
+                zero=ZeroSettings.of(settings.sections, partition=state.size("dp_cp"), dtype=settings.dtype),
+                capacity=gpu_capacity(device),
+                host=None if device.type != "cuda" else host_available() if host is None else host,
+                tp=state.size("tp"), cp=state.size("cp"), dense_mlp=dense)
+
+
+def _host_parameter_bytes(model: torch.nn.Module) -> int:
+    """Bytes of ``model``'s parameters (ZeRO 3: this rank's partitions) held in host memory."""
+    tensors = (getattr(p, "ds_tensor", p) for p in model.parameters())
+    return sum(t.numel() * t.element_size() for t in tensors if t.device.type == "cpu")
+
+
+def longest_for(cfg: ModelConfig, inputs: Mapping[str, Any], state: ParallelState, *, micro_batch: int,
+                limit: int | None = None) -> int:
+    """``--seq-len auto``: the longest packed-sequence length (a multiple of ``2 x CP``, at most
+    ``limit``) whose step of ``micro_batch`` sequences fits this GPU by the memory plan; 0 when none does.
+
+    Raises:
+        ConfigError: not on a GPU (there is no capacity to plan against).
+    """
+    if state.device.type != "cuda":
+        raise ConfigError("the longest sequence is planned for megacp's own models on a GPU")
+    return longest_fitting(cfg, multiple=2 * state.size("cp"), batch=micro_batch, limit=limit, **inputs)
+
+
+def plan_from_config(cfg: ModelConfig, settings: TrainSettings, state: ParallelState, *, seq_len: int | str,
+                     micro_batch: int, backend: Any = "auto") -> tuple[int, MemoryPlan]:
+    """The memory plan of a run from the model's config alone, before any weight is built or read:
+    the model's skeleton is built on ``meta`` (shapes only) for its parameter count and MLP kind
+    (``backend``: the layers the run builds, :func:`~megacp.models.build.resolve_backend`).
+    ``seq_len="auto"`` becomes the longest that fits (:func:`longest_for`).
+
+    Returns:
+        ``(seq_len, plan)``.
+
+    Raises:
+        MemoryPlanError: the step does not fit (one line naming what would); ConfigError: ``auto``
+        off a GPU.
+    """
+    from megacp.models import build_model
+    from megacp.models.build import resolve_backend
+
+    skeleton = build_model(cfg, dtype=settings.dtype, device="meta", backend="torch",
+                           tp_group=state.group("tp") if state.size("tp") > 1 else None)
+    inputs = memory_inputs(skeleton, settings, state)
+    if resolve_backend(cfg, state.device, backend) != "torch":  # TE's fused MLP is not tiled
+        inputs["dense_mlp"] = False
+    if seq_len == "auto":
+        seq_len = longest_for(cfg, inputs, state, micro_batch=micro_batch, limit=cfg.max_position_embeddings)
+        if seq_len == 0:
+            seq_len = 2 * state.size("cp")  # not even the shortest step fits: the plan below says why
+    assert isinstance(seq_len, int)
+    tokens = -(-seq_len * micro_batch // state.size("cp"))
+    return seq_len, plan_memory(cfg, tokens=tokens, **inputs)
+
+
+def build_for_training(build: Callable[[torch.device], torch.nn.Module], config: Mapping[str, Any],
+                       state: ParallelState, settings: TrainSettings) -> torch.nn.Module:
+    """``build(device)`` for a :class:`Trainer`. Under ZeRO 3 it runs inside ``deepspeed.zero.Init``
+    over the DP x CP group: each module's parameters are created on the GPU and partitioned (and
+    moved to the host with ``offload_param``) as soon as the module is built, and random init fills
+    each rank's partition (:meth:`~megacp.models.llama.CausalLM.reset_parameters`), so no full copy
+    of the model is ever made or initialised on the CPU. Otherwise it builds on ``state.device``."""
+    if settings.zero_stage != 3:
+        return build(state.device)
+    deepspeed = deepspeed_for(state)
+    with deepspeed.zero.Init(data_parallel_group=state.group("dp_cp"), config_dict_or_path=dict(config),
+                             mpu=DeepSpeedMPU(state), dtype=settings.dtype):
+        return build(state.device)
+
+
 def check_batch_config(raw: Mapping[str, Any], state: ParallelState) -> int:
     """Let DeepSpeed check the batch sizes of ``raw`` against the mesh (``train_batch_size`` =
     micro-batch x accumulation x DP size) and parse the rest of its config, without building an
@@ -325,6 +409,9 @@ class Trainer:
         cfg = getattr(model, "cfg", None)
         self._cfg: ModelConfig | None = cfg if isinstance(cfg, ModelConfig) else None  # a megacp model's
         self._params = count_parameters(model)
+        self._host = host_available() + _host_parameter_bytes(model) if state.device.type == "cuda" else None
+        """Host bytes the plan may give the run's states and offloaded activations: what was free
+        before DeepSpeed allocated the host states (the plan counts them), plus parameters already there."""
         memory = settings.memory
         self._tiling: Tiling | None = None
         """A transformers model's MLP tiling (its ``step_tokens`` set before each micro-batch)."""
@@ -335,9 +422,10 @@ class Trainer:
         cp = cp or CPSettings.from_state(state)
         if self.zero3:
             model = LossModule(model, loss, cp)
-            # partitioned over DP x CP (DeepSpeed's own conversion would use the mpu's DP group only)
-            deepspeed.zero.Init(module=model, data_parallel_group=state.group("dp_cp"), config_dict_or_path=dict(config),
-                                mpu=DeepSpeedMPU(state))
+            if not all(hasattr(p, "ds_id") for p in model.parameters()):  # not built partitioned (build_for_training)
+                # partitioned over DP x CP (DeepSpeed's own conversion would use the mpu's DP group only)
+                deepspeed.zero.Init(module=model, data_parallel_group=state.group("dp_cp"),
+                                    config_dict_or_path=dict(config), mpu=DeepSpeedMPU(state))
         with expert_parallel(model, state):
             self.engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=dict(config),
                                                    mpu=DeepSpeedMPU(state))
@@ -379,17 +467,7 @@ class Trainer:
         return self.planned
 
     def _plan_inputs(self) -> dict[str, Any]:
-        from megacp.models.llama import CausalLM, LayerNormMLP
-
-        model = self.module
-        dense = isinstance(model, CausalLM) and all(
-            isinstance(getattr(layer, "layernorm_mlp", None), LayerNormMLP) for layer in model.layers)
-        device = self.state.device
-        return dict(params=self._params, options=self.settings.memory,
-                    zero=ZeroSettings.of(self.settings.sections, partition=self.state.size("dp_cp"),
-                                         dtype=self.settings.dtype),
-                    capacity=gpu_capacity(device), host=host_available() if device.type == "cuda" else None,
-                    tp=self.state.size("tp"), cp=self.state.size("cp"), dense_mlp=dense)
+        return memory_inputs(self.module, self.settings, self.state, params=self._params, host=self._host)
 
     def _warm_plans(self, tokens: int) -> None:
         """Before the first step of a megacp model: the attention kernels' plans of every padded
@@ -405,10 +483,9 @@ class Trainer:
     def longest_seq_len(self, micro_batch: int, *, limit: int | None = None) -> int:
         """The longest packed-sequence length (a multiple of ``2 x CP``, at most ``limit``) whose
         step of ``micro_batch`` sequences fits on this GPU by the memory plan; 0 when none does."""
-        if self._cfg is None or self.state.device.type != "cuda":
+        if self._cfg is None:
             raise ConfigError("the longest sequence is planned for megacp's own models on a GPU")
-        cp = self.state.size("cp")
-        return longest_fitting(self._cfg, multiple=2 * cp, batch=micro_batch, limit=limit, **self._plan_inputs())
+        return longest_for(self._cfg, self._plan_inputs(), self.state, micro_batch=micro_batch, limit=limit)
 
     def step(self, batches: Iterator[PackedSequence]) -> StepResult:
         """One optimizer step over ``gradient_accumulation_steps`` micro-batches from ``batches``
