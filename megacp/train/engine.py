@@ -316,9 +316,15 @@ def build_for_training(build: Callable[[torch.device], torch.nn.Module], config:
     if settings.zero_stage != 3:
         return build(state.device)
     deepspeed = deepspeed_for(state)
+    # the parameters' dtype comes from the config's bf16/fp16 sections (DeepSpeed reads a ``dtype``
+    # argument only where the accelerator supports fp16); F.linear stays torch's own
     with deepspeed.zero.Init(data_parallel_group=state.group("dp_cp"), config_dict_or_path=dict(config),
-                             mpu=DeepSpeedMPU(state), dtype=settings.dtype):
-        return build(state.device)
+                             mpu=DeepSpeedMPU(state), mem_efficient_linear=False):
+        model = build(state.device)
+    if any(p.dtype != settings.dtype for p in model.parameters()):
+        raise ConfigError(f"DeepSpeed built the model's parameters in {next(model.parameters()).dtype}, "
+                          f"not the configured {settings.dtype}")
+    return model
 
 
 def check_batch_config(raw: Mapping[str, Any], state: ParallelState) -> int:

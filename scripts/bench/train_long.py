@@ -18,7 +18,9 @@ gradient clipping 1.0. Both DeepSpeed configs share :func:`ds_config`: ZeRO ``--
 * ``megacp``: ``build_model`` + ``swap_attention`` + ``read_settings`` + ``Trainer`` (as in
   ``scripts/bench/train_step.py``); the memory sections come from ``--megacp-config``, a preset of
   :data:`MEGACP_PRESETS` or a JSON file whose top-level sections replace the base config's. The
-  Trainer's memory plan must accept the step (a refusal ends the ladder as ``plan``).
+  memory plan runs from the config before the model is built (``plan_from_config``; a refusal ends
+  the ladder as ``plan`` within seconds), and under ZeRO 3 the model is built partitioned
+  (``build_for_training``: inside ``deepspeed.zero.Init``, initialised on the GPU).
 * ``hf``: the same model as a user brings it — transformers' ``LlamaForCausalLM`` with
   ``attn_implementation="megacp"`` — through megacp's ``Trainer`` with the same memory sections
   (:mod:`megacp.train.hf_memory`: checkpointed layers with host-offloaded inputs, tiled MLPs, the
@@ -139,12 +141,13 @@ def megacp_step(args: argparse.Namespace, cfg: Any, state: Any, seq: int) -> tup
     import megacp
     from megacp.models import build_model
     from megacp.train.data import PackedSequence
-    from megacp.train.engine import Trainer, read_settings
+    from megacp.train.engine import Trainer, build_for_training, plan_from_config, read_settings
 
     config = megacp_config(args, state.device.type == "cuda")
     settings = read_settings(config)
-    device = "cpu" if settings.zero_stage == 3 else state.device  # ZeRO 3: partitioned as the Trainer builds
-    model = build_model(cfg, dtype=settings.dtype, device=device, backend="torch")
+    plan_from_config(cfg, settings, state, seq_len=seq, micro_batch=1, backend="torch")  # refused before the build
+    model = build_for_training(lambda device: build_model(cfg, dtype=settings.dtype, device=device, backend="torch"),
+                               config, state, settings)  # ZeRO 3: built partitioned, initialised on the GPU
     megacp.swap_attention(model, state, strategy="pass_kv")
     trainer = Trainer(model.train(), config, state, settings)
     plan = trainer.plan_memory(seq)

@@ -98,3 +98,65 @@ def test_zero3_trains_like_zero0(world_size: int, cp: int, tmp_path) -> None:
             assert weights.shape == ref_weights.shape, f"{run} rank {rank}"
         assert rel_err(out["zero3_converted"], ref_weights) < 1e-5, f"converted ZeRO 3 checkpoint, rank {rank}"
 
+
+
+def _built_partitioned(rank: int, world_size: int, cp: int) -> dict:
+    import os
+
+    os.environ["DS_ACCELERATOR"] = "cpu"
+    import deepspeed
+
+    import megacp
+    from megacp.models import CausalLM, build_model
+    from megacp.train.engine import Trainer, build_for_training, plan_from_config, read_settings
+
+    dp = world_size // cp
+    config = _ds_config({**ZERO3, **OFFLOAD}, cp, dp)
+    state = megacp.initialize(config)
+    settings = read_settings(config)
+    torch.manual_seed(rank)
+    model = build_for_training(lambda device: build_model(CFG, dtype=torch.float32, device=device, backend="torch"),
+                               config, state, settings)
+    partitioned = all(hasattr(p, "ds_id") and p.numel() == 0 for p in model.parameters())
+    params = list(model.parameters())
+    with deepspeed.zero.GatheredParameters(params):
+        weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    if cp > 1:
+        megacp.swap_attention(model, state, strategy="pass_kv")
+    trainer = Trainer(model.train(), config, state, settings)
+    early = plan_from_config(CFG, settings, state, seq_len=SEQ_LEN, micro_batch=1)[1].describe()
+    planned = trainer.plan_memory(SEQ_LEN // cp)
+    losses = [trainer.step(iter(_batches(state.rank_in("dp")))).loss for _ in range(4)]
+    # the same weights in a plain (ZeRO 0) model train to the same losses
+    plain_config = _ds_config({"stage": 0}, cp, dp)
+    state = megacp.initialize(plain_config)
+    plain = CausalLM(CFG, dtype=torch.float32)
+    plain.load_state_dict(weights)
+    if cp > 1:
+        megacp.swap_attention(plain, state, strategy="pass_kv")
+    ref = Trainer(plain.train(), plain_config, state, read_settings(plain_config))
+    ref_losses = [ref.step(iter(_batches(state.rank_in("dp")))).loss for _ in range(4)]
+    return {"partitioned": partitioned, "weights": weights, "losses": losses, "ref_losses": ref_losses,
+            "plans": (early, planned.describe() if planned else None)}
+
+
+@pytest.mark.parametrize(("world_size", "cp"), [(2, 2)], ids=["cp2"])
+def test_zero3_builds_partitioned_and_initialised(world_size: int, cp: int) -> None:
+    """``build_for_training`` under ZeRO 3 (with ``offload_param``): every parameter is partitioned
+    as it is built; the gathered weights are initialised as ``CausalLM.reset_parameters`` says
+    (norm weights 1, matrices N(0, 0.02²)) and are the same on every rank; the model trains to the
+    losses a plain ZeRO 0 model with those weights reaches; the plan from the config alone is the
+    Trainer's."""
+    pytest.importorskip("deepspeed", reason="DeepSpeed not installed")
+    results = run_distributed(_built_partitioned, world_size, cp, timeout=300.0)
+    for out in results:
+        assert out["partitioned"]
+        for name, w in out["weights"].items():
+            assert torch.isfinite(w).all(), name
+            if name.endswith(("norm_weight", "norm.weight")):
+                assert (w == 1).all(), name
+            else:
+                assert abs(float(w.std()) - 0.02) < 0.004 and abs(float(w.mean())) < 0.004, (name, float(w.std()))
+            assert torch.equal(w, results[0]["weights"][name]), name
+        assert out["losses"] == pytest.approx(out["ref_losses"], rel=1e-5)
+        assert out["plans"][0] == out["plans"][1]
