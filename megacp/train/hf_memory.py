@@ -25,6 +25,7 @@ Each leaves the loss and every gradient unchanged (fp32: to rounding).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -304,7 +305,8 @@ def tiled_loss(model: nn.Module, shard: TrainShard, *, settings: Any = None,
 def check_tiled_loss(model: nn.Module, vocab_size: int) -> bool:
     """Whether :func:`tiled_loss` gives the model's own loss on a short random sequence (CP = 1, no
     gradients; 1e-3 relative, the bf16 rounding of a one-chunk head): ``False`` for a head that is
-    not a plain matrix or that the model's forward transforms in a way megacp does not know."""
+    not a plain matrix or that the model's forward transforms in a way megacp does not know. A model
+    built partitioned by ZeRO 3 is gathered whole for the probe (its full weights once on the device)."""
     from megacp.integrations.transformers import shard_loss
     from megacp.placement.batch import shard_batch
 
@@ -313,9 +315,15 @@ def check_tiled_loss(model: nn.Module, vocab_size: int) -> bool:
     g = torch.Generator().manual_seed(0)
     shard = shard_batch(torch.randint(0, vocab_size, (8,), generator=g), None, cu_seqlens=[0, 8], cp_size=1, cp_rank=0)
     was_training = model.training
+    params = [p for p in model.parameters() if hasattr(p, "ds_id")]
+    gathered = contextlib.nullcontext()
+    if params:  # built partitioned by ZeRO 3 (outside an engine nothing gathers them): whole, for the probe
+        import deepspeed
+
+        gathered = deepspeed.zero.GatheredParameters(params)
     try:
         model.eval()
-        with torch.no_grad():
+        with torch.no_grad(), gathered:
             own, tiled = float(shard_loss(model, shard)), float(tiled_loss(model, shard))
     finally:
         model.train(was_training)

@@ -169,7 +169,7 @@ def hf_step(args: argparse.Namespace, cfg: Any, state: Any, seq: int) -> tuple[S
     from transformers import LlamaForCausalLM
 
     from megacp.train.data import PackedSequence
-    from megacp.train.engine import Trainer, read_settings
+    from megacp.train.engine import Trainer, build_for_training, read_settings
     from megacp.train.hf_memory import training_loss
     from megacp.train.memory import AUTO_MLP_TILE
     from scripts.bench.train_step import hf_config
@@ -178,9 +178,13 @@ def hf_step(args: argparse.Namespace, cfg: Any, state: Any, seq: int) -> tuple[S
     if config.get("sequence_tiling", {}).get("mlp", "auto") == "auto":
         config["sequence_tiling"] = {"mlp": AUTO_MLP_TILE}
     settings = read_settings(config)
-    device = "cpu" if settings.zero_stage == 3 else state.device  # ZeRO 3: partitioned as the Trainer builds
-    with torch.device(device):
-        model = LlamaForCausalLM(hf_config(cfg, "megacp")).to(settings.dtype)
+
+    def build(device: torch.device) -> torch.nn.Module:
+        with torch.device(device):
+            model = LlamaForCausalLM(hf_config(cfg, "megacp"))
+        return model if settings.zero_stage == 3 else model.to(settings.dtype)  # ZeRO 3: the config's dtype
+
+    model = build_for_training(build, config, state, settings)  # ZeRO 3: built partitioned on the GPU
     loss = training_loss(model)
     trainer = Trainer(model.train(), config, state, settings, loss=loss)
     ids = torch.randint(0, cfg.vocab_size, (seq,), device=state.device)
