@@ -30,13 +30,13 @@ import torch.distributed as dist
 from megacp.attention.plans import reuse_plans_across_lengths
 from megacp.attention.strategy import STRATEGIES
 from megacp.checkpoint.dtypes import DTYPES
-from megacp.checkpoint.front import default_model_path, read_model_config
-from megacp.checkpoint.hf import transformers_only
+from megacp.checkpoint.front import default_model_path
 from megacp.config import OneLineArgumentParser, add_launcher_args, launcher_rank, print_error_once
 from megacp.generate.llm import LLM
 from megacp.generate.outputs import TextStream, chat_ids, stop_string_check
 from megacp.generate.requests import ModelLimits, check_context, check_prompt, check_text
 from megacp.generate.sampling import SamplingParams
+from megacp.integrations.families import family_for
 from megacp.kv_cache import KV_CACHE_DTYPES
 from megacp.parallel import initialize, peak_memory_mib
 
@@ -230,13 +230,7 @@ def _run(args: argparse.Namespace) -> int:
     reuse_plans_across_lengths()  # no attention backward runs in this process (see attention.plans)
     state = initialize(args.deepspeed_config)
     model_path = args.model or default_model_path()
-    cfg: ModelLimits | None
-    if transformers_only(model_path):  # an architecture megacp's own models lack: transformers' modules
-        from megacp.integrations.hf_generate import HFModelInfo
-
-        cfg = HFModelInfo.of_directory(model_path)
-    else:
-        cfg = read_model_config(model_path)
+    cfg: ModelLimits | None = family_for(model_path).limits()  # sizes only, before anything loads
     if cfg is not None:
         check_model_limits(cfg, params, prompt_ids)
     llm = LLM(model_path, dtype=args.dtype, strategy=args.strategy, prefill_chunk=args.prefill_chunk,

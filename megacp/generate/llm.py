@@ -17,13 +17,12 @@ import torch
 
 from megacp.attention.strategy import STRATEGIES
 from megacp.checkpoint.dtypes import DTYPES
-from megacp.checkpoint.front import default_model_path, load_on_mesh, read_model_config
-from megacp.checkpoint.hf import transformers_only
 from megacp.generate.loop import Generator, batch_params
 from megacp.generate.outputs import GenerationOutput, TextStream, chat_ids, complete, stop_string_check, with_eos
 from megacp.generate.requests import check_prompt, encode
 from megacp.generate.sampling import SamplingParams, SeedSource
 from megacp.generate.session import Session
+from megacp.integrations.families import family_for
 from megacp.kv_cache import CacheCapacityError, ShardedKVCache, kv_cache_format
 from megacp.layers.settings import CPSettings
 from megacp.models.config import ModelConfig
@@ -35,9 +34,6 @@ from megacp.parallel import ParallelState, initialize
 Prompt = Union[str, Sequence[int]]
 """Text, or token ids."""
 
-
-MOE_GRAPHS = ("cuda_graphs=True does not support mixture-of-experts models (token routing needs host-side "
-              "counts); pass cuda_graphs=False")
 
 SESSION_SLACK = 48
 """Extra cache rows per rank and session beyond an even split of ``max_session_tokens``: each
@@ -119,28 +115,12 @@ class LLM:
         strategy = strategy or cp.prefill
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy {strategy!r} is not one of {', '.join(STRATEGIES)}")
-        hf = isinstance(model, torch.nn.Module) or (model is not None and transformers_only(model))
-        if tokenizer is not None and not isinstance(model, torch.nn.Module):
-            raise ValueError("tokenizer= goes with a transformers model object; a checkpoint brings its own tokenizer")
-        if hf and cuda_graphs:
-            raise ValueError("cuda_graphs=True needs one of megacp's own models; a transformers model decodes eagerly "
-                             "(leave cuda_graphs unset)")
-        cfg: ModelConfig | HFModelInfo | None
-        if isinstance(model, torch.nn.Module):
-            from megacp.integrations import hf_generate
-
-            self.model_path = type(model).__name__
-            cfg = hf_generate.HFModelInfo.of(getattr(model, "config", None), getattr(model, "generation_config", None))
-            if dtype is None:
-                self.dtype = next(model.parameters()).dtype
-        elif hf:
-            from megacp.integrations import hf_generate
-
-            self.model_path = str(model)
-            cfg = hf_generate.HFModelInfo.of_directory(self.model_path)
-        else:
-            self.model_path = str(model or default_model_path())
-            cfg = read_model_config(self.model_path)
+        self.family = family_for(model, tokenizer=tokenizer)
+        """The model's family (:mod:`megacp.integrations.families`): how it loads and what it can do."""
+        self.model_path = self.family.source
+        cfg = self.family.limits()
+        if dtype is None:
+            self.dtype = self.family.native_dtype() or self.dtype
         self.kv_cache_dtype = kv_cache_format(kv_cache_dtype, self.dtype)
         ctx = cfg.max_position_embeddings if cfg else None
         if max_session_tokens is not None and (max_session_tokens < 2 or (ctx and max_session_tokens > ctx)):
@@ -149,27 +129,16 @@ class LLM:
         if cuda_graphs and device.type != "cuda":
             raise ValueError(f"cuda_graphs=True needs a CUDA GPU; this LLM runs on {device.type} "
                              "(leave cuda_graphs unset for eager decode)")
-        if cuda_graphs and cfg is not None and cfg.num_experts:
-            raise ValueError(MOE_GRAPHS)
+        if cuda_graphs and (graph_error := self.family.graph_decode_error(cfg)) is not None:
+            raise ValueError(graph_error)
         if verbose and self.state.rank == 0:
             print(f"megacp: loading {Path(self.model_path).name} ({str(self.dtype).replace('torch.', '')}) on {device}, "
                   f"CP={self.state.size('cp')} TP={tp} ...", flush=True)
         settings = CPSettings.from_state(self.state, prefill=strategy)
-        self.model_config: ModelConfig | HFModelInfo
-        net: torch.nn.Module
-        if hf:
-            if isinstance(model, torch.nn.Module):
-                hf_model, self.tokenizer = hf_generate.prepare_model(model, dtype=self.dtype, state=self.state,
-                                                                     allow_non_finite=allow_non_finite), tokenizer
-            else:
-                hf_model, self.tokenizer = hf_generate.load_for_generation(
-                    self.model_path, dtype=self.dtype, state=self.state, allow_non_finite=allow_non_finite)
-            net = hf_generate.HFGenerationModel(hf_model)
-            self.model_config = hf_generate.HFModelInfo.of(hf_model.config, getattr(hf_model, "generation_config", None))
-        else:
-            loaded = load_on_mesh(self.model_path, self.state, dtype=self.dtype, settings=settings,
-                                  allow_non_finite=allow_non_finite)
-            net, self.model_config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
+        loaded = self.family.load_for_generation(self.state, dtype=self.dtype, settings=settings,
+                                                 allow_non_finite=allow_non_finite)
+        net, self.tokenizer = loaded.model, loaded.tokenizer
+        self.model_config: ModelConfig | HFModelInfo = loaded.config
         if calibrate:
             from megacp.attention.strategy import calibrate as measure
 
@@ -177,13 +146,7 @@ class LLM:
             if verbose and self.state.rank == 0:
                 print(f"megacp: calibrated C={hw.flops:.3g} FLOP/s per rank, BW={hw.bandwidth:.3g} B/s", flush=True)
         mc = self.model_config
-        if cuda_graphs and mc.num_experts:
-            raise ValueError(MOE_GRAPHS)
-        windowed = isinstance(mc, ModelConfig) and mc.sliding_window is not None
-        if cuda_graphs and windowed:
-            raise ValueError("cuda_graphs=True does not support sliding-window attention (the graph's decode step has "
-                             "no window); pass cuda_graphs=False")
-        self.static_decode = not (mc.num_experts or hf or windowed)
+        self.static_decode = self.family.graph_decode_error(mc) is None
         """Whether the model runs the device-resident decode step of the CUDA graphs
         (:mod:`megacp.generate.graph`; eagerly off CUDA): megacp's own dense models without a
         sliding window."""

@@ -136,9 +136,11 @@ class HFModelInfo:
     @classmethod
     def of_directory(cls, path: str) -> "HFModelInfo":
         """The info of a transformers model directory, from its configs alone (no weights read)."""
-        from transformers import AutoConfig, GenerationConfig
+        from transformers import GenerationConfig
 
-        config = AutoConfig.from_pretrained(path)
+        from megacp.integrations.transformers import read_transformers_config
+
+        config = read_transformers_config(path)  # CheckpointError (one line) when transformers cannot read it
         try:
             generation = GenerationConfig.from_pretrained(path)
         except OSError:  # no generation_config.json: the model config's tokens

@@ -42,7 +42,7 @@ import shutil
 import socket
 import sys
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -59,7 +59,7 @@ from megacp.config import (
 )
 
 PROG = "megacp.train"
-from megacp.checkpoint.hf import transformers_only
+from megacp.integrations.families import ModelFamily, family_for
 from megacp.version import __version__
 
 
@@ -144,17 +144,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                          + ("" if args.eval_corpus else " without --eval-corpus"))
     if args.model is not None and not Path(args.model).exists():
         raise UsageError(f"--model {args.model} does not exist")
-    if args.model is not None and transformers_only(args.model):
-        args.hf_native = True  # an architecture megacp's own models do not implement: transformers' modules train
-    if args.seq_len == "auto" and (args.hf_native or not torch.cuda.is_available()):
+    # the model's family decides how it loads, trains and saves (megacp.integrations.families)
+    args.family = family_for(args.model, transformers=args.hf_native)
+    error = args.family.training_error(backend=args.backend, allow_non_finite=args.allow_non_finite)
+    if error is not None:
+        raise UsageError(f"{'--hf-native' if args.hf_native else f'--model {args.model}'} {error}")
+    if args.seq_len == "auto" and (args.family.plan_config() is None or not torch.cuda.is_available()):
         raise UsageError("--seq-len auto fits a megacp model's step into GPU memory: it needs a GPU and one of "
                          "megacp's own models (not a transformers model)")
-    if args.hf_native:
-        if args.model is None or not (Path(args.model) / "config.json").is_file():
-            raise UsageError("--hf-native needs --model DIR, a Hugging Face model directory with a config.json")
-        if args.backend != "auto" or args.allow_non_finite:
-            raise UsageError("--hf-native trains the transformers modules as they are: --backend and "
-                             "--allow-non-finite do not apply")
     if args.backend == "te":
         from megacp.models.te_model import te_import_error
 
@@ -323,18 +320,13 @@ def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     import megacp
-    from megacp.checkpoint import load_tokenizer
     from megacp.checkpoint.deepspeed import read_zero_stage
-    from megacp.checkpoint.front import default_model_path, load_on_mesh, read_model_config
-    from megacp.integrations.transformers import read_transformers_config
     from megacp.layers.settings import CPSettings
-    from megacp.models.config import ModelConfig
     from megacp.parallel import peak_memory_mib
     from megacp.parallel.launcher_watch import watch_launcher
     from megacp.train.collector import GarbageCollection
     from megacp.train.data import CorpusBatches, Prefetcher, StreamPosition, held_out_sequences, resolve_corpus
     from megacp.train.engine import Trainer, check_batch_config, plan_from_config, read_settings
-    from megacp.train.loss import lm_loss
     from megacp.train.resume import ResumePoint, locate
     from megacp.train.save_target import SaveLock, check_save_target, checkpoints_at_once, saved_tags
 
@@ -351,10 +343,15 @@ def run(args: argparse.Namespace) -> int:
                               save=args.save is not None)
     sources = resolve_corpus(args.corpus)
     eval_sources = resolve_corpus(args.eval_corpus) if args.eval_corpus else None
-    model_path = args.model or default_model_path()  # CheckpointError (one line) when the package is missing
-    model_config_found = read_transformers_config(model_path) if args.hf_native else read_model_config(model_path)
+    family: ModelFamily = args.family
+    model_path = family.source
+    try:  # sizes only, no weights; an architecture megacp's attention cannot run exactly is refused here
+        limits = family.limits()
+    except ValueError as err:
+        raise UsageError(f"--model {model_path}: {err}") from None
+    plan_config = family.plan_config()
     if args.seq_len != "auto":
-        check_seq_len(args.seq_len, config.context_parallel.size or 1, model_config_found)
+        check_seq_len(args.seq_len, config.context_parallel.size or 1, limits)
     lock = None
     if args.save is not None:  # --hf-native: save_pretrained files, checked for writability only
         saves = (args.steps // args.save_every if args.save_every else 0) + int(
@@ -364,7 +361,7 @@ def run(args: argparse.Namespace) -> int:
             if launcher_rank() == 0:  # held until this process ends
                 lock = SaveLock(args.save)
                 _remove_dead_staging(Path(args.save))  # before the room for the new checkpoints is counted
-            check_save_target(args.save, None if args.hf_native else model_config_found, settings.dtype,
+            check_save_target(args.save, plan_config, settings.dtype,
                               force=args.force,
                               checkpoints=checkpoints_at_once(saves, args.keep_last, len(saved_tags(args.save))))
         except ValueError as err:
@@ -391,40 +388,24 @@ def run(args: argparse.Namespace) -> int:
     rank0 = state.rank == 0
 
     cp = CPSettings.from_state(state, prefill="pass_kv")
-    if not args.hf_native and isinstance(model_config_found, ModelConfig):
-        # planned from the config: a length that does not fit is refused before any weight is read
-        args.seq_len, _ = plan_from_config(model_config_found, settings, state, seq_len=args.seq_len,
+    if plan_config is not None:  # planned from the config: a length that does not fit is refused before any load
+        args.seq_len, _ = plan_from_config(plan_config, settings, state, seq_len=args.seq_len,
                                            micro_batch=micro_batch, backend=args.backend)
     if rank0 and not args.quiet:  # the load and DeepSpeed's set-up take a while: say what is happening
-        what = "transformers' modules" if args.hf_native else "megacp's model"
-        print(f"{PROG}: loading {Path(model_path).name} ({what}) and setting up DeepSpeed ...", flush=True)
+        print(f"{PROG}: loading {Path(model_path).name} ({family.describe}) and setting up DeepSpeed ...", flush=True)
         if args.resume == "auto" and resume_at is None:
             print(f"{PROG}: --resume auto: {args.save} holds no checkpoint yet, starting at step 1", flush=True)
-    loss: Callable[..., torch.Tensor] = lm_loss
-    model: Any
-    model_config: Any
-    if args.hf_native:  # a transformers model as it is, its attention through the "megacp" interface
-        from megacp.integrations.transformers import load_pretrained
-        from megacp.train.hf_memory import training_loss
-
-        try:  # refused here, in one line, when megacp's attention cannot run the model exactly
-            model = load_pretrained(model_path, dtype=settings.dtype, state=state)
-        except ValueError as err:
-            raise UsageError(f"--model {model_path}: {err}") from None
-        model_config, tokenizer, loss = model.config, load_tokenizer(model_path), training_loss(model)
-    else:
-        loaded = load_on_mesh(model_path, state, dtype=settings.dtype, settings=cp, backend=args.backend,
-                              allow_non_finite=args.allow_non_finite)
-        model, model_config, tokenizer = loaded.model, loaded.config, loaded.tokenizer
+    try:  # refused here, in one line, when megacp's attention cannot run the model exactly
+        loaded = family.load_for_training(state, dtype=settings.dtype, settings=cp, backend=args.backend,
+                                          allow_non_finite=args.allow_non_finite)
+    except ValueError as err:
+        raise UsageError(f"--model {model_path}: {err}") from None
+    model, model_config, tokenizer = loaded.model, loaded.config, loaded.tokenizer
     if tokenizer is None:
         raise UsageError(f"--model {model_path} has no tokenizer to read the corpus with")
     model.train()
-    trainer = Trainer(model, config.deepspeed, state, settings, cp=cp, loss=loss)
+    trainer = Trainer(model, config.deepspeed, state, settings, cp=cp)
     cp_size = state.size("cp")
-    if args.seq_len == "auto":
-        args.seq_len = trainer.longest_seq_len(micro_batch, limit=getattr(model_config, "max_position_embeddings", None))
-        if args.seq_len == 0:
-            trainer.plan_memory(2 * cp_size)  # raises: not even the shortest step fits
     plan = trainer.plan_memory(-(-args.seq_len * micro_batch // cp_size))  # MemoryPlanError before any step
     start = StreamPosition()
     if resume_at is not None:
@@ -505,14 +486,8 @@ def run(args: argparse.Namespace) -> int:
     peak = float(peak_t)
     if args.save_at_end and not (args.save_every and args.steps % args.save_every == 0):
         saved = f", saved {save(data)}"
-    if args.save and args.save_at_end and args.hf_native:  # and the model's own files, loadable as they are
-        if settings.zero_stage == 3:  # partitioned: tools/convert_checkpoint.py deepspeed-to-hf gathers them
-            saved += " (ZeRO 3: deepspeed-to-hf converts it to the model's own files)"
-        else:
-            from megacp.integrations.transformers import save_pretrained
-
-            save_pretrained(trainer.module, args.save, tokenizer=tokenizer)
-            saved += f" and the model's own files in {args.save}"
+    if args.save and args.save_at_end:  # and, where the family writes them, the model's own files
+        saved += family.save_model_files(trainer.module, args.save, tokenizer=tokenizer, zero_stage=settings.zero_stage)
     if rank0 and not args.quiet:
         print(f"{PROG}: {args.steps - first + 1} steps, loss {losses[0]:.4f} -> {losses[-1]:.4f}, "
               f"{tokens / seconds:,.0f} tokens/s, peak memory {peak:,.0f} MiB per rank{evaluated}{saved}", flush=True)

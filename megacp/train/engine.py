@@ -388,13 +388,13 @@ class Trainer:
             :meth:`~megacp.layers.settings.CPSettings.from_state`); their ``load_balance`` shards
             the batches.
         loss: ``loss(module, shard, settings=cp)``, this CP rank's share of a shard's mean token
-            loss (default :func:`~megacp.train.loss.lm_loss`; a transformers model's:
-            :func:`megacp.integrations.transformers.shard_loss`).
+            loss (default: :func:`~megacp.train.loss.lm_loss` for megacp's own models, the tiled
+            LM head + loss of :func:`megacp.train.hf_memory.training_loss` for a transformers model).
     """
 
     def __init__(self, model: torch.nn.Module, config: Mapping[str, Any], state: ParallelState,
                  settings: TrainSettings, *, cp: CPSettings | None = None,
-                 loss: Callable[..., torch.Tensor] = lm_loss) -> None:
+                 loss: Callable[..., torch.Tensor] | None = None) -> None:
         deepspeed = deepspeed_for(state)
         mark_tensor_parallel(model, state.size("tp"))
         params = [p for p in model.parameters() if p.requires_grad]
@@ -425,6 +425,10 @@ class Trainer:
             setattr(model, "activation_checkpointing", True)  # noqa: B010 - a CausalLM attribute
         elif self._cfg is None:
             self._tiling = _transformers_memory(model, memory, state.device)
+        if loss is None:
+            from megacp.train.hf_memory import training_loss
+
+            loss = lm_loss if self._cfg is not None else training_loss(model)
         cp = cp or CPSettings.from_state(state)
         if self.zero3:
             model = LossModule(model, loss, cp)
