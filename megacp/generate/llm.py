@@ -126,11 +126,11 @@ class LLM:
         if max_session_tokens is not None and (max_session_tokens < 2 or (ctx and max_session_tokens > ctx)):
             raise ValueError(f"max_session_tokens must be in [2, {ctx}] (the model's context), got {max_session_tokens}")
         device, tp = self.state.device, self.state.size("tp")
+        if cuda_graphs and (graph_error := self.family.graph_decode_error(cfg)) is not None:
+            raise ValueError(graph_error)
         if cuda_graphs and device.type != "cuda":
             raise ValueError(f"cuda_graphs=True needs a CUDA GPU; this LLM runs on {device.type} "
                              "(leave cuda_graphs unset for eager decode)")
-        if cuda_graphs and (graph_error := self.family.graph_decode_error(cfg)) is not None:
-            raise ValueError(graph_error)
         if verbose and self.state.rank == 0:
             print(f"megacp: loading {Path(self.model_path).name} ({str(self.dtype).replace('torch.', '')}) on {device}, "
                   f"CP={self.state.size('cp')} TP={tp} ...", flush=True)

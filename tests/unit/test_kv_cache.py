@@ -55,3 +55,28 @@ def test_capacity_and_slots_are_checked_before_anything_is_written() -> None:
     with pytest.raises(KeyError, match="slot 1 is not allocated"):
         cache.length(b)
     assert cache.allocate() == b and bool((cache.positions[b] == -1).all())
+
+
+def test_the_slot_table_keeps_no_tensors_and_matches_the_cache() -> None:
+    """The slot table alone (no storage) plans and commits the steps a whole cache does, holding
+    only host values, and says the same lengths and positions."""
+    import torch
+
+    from megacp.kv_cache import SlotTable
+
+    steps = [7, 5, 1, 1, 3]
+    for n in (1, 3):
+        for r in range(n):
+            table = SlotTable(max_requests=2, capacity=32, cp_size=n, cp_rank=r)
+            cache = ShardedKVCache(num_layers=1, num_kv_heads=1, head_dim=2, max_requests=2, capacity=32, cp_size=n,
+                                   cp_rank=r)
+            a, b = table.allocate(), cache.allocate()
+            for t in steps:
+                table.commit([a], table.plan([a], [t]))
+                cache.commit([b], cache.plan([b], [t]))
+            table.advance_decoded(a, 2)
+            cache.advance_decoded(b, 2)
+            assert not any(isinstance(v, torch.Tensor) for v in vars(table).values())
+            assert table.snapshot(a) == cache.snapshot(b)
+            assert torch.equal(table.positions, cache.positions)
+            assert table.history(a) == [0, 7, 12, 13, 14, 17, 18, 19]
