@@ -534,6 +534,75 @@ def _describe_type(annotation: Any, metadata: list[Any] | None = None) -> str:
     return text
 
 
+Offload = Literal["none", "cpu", "auto"]
+"""Where checkpointed layer inputs wait: on the GPU, in pinned host memory, or as the plan decides."""
+
+_DEEPSPEED_CHECKPOINTING_KEYS = ("partition_activations", "contiguous_memory_optimization", "cpu_checkpointing",
+                                 "number_checkpoints", "synchronize_checkpoint_boundary", "profile")
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryOptions:
+    """What megacp reads for training memory from the DeepSpeed config.
+
+    Attributes:
+        activation_checkpointing: checkpoint every decoder layer.
+        offload: where the checkpointed inputs wait (``"none"``: on the GPU).
+        mlp_tile: tokens per MLP tile, ``0`` untiled, or ``"auto"``.
+        layers_per_checkpoint: consecutive decoder layers checkpointed as one block (``1``: every
+            layer; ``k > 1``: a second checkpoint level, one block input kept per ``k`` layers and each
+            block's layers checkpointed again while its backward runs), or ``"auto"`` (the plan's
+            choice among 1, 2, 4 and 8 per length).
+    """
+
+    activation_checkpointing: bool = False
+    offload: Offload = "none"
+    mlp_tile: int | Literal["auto"] = "auto"
+    layers_per_checkpoint: int | Literal["auto"] = 1
+
+
+def read_memory_options(raw: Mapping[str, Any], *, activation_checkpointing: bool = False) -> MemoryOptions:
+    """The memory options of the DeepSpeed config ``raw`` (``activation_checkpointing``: the CLI flag,
+    which switches checkpointing on as ``"enabled": true`` does).
+
+    Raises:
+        ConfigError: an unknown or DeepSpeed-only key, a bad value, or offload without checkpointing.
+    """
+    section = raw.get("activation_checkpointing", {})
+    if not isinstance(section, Mapping):
+        raise ConfigError(f"activation_checkpointing: expected an object, got {section!r}")
+    for key, value in section.items():
+        if key in _DEEPSPEED_CHECKPOINTING_KEYS:
+            if value in (False, None):
+                continue
+            hint = ' use "offload": "cpu"' if key == "cpu_checkpointing" else ""
+            raise ConfigError(f"activation_checkpointing.{key}: configures deepspeed.checkpointing, which megacp's "
+                              f"layers do not use (they checkpoint themselves);{hint or ' remove it'}")
+        if key not in ("enabled", "offload", "layers_per_checkpoint"):
+            raise ConfigError(f"activation_checkpointing.{key}: unknown key; allowed keys: enabled, offload, "
+                              "layers_per_checkpoint")
+    enabled = section.get("enabled", False)
+    if not isinstance(enabled, bool):
+        raise ConfigError(f"activation_checkpointing.enabled: got {enabled!r}; allowed values: true, false")
+    offload = section.get("offload", "none")
+    if offload not in ("none", "cpu", "auto"):
+        raise ConfigError(f"activation_checkpointing.offload: got {offload!r}; allowed values: 'none', 'cpu', 'auto'")
+    enabled = enabled or activation_checkpointing
+    if offload != "none" and not enabled:
+        raise ConfigError(f'activation_checkpointing.offload: "{offload}" needs checkpointing on ("enabled": true '
+                          "or --activation-checkpointing)")
+    per = section.get("layers_per_checkpoint", 1)
+    if per != "auto" and (isinstance(per, bool) or not isinstance(per, int) or per < 1):
+        raise ConfigError(f"activation_checkpointing.layers_per_checkpoint: got {per!r}; allowed values: an integer "
+                          ">= 1 or 'auto'")
+    if per != 1 and not enabled:
+        raise ConfigError("activation_checkpointing.layers_per_checkpoint: needs activation checkpointing "
+                          '("enabled": true or --activation-checkpointing)')
+    return MemoryOptions(activation_checkpointing=enabled, offload=offload,
+                         mlp_tile=load_config(raw).sequence_tiling.mlp, layers_per_checkpoint=per)
+
+
+
 ERROR_LINGER_S = 10.0
 """Seconds a launched rank other than 0 waits before it exits on an error that every rank meets."""
 

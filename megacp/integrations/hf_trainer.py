@@ -19,7 +19,8 @@ the CP ranks, averaged over DP.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import inspect
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -28,6 +29,8 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 from transformers import Trainer
 
+from megacp.config import MemoryOptions, read_memory_options
+from megacp.integrations.hf_memory import Tiling, apply_memory, check_tiled_loss, forward_inputs, head_loss
 from megacp.integrations.transformers import STEP_KWARG, check_model, prepare_batch, verify_attention_calls
 
 BATCH_KEYS = frozenset({"input_ids", "labels", "attention_mask", "position_ids"})
@@ -47,19 +50,39 @@ class CPTrainer(Trainer):
 
     Args:
         cp_state: the :class:`megacp.ParallelState` (CP and DP groups; TP and PP must be 1).
+        memory: the long-sequence memory settings of ``python -m megacp.train``, as the
+            ``activation_checkpointing`` and ``sequence_tiling`` sections of a DeepSpeed config dict
+            (other keys are ignored, so the run's whole config may be passed;
+            :func:`megacp.config.read_memory_options`): every decoder layer checkpointed by megacp
+            (``"offload": "cpu"``: its input in pinned host memory; ``layers_per_checkpoint``: a
+            second checkpoint level), MLPs over sequence tiles, and the LM head + loss over chunks
+            of 8192 tokens (never the shard's ``S x vocab`` logits) where that equals the model's
+            own loss (:func:`~megacp.integrations.hf_memory.check_tiled_loss`). ``None``: the
+            model as it is.
         args, kwargs: as ``Trainer``'s. The model must use ``attn_implementation="megacp"``.
 
     Raises:
         ValueError: TP or PP > 1, ``average_tokens_across_devices=False``, a model without megacp's
             attention, or one whose layers do not all reach it (one line, before training:
-            :func:`~megacp.integrations.transformers.verify_attention_calls`).
+            :func:`~megacp.integrations.transformers.verify_attention_calls`); ``memory`` with
+            transformers' own ``gradient_checkpointing`` too, or a bad memory setting
+            (:class:`~megacp.config.ConfigError`).
     """
 
     loss_is_scaled_for_ga = True  # normalised over the whole accumulated batch (get_batch_samples)
 
-    def __init__(self, *args: Any, cp_state: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, cp_state: Any, memory: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
         if cp_state.size("tp") > 1 or cp_state.size("pp") > 1:
             raise ValueError("CPTrainer runs a transformers model under CP and DP only: TP and PP sizes must be 1")
+        options = read_memory_options(memory) if memory is not None else None
+        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        if options is not None and options.activation_checkpointing and training_args is not None:
+            # a layer recomputed in the backward marks its parameters ready there: DDP must not mark
+            # the ones the (no-grad) forward did not use as unused before
+            if training_args.ddp_find_unused_parameters:
+                raise ValueError("CPTrainer memory= checkpoints the decoder layers: TrainingArguments."
+                                 "ddp_find_unused_parameters=True cannot be used with it (leave it unset)")
+            training_args.ddp_find_unused_parameters = False
         super().__init__(*args, **kwargs)
         if not self.args.average_tokens_across_devices:
             raise ValueError("CPTrainer divides the loss by the valid labels of every rank's sequences: "
@@ -70,6 +93,25 @@ class CPTrainer(Trainer):
         check_model(self.model)
         verify_attention_calls(self.model)
         self.cp_state = cp_state
+        self._tiling: Tiling | None = None
+        self._hidden: list[torch.Tensor] | None = None
+        """With the tiled loss: the base model's final hidden states of the forward in flight."""
+        if options is not None:
+            self._apply_memory(options)
+
+    def _apply_memory(self, options: MemoryOptions) -> None:
+        if options.activation_checkpointing and self.args.gradient_checkpointing:
+            raise ValueError("CPTrainer memory= checkpoints the decoder layers itself: leave TrainingArguments."
+                             "gradient_checkpointing off")
+        model: Any = self.model
+        vocab = int(getattr(model.config, "vocab_size", 0) or 0)
+        tiled = bool(vocab) and "logits_to_keep" in inspect.signature(model.forward).parameters and \
+            check_tiled_loss(model, vocab)
+        self._tiling = apply_memory(model, options, self.cp_state.device)
+        if tiled:  # the forward keeps one token's logits; the loss takes the decoder's output
+            self._hidden = []
+            model.get_decoder().register_forward_hook(
+                lambda _module, _args, out: self._hidden.append(out.last_hidden_state))
 
     def get_train_dataloader(self) -> DataLoader:
         """The training batches of this rank's DP group (the same on every CP rank of it), shuffled
@@ -124,7 +166,14 @@ class CPTrainer(Trainer):
         times the world size (the data-parallel gradient mean then sums the CP ranks' shares)."""
         if STEP_KWARG not in inputs:
             raise ValueError("CPTrainer shards its training batches only; evaluate with a plain Trainer")
-        outputs = model(**inputs)
+        if self._tiling is not None:  # every rank cuts as many MLP tiles (ZeRO 3 gathers per call)
+            self._tiling.step_tokens = int(inputs["input_ids"].shape[-1])
         world = dist.get_world_size() if dist.is_initialized() else 1
-        loss = outputs.loss * world
+        if self._hidden is not None:  # the tiled LM head + loss (memory=): through the (wrapped) model's forward
+            self._hidden.clear()
+            outputs = model(**forward_inputs(inputs, inputs["input_ids"].device), logits_to_keep=1)
+            loss = head_loss(self.model, self._hidden.pop(), inputs) * world
+        else:
+            outputs = model(**inputs)
+            loss = outputs.loss * world
         return (loss, outputs) if return_outputs else loss

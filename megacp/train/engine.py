@@ -36,7 +36,8 @@ import torch.distributed as dist
 
 from megacp.attention.training import warm_kernel_plans
 from megacp.checkpoint.staging import exchange_directories
-from megacp.config import ConfigError, DeepSpeedSections
+from megacp.config import ConfigError, DeepSpeedSections, MemoryOptions, read_memory_options
+from megacp.integrations.hf_memory import Tiling, apply_memory, training_loss
 from megacp.layers.settings import CPSettings
 from megacp.models.config import ModelConfig
 from megacp.parallel.mpu import DeepSpeedMPU
@@ -45,7 +46,6 @@ from megacp.placement.batch import shard_batch
 from megacp.train.data import PackedSequence, StreamPosition
 from megacp.train.loss import lm_loss, logged_loss
 from megacp.train.memory import (
-    MemoryOptions,
     MemoryPlan,
     ZeroSettings,
     count_parameters,
@@ -53,13 +53,11 @@ from megacp.train.memory import (
     host_available,
     longest_fitting,
     plan_memory,
-    read_memory_options,
 )
 from megacp.train.resume import ResumePoint, load_rng_file, prune, rng_file, rng_state, set_rng_state
 
 if TYPE_CHECKING:
     from megacp.checkpoint.shard_manifest import FileDigest, Manifest
-    from megacp.train.hf_memory import Tiling
 
 ZERO_STAGES = (0, 1, 2, 3)
 """ZeRO stages megacp trains with."""
@@ -189,34 +187,6 @@ class LossModule(torch.nn.Module):
     def forward(self, shard: Any) -> torch.Tensor:
         """This CP rank's share of the batch's mean token loss (``loss(model, shard, settings=cp)``)."""
         return self.loss(self.model, shard, settings=self.cp)
-
-
-def _transformers_memory(model: torch.nn.Module, memory: MemoryOptions, device: torch.device) -> Tiling | None:
-    """Apply the memory options to a transformers model (:mod:`megacp.train.hf_memory`):
-    every decoder layer checkpointed (its input on the host with ``offload: "cpu"``) and the MLPs
-    sequence-tiled (returned: the :class:`~megacp.train.hf_memory.Tiling`, else ``None``). The plan that
-    chooses ``"auto"`` values reads megacp's own model configs only.
-
-    Raises:
-        ConfigError: ``"auto"`` offload or checkpoint blocks, or a model these features cannot apply to.
-    """
-    from megacp.models.checkpointing import HostStash
-    from megacp.train.hf_memory import checkpoint_layers, tile_mlps
-
-    for key, value in (("offload", memory.offload), ("layers_per_checkpoint", memory.layers_per_checkpoint)):
-        if value == "auto":
-            raise ConfigError(f'activation_checkpointing.{key}: "auto" is chosen by the memory plan of megacp\'s '
-                              'own models; give a transformers model its value (offload "cpu" or "none", '
-                              "layers_per_checkpoint a number)")
-    try:
-        if memory.activation_checkpointing:
-            per = memory.layers_per_checkpoint if isinstance(memory.layers_per_checkpoint, int) else 1
-            checkpoint_layers(model, HostStash(device) if memory.offload == "cpu" else None, per)
-        if isinstance(memory.mlp_tile, int) and memory.mlp_tile > 0:
-            return tile_mlps(model, memory.mlp_tile)
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
-    return None
 
 
 def deepspeed_for(state: ParallelState) -> Any:
@@ -389,7 +359,7 @@ class Trainer:
             the batches.
         loss: ``loss(module, shard, settings=cp)``, this CP rank's share of a shard's mean token
             loss (default: :func:`~megacp.train.loss.lm_loss` for megacp's own models, the tiled
-            LM head + loss of :func:`megacp.train.hf_memory.training_loss` for a transformers model).
+            LM head + loss of :func:`megacp.integrations.hf_memory.training_loss` for a transformers model).
     """
 
     def __init__(self, model: torch.nn.Module, config: Mapping[str, Any], state: ParallelState,
@@ -424,10 +394,8 @@ class Trainer:
         if memory.activation_checkpointing and self._cfg is not None:
             setattr(model, "activation_checkpointing", True)  # noqa: B010 - a CausalLM attribute
         elif self._cfg is None:
-            self._tiling = _transformers_memory(model, memory, state.device)
+            self._tiling = apply_memory(model, memory, state.device)
         if loss is None:
-            from megacp.train.hf_memory import training_loss
-
             loss = lm_loss if self._cfg is not None else training_loss(model)
         cp = cp or CPSettings.from_state(state)
         if self.zero3:

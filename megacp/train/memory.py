@@ -1,7 +1,7 @@
 """Training memory: the options that trade compute or host memory for GPU memory, and the plan that
 picks them per sequence length and says, before the first step, whether a step will fit.
 
-Options (from the DeepSpeed config, :func:`read_memory_options`)::
+Options (from the DeepSpeed config, :func:`megacp.config.read_memory_options`)::
 
     "activation_checkpointing": {"enabled": true, "offload": "auto"},   # "none" | "cpu" | "auto"
     "sequence_tiling": {"mlp": "auto"},                                  # "auto" | tokens per tile | 0
@@ -29,15 +29,13 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
-from megacp.config import ConfigError, DeepSpeedSections, load_config
+from megacp.config import ConfigError, DeepSpeedSections, MemoryOptions
 from megacp.models.config import ModelConfig
 from megacp.train.loss import DEFAULT_CHUNK_TOKENS
-
-Offload = Literal["none", "cpu", "auto"]
 
 AUTO_MLP_TILE = 8192
 """Tokens per MLP tile when ``sequence_tiling.mlp`` is ``"auto"`` and the plan tiles."""
@@ -46,73 +44,8 @@ GPU_RESERVE_BYTES = 6 * 2**30
 """GPU bytes the plan leaves free of its estimate: CUDA context, communicator buffers, kernel
 workspaces and the caching allocator's fragmentation."""
 
-_DEEPSPEED_CHECKPOINTING_KEYS = ("partition_activations", "contiguous_memory_optimization", "cpu_checkpointing",
-                                 "number_checkpoints", "synchronize_checkpoint_boundary", "profile")
-
-
 class MemoryPlanError(ValueError):
     """A training step will not fit (one line: the estimate and what would fit)."""
-
-
-@dataclass(frozen=True)
-class MemoryOptions:
-    """What megacp reads for training memory from the DeepSpeed config.
-
-    Attributes:
-        activation_checkpointing: checkpoint every decoder layer.
-        offload: where the checkpointed inputs wait (``"none"``: on the GPU).
-        mlp_tile: tokens per MLP tile, ``0`` untiled, or ``"auto"``.
-        layers_per_checkpoint: consecutive decoder layers checkpointed as one block (``1``: every
-            layer; ``k > 1``: a second checkpoint level, one block input kept per ``k`` layers and each
-            block's layers checkpointed again while its backward runs), or ``"auto"`` (the plan's
-            choice among 1, 2, 4 and 8 per length).
-    """
-
-    activation_checkpointing: bool = False
-    offload: Offload = "none"
-    mlp_tile: int | Literal["auto"] = "auto"
-    layers_per_checkpoint: int | Literal["auto"] = 1
-
-
-def read_memory_options(raw: Mapping[str, Any], *, activation_checkpointing: bool = False) -> MemoryOptions:
-    """The memory options of the DeepSpeed config ``raw`` (``activation_checkpointing``: the CLI flag,
-    which switches checkpointing on as ``"enabled": true`` does).
-
-    Raises:
-        ConfigError: an unknown or DeepSpeed-only key, a bad value, or offload without checkpointing.
-    """
-    section = raw.get("activation_checkpointing", {})
-    if not isinstance(section, Mapping):
-        raise ConfigError(f"activation_checkpointing: expected an object, got {section!r}")
-    for key, value in section.items():
-        if key in _DEEPSPEED_CHECKPOINTING_KEYS:
-            if value in (False, None):
-                continue
-            hint = ' use "offload": "cpu"' if key == "cpu_checkpointing" else ""
-            raise ConfigError(f"activation_checkpointing.{key}: configures deepspeed.checkpointing, which megacp's "
-                              f"layers do not use (they checkpoint themselves);{hint or ' remove it'}")
-        if key not in ("enabled", "offload", "layers_per_checkpoint"):
-            raise ConfigError(f"activation_checkpointing.{key}: unknown key; allowed keys: enabled, offload, "
-                              "layers_per_checkpoint")
-    enabled = section.get("enabled", False)
-    if not isinstance(enabled, bool):
-        raise ConfigError(f"activation_checkpointing.enabled: got {enabled!r}; allowed values: true, false")
-    offload = section.get("offload", "none")
-    if offload not in ("none", "cpu", "auto"):
-        raise ConfigError(f"activation_checkpointing.offload: got {offload!r}; allowed values: 'none', 'cpu', 'auto'")
-    enabled = enabled or activation_checkpointing
-    if offload != "none" and not enabled:
-        raise ConfigError(f'activation_checkpointing.offload: "{offload}" needs checkpointing on ("enabled": true '
-                          "or --activation-checkpointing)")
-    per = section.get("layers_per_checkpoint", 1)
-    if per != "auto" and (isinstance(per, bool) or not isinstance(per, int) or per < 1):
-        raise ConfigError(f"activation_checkpointing.layers_per_checkpoint: got {per!r}; allowed values: an integer "
-                          ">= 1 or 'auto'")
-    if per != 1 and not enabled:
-        raise ConfigError("activation_checkpointing.layers_per_checkpoint: needs activation checkpointing "
-                          '("enabled": true or --activation-checkpointing)')
-    return MemoryOptions(activation_checkpointing=enabled, offload=offload,
-                         mlp_tile=load_config(raw).sequence_tiling.mlp, layers_per_checkpoint=per)
 
 
 @dataclass(frozen=True)

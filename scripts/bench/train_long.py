@@ -23,7 +23,7 @@ gradient clipping 1.0. Both DeepSpeed configs share :func:`ds_config`: ZeRO ``--
   (``build_for_training``: inside ``deepspeed.zero.Init``, initialised on the GPU).
 * ``hf``: the same model as a user brings it — transformers' ``LlamaForCausalLM`` with
   ``attn_implementation="megacp"`` — through megacp's ``Trainer`` with the same memory sections
-  (:mod:`megacp.train.hf_memory`: checkpointed layers with host-offloaded inputs, tiled MLPs, the
+  (:mod:`megacp.integrations.hf_memory`: checkpointed layers with host-offloaded inputs, tiled MLPs, the
   tiled LM head + loss; :func:`hf_step`).
 * ``alst``: Hugging Face ``LlamaForCausalLM`` (SDPA) under ``deepspeed.initialize`` (built inside
   ``deepspeed.zero.Init``), with each piece of the recipe switchable: ``LlamaMLP.forward`` through
@@ -163,14 +163,14 @@ def megacp_step(args: argparse.Namespace, cfg: Any, state: Any, seq: int) -> tup
 def hf_step(args: argparse.Namespace, cfg: Any, state: Any, seq: int) -> tuple[Step, Any, dict[str, Any]]:
     """A user's own Hugging Face model through megacp's trainer at ``seq`` tokens: transformers'
     ``LlamaForCausalLM`` with ``attn_implementation="megacp"``, the memory sections of megacp's config
-    applied to it (:mod:`megacp.train.hf_memory`; an ``"auto"`` MLP tile becomes
+    applied to it (:mod:`megacp.integrations.hf_memory`; an ``"auto"`` MLP tile becomes
     :data:`~megacp.train.memory.AUTO_MLP_TILE` tokens, as the plan tiles megacp's own model), and the
     tiled LM head + loss."""
     from transformers import LlamaForCausalLM
 
     from megacp.train.data import PackedSequence
     from megacp.train.engine import Trainer, build_for_training, read_settings
-    from megacp.train.hf_memory import training_loss
+    from megacp.integrations.hf_memory import training_loss
     from megacp.train.memory import AUTO_MLP_TILE
     from scripts.bench.train_step import hf_config
 

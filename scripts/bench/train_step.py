@@ -106,8 +106,8 @@ def hf_model(cfg: ModelConfig, attn_implementation: str) -> torch.nn.Module:
 
 def hf_megacp_step(state: megacp.ParallelState, cfg: ModelConfig, ids: torch.Tensor) -> tuple[Callable[[], None], Trainer]:
     """The same Hugging Face model with ``attn_implementation="megacp"``, trained by megacp's Trainer
-    (the ``--hf-native`` path: the tiled LM head + loss of :mod:`megacp.train.hf_memory`)."""
-    from megacp.train.hf_memory import training_loss
+    (the ``--hf-native`` path: the tiled LM head + loss of :mod:`megacp.integrations.hf_memory`)."""
+    from megacp.integrations.hf_memory import training_loss
 
     model = hf_model(cfg, "megacp")
     trainer = Trainer(model, DS_CONFIG, state, read_settings(DS_CONFIG), loss=training_loss(model))

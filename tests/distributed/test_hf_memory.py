@@ -1,4 +1,4 @@
-"""Long-sequence memory features on transformers models (:mod:`megacp.train.hf_memory`) on real gloo
+"""Long-sequence memory features on transformers models (:mod:`megacp.integrations.hf_memory`) on real gloo
 processes at CP = 1 and 2 (fp32): the sequence-tiled MLP (tiles of 4 tokens), checkpointed decoder
 layers with their inputs in host memory, the second checkpoint level (both layers one block, its input
 on the host) and the tiled LM head + loss each leave every rank's loss and
@@ -26,7 +26,7 @@ def _grads(rank: int, world: int) -> dict[str, dict[str, float]]:
     from megacp.layers.settings import CPSettings
     from megacp.models.checkpointing import HostStash
     from megacp.placement.batch import shard_batch
-    from megacp.train import hf_memory
+    from megacp.integrations import hf_memory
 
     state = megacp.initialize()
     settings = CPSettings.from_state(state, prefill="pass_kv") if world > 1 else None
@@ -89,7 +89,7 @@ def _train(rank: int, world_size: int) -> dict:
     from megacp.integrations.transformers import shard_loss
     from megacp.train.data import PackedSequence
     from megacp.train.engine import Trainer, read_settings
-    from megacp.train.hf_memory import tiled_loss
+    from megacp.integrations.hf_memory import tiled_loss
 
     g = torch.Generator().manual_seed(5)
     batches = [PackedSequence(torch.randint(3, SMALL["vocab_size"], (24,), generator=g),

@@ -1,7 +1,8 @@
 """``megacp.integrations.hf_trainer.CPTrainer``: three AdamW steps of a tiny transformers Qwen3
 (fp32, gloo, two sequences per step in gradient accumulation, labels with ignored tokens, gradient
 clipping) at CP = 2 give the losses and parameters of a plain PyTorch loop over transformers' SDPA
-attention in one process (the loss over the step's valid labels, as ``num_items_in_batch``); a model
+attention in one process, also with ``memory=`` (megacp's layer checkpoints on the host in blocks of
+2, MLP tiles, the tiled LM head + loss) (the loss over the step's valid labels, as ``num_items_in_batch``); a model
 without megacp's attention, ``average_tokens_across_devices=False``, and Falcon, BLOOM and MPT (also by
 ``LLM`` and at a forward of a CP shard) are refused, as is a batch that differs between the CP ranks."""
 
@@ -30,7 +31,13 @@ def _dataset() -> list[dict[str, torch.Tensor]]:
     return rows
 
 
-def _train(rank: int, world: int, out_dir: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+MEMORY = {"activation_checkpointing": {"enabled": True, "offload": "cpu", "layers_per_checkpoint": 2},
+          "sequence_tiling": {"mlp": 5}}
+"""CPTrainer's memory settings of the second run: layers checkpointed in blocks of 2 with their
+inputs on the host, MLPs over tiles of 5 tokens, the tiled LM head + loss."""
+
+
+def _train(rank: int, world: int, out_dir: str, memory: dict | None = None) -> tuple[list[float], dict[str, torch.Tensor]]:
     from transformers import TrainingArguments, default_data_collator
 
     import megacp
@@ -42,10 +49,15 @@ def _train(rank: int, world: int, out_dir: str) -> tuple[list[float], dict[str, 
                              max_grad_norm=CLIP, logging_steps=1, report_to=[], save_strategy="no", use_cpu=True,
                              seed=0, disable_tqdm=True, dataloader_num_workers=0)
     trainer = CPTrainer(model=make_model("qwen3", attn_implementation="megacp"), args=args, train_dataset=_dataset(),
-                        data_collator=default_data_collator, cp_state=state)
+                        data_collator=default_data_collator, cp_state=state, memory=memory)
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    if memory is not None:
+        assert trainer._hidden is not None  # the tiled loss ran
+        assert (trainer._tiling is not None) == bool(memory.get("sequence_tiling", {}).get("mlp"))
+        megacp.shutdown()
+        return losses, params
     with pytest.raises(ValueError, match='attn_implementation="megacp"'):
         CPTrainer(model=make_model("qwen3", attn_implementation="sdpa"), args=args, cp_state=state)
     from megacp import LLM
@@ -89,12 +101,13 @@ def _plain_torch() -> tuple[list[float], dict[str, torch.Tensor]]:
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def test_cp2_equals_plain_torch(tmp_path) -> None:
+@pytest.mark.parametrize("memory", [None, MEMORY], ids=["as_is", "memory"])
+def test_cp2_equals_plain_torch(tmp_path, memory: dict | None) -> None:
     ref_losses, ref_params = _plain_torch()
     with torch.no_grad():
         moved = min(float((p - ref_params[n]).abs().max()) for n, p in make_model("qwen3").named_parameters())
     assert moved > 1e-3, "the reference did not train"
-    for rank, (losses, params) in enumerate(run_distributed(_train, 2, str(tmp_path), timeout=180)):
+    for rank, (losses, params) in enumerate(run_distributed(_train, 2, str(tmp_path), memory, timeout=180)):
         assert losses == pytest.approx(ref_losses, abs=1e-5), f"rank {rank}"
         for name, p in params.items():
             err = float((p - ref_params[name]).abs().max())

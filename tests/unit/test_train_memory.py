@@ -6,15 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megacp.config import ConfigError
+from megacp.config import ConfigError, MemoryOptions, read_memory_options
 from megacp.models.config import ModelConfig
 from megacp.train.memory import (
-    MemoryOptions,
     MemoryPlanError,
     ZeroSettings,
     longest_fitting,
     plan_memory,
-    read_memory_options,
     state_bytes,
 )
 

@@ -3,7 +3,7 @@ sequence-tiled MLPs, decoder-layer inputs checkpointed on the device or in host 
 LM head + loss over chunks of tokens (never the ``S x vocab`` logits).
 
 The same features megacp's own models have (:mod:`megacp.models.tiling`,
-:mod:`megacp.models.checkpointing`, :func:`megacp.train.loss.chunked_cross_entropy`), applied to the
+:mod:`megacp.models.checkpointing`, :func:`megacp.models.lm_head.chunked_cross_entropy`), applied to the
 modules transformers builds:
 
 * :func:`tile_mlps`: each decoder layer's ``mlp`` (any token-wise module ``[B, S, H] -> [B, S, H]``)
@@ -15,7 +15,7 @@ modules transformers builds:
   optionally in pinned host memory (a :class:`~megacp.models.checkpointing.HostStash`, copied out and
   back on a side stream);
 * :func:`tiled_loss`: the base model's final hidden states times the output embedding, chunk by
-  chunk (:func:`~megacp.train.loss.chunked_cross_entropy`), for heads that are a plain matrix
+  chunk (:func:`~megacp.models.lm_head.chunked_cross_entropy`), for heads that are a plain matrix
   (Granite's ``logits_scaling`` and Cohere's ``logit_scale`` folded in); :func:`check_tiled_loss`
   compares it once with the model's own loss, so a head that transforms its logits otherwise is
   trained by the model's own loss instead of a wrong one.
@@ -33,9 +33,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from megacp.config import ConfigError, MemoryOptions
 from megacp.models.checkpointing import HostStash, checkpoint_block, checkpoint_layer
+from megacp.models.lm_head import DEFAULT_CHUNK_TOKENS, chunked_cross_entropy
 from megacp.placement.batch import TrainShard
-from megacp.train.loss import DEFAULT_CHUNK_TOKENS, chunked_cross_entropy
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -287,19 +288,37 @@ def tiled_loss(model: nn.Module, shard: TrainShard, *, settings: Any = None,
     """
     from megacp.integrations.transformers import model_inputs
 
+    return tiled_loss_of_inputs(model, model_inputs(shard, settings), chunk_tokens=chunk_tokens)
+
+
+def tiled_loss_of_inputs(model: nn.Module, inputs: dict[str, Any], *, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> Tensor:
+    """:func:`tiled_loss` of a batch as :func:`~megacp.integrations.transformers.prepare_batch`
+    returns it (``inputs`` is not changed): the base model's final hidden states, then
+    :func:`head_loss`."""
+    head = _head(model)
+    if head is None:
+        raise ValueError(f"{type(model).__name__}'s LM head is not a plain matrix: train it with its own loss")
+    hidden = model.get_decoder()(**forward_inputs(inputs, head[0].device)).last_hidden_state  # type: ignore[operator]
+    return head_loss(model, hidden, inputs, chunk_tokens=chunk_tokens)
+
+
+def forward_inputs(inputs: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """A prepared batch's keyword arguments of the model's forward without its labels (on ``device``)."""
+    return {k: v.to(device) if isinstance(v, Tensor) else v for k, v in inputs.items()
+            if k not in ("labels", "shift_labels", "num_items_in_batch")}
+
+
+def head_loss(model: nn.Module, hidden: Tensor, inputs: dict[str, Any], *, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> Tensor:
+    """The LM head and cross-entropy of the final hidden states ``hidden [1, n, H]`` of a prepared
+    batch, ``chunk_tokens`` rows at a time, over its ``shift_labels``, divided by its
+    ``num_items_in_batch`` (this rank's share of the batch's mean token loss)."""
     head = _head(model)
     if head is None:
         raise ValueError(f"{type(model).__name__}'s LM head is not a plain matrix: train it with its own loss")
     weight, scale = head
-    inputs = model_inputs(shard, settings)
-    labels, count = inputs.pop("labels"), inputs.pop("num_items_in_batch")
-    inputs.pop("shift_labels")
-    device = weight.device
-    inputs = {k: v.to(device) if isinstance(v, Tensor) else v for k, v in inputs.items()}
-    hidden = model.get_decoder()(**inputs).last_hidden_state[0]  # type: ignore[operator]
-    if scale != 1.0:
-        hidden = hidden * scale
-    return chunked_cross_entropy(hidden, weight, labels[0].to(device), chunk_tokens) / count
+    hidden = hidden[0] * scale if scale != 1.0 else hidden[0]
+    labels = inputs["shift_labels"][0].to(weight.device)
+    return chunked_cross_entropy(hidden, weight, labels, chunk_tokens) / inputs["num_items_in_batch"]
 
 
 def check_tiled_loss(model: nn.Module, vocab_size: int) -> bool:
@@ -338,3 +357,28 @@ def training_loss(model: nn.Module) -> Callable[..., Tensor]:
 
     vocab = int(getattr(getattr(model, "config", None), "vocab_size", 0) or 0)
     return tiled_loss if vocab and check_tiled_loss(model, vocab) else shard_loss
+
+
+def apply_memory(model: nn.Module, memory: MemoryOptions, device: torch.device) -> Tiling | None:
+    """Apply the memory options (:func:`megacp.config.read_memory_options`) to a transformers model:
+    every decoder layer checkpointed (its input on the host with ``offload: "cpu"``) and the MLPs
+    sequence-tiled (returned: the :class:`Tiling`, else ``None``). The plan that
+    chooses ``"auto"`` values reads megacp's own model configs only.
+
+    Raises:
+        ConfigError: ``"auto"`` offload or checkpoint blocks, or a model these features cannot apply to.
+    """
+    for key, value in (("offload", memory.offload), ("layers_per_checkpoint", memory.layers_per_checkpoint)):
+        if value == "auto":
+            raise ConfigError(f'activation_checkpointing.{key}: "auto" is chosen by the memory plan of megacp\'s '
+                              'own models; give a transformers model its value (offload "cpu" or "none", '
+                              "layers_per_checkpoint a number)")
+    try:
+        if memory.activation_checkpointing:
+            per = memory.layers_per_checkpoint if isinstance(memory.layers_per_checkpoint, int) else 1
+            checkpoint_layers(model, HostStash(device) if memory.offload == "cpu" else None, per)
+        if isinstance(memory.mlp_tile, int) and memory.mlp_tile > 0:
+            return tile_mlps(model, memory.mlp_tile)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    return None
