@@ -7,15 +7,9 @@ per request and head, and the ``uint8`` views the cache hands over. On GPU machi
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
 import textwrap
 
-import pytest
-
-from tests.helpers.paths import ROOT
+from tests.helpers.triton_interpreter import needs_triton, run_interpreted
 
 SCRIPT = textwrap.dedent(
     """
@@ -61,8 +55,6 @@ SCRIPT = textwrap.dedent(
 )
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed (the FP8 decode kernel needs it)")
+@needs_triton
 def test_fp8_decode_kernel_matches_dequantised_attention() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    res = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0 and "fp8 decode ok" in res.stdout, res.stdout + res.stderr
+    run_interpreted(SCRIPT, "fp8 decode ok")

@@ -5,15 +5,9 @@ attention."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
 import textwrap
 
-import pytest
-
-from tests.helpers.paths import ROOT
+from tests.helpers.triton_interpreter import needs_triton, run_interpreted
 
 SCRIPT = textwrap.dedent(
     """
@@ -77,8 +71,6 @@ SCRIPT = textwrap.dedent(
 )
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed (the fused merge needs it)")
+@needs_triton
 def test_fused_merge_matches_full_attention() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    res = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0 and "fused merge ok" in res.stdout, res.stdout + res.stderr
+    run_interpreted(SCRIPT, "fused merge ok")
