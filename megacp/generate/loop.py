@@ -317,10 +317,7 @@ class Run:
         self.capture_s = 0.0
 
     def _finished(self, i: int) -> str | None:
-        out, params, check = self.tokens[i], self.params[i], self.stop_checks[i]
-        if out[-1] in params.stop_token_ids or (check is not None and check(out)):
-            return "stop"
-        return "length" if len(out) >= params.max_tokens else None
+        return self.params[i].finish_reason(self.tokens[i], self.stop_checks[i])
 
     @torch.inference_mode()
     def __iter__(self) -> Iterator[tuple[int, int]]:

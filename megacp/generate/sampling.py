@@ -123,6 +123,15 @@ class SamplingParams:
         """Whether the next token is the argmax."""
         return self.temperature < GREEDY_BELOW
 
+    def finish_reason(self, tokens: list[int], stop_check: Callable[[list[int]], bool] | None = None) -> str | None:
+        """Why a request with these settings ends after generating ``tokens`` (non-empty): ``"stop"``
+        (the last token is a stop token, or ``stop_check(tokens)``: they end in a stop string),
+        ``"length"`` (``max_tokens`` reached), or ``None`` (it goes on). The one rule of
+        ``LLM.generate``, sessions and the server."""
+        if tokens[-1] in self.stop_token_ids or (stop_check is not None and stop_check(tokens)):
+            return "stop"
+        return "length" if len(tokens) >= self.max_tokens else None
+
     @property
     def penalised(self) -> bool:
         """Whether a repetition, presence or frequency penalty is on."""

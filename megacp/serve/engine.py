@@ -392,8 +392,7 @@ class Engine:
         r.tokens.append(tok)
         self.metrics["generated_tokens"] += 1
         p = r.params
-        done = ("stop" if tok in p.stop_token_ids or (r.stopped is not None and r.stopped(r.tokens))
-                else "length" if len(r.tokens) >= p.max_tokens else None)
+        done = p.finish_reason(r.tokens, r.stopped)
         text = r.stream.piece(r.tokens, done is not None) if r.stream is not None else ""
         r.done = done is not None
         self._outbox.append((r, Event(tok, text, done, logprobs=logprobs)))
