@@ -13,7 +13,8 @@ gradient clipping 1.0. Both DeepSpeed configs share :func:`ds_config`: ZeRO ``--
 3 (ALST) with ``offload_optimizer`` to pinned CPU memory, ``offload_param`` with
 ``--offload-param`` (megacp) / ``--alst-offload-param`` (ALST, on by default), and with
 ``--bf16-optimizer-states`` DeepSpeed's ``bf16_master_weights_and_grads`` + ``bf16_optimizer_states``
-(which need DeepSpeed's CPU Adam in place of torch's AdamW, for both methods).
+(which need DeepSpeed's CPU Adam in place of torch's AdamW, for both methods; the parent builds that
+extension before any child runs, :func:`build_cpu_adam`, so no build time includes its compile).
 
 * ``megacp``: ``build_model`` + ``swap_attention`` + ``read_settings`` + ``Trainer`` (as in
   ``scripts/bench/train_step.py``); the memory sections come from ``--megacp-config``, a preset of
@@ -168,9 +169,9 @@ def hf_step(args: argparse.Namespace, cfg: Any, state: Any, seq: int) -> tuple[S
     tiled LM head + loss."""
     from transformers import LlamaForCausalLM
 
+    from megacp.integrations.hf_memory import training_loss
     from megacp.train.data import PackedSequence
     from megacp.train.engine import Trainer, build_for_training, read_settings
-    from megacp.integrations.hf_memory import training_loss
     from megacp.train.memory import AUTO_MLP_TILE
     from scripts.bench.train_step import hf_config
 
@@ -369,12 +370,25 @@ COLUMNS = [("method", "method", "s"), ("seq", "S", "d"), ("step", "step s", ".2f
            ("host_rss_gib", "host RSS GiB", ".1f"), ("loss", "loss", ".4f"), ("error", "failure", "s")]
 
 
+def build_cpu_adam() -> float:
+    """Seconds to build (or load) DeepSpeed's CPU Adam extension, which ``--bf16-optimizer-states``
+    needs: a JIT compile on a machine's first use (and after DeepSpeed's sources change), which the
+    first child to build an optimizer would otherwise pay inside its build time."""
+    from deepspeed.accelerator import get_accelerator
+
+    t0 = time.perf_counter()
+    get_accelerator().create_op_builder("CPUAdamBuilder").load()  # what DeepSpeedCPUAdam loads
+    return round(time.perf_counter() - t0, 1)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     if args.child:
         return child(args)
     info = bh.header(MODULE, argv, args.device)
+    if args.bf16_optimizer_states:  # built once here, so no method's build time includes its JIT compile
+        info["cpu_adam_build_s"] = build_cpu_adam()
     print(json.dumps(info), flush=True)
     if args.concurrent:
         with ThreadPoolExecutor(len(args.methods)) as pool:
