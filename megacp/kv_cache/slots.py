@@ -1,5 +1,5 @@
 """The KV cache's slot table: which request slots are in use, for each request how many tokens every
-CP rank holds and the positions of this rank's rows — host-side bookkeeping with no device tensors.
+CP rank holds and at which positions — host-side bookkeeping with no device tensors.
 
 Every rank keeps the same table: a request's history of step lengths determines, by the placement
 rule of :mod:`megacp.placement`, which positions each rank holds (prefill tokens where the
@@ -17,15 +17,26 @@ import torch
 from torch import Tensor
 
 from megacp.placement import ShardPlan, held_after, shard_ranges
+from megacp.placement.sharding import Range
 
 
 class CacheCapacityError(RuntimeError):
     """A request would not fit in the cache (raised before anything is written)."""
 
 
-SlotState = tuple[list[int], list[int], list[int]]
+SlotState = tuple[list[int], list[int], list[list[Range]]]
 """A slot's bookkeeping as :meth:`SlotTable.snapshot` returns it: its lengths history, the tokens
-each rank holds and the positions of this rank's rows."""
+each rank holds and the position runs of each rank's rows."""
+
+
+def _extend(runs: list[Range], lo: int, hi: int) -> None:
+    """Append positions ``[lo, hi)`` to ``runs`` (merged with the last run where they continue it)."""
+    if hi <= lo:
+        return
+    if runs and runs[-1][1] == lo:
+        runs[-1] = (runs[-1][0], hi)
+    else:
+        runs.append((lo, hi))
 
 
 class SlotTable:
@@ -49,7 +60,7 @@ class SlotTable:
         self._free = list(range(max_requests - 1, -1, -1))
         self._history: dict[int, list[int]] = {}
         self._held: dict[int, list[int]] = {}  # slot -> tokens held by each CP rank
-        self._rows: dict[int, list[int]] = {}  # slot -> global position of each row this rank holds
+        self._runs: dict[int, list[list[Range]]] = {}  # slot -> per rank, position runs of its rows in row order
 
     # ------------------------------------------------------------------ slots
     def allocate(self) -> int:
@@ -59,13 +70,13 @@ class SlotTable:
         slot = self._free.pop()
         self._history[slot] = [0]
         self._held[slot] = [0] * self.cp_size
-        self._rows[slot] = []
+        self._runs[slot] = [[] for _ in range(self.cp_size)]
         return slot
 
     def free(self, slot: int) -> None:
         """Release ``slot`` for reuse (its rows are overwritten by the next request)."""
         self._check_slot(slot)
-        del self._history[slot], self._held[slot], self._rows[slot]
+        del self._history[slot], self._held[slot], self._runs[slot]
         self._free.append(slot)
 
     def _check_slot(self, slot: int) -> None:
@@ -93,9 +104,16 @@ class SlotTable:
         holds of each slot, -1 where empty (made when asked, for checks and diagnostics; nothing on
         the step path reads it)."""
         out = torch.full((self.max_requests, self.capacity), -1, dtype=torch.long)
-        for slot, rows in self._rows.items():
+        for slot, runs in self._runs.items():
+            rows = [p for a, b in runs[self.cp_rank] for p in range(a, b)]
             out[slot, : len(rows)] = torch.tensor(rows, dtype=torch.long)
         return out
+
+    def runs(self, slot: int) -> list[list[Range]]:
+        """Per CP rank, the position runs ``[a, b)`` of the rows it holds of ``slot``, in row order
+        (what a windowed plan places cached keys by)."""
+        self._check_slot(slot)
+        return [list(r) for r in self._runs[slot]]
 
     def check_room(self, slot: int, steps: Sequence[int], spare: int = 0) -> None:
         """Raise :class:`CacheCapacityError` unless the request in ``slot`` can take ``steps`` (its
@@ -125,7 +143,7 @@ class SlotTable:
         plan = ShardPlan(
             [self.length(s) for s in slots], new_tokens, self.cp_size, self.cp_rank,
             prefix_counts=[[self._held[s][j] for s in slots] for j in range(self.cp_size)],
-            load_balance=self.load_balance, histories=[self._history[s] for s in slots],
+            load_balance=self.load_balance, cached_runs=[[list(self._runs[s][j]) for s in slots] for j in range(self.cp_size)],
         )
         for j in range(self.cp_size):
             for i, s in enumerate(slots):
@@ -140,10 +158,10 @@ class SlotTable:
 
     def commit(self, slots: Sequence[int], plan: ShardPlan) -> None:
         """Advance the bookkeeping after every layer has written the step."""
-        local = plan.local_positions().tolist()
-        for s, i, lay in zip(slots, range(plan.num_requests), plan.q_layout(self.cp_rank)):
-            self._rows[s] += local[lay.offset : lay.offset + lay.num_new]
+        for s, i in zip(slots, range(plan.num_requests)):
             for j in range(self.cp_size):
+                for a, b in plan.ranges[j][i]:
+                    _extend(self._runs[s][j], a, b)
                 self._held[s][j] += sum(b - a for a, b in plan.ranges[j][i])
             self._history[s].append(self._history[s][-1] + plan.new[i])
 
@@ -154,10 +172,9 @@ class SlotTable:
         held, pos = self._held[slot], self.length(slot)
         for t in range(pos, pos + count):
             for j in range(self.cp_size):
-                ranges = shard_ranges(t, 1, self.cp_size, j, load_balance=self.load_balance)
-                held[j] += len(ranges)
-                if ranges and j == self.cp_rank:
-                    self._rows[slot].append(t)
+                for a, b in shard_ranges(t, 1, self.cp_size, j, load_balance=self.load_balance):
+                    held[j] += b - a
+                    _extend(self._runs[slot][j], a, b)
             self._history[slot].append(t + 1)
 
     def truncate(self, slot: int, length: int) -> None:
@@ -174,16 +191,12 @@ class SlotTable:
             raise ValueError(f"cannot truncate KV cache slot {slot} of {history[-1]} tokens to {length}")
         if length == history[-1]:
             return
-        held = [0] * self.cp_size
-        for start, end in zip(history, history[1:]):  # replay the placement of every step, clipped at length
-            if start >= length:
-                break
-            for j in range(self.cp_size):
-                held[j] += sum(min(b, length) - a for a, b in
-                               shard_ranges(start, end - start, self.cp_size, j, load_balance=self.load_balance) if a < length)
+        # every rank keeps its rows of positions < length: a prefix of its rows (they are in position
+        # order); the runs keep where the steps placed them (a step cut part-way is not a shorter step)
+        runs = [[(a, min(b, length)) for a, b in rank_runs if a < length] for rank_runs in self._runs[slot]]
+        self._runs[slot] = runs
+        self._held[slot] = [sum(b - a for a, b in r) for r in runs]
         self._history[slot] = [h for h in history if h < length] + [length]
-        self._held[slot] = held
-        del self._rows[slot][held[self.cp_rank]:]  # in position order: the rows of positions < length stay
 
     # ------------------------------------------------------------------ rollback of a failed step
     def snapshot(self, slot: int) -> SlotState:
@@ -191,10 +204,10 @@ class SlotTable:
         :meth:`restore` puts back after a turn that failed part-way. Keys and values past the
         restored lengths are never read again, so they need no copy."""
         self._check_slot(slot)
-        return list(self._history[slot]), list(self._held[slot]), list(self._rows[slot])
+        return list(self._history[slot]), list(self._held[slot]), [list(r) for r in self._runs[slot]]
 
     def restore(self, slot: int, state: SlotState) -> None:
         """Put back ``slot``'s bookkeeping as :meth:`snapshot` returned it."""
         self._check_slot(slot)
-        history, held, rows = state
-        self._history[slot], self._held[slot], self._rows[slot] = list(history), list(held), list(rows)
+        history, held, runs = state
+        self._history[slot], self._held[slot], self._runs[slot] = list(history), list(held), [list(r) for r in runs]

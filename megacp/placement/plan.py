@@ -29,9 +29,10 @@ class ShardPlan:
             (from the KV cache's bookkeeping); ``None`` means no cache (all zeros; then ``cached``
             only shifts positions).
         load_balance: 2N-chunk load balancing (default) or N contiguous chunks.
-        histories: per request, the computed-token counts after each earlier step (the KV cache's
-            :meth:`~megacp.kv_cache.ShardedKVCache.history`); they place the cached tokens, which a
-            windowed plan over a cache needs (``None``: no positions for cached tokens).
+        cached_runs: ``cached_runs[j][i]``, the position runs ``[a, b)`` of request ``i``'s cached
+            tokens rank ``j`` holds, in its cache order (the KV cache's
+            :meth:`~megacp.kv_cache.slots.SlotTable.runs`); they place the cached
+            tokens, which a windowed plan over a cache needs (``None``: no positions for cached tokens).
         window: sliding window of the attention the tiles serve (a query at position ``x`` sees the
             keys at ``x - window + 1 .. x``); ``None``: full causal. :meth:`with_window` gives a
             layer's windowed plan of the same step.
@@ -49,7 +50,7 @@ class ShardPlan:
         *,
         prefix_counts: Sequence[Sequence[int]] | None = None,
         load_balance: bool = True,
-        histories: Sequence[Sequence[int]] | None = None,
+        cached_runs: Sequence[Sequence[Sequence[Range]]] | None = None,
         window: int | None = None,
     ) -> None:
         if len(cached) != len(new):
@@ -64,7 +65,9 @@ class ShardPlan:
         if window is not None and window < 1:
             raise ValueError(f"a sliding window must hold at least 1 key, got {window}")
         self.window = window
-        self.histories = None if histories is None else [list(h) for h in histories]
+        if cached_runs is not None and (len(cached_runs) != cp_size or any(len(r) != len(new) for r in cached_runs)):
+            raise ValueError("cached_runs must be [cp_size][num_requests] lists of position runs")
+        self.cached_runs = cached_runs
         if prefix_counts is None:
             prefix_counts = [[0] * len(new) for _ in range(cp_size)]
         elif len(prefix_counts) != cp_size or any(len(row) != len(new) for row in prefix_counts):
@@ -157,26 +160,10 @@ class ShardPlan:
             self.q_layout(q_rank), self.kv_layout(kv_rank), self.window,
             self.prefix_runs(kv_rank) if self.window is not None and self.has_cached_kv else None))
 
-    def prefix_runs(self, rank: int) -> list[list[Range]] | None:
+    def prefix_runs(self, rank: int) -> Sequence[Sequence[Range]] | None:
         """Per request, the position runs ``[a, b)`` of the cached tokens ``rank`` holds, in its
-        cache order (from :attr:`histories`; ``None`` without them); computed once per plan."""
-        if self.histories is None:
-            return None
-        return self._memo(("runs", rank), lambda: self._prefix_runs(rank))
-
-    def _prefix_runs(self, rank: int) -> list[list[Range]]:
-        assert self.histories is not None
-        out = []
-        for h in self.histories:
-            runs: list[Range] = []
-            for a, b in zip(h, h[1:]):
-                for lo, hi in shard_ranges(a, b - a, self.cp_size, rank, load_balance=self.load_balance):
-                    if runs and runs[-1][1] == lo:
-                        runs[-1] = (runs[-1][0], hi)
-                    else:
-                        runs.append((lo, hi))
-            out.append(runs)
-        return out
+        cache order (:attr:`cached_runs`; ``None`` without them)."""
+        return None if self.cached_runs is None else self.cached_runs[rank]
 
     def local_index(self, rank: int | None = None) -> Tensor:
         """Indices into the packed new tokens of ``rank``'s local tokens (LongTensor ``[n_local]``)."""

@@ -48,3 +48,22 @@ def test_truncate_refuses_a_length_beyond_the_slot() -> None:
         cache.truncate(slot, 5)
     cache.truncate(slot, 4)
     assert cache.length(slot) == 4
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_cut_step_keeps_its_placement_for_windowed_plans(n: int) -> None:
+    """A slot cut part-way through a step (prefix reuse): the runs the next step's plan places the
+    cached keys by (what a windowed plan reads) are the positions every rank really holds, not
+    those of a shorter step, which load balancing would place elsewhere."""
+    for total in range(2, 30):
+        for keep in range(1, total):
+            ranks = [_cache(n, rank) for rank in range(n)]
+            for cache, slot in ranks:
+                _run(cache, slot, [total])
+                cache.truncate(slot, keep)
+            plan = ranks[0][0].plan([ranks[0][1]], [3])
+            for j, (cache, slot) in enumerate(ranks):
+                runs = plan.prefix_runs(j)
+                assert runs is not None
+                held = [p for a, b in runs[0] for p in range(a, b)]
+                assert held == [p for p in cache.positions[slot].tolist() if p >= 0], (total, keep, j)

@@ -62,10 +62,10 @@ def test_planner_skips_tiles_outside_the_window() -> None:
     assert ShardPlan([0], [64], 4, 0).with_window(64).window is None  # a window over the whole context is causal
 
 
-def test_windowed_plan_over_a_cache_places_cached_keys_by_history() -> None:
+def test_windowed_plan_over_a_cache_places_cached_keys_by_their_runs() -> None:
     """A 10-token chunk after a 7-token chunk and two decoded tokens (CP 2): the tiles over each
-    rank's block (cached keys, then new) let through exactly the window; without the history the
-    windowed plan refuses."""
+    rank's block (cached keys, then new) let through exactly the window; without the cached keys'
+    positions the windowed plan refuses."""
     history, window = [0, 7, 8, 9], 4
     from megacp.placement import positions_from_history
 
@@ -74,7 +74,8 @@ def test_windowed_plan_over_a_cache_places_cached_keys_by_history() -> None:
     with pytest.raises(ValueError, match=r"positions of the \d+ cached keys"):
         ShardPlan([9], [10], 2, 0, prefix_counts=counts).with_window(window).tiles(0, 0)
     for r in range(2):
-        plan = ShardPlan([9], [10], 2, r, prefix_counts=counts, histories=[history]).with_window(window)
+        runs = [[[(p, p + 1) for p in held[j]]] for j in range(2)]  # one run per position: runs need not merge
+        plan = ShardPlan([9], [10], 2, r, prefix_counts=counts, cached_runs=runs).with_window(window)
         qpos = plan.local_positions(r)
         for j in range(2):
             kpos = torch.tensor(held[j] + plan.local_positions(j).tolist())
