@@ -120,6 +120,59 @@ def test_windowed_decode_equals_reference() -> None:
         assert max(errors) < 1e-5, errors
 
 
+def _cut_body(rank: int, n: int, cut: int) -> list[float]:
+    """A 13-token prefill cut back to ``cut`` tokens part-way through its step (as prefix reuse and a
+    rolled-back turn do), then the prompt's next tokens up to 23 over the cached ones and 6 decode
+    steps (window 4), each output against the reference over the whole history: the cut step's
+    cached keys keep the places its load-balanced sharding gave them."""
+    import torch.distributed as dist
+
+    from megacp.kv_cache import ShardedKVCache
+    from megacp.layers.settings import CPSettings
+    from megacp.layers.step import begin_step
+    from megacp.parallel.ring import Ring
+
+    torch.set_num_threads(1)
+    settings = CPSettings(ring=Ring(dist.group.WORLD), prefill="pass_kv")
+    window, prompt, steps = 4, 23, 6
+    q, k, v = _inputs([prompt + steps], 11)
+    cache = ShardedKVCache(num_layers=1, num_kv_heads=2, head_dim=8, max_requests=1, capacity=32, cp_size=n, cp_rank=rank)
+    slot = cache.allocate()
+    layer = type("L", (), {"layer_index": 0})()
+    errors = []
+    pos = torch.arange(prompt + steps)
+    with torch.no_grad():
+        step = begin_step(settings, cache, [slot], [13])
+        idx = step.token_index()
+        step.attend(layer, q[idx], k[idx], v[idx], None, window)
+        step.commit()
+        cache.truncate(slot, cut)
+        step = begin_step(settings, cache, [slot], [prompt - cut])
+        idx = step.token_index() + cut
+        out = step.attend(layer, q[idx], k[idx], v[idx], None, window)
+        step.commit()
+        ref = naive_attention(q[idx], k[:prompt], v[:prompt], q_positions=pos[idx], k_positions=pos[:prompt],
+                              window=window)
+        errors.append((out - ref).abs().max().item())
+        for t in range(prompt, prompt + steps):
+            step = begin_step(settings, cache, [slot], [1])
+            out = step.attend(layer, q[t:t + 1], k[t:t + 1], v[t:t + 1], None, window)
+            step.commit()
+            ref = naive_attention(q[t:t + 1], k[:t + 1], v[:t + 1], q_positions=pos[t:t + 1], k_positions=pos[:t + 1],
+                                  window=window)
+            errors.append((out - ref).abs().max().item())
+    return errors
+
+
+@pytest.mark.parametrize("cut", [8, 9])
+def test_windowed_steps_after_a_cut_step_equal_reference(cut: int) -> None:
+    """At CP 2 a 9-token prefix of the 13-token step is held 4 + 5 by the ranks where a 9-token step
+    would put 5 + 4 (a plan from the shortened history refused the step), an 8-token prefix 4 + 4 at
+    other positions than an 8-token step's (such a plan computed wrong outputs)."""
+    for errors in run_distributed(_cut_body, 2, cut):
+        assert max(errors) < 1e-5, errors
+
+
 def _llm_body(rank: int, n: int, paths: list[str], prompts: list[list[int]]) -> list[list[list[int]]]:
     from megacp import LLM, SamplingParams
 
