@@ -222,11 +222,16 @@ def main(argv: list[str] | None = None) -> int:
     bh.print_table(None, rows, COLUMNS, f"one request, {args.new_tokens} new tokens, {'tiny' if args.tiny else args.model} "
                                         f"shape, {shape_of(args)['num_hidden_layers']} layers")
     print("longest: " + ", ".join(f"{m} {bh.size_label(n) if n else 'none'}" for m, n in longest.items()))
+    capacity = next((r["capacity_tokens"] for r in rows if r.get("capacity_tokens")), None)
+    of_capacity = round(longest.get("megacp", 0) / capacity, 3) if capacity else None
+    if of_capacity is not None:
+        print(f"megacp's longest prompt is {of_capacity:.3f} of its cache's capacity ({capacity:,} tokens)")
     if ratios:
         print("megacp / HF TTFT: " + ", ".join(f"{bh.size_label(n)} {r:.3f}" for n, r in ratios.items()))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({**info, "results": rows, "longest": longest, "megacp_over_hf_ttft": ratios}, f, indent=1)
+            json.dump({**info, "results": rows, "longest": longest, "megacp_longest_of_capacity": of_capacity,
+                       "megacp_over_hf_ttft": ratios}, f, indent=1)
     return 0
 
 

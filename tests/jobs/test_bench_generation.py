@@ -37,5 +37,8 @@ def test_long_prompt_ladder_on_cpu(tmp_path) -> None:
         assert "error" not in r and r["ttft_s"] > 0 and r["decode_tokens_per_s"] > 0, r
         assert r["peak_alloc_gib"] is None and 0 < r["host_rss_gib"] < 8, r
     assert [r["prefill_chunk"] for r in rows if r["method"] == "megacp"] == [48]  # CPU: whole prompts
+    megacp = next(r for r in rows if r["method"] == "megacp")
+    assert megacp["prefill_tflops"] >= 0 and megacp["capacity_tokens"] is None  # no GPU memory to size against
+    assert report["megacp_longest_of_capacity"] is None
     assert report["longest"] == {"megacp": 48, "hf": 48} and set(report["megacp_over_hf_ttft"]) == {"48"}
     assert "--tiny" in report["command"]
