@@ -77,10 +77,16 @@ def test_windowed_ring_backward_equals_autograd_of_reference(n: int) -> None:
                 torch.testing.assert_close(got, want[idx], atol=1e-5, rtol=1e-5)
 
 
-def _decode_body(rank: int, n: int) -> list[float]:
-    """A 23-token prompt prefilled in two chunks (13, then 10 over the cached 13), then 9 decode steps
-    through the CP-sharded cache (window 4: decode runs far past it), each output against the
-    reference over the whole history."""
+WINDOW = 4
+"""The window of the cached-step bodies (decode runs far past it)."""
+
+
+def _cached_steps(rank: int, n: int, prefill: str, seed: int, steps: list[tuple[int, int]],
+                  cut: tuple[int, int] | None = None) -> list[float]:
+    """Steps of one request through the CP-sharded cache, each adding positions ``[a, b)`` of
+    ``steps`` (one position: a decode step), with ``cut = (after, length)``: the slot cut back to
+    ``length`` tokens after step ``after``. Returns each step's largest error against the windowed
+    reference over the keys ``[0, b)``."""
     import torch.distributed as dist
 
     from megacp.kv_cache import ShardedKVCache
@@ -89,30 +95,31 @@ def _decode_body(rank: int, n: int) -> list[float]:
     from megacp.parallel.ring import Ring
 
     torch.set_num_threads(1)
-    settings = CPSettings(ring=Ring(dist.group.WORLD), prefill="pass_q")
-    window, prompt, steps = 4, 23, 9
-    q, k, v = _inputs([prompt + steps], 7)
+    settings = CPSettings(ring=Ring(dist.group.WORLD), prefill=prefill)
+    end = steps[-1][1]
+    q, k, v = _inputs([end], seed)
     cache = ShardedKVCache(num_layers=1, num_kv_heads=2, head_dim=8, max_requests=1, capacity=32, cp_size=n, cp_rank=rank)
     slot = cache.allocate()
     layer = type("L", (), {"layer_index": 0})()
+    pos = torch.arange(end)
     errors = []
-    pos = torch.arange(prompt + steps)
     with torch.no_grad():
-        for a, b in ((0, 13), (13, prompt)):
+        for i, (a, b) in enumerate(steps):
             step = begin_step(settings, cache, [slot], [b - a])
             idx = step.token_index() + a
-            out = step.attend(layer, q[idx], k[idx], v[idx], None, window)
+            out = step.attend(layer, q[idx], k[idx], v[idx], None, WINDOW)
             step.commit()
-            ref = naive_attention(q[idx], k[:b], v[:b], q_positions=pos[idx], k_positions=pos[:b], window=window)
+            ref = naive_attention(q[idx], k[:b], v[:b], q_positions=pos[idx], k_positions=pos[:b], window=WINDOW)
             errors.append((out - ref).abs().max().item())
-        for t in range(prompt, prompt + steps):
-            step = begin_step(settings, cache, [slot], [1])
-            out = step.attend(layer, q[t:t + 1], k[t:t + 1], v[t:t + 1], None, window)
-            step.commit()
-            ref = naive_attention(q[t:t + 1], k[:t + 1], v[:t + 1], q_positions=pos[t:t + 1], k_positions=pos[:t + 1],
-                                  window=window)
-            errors.append((out - ref).abs().max().item())
+            if cut is not None and cut[0] == i:
+                cache.truncate(slot, cut[1])
     return errors
+
+
+def _decode_body(rank: int, n: int) -> list[float]:
+    """A 23-token prompt prefilled in two chunks (13, then 10 over the cached 13), then 9 decode steps,
+    each output against the reference over the whole history."""
+    return _cached_steps(rank, n, "pass_q", 7, [(0, 13), (13, 23), *((t, t + 1) for t in range(23, 32))])
 
 
 def test_windowed_decode_equals_reference() -> None:
@@ -123,45 +130,10 @@ def test_windowed_decode_equals_reference() -> None:
 def _cut_body(rank: int, n: int, cut: int) -> list[float]:
     """A 13-token prefill cut back to ``cut`` tokens part-way through its step (as prefix reuse and a
     rolled-back turn do), then the prompt's next tokens up to 23 over the cached ones and 6 decode
-    steps (window 4), each output against the reference over the whole history: the cut step's
-    cached keys keep the places its load-balanced sharding gave them."""
-    import torch.distributed as dist
-
-    from megacp.kv_cache import ShardedKVCache
-    from megacp.layers.settings import CPSettings
-    from megacp.layers.step import begin_step
-    from megacp.parallel.ring import Ring
-
-    torch.set_num_threads(1)
-    settings = CPSettings(ring=Ring(dist.group.WORLD), prefill="pass_kv")
-    window, prompt, steps = 4, 23, 6
-    q, k, v = _inputs([prompt + steps], 11)
-    cache = ShardedKVCache(num_layers=1, num_kv_heads=2, head_dim=8, max_requests=1, capacity=32, cp_size=n, cp_rank=rank)
-    slot = cache.allocate()
-    layer = type("L", (), {"layer_index": 0})()
-    errors = []
-    pos = torch.arange(prompt + steps)
-    with torch.no_grad():
-        step = begin_step(settings, cache, [slot], [13])
-        idx = step.token_index()
-        step.attend(layer, q[idx], k[idx], v[idx], None, window)
-        step.commit()
-        cache.truncate(slot, cut)
-        step = begin_step(settings, cache, [slot], [prompt - cut])
-        idx = step.token_index() + cut
-        out = step.attend(layer, q[idx], k[idx], v[idx], None, window)
-        step.commit()
-        ref = naive_attention(q[idx], k[:prompt], v[:prompt], q_positions=pos[idx], k_positions=pos[:prompt],
-                              window=window)
-        errors.append((out - ref).abs().max().item())
-        for t in range(prompt, prompt + steps):
-            step = begin_step(settings, cache, [slot], [1])
-            out = step.attend(layer, q[t:t + 1], k[t:t + 1], v[t:t + 1], None, window)
-            step.commit()
-            ref = naive_attention(q[t:t + 1], k[:t + 1], v[:t + 1], q_positions=pos[t:t + 1], k_positions=pos[:t + 1],
-                                  window=window)
-            errors.append((out - ref).abs().max().item())
-    return errors
+    steps, each output against the reference over the whole history: the cut step's cached keys keep
+    the places its load-balanced sharding gave them."""
+    return _cached_steps(rank, n, "pass_kv", 11, [(0, 13), (cut, 23), *((t, t + 1) for t in range(23, 29))],
+                         cut=(0, cut))
 
 
 @pytest.mark.parametrize("cut", [8, 9])
