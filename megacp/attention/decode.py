@@ -108,7 +108,7 @@ def static_decode(
         ring: the CP ring (``None`` or size 1: local attention only).
         fp8_scales: with ``k``/``v`` as an FP8 cache stores them (``float8_e4m3fn`` or ``uint8``),
             each request's ``[B, 2, Hkv]`` fp32 key and value scales: the rows are read as stored
-            (:mod:`~megacp.attention.fp8_decode_kernel`; needs :func:`fp8_decode_applies`).
+            (:mod:`~megacp.attention.fp8_decode_kernel`; where its ``available`` says it applies).
 
     Returns:
         ``[B, Hq, D]`` in ``q.dtype``, identical on every rank.
@@ -120,8 +120,3 @@ def static_decode(
         out, lse = cache_decode_states(q, k, v, starts, used, capacity, scale=scale)
     return merge_over_ring(out, lse, ring, q.dtype)
 
-
-def fp8_decode_applies(q: Tensor, k: Tensor) -> bool:
-    """Whether decode queries ``q`` read an FP8 cache's rows ``k`` as stored (the Triton kernel
-    applies: CUDA, fp16/bf16 queries, power-of-two head dim); elsewhere the rows are dequantised first."""
-    return fp8_decode_kernel.available(q, k)

@@ -109,12 +109,6 @@ class SlotTable:
             out[slot, : len(rows)] = torch.tensor(rows, dtype=torch.long)
         return out
 
-    def runs(self, slot: int) -> list[list[Range]]:
-        """Per CP rank, the position runs ``[a, b)`` of the rows it holds of ``slot``, in row order
-        (what a windowed plan places cached keys by)."""
-        self._check_slot(slot)
-        return [list(r) for r in self._runs[slot]]
-
     def check_room(self, slot: int, steps: Sequence[int], spare: int = 0) -> None:
         """Raise :class:`CacheCapacityError` unless the request in ``slot`` can take ``steps`` (its
         new-token counts, step by step: prefill chunks, then 1 per decode step) on every CP rank

@@ -30,7 +30,8 @@ from typing import ClassVar, Protocol, Sequence
 import torch
 from torch import Tensor
 
-from megacp.attention.decode import allgather_decode, fp8_decode_applies, static_decode
+from megacp.attention import fp8_decode_kernel
+from megacp.attention.decode import allgather_decode, static_decode
 from megacp.attention.fp8_kv import FP8KVBlock, KVBlock
 from megacp.attention.preconditions import agree, check_inputs
 from megacp.attention.prefill import block_owners, build_kv_block, cp_prefill, resolve_strategy, strategy_name
@@ -328,7 +329,7 @@ class DecodeStep(CPStep):
         self.cache.write(index, self.slots, plan, k[owned], v[owned], amax_reduce=self.amax_over_ranks())
         lens = [plan.prefix_counts[plan.rank][i] + lay.num_new for i, lay in enumerate(plan.q_layout(plan.rank))]
         windowed = plan.with_window(window).window is not None
-        if self.cache.quantized and not windowed and fp8_decode_applies(q, self.cache.k):  # read as stored
+        if self.cache.quantized and not windowed and fp8_decode_kernel.available(q, self.cache.k):  # read as stored
             if self.rows is None:
                 c = self.cache.capacity
                 self.rows = (torch.tensor([s * c for s in self.slots], dtype=torch.long).to(q.device),
@@ -427,7 +428,7 @@ class StaticDecodeStep(CPStep):
     def _attention(self, layer: AttentionLayer, q: Tensor, k: Tensor, v: Tensor, scale: float | None,
                    window: int | None) -> Tensor:
         self.cache.write_rows(layer.layer_index, self.rows, k, v)
-        if self.cache.quantized and fp8_decode_applies(q, self.cache.k):  # the FP8 rows are read as stored
+        if self.cache.quantized and fp8_decode_kernel.available(q, self.cache.k):  # the FP8 rows are read as stored
             kf, vf, scales = self.cache.stored_rows(layer.layer_index, self.starts)
             return static_decode(q, kf, vf, self.starts, self.used, self.cache.capacity, self.settings.ring,
                                  scale=scale, fp8_scales=scales)

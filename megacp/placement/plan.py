@@ -31,7 +31,7 @@ class ShardPlan:
         load_balance: 2N-chunk load balancing (default) or N contiguous chunks.
         cached_runs: ``cached_runs[j][i]``, the position runs ``[a, b)`` of request ``i``'s cached
             tokens rank ``j`` holds, in its cache order (the KV cache's
-            :meth:`~megacp.kv_cache.slots.SlotTable.runs`); they place the cached
+            slot table, :class:`~megacp.kv_cache.slots.SlotTable`); they place the cached
             tokens, which a windowed plan over a cache needs (``None``: no positions for cached tokens).
         window: sliding window of the attention the tiles serve (a query at position ``x`` sees the
             keys at ``x - window + 1 .. x``); ``None``: full causal. :meth:`with_window` gives a

@@ -458,13 +458,6 @@ class Trainer:
                                               dtype=self.settings.dtype, device=self.state.device, tokens=tokens,
                                               backend=self.cp.backend)
 
-    def longest_seq_len(self, micro_batch: int, *, limit: int | None = None) -> int:
-        """The longest packed-sequence length (a multiple of ``2 x CP``, at most ``limit``) whose
-        step of ``micro_batch`` sequences fits on this GPU by the memory plan; 0 when none does."""
-        if self._cfg is None:
-            raise ConfigError("the longest sequence is planned for megacp's own models on a GPU")
-        return longest_for(self._cfg, self._plan_inputs(), self.state, micro_batch=micro_batch, limit=limit)
-
     def step(self, batches: Iterator[PackedSequence]) -> StepResult:
         """One optimizer step over ``gradient_accumulation_steps`` micro-batches from ``batches``
         (this DP replica's; every CP rank of the replica passes the same ones)."""
