@@ -65,10 +65,13 @@ from scripts.bench import harness as bh
 
 MEGACP_PRESETS: dict[str, dict[str, Any]] = {
     "offload": {"activation_checkpointing": {"enabled": True, "offload": "cpu"}, "sequence_tiling": {"mlp": "auto"}},
-    "auto": {"activation_checkpointing": {"enabled": True, "offload": "auto"}, "sequence_tiling": {"mlp": "auto"}},
+    "auto": {"activation_checkpointing": {"enabled": True, "offload": "auto", "layers_per_checkpoint": "auto"},
+             "sequence_tiling": {"mlp": "auto"}},
 }
 """``--megacp-config`` presets: every layer input on the host (``offload``, the default), or as few
-as the plan needs (``auto``); the MLP tiled when the plan needs it."""
+as the plan needs (``auto``: the rest stay on the GPU, and where the host cannot hold them the
+layers are checkpointed in blocks of 2, 4 or 8, a second checkpoint level with fewer inputs); the
+MLP tiled when the plan needs it."""
 
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2, head_dim=16)
 """``--tiny``: the model shape of the CPU check."""

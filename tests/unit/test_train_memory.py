@@ -9,9 +9,11 @@ import torch
 from megacp.config import ConfigError, MemoryOptions, read_memory_options
 from megacp.models.config import ModelConfig
 from megacp.train.memory import (
+    HOST_RESERVE_BYTES,
     MemoryPlanError,
     ZeroSettings,
     longest_fitting,
+    pinned_bytes,
     plan_memory,
     state_bytes,
 )
@@ -69,11 +71,11 @@ def test_state_bytes_follow_the_zero_stage():
     # stage 3 over 4 ranks with parameters offloaded: two gathered modules stay on the GPU
     z3 = ZeroSettings.from_config({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},
                                    "offload_optimizer": {"device": "cpu"}}}, partition=4, dtype=torch.bfloat16)
-    assert state_bytes(n, big, z3) == (2 * big * 2, 4 * n + n // 2)
+    assert state_bytes(n, big, z3) == (2 * big * 2, 5 * n)  # optimizer 4, weights 1/2, gradient partition 1/2
     z3b = ZeroSettings.from_config({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}},
                                     "bf16": {"enabled": True, "bf16_master_weights_and_grads": True,
                                              "bf16_optimizer_states": True}}, partition=1, dtype=torch.bfloat16)
-    assert state_bytes(n, big, z3b)[1] == 8 * n
+    assert state_bytes(n, big, z3b)[1] == 10 * n  # bf16 master, gradient, moments + the gradient partition
 
 
 def test_plan_picks_the_cheapest_settings_that_fit():
@@ -126,7 +128,7 @@ def test_the_second_checkpoint_level_keeps_fewer_inputs_on_the_host():
     zero = ZeroSettings(stage=3, partition=1, offload_optimizer=True, offload_param=True, param_bytes=2)
     tokens, layer_input = 256 << 10, 2 * 4096 * (256 << 10)
     states = state_bytes(8_000_000_000, cfg.vocab_size * cfg.hidden_size, zero)[1]
-    host = states + 40 * GIB
+    host = states + 40 * GIB + HOST_RESERVE_BYTES
     per_layer = MemoryOptions(True, "cpu", 8192)
     with pytest.raises(MemoryPlanError, match='try "activation_checkpointing": {"layers_per_checkpoint": "auto"}'):
         plan_memory(cfg, params=8_000_000_000, tokens=tokens, options=per_layer, zero=zero, capacity=None, host=host)
@@ -139,3 +141,40 @@ def test_the_second_checkpoint_level_keeps_fewer_inputs_on_the_host():
                        zero=zero, capacity=None, host=host)
     assert four.layers_per_checkpoint == 4 and four.host_bytes == states + 8 * layer_input
     assert four.gpu_bytes - auto.gpu_bytes == 2 * layer_input  # 4 inputs of the recomputed block instead of 2
+
+
+def test_the_32_layer_8b_shape_on_one_h100():
+    """The full Llama-3.1-8B shape (32 layers, 8.03B parameters) as ``scripts/bench/train_long.py
+    --layers 32 --bf16-optimizer-states`` trains it: ZeRO 3, bf16 weights on the GPU, bf16 master
+    weights, gradients and Adam moments on the host; an H100's 79.2 GiB less the 6 GiB reserve, 120
+    GiB of host available. Host states are 10 bytes a parameter (DeepSpeed's stage 3 also keeps its
+    gradient partition there); the 16K step measured 91.1 GiB peak RSS with every input offloaded."""
+    cfg = ModelConfig(**{**LLAMA.to_dict(), "num_layers": 32})
+    params = 8_030_261_248
+    zero = ZeroSettings(stage=3, partition=1, offload_optimizer=True, offload_param=False, param_bytes=2,
+                        bf16_optimizer_states=True)
+    cap, host = int(73.2 * GIB), 120 * GIB
+    states = state_bytes(params, cfg.vocab_size * cfg.hidden_size, zero)[1]
+    assert states == 10 * params
+    every = MemoryOptions(True, "cpu", "auto")
+    auto = MemoryOptions(True, "auto", "auto", "auto")
+    short = plan_memory(cfg, params=params, tokens=16 << 10, options=every, zero=zero, capacity=cap, host=host)
+    assert abs(short.host_bytes + HOST_RESERVE_BYTES - 91.1 * GIB) < 1 * GIB  # against the measured RSS
+    # every layer input on the host: 32 x 2 GiB at 256K is past the host
+    with pytest.raises(MemoryPlanError, match="will not fit in host memory: 262144 tokens"):
+        plan_memory(cfg, params=params, tokens=256 << 10, options=every, zero=zero, capacity=cap, host=host)
+    # a 192K input (1.5 GiB) is held in a 2 GiB pinned buffer
+    assert pinned_bytes(2 * 4096 * (192 << 10)) == 2 * GIB and pinned_bytes(2 * GIB) == 2 * GIB
+    mid = plan_memory(cfg, params=params, tokens=192 << 10, options=auto, zero=zero, capacity=cap, host=host)
+    assert (mid.layers_per_checkpoint, len(mid.offloaded_layers), mid.mlp_tile) == (1, 11, 8192)
+    assert mid.host_bytes == states + 11 * 2 * GIB
+    # 256K: every layer its own checkpoint needs 20 inputs (40 GiB) on the host beside 74.8 GiB of
+    # states, past 120 GiB less the reserve; blocks of 2 keep 10 of 16 block inputs on the GPU
+    long = plan_memory(cfg, params=params, tokens=256 << 10, options=auto, zero=zero, capacity=cap, host=host)
+    assert (long.layers_per_checkpoint, long.offloaded_layers) == (2, frozenset(range(0, 12, 2)))
+    assert long.gpu_bytes <= cap and long.host_bytes + HOST_RESERVE_BYTES <= host
+    assert long.host_bytes == states + 6 * 2 * GIB
+    with pytest.raises(MemoryPlanError):  # 384K: the attention's backward alone is ~37 GiB
+        plan_memory(cfg, params=params, tokens=384 << 10, options=auto, zero=zero, capacity=cap, host=host)
+    assert 256 << 10 < longest_fitting(cfg, params=params, options=auto, zero=zero, capacity=cap, host=host,
+                                       multiple=2) < 384 << 10
