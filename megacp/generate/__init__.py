@@ -1,14 +1,17 @@
 """CP generation: :mod:`~megacp.generate.llm` (the Python API, :class:`LLM`),
 :mod:`~megacp.generate.session` (conversations on the persistent cache),
 :mod:`~megacp.generate.sampling` (:class:`SamplingParams`, next-token sampling),
-:mod:`~megacp.generate.loop` (the request loop, :class:`Generator`), :mod:`~megacp.generate.outputs`
+:mod:`~megacp.generate.engine` (the request engine: scheduler and output processor),
+:mod:`~megacp.generate.worker` (its steps on a rank's cache), :mod:`~megacp.generate.graph` (the
+CUDA-graph batch decoder), :mod:`~megacp.generate.loop` (the model runner, :class:`Generator`),
+:mod:`~megacp.generate.outputs`
 (results, stop strings, text), :mod:`~megacp.generate.requests` (checks against the model) and
 :mod:`~megacp.generate.cli` (``python -m megacp.generate``)."""
 
 from megacp.generate.cli import main, parse_args
 from megacp.generate.llm import LLM, StreamPiece
-from megacp.generate.loop import GenerationResult, Generator
-from megacp.generate.outputs import GenerationOutput
+from megacp.generate.loop import Generator
+from megacp.generate.outputs import GenerationOutput, GenerationResult
 from megacp.generate.sampling import SamplingParams, sample
 from megacp.generate.session import Session
 

@@ -1,10 +1,10 @@
 """Decode steps replayed from a CUDA graph (gpt-fast style).
 
-A :class:`GraphDecoder` holds, for a fixed batch of B requests on slots of one KV cache, static
-device buffers: the tokens fed ``[B]`` int64, their positions ``[B]`` int64, the tokens each request
-has on this CP rank ``[B]`` int32, each request's first cache row ``[B]`` int64, and the rows the
-step writes and reads. One step computes everything from these buffers with no host work and no
-host synchronisation: the CP layers (given a :class:`~megacp.layers.step.StaticDecodeStep`) write
+A :class:`BatchDecoder` holds, for the running batch of an engine (:mod:`megacp.generate.engine`)
+on slots of one KV cache, static device buffers: the tokens fed ``[M]`` int64, their positions
+``[M]`` int64, the tokens each request has on this CP rank ``[M]`` int32, each request's first cache
+row ``[M]`` int64, and the rows the step writes and reads. One step computes everything from these
+buffers with no host work and no host synchronisation: the CP layers (given a :class:`~megacp.layers.step.StaticDecodeStep`) write
 the new keys/values with ``index_copy_`` at device indices and attend with lengths read from device
 memory (:func:`~megacp.attention.decode.static_decode`; under CP = N the (out, LSE) of every rank
 travel in one all-gather and merge exactly), the decoder's :class:`~megacp.generate.sampling.Sampler`
@@ -12,20 +12,15 @@ travel in one all-gather and merge exactly), the decoder's :class:`~megacp.gener
 token of every row, and the positions and lengths advance on the device. The step is warmed up on a side stream, then
 captured once (NCCL collectives are captured with it; gloo ones cannot be) and replayed per token.
 
-A request that finishes while others go on keeps running in its row (padding: the batch keeps its
-size, the graph is never re-captured); its extra tokens are dropped and its cache rows past the
-tokens the host counts are never read. :meth:`GraphDecoder.finish` brings the cache's host
-bookkeeping up to date with the tokens each request kept.
-
-A :class:`BatchDecoder` runs the same step for a server's running batch, whose requests come and
-go: static rows up to a maximum batch, graphs captured once per padded batch size and kind of
-sampling, rows moved on the device when the membership changes; the log-probabilities its
-requests ask for are computed after the step from the step's logits (outside the graph, only
-while a request of the batch asks).
+The batch's requests come and go: static rows up to a maximum batch, graphs captured once per
+padded batch size and kind of sampling, rows moved on the device when the membership changes; the
+log-probabilities its requests ask for are computed after the step from the step's logits (outside
+the graph, only while a request of the batch asks).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any, Sequence
 
@@ -92,77 +87,6 @@ def capture_step(step: Callable[[], Tensor], state: Sequence[Tensor], device: to
     return graph, out
 
 
-class GraphDecoder:
-    """The static decode step of a batch of ``len(slots)`` requests on ``cache``.
-
-    Args:
-        model: a CP-swapped megacp ``CausalLM``.
-        cache, slots: the KV cache and each request's slot (in batch order).
-        settings: the CP settings (ring, kernel backend).
-        device: where the buffers live.
-        sampler: the batch's sampler; the decoder draws with a copy of its own
-            (:meth:`load` refills it).
-        capture: capture the step in a CUDA graph (needs CUDA and, under CP, NCCL); ``False`` runs
-            the same step eagerly each time.
-        warmup: eager steps on a side stream before the capture (each undone: the buffers are
-            restored and only the spare row after each request's tokens is written).
-    """
-
-    def __init__(self, model: torch.nn.Module, cache: ShardedKVCache, slots: Sequence[int], settings: CPSettings,
-                 device: torch.device, sampler: Sampler, *, capture: bool = True, warmup: int = 2) -> None:
-        if capture and device.type != "cuda":
-            raise ValueError(f"CUDA graphs need a CUDA device; the decoder runs on {device}")
-        self.model, self.cache, self.slots, self.device = model, cache, list(slots), device
-        self.sampler = sampler.clone()
-        self.ring = settings.ring
-        b = len(self.slots)
-        self.tokens = torch.zeros(b, dtype=torch.long, device=device)
-        self.positions, self.held, starts = cache.decode_state(self.slots, device)
-        self.cu_seqlens = torch.arange(b + 1, dtype=torch.int32, device=device)
-        self.params = static_decode_step(settings, cache, starts)
-        self.logits: Tensor | None = None
-        """``[B, V]`` fp32 logits of the latest step (a static buffer under a graph)."""
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.use_graph, self.warmup = capture, warmup
-
-    def _step(self) -> Tensor:
-        return static_step(self.model, self.params, self.cu_seqlens, self.tokens, self.positions, self.held,
-                           self.sampler)
-
-    def load(self, tokens: Tensor, sampler: Sampler) -> None:
-        """Start from the cache's bookkeeping of every slot, feeding ``tokens [B]`` int64 next and
-        drawing on from ``sampler``'s state (of this decoder's sampler's kind)."""
-        self.sampler.load(sampler)
-        positions, held, _ = self.cache.decode_state(self.slots, self.device)
-        self.positions.copy_(positions)
-        self.held.copy_(held)
-        self.tokens.copy_(tokens)
-
-    def capture(self) -> None:
-        """Warm the step up on a side stream (undoing each step) and capture it (every CP rank
-        together); nothing advances."""
-        self.graph, self.logits = capture_step(self._step, [self.tokens, self.positions, self.held, *self.sampler.state()],
-                                               self.device, self.ring, self.warmup)
-
-    def step(self) -> Tensor:
-        """One decode step (asynchronous on CUDA); returns the ``tokens`` buffer, now holding each
-        request's next token. The first call under ``capture`` warms up and captures."""
-        if not self.use_graph:
-            self.logits = self._step()
-            return self.tokens
-        if self.graph is None:
-            self.capture()
-        assert self.graph is not None  # captured above
-        self.graph.replay()
-        return self.tokens
-
-    def finish(self, fed: Sequence[int]) -> None:
-        """Host bookkeeping once the run is over: request ``i`` kept ``fed[i]`` decode steps (the
-        tokens fed back into the model; the steps it ran after finishing are dropped)."""
-        for slot, count in zip(self.slots, fed):
-            self.cache.advance_decoded(slot, count)
-
-
 def batch_sizes(max_batch: int) -> list[int]:
     """The padded batch sizes a :class:`BatchDecoder` runs: powers of two below ``max_batch``, and
     ``max_batch`` (1, 2, 4, 8, 16, 32 for 32; 1, 2, 4, 6 for 6)."""
@@ -175,8 +99,8 @@ GREEDY: Features = (False, (False, False, False), False, False)
 
 
 class BatchDecoder:
-    """The static decode step of a running batch whose requests come and go (a server's), on up
-    to ``max_batch`` slots of ``cache``.
+    """The static decode step of a running batch whose requests come and go, on up to
+    ``max_batch`` slots of ``cache``.
 
     Every row has static device buffers: the token fed next ``[M]`` int64, its position ``[M]``
     int64, the tokens the row's request holds on this CP rank ``[M]`` int32, the row of its slot's
@@ -201,7 +125,8 @@ class BatchDecoder:
         cache: the KV cache; each request slot needs one spare row on every rank (the step writes
             the row after a rank's tokens when another rank owns the token).
         scratch: a slot of ``cache`` no request uses, after every request slot (padding rows write
-            its row 1).
+            its row 1); ``None``: no slot to spare, every batch must have one of :func:`batch_sizes`
+            rows (with ``max_batch`` 1 nothing ever pads).
         settings: the CP settings (ring, kernel backend).
         device: where the buffers live.
         vocab: the logits' vocabulary size V.
@@ -211,7 +136,7 @@ class BatchDecoder:
         warmup: eager steps before a capture (each undone).
     """
 
-    def __init__(self, model: torch.nn.Module, cache: ShardedKVCache, scratch: int, settings: CPSettings,
+    def __init__(self, model: torch.nn.Module, cache: ShardedKVCache, scratch: int | None, settings: CPSettings,
                  device: torch.device, *, vocab: int, max_batch: int, capture: bool, warmup: int = 2) -> None:
         if capture and device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device; the decoder runs on {device}")
@@ -219,12 +144,12 @@ class BatchDecoder:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.model, self.cache, self.settings, self.device = model, cache, settings, device
         self.sizes, self.use_graph, self.warmup = batch_sizes(max_batch), capture, warmup
-        self.pad_start = scratch * cache.capacity
+        self.pad_start = None if scratch is None else scratch * cache.capacity
         m = max_batch
         self.tokens = torch.zeros(m, dtype=torch.long, device=device)
         self.positions = torch.zeros(m, dtype=torch.long, device=device)
         self.held = torch.ones(m, dtype=torch.int32, device=device)
-        self.starts = torch.full((m,), self.pad_start, dtype=torch.long, device=device)
+        self.starts = torch.full((m,), self.pad_start or 0, dtype=torch.long, device=device)
         self.live = torch.zeros(m, dtype=torch.bool, device=device)
         self.sampler = Sampler.buffers(m, vocab, device)
         self.slots: list[int] = []
@@ -245,6 +170,10 @@ class BatchDecoder:
         self.graphs: dict[tuple[int, Features], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
         """Captured steps by (size, features), with their logits buffers."""
         self._pool = torch.cuda.graph_pool_handle() if capture else None
+        self.capture_s = 0.0
+        """Seconds spent warming up and capturing graphs so far."""
+        self.logits: Tensor | None = None
+        """``[size, V]`` fp32 logits of the latest step (a graph's static buffer when replayed)."""
 
     @property
     def size(self) -> int:
@@ -286,7 +215,7 @@ class BatchDecoder:
             t[:n] = t.index_select(0, src)
         self.sampler.put_rows(dst, self.sampler, src)
         self.live[:n], self.live[n:] = True, False
-        self.tokens[n:], self.positions[n:], self.held[n:], self.starts[n:] = 0, 0, 1, self.pad_start
+        self.tokens[n:], self.positions[n:], self.held[n:], self.starts[n:] = 0, 0, 1, self.pad_start or 0
         rows = [i for i, s in enumerate(slots) if s in new]
         if rows:
             index = torch.tensor(rows, dtype=torch.long, device=dev)
@@ -319,10 +248,12 @@ class BatchDecoder:
     def capture(self, size: int, features: Features) -> None:
         """Capture the step of ``size`` rows drawing with ``features`` (every CP rank together;
         nothing advances)."""
+        start = time.perf_counter()
         self._fns(size, features)  # the step's own tensors, made on this stream
         state = [self.tokens, self.positions, self.held, *self.sampler.state()]
         self.graphs[size, features] = capture_step(lambda: self._run(size, features), state, self.device,
                                                    self.settings.ring, self.warmup, self._pool)
+        self.capture_s += time.perf_counter() - start
 
     def capture_greedy(self) -> None:
         """Capture the greedy step of every size, largest first (their memory pool is shared)."""
@@ -336,6 +267,8 @@ class BatchDecoder:
         size, features = self.size, self.features
         if not size:
             raise ValueError("the batch is empty")
+        if size > len(self.slots) and self.pad_start is None:
+            raise ValueError(f"a batch of {len(self.slots)} pads to {size} rows, and no scratch slot takes the padding")
         if not self.use_graph:
             logits = self._run(size, features)
         else:
@@ -343,6 +276,7 @@ class BatchDecoder:
                 self.capture(size, features)
             graph, logits = self.graphs[size, features]
             graph.replay()
+        self.logits = logits
         for s in self.slots:
             self.fed[s] += 1
         k = max((k for k in self._top.values() if k is not None), default=None)

@@ -2,12 +2,15 @@
 
 ``LLM()`` initialises megacp (a world of one in a plain Python process; CP = N under ``torchrun``
 or ``deepspeed``, where every rank builds the same ``LLM`` and makes the same calls) and loads a
-model; :meth:`LLM.generate`, :meth:`LLM.chat` and :meth:`LLM.stream` run requests in a cache of
-their own, :meth:`LLM.session` opens a conversation on the persistent CP-sharded cache.
+model; :meth:`LLM.generate`, :meth:`LLM.chat` and :meth:`LLM.stream` run requests through the
+request engine (:mod:`megacp.generate.engine`: continuous batching over a cache sized for the batch,
+kept while later batches fit it), :meth:`LLM.session` opens a conversation on the persistent
+CP-sharded cache of a second engine (one slot per session).
 """
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,13 +20,15 @@ import torch
 
 from megacp.attention.strategy import STRATEGIES
 from megacp.checkpoint.dtypes import DTYPES
-from megacp.generate.loop import Generator, batch_params
-from megacp.generate.outputs import GenerationOutput, TextStream, chat_ids, complete, stop_string_check, with_eos
+from megacp.generate.engine import EngineCore, Request, offline_engine, offline_fits, result_of, token_events
+from megacp.generate.loop import Generator
+from megacp.generate.outputs import GenerationOutput, chat_ids, outputs_of, stop_string_check, with_eos
 from megacp.generate.requests import check_prompt, encode
-from megacp.generate.sampling import SamplingParams, SeedSource
+from megacp.generate.sampling import SamplingParams, SeedSource, batch_params
 from megacp.generate.session import Session
+from megacp.generate.worker import Worker
 from megacp.integrations.families import family_for
-from megacp.kv_cache import CacheCapacityError, ShardedKVCache, kv_cache_format
+from megacp.kv_cache import CacheCapacityError, kv_cache_format
 from megacp.layers.settings import CPSettings
 from megacp.models.config import ModelConfig
 
@@ -82,10 +87,12 @@ class LLM:
             layer, request and KV head, fixed at a request's first step (:mod:`megacp.kv_cache`);
             pass-KV prefill passes the FP8 bytes around the ring.
         calibrate: measure attention FLOP/s and ring bandwidth for ``auto`` (cached per host).
+        max_num_seqs: requests of a :meth:`generate` batch decoding at once (as vLLM's option):
+            a batch of more prompts runs them as slots free up (continuous batching).
         max_sessions: sessions open at once (their cache is allocated by the first :meth:`session`).
         max_session_tokens: tokens one session may hold (default: the model's context, at most 4096).
-        cuda_graphs: decode greedy requests from a CUDA graph per batch
-            (:class:`~megacp.generate.graph.GraphDecoder`); ``None`` (default): on CUDA for dense
+        cuda_graphs: decode from CUDA graphs (:class:`~megacp.generate.graph.BatchDecoder`: one per
+            padded batch size and kind of sampling); ``None`` (default): on CUDA for dense
             models without a sliding window, ``False``: eager decode. ``True`` on a CPU, with a
             mixture-of-experts model or with a sliding window raises ``ValueError``.
         allow_non_finite: load weights that hold NaN or inf (refused by default, naming the tensor).
@@ -101,7 +108,7 @@ class LLM:
 
     def __init__(self, model: str | Path | torch.nn.Module | None = None, config: Any = None,
                  dtype: str | torch.dtype | None = None, *, strategy: str | None = None, prefill_chunk: int = 0,
-                 kv_cache_dtype: str = "auto", calibrate: bool = False, max_sessions: int = 2,
+                 kv_cache_dtype: str = "auto", calibrate: bool = False, max_num_seqs: int = 256, max_sessions: int = 2,
                  max_session_tokens: int | None = None,
                  cuda_graphs: bool | None = None, allow_non_finite: bool = False, tokenizer: Any = None,
                  state: ParallelState | None = None, verbose: bool = False) -> None:
@@ -109,6 +116,8 @@ class LLM:
             raise ValueError(f"prefill_chunk must be >= 0 (0 = automatic), got {prefill_chunk}")
         if max_sessions < 1:
             raise ValueError(f"max_sessions must be >= 1, got {max_sessions}")
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         self.state = state or initialize(config)
         self.dtype = resolve_dtype(dtype, self.state)
         cp, runtime = self.state.config.context_parallel, self.state.config.runtime
@@ -157,12 +166,15 @@ class LLM:
                                              cuda_graphs=cuda_graphs)
         self.seeds = SeedSource(self.state.device)
         """Fresh seeds of the requests that give none (the same on every rank: collective here)."""
-        self.max_sessions = max_sessions
+        self.max_num_seqs, self.max_sessions = max_num_seqs, max_sessions
         self.max_session_tokens = max_session_tokens or min(mc.max_position_embeddings, 4096)
-        self._session_cache: ShardedKVCache | None = None
+        self._engine: EngineCore | None = None  # generate / chat / stream
+        self._sessions: EngineCore | None = None
+        self._free_sessions: list[int] = []
         self.last_report: dict[str, Any] = {}
-        """The batch report of the latest :meth:`generate` / :meth:`chat` call: CP size, prompt
-        tokens, the strategy of every prefill step, TTFT and decode rate."""
+        """The batch report of the latest :meth:`generate` / :meth:`chat` call
+        (:meth:`~megacp.generate.engine.EngineCore.run`): CP size, prompt tokens, the strategy of
+        every prefill forward, TTFT, decode rate and decode mode."""
 
     # ------------------------------------------------------------------ requests
     def token_ids(self, prompt: Prompt, what: str = "prompt") -> list[int]:
@@ -188,12 +200,27 @@ class LLM:
         stop_string_check(self.tokenizer, params)  # stop strings need a tokenizer: say so before any work
         return params
 
+    def _offline(self, ids: Sequence[Sequence[int]], params: Sequence[SamplingParams]) -> EngineCore:
+        """The engine of a batch: the latest one when it fits, else a new one (the old cache freed first)."""
+        lengths, max_tokens = [len(p) for p in ids], max(p.max_tokens for p in params)
+        if self._engine is not None and self._engine.busy:  # a stream left unfinished
+            self._engine.reset()
+        if self._engine is None or not offline_fits(self._engine, lengths, max_tokens, static=self.generator.cuda_graphs,
+                                                              max_num_seqs=self.max_num_seqs):
+            self._engine = None
+            gc.collect()
+            self._engine = offline_engine(self.generator, lengths, max_tokens, vocab=self.model_config.vocab_size,
+                                          static=self.generator.cuda_graphs, max_num_seqs=self.max_num_seqs,
+                                          tokenizer=self.tokenizer)
+        return self._engine
+
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling: SamplingParams | Sequence[SamplingParams] | None = None, *,
                  on_token: Callable[[int, int], None] | None = None, progress: bool = False) -> list[GenerationOutput]:
         """Generate for one prompt or a batch (text or token ids); one :class:`GenerationOutput`
         per prompt, in order. ``sampling``: one :class:`SamplingParams` for all prompts or a list
-        of one per prompt (the batch decodes together, each request with its own settings).
+        of one per prompt (the batch decodes together, each request with its own settings; past
+        ``max_num_seqs`` prompts, a finished request's slot takes the next prompt).
         ``on_token(i, token)`` sees every token of prompt ``i`` as it comes.
 
         Raises:
@@ -202,10 +229,10 @@ class LLM:
                 length than the prompts (before any work).
         """
         ids, params = self._batch(prompts, sampling)
-        cache, slots = self.generator.batch_cache(ids, max(p.max_tokens for p in params))
-        outputs, self.last_report = complete(self.generator, cache, slots, ids, params, self.tokenizer,
-                                             on_token=on_token, progress=progress)
-        return outputs
+        engine = self._offline(ids, params)
+        requests = [Request(p, sp) for p, sp in zip(ids, params)]
+        self.last_report = engine.run(requests, token_events(on_token), progress=progress)
+        return outputs_of(result_of(requests, self.last_report), ids, self.tokenizer, params)
 
     def chat(self, messages: Sequence[dict[str, str]] | Sequence[Sequence[dict[str, str]]],
              sampling: SamplingParams | None = None, **kw: Any) -> list[GenerationOutput]:
@@ -225,14 +252,19 @@ class LLM:
         """Generate for one prompt, yielding each token with its new text as it comes (the prompt
         and parameters are checked on the call, before the iterator starts)."""
         ids, (params,) = self._batch([prompt], sampling)
-        cache, slots = self.generator.batch_cache(ids, params.max_tokens)
-        run = self.generator.start(cache, slots, ids, params, stop_check=lambda p: stop_string_check(self.tokenizer, p))
-        text = TextStream(self.tokenizer, params.stop) if self.tokenizer is not None else None
+        engine = self._offline(ids, [params])
+        req = Request(ids[0], params)
 
         def pieces() -> Iterator[StreamPiece]:
-            for _, tok in run:
-                done = run.finish[0]
-                yield StreamPiece(tok, text.piece(run.tokens[0], done is not None) if text else "", done)
+            engine.add(req)
+            try:
+                while engine.busy:
+                    for _, ev in engine.step():
+                        assert ev.token is not None  # offline events carry tokens
+                        yield StreamPiece(ev.token, ev.text, ev.finish_reason)
+            except BaseException:  # the caller stopped iterating, or a step failed
+                engine.reset()
+                raise
 
         return pieces()
 
@@ -243,15 +275,20 @@ class LLM:
         Raises:
             CacheCapacityError: ``max_sessions`` sessions are open.
         """
-        if self._session_cache is None:
+        idle = self._sessions is not None and len(self._free_sessions) == len(self._sessions.slots)
+        if idle and self._sessions is not None and self._sessions.worker.static != self.generator.cuda_graphs:
+            self._sessions = None  # no session open: rebuilt for the generator's decode mode
+        if self._sessions is None:
             n, total = self.generator.cp_size, self.max_session_tokens
             capacity = total if n == 1 else min(total, -(-total // n) + SESSION_SLACK)
-            self._session_cache = self.generator.new_cache(self.max_sessions, capacity)
-        try:
-            slot = self._session_cache.allocate()
-        except CacheCapacityError:
+            worker = Worker(self.generator, self.max_sessions, capacity, vocab=self.model_config.vocab_size,
+                            static=self.generator.cuda_graphs, shared=False,
+                            capture=self.generator.cuda_graphs and self.generator.device.type == "cuda")
+            self._sessions = EngineCore(worker, self.tokenizer, prefix_reuse=False)
+            self._free_sessions = list(worker.slots)
+        if not self._free_sessions:
             raise CacheCapacityError(f"all {self.max_sessions} sessions are open; close one or raise "
-                                     "LLM(max_sessions=...)") from None
-        return Session(self.generator, self._session_cache, slot, self.model_config, self.tokenizer,
-                       self.max_session_tokens, self.seeds)
-
+                                     "LLM(max_sessions=...)")
+        slot = self._free_sessions.pop(0)
+        return Session(self._sessions, slot, self.model_config, self.tokenizer, self.max_session_tokens, self.seeds,
+                       release=lambda: self._free_sessions.append(slot))

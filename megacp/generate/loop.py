@@ -1,16 +1,10 @@
-"""The request loop over a CP-swapped model: (chunked) prefill, then batched decode steps over the
-CP-sharded KV cache, with TTFT and decode rate measured per request.
-
-:meth:`Generator.start` runs a batch of requests on slots of a cache the caller owns (a session
-keeps its slot between turns); :meth:`Generator.generate` is the one-shot form that builds a cache
-for the batch and frees it. :meth:`Generator.decode_step` is one batched decode step from tensors.
+"""The model runner under the request engine (:mod:`megacp.generate.engine`): a CP-swapped model's
+(chunked) prefill of a batch of prompts and its eager batched decode step over slots of the
+CP-sharded KV cache, the cache's sizing, and the automatic prefill chunk.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
@@ -18,33 +12,11 @@ import torch.distributed as dist
 from torch import Tensor
 
 from megacp.attention.preconditions import content_digest
-from megacp.generate.graph import GraphDecoder, TokenReader
-from megacp.generate.sampling import Sampler, SamplingParams, logprob_dicts
-from megacp.kv_cache import CacheCapacityError, ShardedKVCache, kv_cache_format
+from megacp.generate.sampling import SamplingParams
+from megacp.kv_cache import ShardedKVCache, kv_cache_format
 from megacp.layers.settings import CPSettings
 from megacp.layers.step import CPStep, HeadShape, begin_step
 from megacp.placement import held_after
-
-
-def batch_params(params: SamplingParams | Sequence[SamplingParams], n: int) -> list[SamplingParams]:
-    """One :class:`SamplingParams` per request of a batch of ``n``: ``params`` for all, or a list of ``n``.
-
-    Raises:
-        ValueError: a list of another length, or anything but :class:`SamplingParams` (a dict, say).
-    """
-    if isinstance(params, SamplingParams):
-        return [params] * n
-    if isinstance(params, (dict, str)) or not hasattr(params, "__iter__"):
-        raise ValueError(f"sampling must be a SamplingParams or a list of them, got a {type(params).__name__}"
-                         + (": pass SamplingParams(**that_dict)" if isinstance(params, dict) else ""))
-    rows = list(params)
-    bad = next((type(r).__name__ for r in rows if not isinstance(r, SamplingParams)), None)
-    if bad is not None:
-        raise ValueError(f"sampling must be a SamplingParams or a list of them, got a list holding a {bad}")
-    if len(rows) != n:
-        raise ValueError(f"{len(rows)} SamplingParams for {n} prompts; give one for all or one per prompt")
-    return rows
-
 
 PREFILL_MEMORY_FRACTION = 0.1
 """Share of the free device memory (after the weights) that one prefill chunk's transient tensors
@@ -73,28 +45,8 @@ def auto_prefill_chunk(free_bytes: int, *, num_heads: int, num_kv_heads: int, he
     return max(MIN_AUTO_CHUNK, 1 << max(tokens, 1).bit_length() - 1)
 
 
-StopCheckFactory = Callable[[SamplingParams], "Callable[[list[int]], bool] | None"]
-"""Makes the stop-string check of one request (stateful: called with its tokens after each token)."""
-
-
-@dataclass
-class GenerationResult:
-    """A batch's outcome, per request: generated ids, why it ended (``"stop"``: a stop token or
-    string; ``"length"``: ``max_tokens``), time to first token (s) and decode rate (tokens/s after
-    the first; ``None`` for a single token), plus the batch report; with ``logprobs`` asked, per
-    generated token ``{token: logprob}`` of the chosen token and the top tokens
-    (:func:`~megacp.generate.sampling.logprob_dicts`; ``None`` for a request that did not ask)."""
-
-    tokens: list[list[int]]
-    finish_reasons: list[str] = field(default_factory=list)
-    ttft_s: list[float] = field(default_factory=list)
-    decode_tokens_per_s: list[float | None] = field(default_factory=list)
-    report: dict[str, Any] = field(default_factory=dict)
-    logprobs: list[list[dict[int, float]] | None] = field(default_factory=list)
-
-
 class Generator:
-    """The request loop over a CP-swapped model.
+    """The model runner over a CP-swapped model: prefill and eager decode steps on a KV cache.
 
     Args:
         model: a megacp ``CausalLM`` whose attention was swapped (:func:`megacp.swap_attention`).
@@ -107,11 +59,10 @@ class Generator:
             generator is made (the smallest over the CP group), elsewhere the whole prompt.
         kv_cache_dtype: the KV cache's storage: ``"auto"`` (``dtype``) or ``"fp8_e4m3"``
             (:mod:`megacp.kv_cache`; the ``auto`` prefill rule then weighs 1-byte keys and values).
-        cuda_graphs: decode with :class:`~megacp.generate.graph.GraphDecoder` (a CUDA graph per
-            batch and kind of sampling, replayed per token, no host synchronisation per token;
-            needs a CUDA device and, under CP, NCCL). Runs whose cache lacks the one spare row per
-            request the static step writes decode eagerly; the run's report says which
-            (``"decode"``).
+        cuda_graphs: offline engines decode with :class:`~megacp.generate.graph.BatchDecoder`'s
+            CUDA graphs (one per padded batch size and kind of sampling, replayed per token, no host
+            synchronisation per token; needs a CUDA device and, under CP, NCCL; the model must run
+            the static step), else with eager steps (:meth:`decode_step`).
     """
 
     def __init__(self, model: torch.nn.Module, *, settings: CPSettings, num_layers: int, num_heads: int,
@@ -129,7 +80,6 @@ class Generator:
         self.cp_size, self.cp_rank = settings.cp_size, settings.cp_rank
         self.prefill_chunk = prefill_chunk or self._auto_chunk()
         self.cuda_graphs = cuda_graphs
-        self._graph: GraphDecoder | None = None
 
     def _auto_chunk(self) -> int:
         """The automatic prefill chunk on CUDA (0 = whole prompts elsewhere), the same on every CP rank."""
@@ -212,18 +162,6 @@ class Generator:
         step = self._begin(cache, slots, [1] * len(slots))
         return self._forward(step, tokens)
 
-    def graph_decoder(self, cache: ShardedKVCache, slots: Sequence[int], sampler: Sampler) -> GraphDecoder:
-        """The captured decode step of ``slots`` on ``cache`` drawing with ``sampler``'s kind: the
-        latest one when it was made for the same cache, slots and kind of sampler (a session's
-        turns, a benchmark's repeats), else a new one (the previous graph is released first). Off
-        CUDA the same static step runs eagerly."""
-        g = self._graph
-        if g is None or g.cache is not cache or g.slots != list(slots) or g.sampler.kind != sampler.kind:
-            self._graph = None
-            g = self._graph = GraphDecoder(self.model, cache, slots, self.settings, self.device, sampler,
-                                           capture=self.device.type == "cuda")
-        return g
-
     def prefill(self, cache: ShardedKVCache, slots: Sequence[int], prompts: Sequence[Sequence[int]],
                 progress: bool = False, sampling: Sequence[SamplingParams] | None = None) -> tuple[Tensor, list[str]]:
         """(Chunked) prefill of ``prompts[i]`` on top of what ``slots[i]`` holds; returns the logits
@@ -262,188 +200,3 @@ class Generator:
                 hook.remove()
             bar.close()
         return torch.stack([t for t in last if t is not None]), strategies  # every prompt has a token
-
-    def start(self, cache: ShardedKVCache, slots: Sequence[int], prompts: Sequence[Sequence[int]],
-              params: SamplingParams | Sequence[SamplingParams], *, context: Sequence[Sequence[int]] | None = None,
-              stop_check: StopCheckFactory | None = None, progress: bool = False) -> Run:
-        """A :class:`Run` of ``prompts`` (new tokens) on ``slots`` of ``cache`` (which the caller
-        owns and frees) with ``params`` (one for all requests or one each). ``context[i]``: every
-        token of request ``i`` so far (default: its prompt), for the repetition penalty;
-        ``stop_check(params[i])``: a fresh check of request ``i``'s generated tokens, called with
-        them after each token, whether they end in a stop string (``None``: none). Every CP rank
-        must drive the run alike."""
-        if not prompts or any(len(p) == 0 for p in prompts):
-            raise ValueError("every prompt needs at least one token")
-        rows = batch_params(params, len(prompts))
-        return Run(self, cache, list(slots), prompts, rows, context or prompts, stop_check, progress)
-
-    @torch.inference_mode()
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
-                 on_token: Any = None,
-                 progress: bool = False) -> GenerationResult:
-        """Generate for a batch of prompts of any lengths in a cache of their own.
-
-        ``on_token(i, token)`` is called for every generated token; ``progress`` shows a prefill
-        progress bar (tokens prefilled; one update per chunk with ``prefill_chunk``).
-        """
-        cache, slots = self.batch_cache(prompts, max(p.max_tokens for p in batch_params(params, len(prompts))))
-        run = self.start(cache, slots, prompts, params, progress=progress)
-        for i, tok in run:
-            if on_token is not None:
-                on_token(i, tok)
-        return run.result()
-
-
-class Run:
-    """A batch of requests in flight; iterate it for ``(request index, token)`` as tokens are
-    generated (each decode step's tokens together), then read :meth:`result`."""
-
-    def __init__(self, gen: Generator, cache: ShardedKVCache, slots: list[int], prompts: Sequence[Sequence[int]],
-                 params: list[SamplingParams], context: Sequence[Sequence[int]],
-                 stop_check: StopCheckFactory | None, progress: bool) -> None:
-        self.gen, self.cache, self.slots, self.prompts, self.params = gen, cache, slots, prompts, params
-        self.context, self.progress = context, progress
-        self.stop_checks = [None if stop_check is None else stop_check(p) for p in params]
-        self.max_tokens = max(p.max_tokens for p in params)
-        self.tokens: list[list[int]] = [[] for _ in prompts]
-        self.logprobs: list[list[dict[int, float]] | None] = [None if p.logprobs is None else [] for p in params]
-        self.finish: list[str | None] = [None] * len(prompts)
-        self.first_at = [0.0] * len(prompts)
-        self.last_at = [0.0] * len(prompts)
-        self.ttft = 0.0
-        self.strategies: list[str] = []
-        self.decode_s = 0.0
-        self.decode_mode = "eager"
-        self.capture_s = 0.0
-
-    def _finished(self, i: int) -> str | None:
-        return self.params[i].finish_reason(self.tokens[i], self.stop_checks[i])
-
-    @torch.inference_mode()
-    def __iter__(self) -> Iterator[tuple[int, int]]:
-        gen = self.gen
-        sync = torch.cuda.synchronize if gen.device.type == "cuda" else (lambda: None)
-        t0 = time.perf_counter()
-        logits, self.strategies = gen.prefill(self.cache, self.slots, self.prompts, self.progress, self.params)
-        sampler = Sampler(self.params, logits.shape[-1], logits.device, self.context)
-        next_tok = sampler(logits)
-        sync()
-        self.ttft = time.perf_counter() - t0
-        if self._graph_decode_fits():
-            yield from self._graph_steps(next_tok, sampler)
-            return
-        active = list(range(len(self.prompts)))
-        while True:
-            now = time.perf_counter()
-            toks = next_tok.tolist()
-            lps = self._logprobs(active, toks, [t.tolist() for t in sampler.logprobs or ()])
-            for i, tok, lp in zip(active, toks, lps):
-                self._emit(i, tok, now, lp)
-                yield i, tok
-            keep = [row for row, i in enumerate(active) if self.finish[i] is None]
-            if not keep:
-                break
-            t1 = time.perf_counter()
-            if len(keep) < len(active):
-                index = torch.tensor(keep, dtype=torch.long, device=next_tok.device)
-                next_tok, sampler = next_tok[index], sampler.select(index)
-                active = [active[row] for row in keep]
-            logits = gen.decode_step(self.cache, [self.slots[i] for i in active], next_tok)
-            next_tok = sampler(logits)
-            sync()
-            self.decode_s += time.perf_counter() - t1
-
-    def _graph_decode_fits(self) -> bool:
-        """Whether this run decodes from the generator's CUDA graph: more than one token and one
-        spare cache row per request on every rank (the static step writes it; every row runs
-        until the longest ``max_tokens``)."""
-        if not (self.gen.cuda_graphs and self.max_tokens > 1):
-            return False
-        try:
-            for s in self.slots:
-                self.cache.check_room(s, [1] * (self.max_tokens - 1), spare=1)
-        except CacheCapacityError:
-            return False
-        return True
-
-    def _logprobs(self, rows: Sequence[int], toks: list[int], lists: list[list]) -> list[dict[int, float] | None]:
-        """Per sampler row (request ``rows[b]``) the ``{token: logprob}`` of a draw whose
-        :attr:`Sampler.logprobs` were read as ``lists`` (empty: no row asked)."""
-        if not lists:
-            return [None] * len(rows)
-        chosen, top_ids, top_values = lists
-        return logprob_dicts(toks, chosen, top_ids, top_values, [self.params[i].logprobs for i in rows])
-
-    def _emit(self, i: int, tok: int, now: float, logprobs: dict[int, float] | None = None) -> None:
-        if not self.tokens[i]:
-            self.first_at[i] = now
-        self.tokens[i].append(tok)
-        lps = self.logprobs[i]
-        if lps is not None and logprobs is not None:
-            lps.append(logprobs)
-        self.last_at[i] = now
-        self.finish[i] = self._finished(i)
-
-    def _graph_steps(self, first: Tensor, sampler: Sampler) -> Iterator[tuple[int, int]]:
-        """Decode from the CUDA graph: each step is replayed before the previous step's tokens
-        (copied to pinned memory without blocking) are read, so stop conditions act one step
-        late and a finished request's extra token is dropped; no step runs past ``max_tokens``.
-        The log-probabilities a row asks for travel with its tokens (computed in the step, copied
-        alongside, read one step late)."""
-        gen, b = self.gen, len(self.slots)
-        t0 = time.perf_counter()
-        dec = gen.graph_decoder(self.cache, self.slots, sampler)
-        dec.load(first, sampler)
-        if dec.use_graph and dec.graph is None:  # warm up and capture before the first token is out
-            dec.capture()
-        self.decode_mode, self.capture_s = "cuda_graph", time.perf_counter() - t0
-        reader = TokenReader(b, gen.device)
-        steps, prev = 0, None
-        try:
-            now = time.perf_counter()
-            rows, toks = list(range(b)), first.tolist()
-            for i, tok, lp in zip(rows, toks, self._logprobs(rows, toks, [t.tolist() for t in sampler.logprobs or ()])):
-                self._emit(i, tok, now, lp)
-                yield i, tok
-            t1 = time.perf_counter()
-            while True:
-                cur = None
-                if steps < self.max_tokens - 1 and any(f is None for f in self.finish):
-                    cur = steps % 2
-                    reader.put(cur, dec.step(), *(dec.sampler.logprobs or ()))
-                    steps += 1
-                if prev is not None:
-                    toks = reader.get(prev)
-                    now = time.perf_counter()
-                    for i, tok, lp in zip(rows, toks, self._logprobs(rows, toks, reader.extra(prev))):
-                        if self.finish[i] is None:
-                            self._emit(i, tok, now, lp)
-                            yield i, tok
-                if cur is None:
-                    break
-                prev = cur
-            self.decode_s += time.perf_counter() - t1
-        finally:
-            dec.finish([max(0, len(t) - 1) for t in self.tokens])
-
-    def result(self) -> GenerationResult:
-        """The outcome once the iteration is over."""
-        if any(f is None for f in self.finish):
-            raise RuntimeError("the run is not finished; iterate it to the end first")
-        rates = [(len(o) - 1) / (b - a) if len(o) > 1 and b > a else None
-                 for o, a, b in zip(self.tokens, self.first_at, self.last_at)]
-        generated = sum(len(o) for o in self.tokens)
-        decoded = generated - len(self.tokens)
-        report = {
-            "cp_size": self.gen.cp_size,
-            "prompt_tokens": [len(p) for p in self.prompts],
-            "prefill_strategy": self.strategies,
-            "ttft_s": round(self.ttft, 4),
-            "decode_tokens": decoded,
-            "decode_tokens_per_s": round(decoded / self.decode_s, 2) if decoded and self.decode_s > 0 else None,
-            "decode": self.decode_mode,
-        }
-        if self.decode_mode == "cuda_graph":
-            report["graph_capture_s"] = round(self.capture_s, 4)
-        return GenerationResult(self.tokens, [str(f) for f in self.finish], [self.ttft] * len(self.tokens),
-                                rates, report, self.logprobs)

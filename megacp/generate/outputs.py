@@ -4,13 +4,10 @@ the model's end-of-sequence tokens, detokenised text and streamed text pieces.""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from megacp.generate.loop import GenerationResult, Generator, batch_params
 from megacp.generate.sampling import SamplingParams
-from megacp.kv_cache import ShardedKVCache
 
 
 @dataclass
@@ -38,6 +35,23 @@ class GenerationOutput:
     decode_tokens_per_s: float | None
     logprobs: list[dict[int, float]] | None = None
     cumulative_logprob: float | None = None
+
+
+@dataclass
+class GenerationResult:
+    """A batch's outcome, per request: generated ids, why it ended (``"stop"``: a stop token or
+    string; ``"length"``: ``max_tokens``), time to first token (s) and decode rate (tokens/s after
+    the first; ``None`` for a single token), plus the batch report
+    (:meth:`~megacp.generate.engine.EngineCore.run`); with ``logprobs`` asked, per generated token
+    ``{token: logprob}`` of the chosen token and the top tokens
+    (:func:`~megacp.generate.sampling.logprob_dicts`; ``None`` for a request that did not ask)."""
+
+    tokens: list[list[int]]
+    finish_reasons: list[str] = field(default_factory=list)
+    ttft_s: list[float] = field(default_factory=list)
+    decode_tokens_per_s: list[float | None] = field(default_factory=list)
+    report: dict[str, Any] = field(default_factory=dict)
+    logprobs: list[list[dict[int, float]] | None] = field(default_factory=list)
 
 
 def with_eos(params: SamplingParams, eos_token_ids: Sequence[int]) -> SamplingParams:
@@ -167,20 +181,3 @@ def chat_ids(tokenizer: Any, messages: Sequence[dict[str, str]]) -> list[int]:
         raise ValueError("the model's tokenizer has no chat template")
     ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True, return_dict=True)
     return list(ids["input_ids"])
-
-
-def complete(gen: Generator, cache: ShardedKVCache, slots: Sequence[int], prompts: Sequence[Sequence[int]],
-             params: SamplingParams | Sequence[SamplingParams], tokenizer: Any, *, context: Sequence[Sequence[int]] | None = None,
-             on_token: Callable[[int, int], None] | None = None,
-             progress: bool = False) -> tuple[list[GenerationOutput], dict[str, Any]]:
-    """Run ``prompts`` on ``slots`` of ``cache`` to the end (``params``, one for all or one per
-    prompt, already holding the stop tokens; see :func:`with_eos`); return one :class:`GenerationOutput` per prompt and the batch
-    report (:attr:`GenerationResult.report`). ``on_token(i, token)`` sees every generated token."""
-    rows = batch_params(params, len(prompts))
-    run = gen.start(cache, slots, prompts, rows, context=context,
-                    stop_check=lambda p: stop_string_check(tokenizer, p), progress=progress)
-    for i, tok in run:
-        if on_token is not None:
-            on_token(i, tok)
-    result = run.result()
-    return outputs_of(result, prompts, tokenizer, rows), result.report

@@ -138,6 +138,26 @@ class SamplingParams:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
+def batch_params(params: SamplingParams | Sequence[SamplingParams], n: int) -> list[SamplingParams]:
+    """One :class:`SamplingParams` per request of a batch of ``n``: ``params`` for all, or a list of ``n``.
+
+    Raises:
+        ValueError: a list of another length, or anything but :class:`SamplingParams` (a dict, say).
+    """
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    if isinstance(params, (dict, str)) or not hasattr(params, "__iter__"):
+        raise ValueError(f"sampling must be a SamplingParams or a list of them, got a {type(params).__name__}"
+                         + (": pass SamplingParams(**that_dict)" if isinstance(params, dict) else ""))
+    rows = list(params)
+    bad = next((type(r).__name__ for r in rows if not isinstance(r, SamplingParams)), None)
+    if bad is not None:
+        raise ValueError(f"sampling must be a SamplingParams or a list of them, got a list holding a {bad}")
+    if len(rows) != n:
+        raise ValueError(f"{len(rows)} SamplingParams for {n} prompts; give one for all or one per prompt")
+    return rows
+
+
 def _check_float(name: str, value: object, ok, rule: str) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or not ok(value):
         raise ValueError(f"{name} must be {rule}, got {value!r}")
@@ -292,7 +312,7 @@ class Sampler:
     ``frequency`` fp32, ``keys`` int64 (:func:`seed_key`), ``steps`` int64 (index of the token
     each row draws next), ``columns [V]`` int64 (vocabulary hashes, when a row samples), ``counts [B, V]`` int32 (generated tokens; with penalties) and
     ``prompt_seen [B, V]`` bool (with a repetition penalty). Which steps run is fixed by the batch
-    (:attr:`kind`): an all-greedy batch without penalties is one argmax.
+    (:attr:`features`): an all-greedy batch without penalties is one argmax.
 
     With a row that asks for ``logprobs``, each call also leaves :attr:`logprobs` on the device:
     the chosen tokens' log-probabilities ``[B]`` fp32 and the ``top_logprobs`` (the largest
@@ -348,15 +368,9 @@ class Sampler:
             self.prompt_seen = seen.to(device)
 
     @property
-    def kind(self) -> tuple[int, int, bool, tuple[bool, bool, bool], bool, bool, int | None]:
-        """What fixes the computation: batch size, V, and which steps run (a captured graph's key)."""
-        return (len(self.keys), self.vocab, self.sampled, self.filters, self.penalised, self.prompt_seen is not None,
-                self.top_logprobs)
-
-    @property
     def features(self) -> Features:
-        """Which steps a draw runs (:attr:`kind` without the sizes): sampling, the (top-k, top-p,
-        min-p) filters, penalties, the repetition penalty's context tokens."""
+        """Which steps a draw runs (a captured graph's key with the batch size): sampling, the
+        (top-k, top-p, min-p) filters, penalties, the repetition penalty's context tokens."""
         return self.sampled, self.filters, self.penalised, self.prompt_seen is not None
 
     @classmethod
@@ -399,9 +413,6 @@ class Sampler:
              "steps", "counts", "ones", "prompt_seen")
     """The tensors with one row per request (``columns`` is shared by every row)."""
 
-    def _rows(self) -> list[Tensor]:
-        return [t for t in (getattr(self, n) for n in self._ROWS) if t is not None]
-
     def state(self) -> list[Tensor]:
         """The tensors a draw advances (to save and restore around a warm-up)."""
         return [self.steps, self.counts]
@@ -413,22 +424,6 @@ class Sampler:
             if getattr(self, name) is not None:
                 setattr(out, name, fn(getattr(self, name)))
         return out
-
-    def clone(self) -> Sampler:
-        """A copy with per-row tensors of its own (a graph's static buffers)."""
-        return self._map(Tensor.clone)
-
-    def load(self, other: Sampler) -> None:
-        """Copy ``other``'s values into this sampler's tensors (same :attr:`kind`)."""
-        if other.kind != self.kind:
-            raise ValueError(f"a sampler of kind {other.kind} cannot load into one of kind {self.kind}")
-        for dst, src in zip(self._rows(), other._rows()):
-            dst.copy_(src)
-
-    def select(self, rows: Tensor) -> Sampler:
-        """The sampler of rows ``rows`` (int64 indices) only, e.g. the requests still running."""
-        rows = rows.to(self.device)
-        return self._map(lambda t: t[rows])
 
     def __call__(self, logits: Tensor) -> Tensor:
         """Next tokens ``[B]`` int64 of ``logits [B, V]`` (identical on every rank given identical

@@ -2,8 +2,10 @@
 top of everything cached (a ring prefill whose strategy follows the usual rule: under ``auto`` a
 short turn over a long cache goes pass-Q), then decodes; prompt and generated tokens stay cached.
 
-The last generated token of a turn has not been through the model yet: it is prefilled with the
-next turn. Several sessions share one cache, one request slot each.
+Each turn is one request of the sessions' engine (:class:`~megacp.generate.engine.EngineCore`)
+pinned to the session's slot, on top of what the slot holds. A generated token not yet through the
+model (the last one of a turn) is prefilled with the next turn. Several sessions share one cache
+and engine, one request slot each.
 """
 
 from __future__ import annotations
@@ -11,24 +13,25 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Sequence
 
-from megacp.generate.loop import Generator
-from megacp.generate.outputs import GenerationOutput, chat_ids, complete, with_eos
+from megacp.generate.engine import EngineCore, Request, result_of, token_events
+from megacp.generate.outputs import GenerationOutput, chat_ids, outputs_of, with_eos
 from megacp.generate.requests import ModelLimits, check_context, check_prompt, encode
 from megacp.generate.sampling import SamplingParams, SeedSource
-from megacp.kv_cache import CacheCapacityError, ShardedKVCache
+from megacp.kv_cache import CacheCapacityError
 
 
 class Session:
     """One conversation's slot of a shared cache (make it with :meth:`megacp.LLM.session`).
 
     Every CP rank must call the same methods with the same arguments. Use it as a context manager
-    or call :meth:`close` to give its slot back.
+    or call :meth:`close` to give its slot back (``release`` is then called).
     """
 
-    def __init__(self, gen: Generator, cache: ShardedKVCache, slot: int, model_config: ModelLimits,
-                 tokenizer: Any, max_tokens: int, seeds: SeedSource) -> None:
-        self._gen, self._cache, self._slot, self._cfg, self._tokenizer = gen, cache, slot, model_config, tokenizer
-        self._seeds = seeds
+    def __init__(self, engine: EngineCore, slot: int, model_config: ModelLimits, tokenizer: Any, max_tokens: int,
+                 seeds: SeedSource, release: Callable[[], None]) -> None:
+        self._engine, self._slot, self._cfg, self._tokenizer = engine, slot, model_config, tokenizer
+        self._cache = engine.worker.cache
+        self._seeds, self._release = seeds, release
         self.max_tokens = max_tokens
         """Tokens the session may hold in all (``LLM(max_session_tokens=...)``)."""
         self._history: list[int] = []
@@ -66,15 +69,16 @@ class Session:
                                      f"{params.max_tokens} (max_tokens) = {total} tokens, more than its "
                                      f"{self.max_tokens} (LLM(max_session_tokens=...))")
         pending = self._history[self._cache.length(self._slot):] + turn
-        self._cache.check_room(self._slot, self._gen.steps(len(pending), params.max_tokens))
+        # the spare row is the one the cache keeps past the session's tokens (the static step writes it)
+        self._cache.check_room(self._slot, self._engine.worker.gen.steps(len(pending), params.max_tokens), spare=1)
         before = self._cache.snapshot(self._slot)
+        req = Request(pending, params, context=self._history + turn, pin=self._slot)
         try:
-            outs, self.last_report = complete(self._gen, self._cache, [self._slot], [pending], params,
-                                              self._tokenizer, context=[self._history + turn], on_token=on_token)
+            self.last_report = self._engine.run([req], token_events(on_token))
         except BaseException:  # an on_token callback raising, KeyboardInterrupt: the turn never happened
             self._cache.restore(self._slot, before)
             raise
-        out = outs[0]
+        out = outputs_of(result_of([req], self.last_report), [pending], self._tokenizer, [params])[0]
         self._history += turn + out.token_ids
         out.prompt_token_ids = turn
         return out
@@ -101,7 +105,8 @@ class Session:
         """Free the session's cache slot (idempotent)."""
         if not self.closed:
             self.closed = True
-            self._cache.free(self._slot)
+            self._cache.truncate(self._slot, 0)
+            self._release()
 
     def __enter__(self) -> Session:
         return self

@@ -138,7 +138,7 @@ def build_app(engine: Engine, cfg: ModelLimits, *, model_name: str, max_model_le
         if len(prompt) + params.max_tokens > max_model_len:
             raise APIError(400, f"the prompt of {len(prompt)} tokens + max_tokens {params.max_tokens} exceeds the "
                                 f"context of {max_model_len} tokens", param="max_tokens", code="context_length_exceeded")
-        r = Request(prompt, with_eos(params, cfg.eos_token_ids), asyncio.get_running_loop())
+        r = Request(prompt, with_eos(params, cfg.eos_token_ids), loop=asyncio.get_running_loop())
         try:
             engine.submit(r)
         except QueueFull as err:

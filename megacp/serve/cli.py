@@ -149,9 +149,9 @@ def _drain_on_signals(server: Any) -> Iterator[None]:
 
 def _serve(args: argparse.Namespace) -> int:
     from megacp.generate.cli import _set_threads
+    from megacp.generate.worker import Worker
     from megacp.parallel import initialize
     from megacp.parallel.launcher_watch import watch_launcher
-    from megacp.serve.worker import Worker
 
     watch_launcher(PROG)  # a SIGKILLed launcher ends this rank too
     _set_threads(PROG)

@@ -120,27 +120,22 @@ def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
     return time.perf_counter() - t, out
 
 
-def run_megacp(gen: Any, prompt: list[int], new: int) -> tuple[dict, list[int], float]:
-    """Warm-up run then timed run on one cache (same cache and slot: the graph is captured once).
+def run_megacp(gen: Any, prompt: list[int], new: int, vocab: int) -> tuple[dict, list[int], float]:
+    """Warm-up run then timed run on one engine (same cache and slot: the graph is captured once).
     Returns (report, tokens, warm-up seconds)."""
     from megacp.generate import SamplingParams
+    from megacp.generate.engine import Request, offline_engine
 
     params = SamplingParams(max_tokens=new, ignore_eos=True)
-    cache = gen.new_cache(1, len(prompt) + new + 2)
-    seconds, runs = [], []
+    engine = offline_engine(gen, [len(prompt)], new, vocab=vocab, static=gen.cuda_graphs, max_num_seqs=1)
+    seconds, reports, reqs = [], [], []
     for _ in range(2):
-        slot = cache.allocate()
-        t, run = timed(lambda: _drain(gen.start(cache, [slot], [prompt], params)))
-        cache.free(slot)
+        req = Request(list(prompt), params)
+        t, report = timed(lambda: engine.run([req]))  # noqa: B023 - called at once
         seconds.append(t)
-        runs.append(run)
-    return runs[1].result().report, runs[1].tokens[0], seconds[0]
-
-
-def _drain(run: Any) -> Any:
-    for _ in run:
-        pass
-    return run
+        reports.append(report)
+        reqs.append(req)
+    return reports[1], reqs[1].tokens, seconds[0]
 
 
 def run_hf(hf: torch.nn.Module, prompt: list[int], new: int, method: str) -> tuple[dict, list[int], float]:
@@ -203,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         for m in args.method_list:
             try:
                 if m.startswith("megacp"):
-                    res, toks, warm = run_megacp(gens[m], prompt, args.new_tokens)
+                    res, toks, warm = run_megacp(gens[m], prompt, args.new_tokens, cfg.vocab_size)
                     if m == "megacp_graph" and res.get("decode") != "cuda_graph":
                         raise RuntimeError(f"the run decoded {res.get('decode')!r}, not from a CUDA graph")
                 else:

@@ -23,6 +23,7 @@ import torch.distributed as dist
 import megacp
 from megacp.config import add_launcher_args
 from megacp.generate import Generator, SamplingParams
+from megacp.generate.engine import generate
 from megacp.layers.settings import CPSettings
 from megacp.models import build_model
 from scripts.bench import harness as bh
@@ -52,21 +53,21 @@ def main() -> None:
     rep = bh.Report(ctx, args.json, {**bh.env_info(ctx), "kind": "ttft", "model": "Llama-3-8B shape, random weights",
                                      "layers": args.layers, "strategy": args.strategy, "argv": sys.argv})
     warm = torch.randint(0, cfg.vocab_size, (4096,), generator=g).tolist()
-    cp2.generate([warm], one)
+    generate(cp2, [warm], one, vocab=cfg.vocab_size)
     if rank == 0:
-        cp1.generate([warm], one)
+        generate(cp1, [warm], one, vocab=cfg.vocab_size)
     dist.barrier()
     for s in (int(x) for x in args.seqlens.split(",")):
         prompt = torch.randint(0, cfg.vocab_size, (s,), generator=g).tolist()
         dist.barrier()
         torch.cuda.reset_peak_memory_stats(dev)  # the CP=2 call's own peak (rank 0 ran CP=1 before)
-        r2 = cp2.generate([prompt], one)
+        r2 = generate(cp2, [prompt], one, vocab=cfg.vocab_size)
         dist.barrier()
         row = {"seqlen": s, "cp2_ttft_s": r2.report["ttft_s"], "strategy": r2.report["prefill_strategy"],
                "peak_mem_gb": round(torch.cuda.max_memory_allocated(dev) / 2**30, 1)}
         if rank == 0:
             torch.cuda.empty_cache()
-            r1 = cp1.generate([prompt], one)
+            r1 = generate(cp1, [prompt], one, vocab=cfg.vocab_size)
             row["cp1_ttft_s"] = r1.report["ttft_s"]
             row["ratio"] = round(row["cp2_ttft_s"] / row["cp1_ttft_s"], 3)
             row["same_first_token"] = r1.tokens == r2.tokens

@@ -78,6 +78,7 @@ def megacp_point(shape: dict[str, Any], length: int, args: argparse.Namespace, c
     import megacp
     from megacp.checkpoint.hf import config_from_hf
     from megacp.generate import Generator, SamplingParams
+    from megacp.generate.engine import generate
     from megacp.layers.settings import CPSettings
     from megacp.models import build_model
 
@@ -92,12 +93,13 @@ def megacp_point(shape: dict[str, Any], length: int, args: argparse.Namespace, c
                               kv_cache_dtype=args.kv_cache_dtype, cuda_graphs=ctx.cuda)
     g = torch.Generator().manual_seed(1)
     params = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True)
-    gen.generate([torch.randint(0, cfg.vocab_size, (min(WARMUP_TOKENS, length),), generator=g).tolist()], params)
+    generate(gen, [torch.randint(0, cfg.vocab_size, (min(WARMUP_TOKENS, length),), generator=g).tolist()], params,
+             vocab=cfg.vocab_size)
     prompt = torch.randint(0, cfg.vocab_size, (length,), generator=g).tolist()
     if ctx.cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    result = gen.generate([prompt], params)
+    result = generate(gen, [prompt], params, vocab=cfg.vocab_size)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     cache = gen.cache_rows([length], args.new_tokens) * per_token
     linear = 2 * length * sum(p.numel() for name, p in model.named_parameters() if name.startswith("layers."))

@@ -21,6 +21,7 @@ import torch
 
 from megacp import LLM, SamplingParams
 from megacp.generate import Generator
+from megacp.generate.engine import generate
 
 PROMPT = ("The history of context parallelism begins with ring attention, where each device holds a block of the "
           "sequence and passes keys and values to its neighbour. Explain in three sentences why this helps long prompts.")
@@ -51,8 +52,8 @@ def main() -> None:
     a, b = torch.cat(logits["auto"]), torch.cat(logits["fp8_e4m3"])
     diff = (a - b).abs().amax(-1)
     top2 = a.topk(2, dim=-1).values
-    free = {kv: gen.generate([ids], SamplingParams(max_tokens=args.free_tokens, ignore_eos=True)).tokens[0]
-            for kv, gen in gens.items()}
+    free = {kv: generate(gen, [ids], SamplingParams(max_tokens=args.free_tokens, ignore_eos=True),
+                         vocab=llm.model_config.vocab_size).tokens[0] for kv, gen in gens.items()}
     texts = {kv: llm.tokenizer.decode(t) if llm.tokenizer is not None else t for kv, t in free.items()}
     if llm.state.rank == 0:
         print(json.dumps(dict(positions=a.shape[0], max_abs_logit=round(float(a.abs().max()), 4),

@@ -92,8 +92,7 @@ def _conversation(rank: int, n: int, path: str, prompts: list[list[int]], turn2:
     import megacp
     from megacp.checkpoint import load_model
     from megacp.generate import Generator
-    from megacp.generate.graph import GraphDecoder
-    from megacp.generate.sampling import Sampler, SamplingParams
+    from tests.helpers.static_decode import fixed_batch
     from megacp.layers.settings import CPSettings
 
     state = megacp.initialize()
@@ -129,10 +128,8 @@ def _conversation(rank: int, n: int, path: str, prompts: list[list[int]], turn2:
         # the static decode step on a copy of the FP8 cache against eager FP8 decode on the original
         gen, (cache, slots) = gens["fp8_e4m3"], caches["fp8_e4m3"]
         twin = copy.deepcopy(cache)
-        greedy = Sampler([SamplingParams()] * len(slots), logits["fp8_e4m3"][-1].shape[-1], cpu)
-        dec = GraphDecoder(model, twin, slots, settings, cpu, greedy, capture=False)
         tok = logits["fp8_e4m3"][-1].argmax(-1)
-        dec.load(tok, greedy)
+        dec = fixed_batch(model, twin, slots, settings, cpu, tok, logits["fp8_e4m3"][-1].shape[-1])
         static_err = 0.0
         for _ in range(STATIC):
             ref = gen.decode_step(cache, slots, tok)

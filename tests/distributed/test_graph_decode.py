@@ -1,6 +1,6 @@
 """The static decode step that a CUDA graph replays, and the graph decode path.
 
-On CPU (gloo), the static step (:class:`~megacp.generate.graph.GraphDecoder` run eagerly: device
+On CPU (gloo), the static step (:class:`~megacp.generate.graph.BatchDecoder` run eagerly: device
 buffers for tokens, positions, lengths and cache rows; no host bookkeeping per token) must equal
 the eager decode step, logits and tokens, at CP = 3 with a rank that holds nothing of a request,
 and so must the whole graph decode loop of a run (late reads, padding, stop tokens, sessions);
@@ -37,8 +37,7 @@ def _static_vs_eager(rank: int, n: int, path: str, prompts: list[list[int]], ste
     from megacp.checkpoint import load_model
     from megacp.generate import Generator
     from megacp.layers.settings import CPSettings
-    from megacp.generate.graph import GraphDecoder
-    from megacp.generate.sampling import Sampler, SamplingParams
+    from tests.helpers.static_decode import fixed_batch
 
     state = megacp.initialize()
     model, cfg, _ = load_model(path, dtype=torch.float32, device="cpu")
@@ -50,16 +49,14 @@ def _static_vs_eager(rank: int, n: int, path: str, prompts: list[list[int]], ste
     with torch.inference_mode():
         tok = gen.prefill(eager, se, prompts)[0].argmax(-1)
         logits = gen.prefill(static, ss, prompts)[0]
-        greedy = Sampler([SamplingParams()] * len(ss), logits.shape[-1], cpu)
-        dec = GraphDecoder(model, static, ss, gen.settings, cpu, greedy, capture=False)
-        dec.load(logits.argmax(-1), greedy)
+        dec = fixed_batch(model, static, ss, gen.settings, cpu, logits.argmax(-1), logits.shape[-1])
         for _ in range(steps):
             ref = gen.decode_step(eager, se, tok)
             got = dec.step().clone()
             errs.append(float((dec.logits - ref).abs().max() / ref.abs().max()))
             tok = ref.argmax(-1)
             same = same and got.tolist() == tok.tolist()
-        dec.finish([steps] * len(prompts))
+        dec.leave(ss)
         books = all(eager.history(a) == static.history(b) and eager.local_length(a) == static.local_length(b)
                     for a, b in zip(se, ss))
         rows = all(torch.equal(eager.positions[a], static.positions[b]) for a, b in zip(se, ss))

@@ -71,6 +71,7 @@ def _generate(rank: int, world: int, paths: list[str], prompts: list[list[int]],
     import megacp
     from megacp.checkpoint import load_model
     from megacp.generate import Generator, SamplingParams
+    from megacp.generate.engine import generate
     from megacp.layers.settings import CPSettings
     from megacp.models.build import expert_parallel_group
     from megacp.models.moe import MoEMLP
@@ -89,7 +90,7 @@ def _generate(rank: int, world: int, paths: list[str], prompts: list[list[int]],
         def run(chunk: int, tokens: int, batch: list[list[int]] = prompts) -> list[list[int]]:
             gen = Generator.for_model(model, cfg, CPSettings(ring=ring), device=torch.device("cpu"), dtype=torch.float32,
                                       tp_size=tp, prefill_chunk=chunk)
-            return gen.generate(batch, SamplingParams(max_new_tokens=tokens)).tokens
+            return generate(gen, batch, SamplingParams(max_new_tokens=tokens), vocab=cfg.vocab_size).tokens
 
         whole, chunked, alone = run(0, new), run(CHUNK, new), run(0, new, prompts[1:2])
         for m in moe:

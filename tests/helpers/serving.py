@@ -1,5 +1,5 @@
 """Serving helpers shared by the server's tests and its GPU check program: the requests, and a
-driver that runs them through a :class:`~megacp.serve.worker.Worker` as the engine's step loop does."""
+driver that runs them through a :class:`~megacp.generate.worker.Worker` as the engine's step loop does."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ def drive(worker, prompts: list[list[int]], params: list) -> tuple[list[list[int
     Returns each request's tokens and, per token, the ``{token: logprob}`` it asked for (empty
     lists for requests without ``logprobs``)."""
     from megacp.generate.sampling import logprob_dicts
-    from megacp.serve.worker import Admit, Work
+    from megacp.generate.worker import Admit, Work
 
     out: list[list[int]] = [[] for _ in prompts]
     lps: list[list[dict[int, float]]] = [[] for _ in prompts]

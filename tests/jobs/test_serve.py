@@ -4,7 +4,7 @@ CP 2 (torchrun, gloo) against offline ``LLM.generate`` (greedy), multi-turn pref
 transformers on the joined history, logprobs against ``LLM.generate``'s, OpenAI-style errors, a disconnect freeing its slot, SIGTERM
 draining, the serving bench against a server. Two servers in all (module-scoped); on CPU their
 running batch decodes with the CUDA graphs' static step, run eagerly. Beside them, one process
-drives a :class:`~megacp.serve.worker.Worker` directly: requests joining and leaving the static and
+drives a :class:`~megacp.generate.worker.Worker` directly: requests joining and leaving the static and
 the eager batch, and an engine stepped by hand admitting a burst of newcomers, against
 ``LLM.generate``."""
 
@@ -44,22 +44,22 @@ def _burst(llm, prompts: list[list[int]], ref: list[list[int]]) -> dict[str, obj
     burst's step, and whether every request got its ``ref`` tokens."""
     from megacp import SamplingParams
     from megacp.serve.engine import Engine, Request
-    from megacp.serve.worker import Worker
+    from megacp.generate.worker import Worker
 
     loop = asyncio.new_event_loop()
     worker = Worker(llm.generator, 5, 64, vocab=llm.model_config.vocab_size, static=True, capture=False)
     engine = Engine(worker, None, max_queue=8, max_batched_tokens=sum(len(p) for p in prompts[1:4]))
-    reqs = [Request(p, SamplingParams(max_tokens=NEW, ignore_eos=True), loop) for p in prompts[:5]]
+    reqs = [Request(p, SamplingParams(max_tokens=NEW, ignore_eos=True), loop=loop) for p in prompts[:5]]
     counts = []
     for arriving in (reqs[:1], reqs[1:]):
         engine.waiting.extend(arriving)
-        engine._step()
+        engine.step()
         counts.append((engine.metrics["prefill_steps"], engine.metrics["prefill_chunks"]))
     prefilling = engine.status()["prefilling"]
     for _ in range(4 * NEW):
         if all(r.done for r in reqs):
             break
-        engine._step()
+        engine.step()
     loop.close()
     return dict(counts=counts, prefilling=prefilling, exact=[r.tokens for r in reqs] == ref[:5])
 
@@ -71,7 +71,7 @@ def _offline(rank: int, n: int, path: str, prompts: list[list[int]]
     batches, the greedy log-probabilities (``TOP``) of ``prompts[0]`` and of ``CHAT``, and
     :func:`_burst`'s outcome."""
     from megacp import LLM, SamplingParams
-    from megacp.serve.worker import Worker
+    from megacp.generate.worker import Worker
 
     llm = LLM(path, dtype="float32")
     ref = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=NEW, ignore_eos=True))]
@@ -180,7 +180,7 @@ def test_a_busy_port_is_one_line_before_the_model_loads(capsys: pytest.CaptureFi
 def test_common_prefix_equals_a_token_by_token_count() -> None:
     import random
 
-    from megacp.serve.engine import common_prefix
+    from megacp.generate.engine import common_prefix
 
     rng = random.Random(0)
     for _ in range(200):

@@ -5,7 +5,7 @@ replaying CUDA graphs against the same step run eagerly and against ``LLM.genera
     torchrun --nproc_per_node 2 -m tests.programs.batch_decode_check   # CP = 2 (NCCL collectives in the graphs)
 
 A tiny random Llama (tests/helpers/hf_models.py), float32 and bfloat16. Twelve requests go through
-a :class:`~megacp.serve.worker.Worker` of 4 slots as the server's engine drives it
+a :class:`~megacp.generate.worker.Worker` of 4 slots as the server's engine drives it
 (``tests/helpers/serving.py::drive``: newcomers join the running batch 1 to 3 a step, finished
 requests leave, rows move, padded sizes 1, 2, 4), greedy and then mixed sampling settings (top-k,
 top-p, repetition / presence penalties, seeds: graphs of several sampler features; some requests
@@ -16,7 +16,7 @@ ask for logprobs, computed after the replay from the graph's logits):
 * ``graph = generate``: identical tokens to ``LLM.generate`` of the same requests and logprobs
   within 1e-4 (float32: ``PASS``/``FAIL``; bfloat16: differences are ``WARN``, near-ties under
   other kernels' rounding).
-* ``eager batch = generate``: the same for the eager batch (:class:`~megacp.serve.worker.EagerBatch`).
+* ``eager batch = generate``: the same for the eager batch (:class:`~megacp.generate.worker.EagerBatch`).
 
 Prints one ``PASS``/``FAIL``/``WARN`` line per check (rank 0) and ends with ``ALL PASS`` or
 ``FAILED: n``; exit status 0 / 1.
@@ -40,7 +40,7 @@ from tests.helpers.serving import prompts as _prompts
 def main() -> int:
     import megacp
     from megacp import LLM, SamplingParams
-    from megacp.serve.worker import Worker
+    from megacp.generate.worker import Worker
 
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")

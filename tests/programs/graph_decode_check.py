@@ -12,7 +12,7 @@ shape (``scripts.bench.decode_hf.MODELS["smollm2"]``), each in float32 and bfloa
   for bf16, the masked fp32 path for fp32) against ``partial_attention`` per request, lengths 0, 1,
   37 and the whole capacity: out (fp32 1e-5, bf16 3e-2 relative) and LSE (1e-5 / 1e-3 absolute).
 * ``step``: a ragged batch (3, 50, 200 tokens) prefilled into two caches; 64 steps of eager
-  ``Generator.decode_step`` against a captured :class:`~megacp.generate.graph.GraphDecoder` fed
+  ``Generator.decode_step`` against a captured :class:`~megacp.generate.graph.BatchDecoder` fed
   the same tokens: logits within fp32 1e-5 (relative to the largest logit) or bf16 3e-2, and the
   same argmax (bf16: unless the eager top-2 margin is within twice that row's difference).
   With an FP8 cache each path stores what it computes: the static step's keys and values come
@@ -161,8 +161,7 @@ def check_fp8_kernel(heads: int, kv_heads: int, head_dim: int) -> tuple[str, str
 
 
 def check_step(llm: Any, dtype: torch.dtype) -> tuple[str, str]:
-    from megacp.generate.graph import GraphDecoder
-    from megacp.generate.sampling import Sampler, SamplingParams
+    from tests.helpers.static_decode import fixed_batch
 
     gen = llm.generator
     ps = prompts(llm.model_config.vocab_size)
@@ -173,9 +172,8 @@ def check_step(llm: Any, dtype: torch.dtype) -> tuple[str, str]:
     with torch.inference_mode():
         tok = gen.prefill(eager, se, ps)[0].argmax(-1)
         logits = gen.prefill(static, ss, ps)[0]
-        greedy = Sampler([SamplingParams()] * len(ss), logits.shape[-1], gen.device)
-        dec = GraphDecoder(gen.model, static, ss, gen.settings, gen.device, greedy)
-        dec.load(logits.argmax(-1), greedy)
+        dec = fixed_batch(gen.model, static, ss, gen.settings, gen.device, logits.argmax(-1), logits.shape[-1],
+                          capture=True)
         for _ in range(STEPS):
             ref = gen.decode_step(eager, se, tok)
             got = dec.step().clone()

@@ -1,6 +1,6 @@
-"""One engine step, the same on every CP rank: :class:`Work` is broadcast from rank 0 (on a CPU
-group) and :meth:`Worker.run` executes it: retire requests that left the running batch, cut slots
-back to a reused prefix, prefill the step's prompt chunks (one forward for all of them) and draw
+"""One engine step, the same on every CP rank (:class:`Work`: from the server's rank 0, broadcast
+on a CPU group, or made alike by every rank of an offline engine), which :meth:`Worker.run`
+executes: retire requests that left the running batch, cut slots back to a reused prefix, prefill the step's prompt chunks (one forward for all of them) and draw
 the first token of each request whose prompt is then complete, then run one decode step of the
 running batch (a CUDA graph replay on CUDA: :class:`~megacp.generate.graph.BatchDecoder`), with the
 log-probabilities of the tokens whose requests ask for them."""
@@ -67,8 +67,8 @@ class StepOutput:
 class EagerBatch:
     """The running batch decoded by eager steps (:meth:`Generator.decode_step`, which keeps the
     cache's bookkeeping) with one sampler per request, for models the static step does not run
-    (transformers modules, sliding windows, mixture of experts). Same calls and :attr:`logprobs`
-    as :class:`~megacp.generate.graph.BatchDecoder`."""
+    (transformers modules, sliding windows, mixture of experts) and for offline engines without
+    CUDA graphs. Same calls and :attr:`logprobs` as :class:`~megacp.generate.graph.BatchDecoder`."""
 
     def __init__(self, gen: Generator, cache: ShardedKVCache) -> None:
         self.gen, self.cache = gen, cache
@@ -107,21 +107,29 @@ class Worker:
             static step writes the row after a rank's tokens).
         vocab: the logits' vocabulary size.
         static: decode with :class:`~megacp.generate.graph.BatchDecoder` (megacp's own dense
-            models; an extra scratch slot takes its padding rows), else :class:`EagerBatch`.
-        capture: replay CUDA graphs (with ``static``; the greedy ones are captured here).
+            models; with more than one slot an extra scratch slot takes its padding rows), else
+            :class:`EagerBatch`.
+        capture: replay CUDA graphs (with ``static``; when ``shared``, the greedy ones are captured
+            here, else each graph on its first use).
+        shared: rank 0's work is broadcast to the other ranks (:meth:`share`; a server's followers
+            run what rank 0 schedules); ``False``: every rank schedules the same work itself.
     """
 
     def __init__(self, gen: Generator, num_slots: int, capacity: int, *, vocab: int, static: bool,
-                 capture: bool) -> None:
-        self.gen = gen
-        self.cache: ShardedKVCache = gen.new_cache(num_slots + (1 if static else 0), capacity + 1)
+                 capture: bool, shared: bool = True) -> None:
+        self.gen, self.static = gen, static
+        scratch = static and num_slots > 1  # one row never pads
+        self.cache: ShardedKVCache = gen.new_cache(num_slots + (1 if scratch else 0), capacity + 1)
         self.slots = [self.cache.allocate() for _ in range(num_slots)]
-        self.group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+        self.group = None if not shared or dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+        self.shared = shared
+        self.progress = False
+        """Show a progress bar of the prefill forwards (an offline caller's rank 0)."""
         self.decoder: Union[BatchDecoder, EagerBatch]
         if static:
-            self.decoder = BatchDecoder(gen.model, self.cache, self.cache.allocate(), gen.settings, gen.device,
-                                        vocab=vocab, max_batch=num_slots, capture=capture)
-            if capture:
+            self.decoder = BatchDecoder(gen.model, self.cache, self.cache.allocate() if scratch else None,
+                                        gen.settings, gen.device, vocab=vocab, max_batch=num_slots, capture=capture)
+            if capture and shared:  # a server's first requests find them ready
                 with torch.inference_mode():
                     self.decoder.capture_greedy()
         else:
@@ -131,9 +139,9 @@ class Worker:
         eagerly) or ``eager`` (:class:`EagerBatch`)."""
 
     def share(self, work: Work | None) -> Work:
-        """Rank 0's ``work`` on every rank."""
+        """Rank 0's ``work`` on every rank (``work`` itself when not :attr:`shared`)."""
         box = [work]
-        if dist.get_world_size() > 1:
+        if self.shared and dist.get_world_size() > 1:
             dist.broadcast_object_list(box, src=0, group=self.group)
         assert box[0] is not None
         return box[0]
@@ -148,8 +156,8 @@ class Worker:
         new: dict[int, tuple[Tensor, Sampler]] = {}
         strategies: list[str] = []
         if work.admit:
-            logits, strategies = self.gen.prefill(self.cache, [a.slot for a in work.admit],
-                                                  [a.tokens for a in work.admit])
+            logits, strategies = self.gen.prefill(self.cache, [a.slot for a in work.admit], [a.tokens for a in work.admit],
+                                                  progress=self.progress, sampling=[a.params for a in work.admit])
             for row, a in enumerate(work.admit):
                 if not a.last:  # the prompt goes on in a later step: no token yet
                     continue
@@ -162,7 +170,7 @@ class Worker:
                                         [s.top_logprobs])[0]
                           for tok, (_, s) in zip(first, new.values())]
         if work.batch is not None:
-            self.decoder.join(work.batch, new)
+            self.decoder.join(work.batch, {s: v for s, v in new.items() if s in work.batch})
         tokens = self.decoder.step() if self.decoder.slots else None
         return StepOutput(first, tokens, strategies, first_logprobs,
                           None if tokens is None else self.decoder.logprobs)
