@@ -64,4 +64,5 @@ def rel_err(a: Tensor, b: Tensor) -> float:
     if b.numel() == 0:
         assert a.numel() == 0, (a.shape, b.shape)
         return 0.0
-    return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
+    a, b = a.detach().float(), b.detach().float()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
