@@ -15,8 +15,9 @@ on the batch around it, the CP size or the path (eager or graph). Temperatures b
 A draw costs what its batch needs: an all-greedy batch is one argmax; without top-k and top-p no
 sort runs (min-p is a floor on the scaled logits, :func:`min_p_floor`) and the temperature, the
 floor, the noise and the argmax are one pass (:func:`gumbel_argmax`; on CUDA a fused kernel,
-:mod:`megacp.generate.sampling_kernel`); with top-k or top-p, one sort of the scaled logits and
-the same pass over the sorted, filtered values.
+:mod:`megacp.generate.sampling_kernel`); with top-k or top-p, one sort of the scaled logits, each
+row's first kept sorted column (:func:`kept_start`: the filters drop a prefix of the sorted row)
+and the same pass over the sorted values from there.
 """
 
 from __future__ import annotations
@@ -227,19 +228,22 @@ def gumbel_noise(keys: Tensor, steps: Tensor, columns: Tensor) -> Tensor:
 
 def gumbel_argmax(values: Tensor, keys: Tensor, steps: Tensor, columns: Tensor, *, index: Tensor | None = None,
                   temperature: Tensor | None = None, floor: Tensor | None = None,
-                  noiseless: Tensor | None = None) -> Tensor:
+                  noiseless: Tensor | None = None, start: Tensor | None = None) -> Tensor:
     """Each row's draw ``[B]`` int64: the vocabulary index of ``argmax(x - noise)`` over the row's
     columns, ``x = values / temperature`` (``values [B, N]`` fp32; ``temperature [B]`` fp32,
     ``None`` = 1) set to ``-inf`` below ``floor [B]`` fp32, ``noise`` :func:`gumbel_noise` of the
     row's key and step at column ``n``'s vocabulary index: ``index[b, n]`` (``[B, N]`` int64), or
     ``n`` (``columns [V]`` int64 = :func:`mix32` of the vocabulary indices). Rows whose
-    ``noiseless [B]`` bool is true take the argmax of ``x``. Ties go to the first column. On CUDA
-    with Triton: one fused pass (:mod:`megacp.generate.sampling_kernel`)."""
+    ``noiseless [B]`` bool is true take the argmax of ``x``. Columns before ``start [B]`` int64
+    (the sorted columns the top-k / top-p filters drop, :func:`kept_start`) are ``-inf``. Ties go
+    to the first column. On CUDA with Triton: one fused pass (:mod:`megacp.generate.sampling_kernel`)."""
     if sampling_kernel.available(values):
-        return sampling_kernel.gumbel_argmax_fused(values, keys, steps, index, temperature, floor, noiseless)
+        return sampling_kernel.gumbel_argmax_fused(values, keys, steps, index, temperature, floor, noiseless, start)
     x = values if temperature is None else values / temperature[:, None]
     if floor is not None:
         x = x.masked_fill(x < floor[:, None], float("-inf"))
+    if start is not None:
+        x = x.masked_fill(torch.arange(x.shape[-1], device=x.device) < start[:, None], float("-inf"))
     noise = gumbel_noise(keys, steps, columns if index is None else columns[index])
     if noiseless is not None:
         noise = noise.masked_fill(noiseless[:, None], 0.0)
@@ -275,6 +279,29 @@ def filter_sorted(ordered: Tensor, top_k: Tensor | None, top_p_floor: Tensor | N
         drop[:, -1] = False
         ordered = ordered.masked_fill(drop, float("-inf"))
     return ordered
+
+
+def kept_start(ordered: Tensor, top_k: Tensor | None, top_p_floor: Tensor | None) -> Tensor:
+    """The first column ``[B]`` int64 of ``ordered`` (temperature-scaled logits sorted ascending
+    ``[B, V]`` fp32) that :func:`filter_sorted` keeps: its filters drop a prefix of each sorted row
+    (top-k the values below the k-th largest; top-p the columns whose cumulative probability is at
+    most ``1 - top_p``, never the last). Top-k's start is a binary search for the k-th largest value;
+    top-p's, on CUDA with Triton, two passes over ``ordered``
+    (:func:`~megacp.generate.sampling_kernel.nucleus_start`), else the count of the columns that
+    :func:`filter_sorted` drops. The draw then starts there (:func:`gumbel_argmax`'s ``start``)."""
+    start = None
+    if top_k is not None:
+        kth = ordered.gather(-1, (ordered.shape[-1] - top_k)[:, None])
+        start = torch.searchsorted(ordered, kth).squeeze(-1)  # the columns below the k-th largest value
+    if top_p_floor is None:
+        assert start is not None, "kept_start needs top-k or top-p"
+        return start
+    if sampling_kernel.available(ordered):
+        return sampling_kernel.nucleus_start(ordered, start, top_p_floor)
+    kept = ordered if start is None else ordered.masked_fill(
+        torch.arange(ordered.shape[-1], device=ordered.device) < start[:, None], float("-inf"))
+    drop = chunked_cumsum(kept.softmax(-1)) <= top_p_floor[:, None]
+    return drop.sum(-1).clamp_(max=ordered.shape[-1] - 1)
 
 
 def chunked_cumsum(x: Tensor, chunk: int = 1024) -> Tensor:
@@ -441,10 +468,11 @@ class Sampler:
             if top_k or top_p:
                 # ascending, as the warpers sort; stable: a greedy row's first largest column is its argmax
                 ordered, index = (logits / self.temperature[:, None]).sort(dim=-1, stable=True)
-                ordered = filter_sorted(ordered, self.top_k if top_k else None, self.top_p_floor if top_p else None)
+                # the filters drop a prefix of each sorted row: the draw starts after it
+                start = kept_start(ordered, self.top_k if top_k else None, self.top_p_floor if top_p else None)
                 # the filters keep every row's most likely token: greedy rows take it without noise
                 tokens = gumbel_argmax(ordered, self.keys, self.steps, self.columns, index=index, floor=floor,
-                                       noiseless=self.greedy)
+                                       noiseless=self.greedy, start=start)
             else:  # greedy rows draw without noise at temperature 1: their argmax
                 tokens = gumbel_argmax(logits, self.keys, self.steps, self.columns, temperature=self.temperature,
                                        floor=floor, noiseless=self.greedy)

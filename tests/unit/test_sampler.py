@@ -13,7 +13,15 @@ import os
 import pytest
 import torch
 
-from megacp.generate.sampling import Sampler, SamplingParams, filter_sorted, logprob_dicts, min_p_floor
+from megacp.generate.sampling import (
+    Sampler,
+    SamplingParams,
+    chunked_cumsum,
+    filter_sorted,
+    kept_start,
+    logprob_dicts,
+    min_p_floor,
+)
 
 CPU = torch.device("cpu")
 
@@ -56,6 +64,69 @@ def test_filters_equal_transformers_warpers(seed: int, vocab: int) -> None:
         assert torch.allclose(ours[row][kept], ref[kept]), row
     dropped = ours.isinf().sum(-1)
     assert dropped[4] == 0 and all(0 < d < vocab for i, d in enumerate(dropped.tolist()) if i != 4), dropped
+
+
+def _filter_case(vocab: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sorted rows of flat to peaked logits (scales 0.1-10) with ties, their top-k and top-p floors."""
+    g = torch.Generator().manual_seed(seed)
+    scale = torch.tensor([0.1, 1.0, 3.0, 10.0, 0.5, 2.0, 5.0, 1.0])
+    logits = (torch.randn(len(scale), vocab, generator=g) * scale[:, None]).round(decimals=2)  # ties
+    top_k = torch.tensor([vocab, 40, vocab, 7, 300, vocab, 1, 2000]).clamp(max=vocab)
+    floor = torch.tensor([0.1, 0.0, 0.5, 0.2, 0.05, 0.7, 0.1, 0.0])  # 1 - top_p
+    return logits.sort(dim=-1, stable=True)[0], top_k, floor
+
+
+@pytest.mark.parametrize("vocab", [1000, 5000, 49152])
+def test_kept_start_is_the_prefix_the_filters_drop(vocab: int) -> None:
+    """The filters drop a prefix of each sorted row: :func:`kept_start` is its length, and the draw
+    from there gives the tokens of the draw over :func:`filter_sorted`'s masked values."""
+    from megacp.generate import sampling
+
+    ordered, top_k, floor = _filter_case(vocab, vocab)
+    for k, f in ((top_k, floor), (top_k, None), (None, floor)):
+        masked = filter_sorted(ordered, k, f)
+        start = kept_start(ordered, k, f)
+        dropped = masked.isinf()
+        assert torch.equal(start, dropped.sum(-1)), (start.tolist(), dropped.sum(-1).tolist())
+        assert torch.equal(dropped, torch.arange(vocab) < start[:, None])  # a prefix
+        keys, columns = torch.arange(8) * 7919, sampling.mix32(torch.arange(vocab))
+        for step in range(3):
+            steps = torch.full((8,), step)
+            assert torch.equal(sampling.gumbel_argmax(ordered, keys, steps, columns, start=start),
+                               sampling.gumbel_argmax(masked, keys, steps, columns))
+    assert kept_start(ordered, top_k, floor).tolist()[6] == vocab - 1  # top-k 1: the largest only
+
+
+def test_fused_nucleus_start_equals_the_torch_count() -> None:
+    """The Triton top-p start (two passes over the sorted row) equals the count of the columns the
+    torch form drops, or differs only where the cumulative sum at the cut lies within 1e-5 of the
+    floor (another summation order); the fused draw from a start equals the torch draw's."""
+    from megacp.generate import sampling, sampling_kernel
+
+    if sampling_kernel.triton is None:
+        pytest.skip("Triton is missing")
+    if torch.cuda.is_available():
+        dev = torch.device("cuda")
+    elif os.environ.get("TRITON_INTERPRET") == "1":
+        dev = CPU
+    else:
+        pytest.skip("the fused top-p cut runs on CUDA (or on the CPU under TRITON_INTERPRET=1)")
+    for vocab in (1000, 49152, 128256):
+        ordered, top_k, floor = _filter_case(vocab, 1)
+        start_k = kept_start(ordered, top_k, None)
+        want = kept_start(ordered, top_k, floor)  # the torch count on the CPU
+        got = sampling_kernel.nucleus_start(ordered.to(dev), start_k.to(dev), floor.to(dev)).cpu()
+        kept = ordered.masked_fill(torch.arange(vocab) < start_k[:, None], float("-inf"))
+        cum = chunked_cumsum(kept.softmax(-1))
+        for row in (got != want).nonzero().flatten().tolist():
+            lo, hi = sorted((int(got[row]), int(want[row])))
+            assert (cum[row, lo:hi + 1] - floor[row]).abs().max() < 1e-5, (vocab, row, lo, hi)
+        assert (got == want).float().mean() >= 0.75, (vocab, got.tolist(), want.tolist())
+        keys, steps, columns = torch.arange(8) * 31, torch.full((8,), 5), sampling.mix32(torch.arange(vocab))
+        index = torch.arange(vocab).repeat(8, 1)
+        fused = sampling_kernel.gumbel_argmax_fused(ordered.to(dev), keys.to(dev), steps.to(dev), index.to(dev), None,
+                                                    None, None, want.to(dev)).cpu()
+        assert torch.equal(fused, sampling.gumbel_argmax(ordered, keys, steps, columns, index=index, start=want))
 
 
 def test_greedy_rows_of_a_filtered_batch_take_the_first_largest_logit() -> None:
