@@ -250,7 +250,9 @@ class LLM:
 
     def stream(self, prompt: Prompt, sampling: SamplingParams | None = None) -> Iterator[StreamPiece]:
         """Generate for one prompt, yielding each token with its new text as it comes (the prompt
-        and parameters are checked on the call, before the iterator starts)."""
+        and parameters are checked on the call, before the iterator starts). A later
+        :meth:`generate`, :meth:`chat` or :meth:`stream` call before the stream ends cuts it off
+        (its next step raises ``RuntimeError``)."""
         ids, (params,) = self._batch([prompt], sampling)
         engine = self._offline(ids, [params])
         req = Request(ids[0], params)
@@ -265,6 +267,9 @@ class LLM:
             except BaseException:  # the caller stopped iterating, or a step failed
                 engine.reset()
                 raise
+            if not req.done:
+                raise RuntimeError("this stream was cut off: another generate/chat/stream call of this LLM ran "
+                                   "before it finished (iterate one stream to its end at a time)")
 
         return pieces()
 

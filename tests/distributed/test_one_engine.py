@@ -80,3 +80,20 @@ def test_offline_continuous_and_served_tokens_agree(tiny: tuple[str, torch.nn.Mo
                 ref = model.generate(torch.tensor([p]), max_new_tokens=params[i].max_tokens, do_sample=False,
                                      attention_mask=torch.ones(1, len(p), dtype=torch.long))
             assert first["offline"][i] == ref[0, len(p):].tolist(), i
+
+
+def test_a_stream_cut_off_by_another_call_says_so(tiny: tuple[str, torch.nn.Module]) -> None:
+    """Streams share the LLM's engine: a ``generate`` call while a stream is half read cuts the
+    stream off with one ``RuntimeError`` (not a silently short stream); a new stream then gives the
+    whole of the offline tokens."""
+    from megacp import LLM, SamplingParams
+
+    llm = LLM(tiny[0], dtype="float32")
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    ref = llm.generate([[5, 6, 7]], params)[0].token_ids
+    stream = llm.stream([5, 6, 7], params)
+    first = [next(stream).token_id, next(stream).token_id]
+    assert llm.generate([[9, 10]], params)[0].token_ids != []
+    with pytest.raises(RuntimeError, match="this stream was cut off"):
+        list(stream)
+    assert first == ref[:2] and [p.token_id for p in llm.stream([5, 6, 7], params)] == ref
