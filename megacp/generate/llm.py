@@ -45,6 +45,13 @@ SESSION_SLACK = 48
 turn's load-balanced sharding may place up to 2 tokens more on one rank than an even share."""
 
 
+def rank_capacity(tokens: int, cp_size: int) -> int:
+    """Cache rows one request slot needs on each CP rank for a conversation of up to ``tokens``
+    tokens (a session's, or a server request's): all of them at CP 1, else an even share plus
+    :data:`SESSION_SLACK`, never more than ``tokens``."""
+    return tokens if cp_size == 1 else min(tokens, -(-tokens // cp_size) + SESSION_SLACK)
+
+
 def resolve_dtype(dtype: str | torch.dtype | None, state: ParallelState) -> torch.dtype:
     """``dtype`` (a name of :data:`~megacp.checkpoint.dtypes.DTYPES` or a torch dtype), else the
     config's DeepSpeed ``bf16`` / ``fp16`` section, else bfloat16 on GPU and float32 on CPU."""
@@ -280,12 +287,12 @@ class LLM:
         Raises:
             CacheCapacityError: ``max_sessions`` sessions are open.
         """
-        idle = self._sessions is not None and len(self._free_sessions) == len(self._sessions.slots)
-        if idle and self._sessions is not None and self._sessions.worker.static != self.generator.cuda_graphs:
+        engine = self._sessions
+        if engine is not None and engine.worker.static != self.generator.cuda_graphs \
+                and len(self._free_sessions) == len(engine.slots):
             self._sessions = None  # no session open: rebuilt for the generator's decode mode
         if self._sessions is None:
-            n, total = self.generator.cp_size, self.max_session_tokens
-            capacity = total if n == 1 else min(total, -(-total // n) + SESSION_SLACK)
+            capacity = rank_capacity(self.max_session_tokens, self.generator.cp_size)
             worker = Worker(self.generator, self.max_sessions, capacity, vocab=self.model_config.vocab_size,
                             static=self.generator.cuda_graphs, shared=False,
                             capture=self.generator.cuda_graphs and self.generator.device.type == "cuda")

@@ -265,30 +265,16 @@ def penalise(logits: Tensor, prompt_seen: Tensor | None, counts: Tensor, repetit
     return logits - frequency[:, None] * counts - presence[:, None] * generated
 
 
-def filter_sorted(ordered: Tensor, top_k: Tensor | None, top_p_floor: Tensor | None) -> Tensor:
-    """Temperature-scaled logits sorted ascending ``[B, V]`` fp32 with the tokens each row's top-k
-    and top-p drop set to ``-inf``, as Hugging Face's ``TopKLogitsWarper`` and ``TopPLogitsWarper``
-    in turn (one token at least survives; ``None`` skips a filter for every row). ``top_k [B]``
-    int64 in [1, V] (V = off); ``top_p_floor [B]`` fp32 = ``1 - top_p`` (0 = off). Min-p follows
-    as a floor (:func:`min_p_floor`)."""
-    if top_k is not None:
-        kth = ordered.gather(-1, (ordered.shape[-1] - top_k)[:, None])
-        ordered = ordered.masked_fill(ordered < kth, float("-inf"))
-    if top_p_floor is not None:
-        drop = chunked_cumsum(ordered.softmax(-1)) <= top_p_floor[:, None]
-        drop[:, -1] = False
-        ordered = ordered.masked_fill(drop, float("-inf"))
-    return ordered
-
-
 def kept_start(ordered: Tensor, top_k: Tensor | None, top_p_floor: Tensor | None) -> Tensor:
     """The first column ``[B]`` int64 of ``ordered`` (temperature-scaled logits sorted ascending
-    ``[B, V]`` fp32) that :func:`filter_sorted` keeps: its filters drop a prefix of each sorted row
-    (top-k the values below the k-th largest; top-p the columns whose cumulative probability is at
-    most ``1 - top_p``, never the last). Top-k's start is a binary search for the k-th largest value;
+    ``[B, V]`` fp32) that top-k and top-p keep, as Hugging Face's ``TopKLogitsWarper`` and
+    ``TopPLogitsWarper`` in turn: both drop a prefix of each sorted row (top-k the values below the
+    k-th largest; top-p the columns whose cumulative probability is at most ``1 - top_p``, never the
+    last; ``top_k [B]`` int64 in [1, V], ``top_p_floor [B]`` fp32 = ``1 - top_p``, ``None`` skips a
+    filter). Top-k's start is a binary search for the k-th largest value;
     top-p's, on CUDA with Triton, two passes over ``ordered``
-    (:func:`~megacp.generate.sampling_kernel.nucleus_start`), else the count of the columns that
-    :func:`filter_sorted` drops. The draw then starts there (:func:`gumbel_argmax`'s ``start``)."""
+    (:func:`~megacp.generate.sampling_kernel.nucleus_start`), else the count of the columns whose
+    cumulative probability is at or below the floor. The draw then starts there (:func:`gumbel_argmax`'s ``start``)."""
     start = None
     if top_k is not None:
         kth = ordered.gather(-1, (ordered.shape[-1] - top_k)[:, None])

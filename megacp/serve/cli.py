@@ -30,7 +30,7 @@ from megacp.attention.strategy import STRATEGIES
 from megacp.checkpoint.dtypes import DTYPES
 from megacp.checkpoint.front import default_model_path
 from megacp.config import OneLineArgumentParser, add_launcher_args, launcher_rank, print_error_once
-from megacp.generate.llm import LLM, SESSION_SLACK
+from megacp.generate.llm import LLM, rank_capacity
 from megacp.kv_cache import KV_CACHE_DTYPES
 from megacp.serve.protocol import MAX_BODY_BYTES
 from megacp.version import __version__
@@ -165,8 +165,8 @@ def _serve(args: argparse.Namespace) -> int:
     cfg = llm.model_config
     max_len = min(args.max_model_len or min(cfg.max_position_embeddings, 4096), cfg.max_position_embeddings)
     n = llm.generator.cp_size
-    worker = Worker(llm.generator, args.max_num_seqs, max_len if n == 1 else -(-max_len // n) + SESSION_SLACK,
-                    vocab=cfg.vocab_size, static=llm.static_decode, capture=llm.generator.cuda_graphs)
+    worker = Worker(llm.generator, args.max_num_seqs, rank_capacity(max_len, n), vocab=cfg.vocab_size,
+                    static=llm.static_decode, capture=llm.generator.cuda_graphs)
     # everything built so far (modules, model, tokenizer, graphs) is never garbage: later
     # collections walk only what serving creates, not millions of objects mid-request
     gc.collect()

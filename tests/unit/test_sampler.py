@@ -17,13 +17,27 @@ from megacp.generate.sampling import (
     Sampler,
     SamplingParams,
     chunked_cumsum,
-    filter_sorted,
     kept_start,
     logprob_dicts,
     min_p_floor,
 )
 
 CPU = torch.device("cpu")
+
+
+def filter_sorted(ordered: torch.Tensor, top_k: torch.Tensor | None, top_p_floor: torch.Tensor | None) -> torch.Tensor:
+    """The masks :func:`~megacp.generate.sampling.kept_start` stands for: temperature-scaled
+    logits sorted ascending ``[B, V]`` fp32 with the tokens each row's top-k and top-p drop set to
+    ``-inf``, as Hugging Face's ``TopKLogitsWarper`` and ``TopPLogitsWarper`` in turn (one token
+    at least survives; ``None`` skips a filter for every row)."""
+    if top_k is not None:
+        kth = ordered.gather(-1, (ordered.shape[-1] - top_k)[:, None])
+        ordered = ordered.masked_fill(ordered < kth, float("-inf"))
+    if top_p_floor is not None:
+        drop = chunked_cumsum(ordered.softmax(-1)) <= top_p_floor[:, None]
+        drop[:, -1] = False
+        ordered = ordered.masked_fill(drop, float("-inf"))
+    return ordered
 
 
 def _hf_warped(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
