@@ -25,6 +25,7 @@ work (:meth:`ModelFamily.limits`, :meth:`ModelFamily.load_for_generation`,
 
 from __future__ import annotations
 
+import json
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
@@ -68,11 +69,14 @@ class ModelFamily(ABC):
 
     Attributes:
         kind: ``"megacp"`` or ``"transformers"``; describe: what loads, in a progress line.
+        norm_apart: the MLP's norm runs outside its sequence tiles, so the training memory plan
+            counts its activations (:func:`~megacp.train.memory.working_bytes_per_token`).
         source: the path (or, for an object, its class name).
     """
 
     kind: ClassVar[str]
     describe: ClassVar[str]
+    norm_apart: ClassVar[bool] = False
 
     def __init__(self, source: str) -> None:
         self.source = source
@@ -106,6 +110,11 @@ class ModelFamily(ABC):
         """The config the training memory plan reads before any weight is built (``None``: this
         family has no plan; ``--seq-len auto`` is refused for it)."""
         return None
+
+    def saved_config(self) -> ModelConfig | None:
+        """The config a training checkpoint of this model records as its ``model_config``, which
+        ``--save`` compares with a directory's earlier run (``None``: none is recorded)."""
+        return self.plan_config()
 
     def training_error(self, *, backend: str, allow_non_finite: bool) -> str | None:
         """Why ``megacp.train`` cannot train this model with these options (``None``: it can)."""
@@ -155,6 +164,7 @@ class TransformersFamily(ModelFamily):
 
     kind = "transformers"
     describe = "transformers' modules"
+    norm_apart = True
 
     def limits(self) -> Any:
         from megacp.integrations.hf_generate import HFModelInfo
@@ -183,6 +193,19 @@ class TransformersFamily(ModelFamily):
 
         model = load_pretrained(self.source, dtype=dtype, state=state)
         return Loaded(model, model.config, load_tokenizer(self.source))
+
+    def plan_config(self) -> ModelConfig | None:
+        from megacp.integrations.hf_memory import plan_config
+
+        try:
+            with open(Path(self.source) / "config.json", encoding="utf-8") as f:
+                raw = json.load(f)
+        except (OSError, ValueError):  # not a directory of one: training_error and the load say so
+            return None
+        return plan_config(raw) if isinstance(raw, dict) else None
+
+    def saved_config(self) -> ModelConfig | None:
+        return None  # its checkpoints record transformers' config
 
     def graph_decode_error(self, limits: Any) -> str | None:
         return ("cuda_graphs=True needs one of megacp's own models; a transformers model decodes eagerly "

@@ -6,6 +6,9 @@ The same features megacp's own models have (:mod:`megacp.models.tiling`,
 :mod:`megacp.models.checkpointing`, :func:`megacp.models.lm_head.chunked_cross_entropy`), applied to the
 modules transformers builds:
 
+* :func:`fuse_norms`: every RMSNorm whose forward is Llama's formula runs as one fused kernel
+  (:func:`~megacp.models.ops.rms_norm`, bitwise equal): its fp32 copies of the input are neither
+  made nor kept for the backward;
 * :func:`tile_mlps`: each decoder layer's ``mlp`` (any token-wise module ``[B, S, H] -> [B, S, H]``)
   runs over tiles of ``tile`` tokens (:func:`tiled_tokenwise`): the forward without autograd, the
   backward recomputing one tile at a time, so the MLP's working set is O(tile) instead of O(S) —
@@ -13,30 +16,40 @@ modules transformers builds:
 * :func:`checkpoint_layers`: every decoder layer (or block of layers: a second checkpoint level) keeps
   only its input ``hidden_states`` for the backward (:func:`~megacp.models.checkpointing.checkpoint_layer`),
   optionally in pinned host memory (a :class:`~megacp.models.checkpointing.HostStash`, copied out and
-  back on a side stream);
+  back on a side stream), as the :class:`LayerCheckpoints` it returns say;
 * :func:`tiled_loss`: the base model's final hidden states times the output embedding, chunk by
   chunk (:func:`~megacp.models.lm_head.chunked_cross_entropy`), for heads that are a plain matrix
   (Granite's ``logits_scaling`` and Cohere's ``logit_scale`` folded in); :func:`check_tiled_loss`
   compares it once with the model's own loss, so a head that transforms its logits otherwise is
   trained by the model's own loss instead of a wrong one.
 
-Each leaves the loss and every gradient unchanged (fp32: to rounding).
+Each leaves the loss and every gradient unchanged (fp32: to rounding). :func:`apply_memory` applies
+them from the memory options; where those say ``"auto"``, megacp's memory plan
+(:mod:`megacp.train.memory`, reading :func:`plan_config`) sets the tiles, the checkpoint blocks and
+the offloaded blocks per step through the returned :class:`HFMemory`, as it does for megacp's own
+models.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 
 from megacp.config import ConfigError, MemoryOptions
 from megacp.models.checkpointing import HostStash, checkpoint_block, checkpoint_layer
+from megacp.models.config import ModelConfig
 from megacp.models.lm_head import DEFAULT_CHUNK_TOKENS, chunked_cross_entropy
+from megacp.models.ops import rms_norm
 from megacp.placement.batch import TrainShard
+
+if TYPE_CHECKING:
+    from megacp.train.memory import MemoryPlan
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -141,7 +154,7 @@ class Tiling:
     """The sequence tiling of a model's MLPs (what :func:`tile_mlps` returns).
 
     Attributes:
-        tile: tokens per tile.
+        tile: tokens per tile (0: the MLPs run untiled; a memory plan may set it per step).
         step_tokens: the most tokens any rank's MLP call holds in the current step, set by the trainer
             before each micro-batch (under ZeRO 3 every rank must cut as many tiles: with it they agree
             without a collective; ``None``: they agree through one small all-reduce per call).
@@ -207,54 +220,76 @@ def tile_mlps(model: nn.Module, tile: int) -> Tiling:
         original = mlp.forward
 
         def forward(x: Tensor, _mlp: nn.Module = mlp, _run: Callable[[Tensor], Tensor] = original) -> Tensor:
-            return tiled_tokenwise(_mlp, _run, x, tiling)
+            return _run(x) if tiling.tile == 0 else tiled_tokenwise(_mlp, _run, x, tiling)
 
         mlp.forward = forward  # called through the module (its hooks fire)
     return tiling
 
 
-def checkpoint_layers(model: nn.Module, stash: HostStash | None, per: int = 1) -> int:
-    """Checkpoint the decoder layers in blocks of ``per``: only a block's input ``hidden_states`` is
-    kept for the backward (in ``stash``'s host memory, or on the device when ``None``), and the block
-    runs again there (``per > 1``: a second level, its layers checkpointed again while its backward
-    runs, :func:`~megacp.models.checkpointing.checkpoint_block`). The model's own gradient
-    checkpointing is switched off (this replaces it).
+@dataclass
+class LayerCheckpoints:
+    """How :func:`checkpoint_layers` checkpoints a model's decoder layers (read at every forward, so
+    a memory plan may change it per step).
+
+    Attributes:
+        layers_per_checkpoint: consecutive layers checkpointed as one block (> 1: a second level).
+        offloaded_layers: the first layers of the blocks whose inputs wait in ``stash``'s host memory
+            (the others' stay on the device).
+        stash: the pinned host memory of the offloaded inputs (``None``: nothing is offloaded).
+    """
+
+    layers_per_checkpoint: int = 1
+    offloaded_layers: frozenset[int] = frozenset()
+    stash: HostStash | None = None
+
+
+def checkpoint_layers(model: nn.Module, checkpoints: LayerCheckpoints) -> LayerCheckpoints:
+    """Checkpoint the decoder layers in blocks of ``checkpoints.layers_per_checkpoint``: only a
+    block's input ``hidden_states`` is kept for the backward (in the stash's host memory for the
+    blocks in ``offloaded_layers``, else on the device), and the block runs again there (more than
+    one layer: a second level, its layers checkpointed again while its backward runs,
+    :func:`~megacp.models.checkpointing.checkpoint_block`). The model's own gradient checkpointing
+    is switched off (this replaces it).
 
     Under autograd the first layer of a block runs the whole block and the block's other layers pass
     their input on; without autograd every layer runs as transformers wrote it.
 
     Returns:
-        The number of checkpoint blocks.
+        ``checkpoints`` (what the layers read at each forward).
 
     Raises:
-        ValueError: ``per < 1``.
+        ValueError: ``layers_per_checkpoint < 1``, or offloaded layers without a stash.
     """
-    if per < 1:
-        raise ValueError(f"activation_checkpointing.layers_per_checkpoint must be >= 1; got {per}")
+    if checkpoints.layers_per_checkpoint < 1:
+        raise ValueError("activation_checkpointing.layers_per_checkpoint must be >= 1; "
+                         f"got {checkpoints.layers_per_checkpoint}")
+    if checkpoints.offloaded_layers and checkpoints.stash is None:
+        raise ValueError("offloaded decoder layers need a host stash")
     layers = decoder_layers(model)
     if getattr(model, "is_gradient_checkpointing", False):
         model.gradient_checkpointing_disable()  # type: ignore[operator]  # a transformers PreTrainedModel
     originals = [layer.forward for layer in layers]
     for i, layer in enumerate(layers):
-        block = originals[i:i + per] if i % per == 0 else []
-
-        def forward(hidden_states: Tensor, *args: Any, _run: Callable[..., Tensor] = originals[i],
-                    _block: list[Callable[..., Tensor]] = block, **kwargs: Any) -> Tensor:
+        def forward(hidden_states: Tensor, *args: Any, _i: int = i, **kwargs: Any) -> Tensor:
             if not torch.is_grad_enabled():
-                return _run(hidden_states, *args, **kwargs)
-            if not _block:  # inside a block, whose first layer ran it
+                return originals[_i](hidden_states, *args, **kwargs)
+            per = checkpoints.layers_per_checkpoint
+            if _i % per:  # inside a block, whose first layer ran it
                 return hidden_states
-            runs = [_bind(f, args, kwargs) for f in _block]
+            runs = [_bind(f, args, kwargs) for f in originals[_i:_i + per]]
+            stash = checkpoints.stash if _i in checkpoints.offloaded_layers else None
             return checkpoint_layer(runs[0] if len(runs) == 1 else checkpoint_block(runs), hidden_states, stash)
 
         layer.forward = forward
-    if stash is not None:
+    if checkpoints.stash is not None:
+        stash = checkpoints.stash
+
         def begin(*_: Any) -> None:
             if torch.is_grad_enabled():
                 stash.begin()
 
         model.get_decoder().register_forward_pre_hook(begin)  # type: ignore[operator]
-    return -(-len(layers) // per)
+    return checkpoints
 
 
 def _bind(layer: Callable[..., Tensor], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Callable[[Tensor], Tensor]:
@@ -359,26 +394,147 @@ def training_loss(model: nn.Module) -> Callable[..., Tensor]:
     return tiled_loss if vocab and check_tiled_loss(model, vocab) else shard_loss
 
 
-def apply_memory(model: nn.Module, memory: MemoryOptions, device: torch.device) -> Tiling | None:
+def _eps_name(module: nn.Module) -> str | None:
+    """The attribute holding a norm module's epsilon (transformers names it either way)."""
+    for name in ("variance_epsilon", "eps"):
+        if isinstance(getattr(module, name, None), float):
+            return name
+    return None
+
+
+def _computes_rms_norm(module: nn.Module, width: int, dtype: torch.dtype, eps_name: str) -> bool:
+    """Whether ``module``'s class forward equals :func:`~megacp.models.ops.rms_norm` bitwise on a
+    random ``[3, 5, width]`` input of ``dtype`` (run on a copy holding a random weight, so a
+    partitioned one is never read)."""
+    g = torch.Generator().manual_seed(0)
+    probe = copy.copy(module)
+    weight = nn.Parameter(torch.randn(width, generator=g).to(dtype), requires_grad=False)
+    probe._parameters = {"weight": weight}
+    x = (3 * torch.randn(3, 5, width, generator=g)).to(dtype)
+    try:
+        with torch.no_grad():
+            own = type(module).forward(probe, x)
+            fused = rms_norm(x, weight, getattr(module, eps_name))
+    except Exception:  # a forward of another signature: not this formula
+        return False
+    return isinstance(own, Tensor) and own.dtype == fused.dtype and torch.equal(own, fused)
+
+
+def fuse_norms(model: nn.Module) -> int:
+    """Run every RMSNorm module of ``model`` whose forward computes Llama's formula (statistics in
+    fp32, the normalised input cast back to its dtype, then times ``weight``) as
+    :func:`~megacp.models.ops.rms_norm`, bitwise equal: one fused kernel on CUDA, whose backward
+    keeps the input and the fp32 inverse RMS where the formula's autograd keeps an fp32 copy of the
+    ``[T, H]`` input and the cast result (and its forward makes three fp32 ``[T, H]`` transients).
+    Each module class is checked once on a random input in its weight's dtype
+    (:func:`_computes_rms_norm`); a norm computing anything else (Gemma's ``1 + weight``, a bias, no
+    weight) keeps its own forward.
+
+    Returns:
+        The number of modules that now run the fused form.
+    """
+    verdicts: dict[type, bool] = {}
+    fused = 0
+    for module in model.modules():
+        weight = module._parameters.get("weight")
+        eps_name = _eps_name(module)
+        if module._modules or weight is None or eps_name is None or len(module._parameters) != 1:
+            continue
+        shape = tuple(getattr(weight, "ds_shape", weight.shape))  # ZeRO 3 partitions hold the full shape here
+        if len(shape) != 1:
+            continue
+        if type(module) not in verdicts:
+            verdicts[type(module)] = _computes_rms_norm(module, shape[0], weight.dtype, eps_name)
+        if verdicts[type(module)]:
+            def forward(x: Tensor, _norm: nn.Module = module, _eps: str = eps_name) -> Tensor:
+                return rms_norm(x, _norm._parameters["weight"], getattr(_norm, _eps))  # type: ignore[arg-type]
+
+            module.forward = forward  # called through the module (its hooks fire)
+            fused += 1
+    return fused
+
+
+def plan_config(config: Any) -> ModelConfig | None:
+    """The sizes megacp's memory plan (:mod:`megacp.train.memory`) reads for a transformers model of
+    ``config`` (its ``PretrainedConfig``, or ``config.json`` as a dict): the config as megacp's own
+    models read it (:func:`~megacp.checkpoint.hf.config_from_hf`), else, for another dense
+    architecture, a Llama-shaped :class:`~megacp.models.config.ModelConfig` of its widths, heads,
+    layers and vocabulary. ``None`` for a mixture of experts megacp's models do not implement, or a
+    config without those sizes."""
+    from megacp.checkpoint.hf import CheckpointError, config_from_hf
+
+    raw = config if isinstance(config, dict) else config.to_dict()
+    try:
+        return config_from_hf(raw)
+    except CheckpointError:
+        pass
+    sizes = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+    if raw.get("num_experts") or raw.get("num_local_experts") or not all(isinstance(raw.get(k), int) for k in sizes):
+        return None
+    heads = raw["num_attention_heads"]
+    return ModelConfig(vocab_size=raw["vocab_size"], hidden_size=raw["hidden_size"],
+                       intermediate_size=raw["intermediate_size"], num_layers=raw["num_hidden_layers"],
+                       num_heads=heads, num_kv_heads=raw.get("num_key_value_heads") or heads,
+                       head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+                       max_position_embeddings=raw.get("max_position_embeddings") or 4096,
+                       tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)))
+
+
+@dataclass
+class HFMemory:
+    """The memory features :func:`apply_memory` installed on a transformers model; a memory plan
+    (:class:`~megacp.train.memory.MemoryPlan`) sets them for each step's length (:meth:`apply`).
+
+    Attributes:
+        tiling: the MLPs' tiling (``None``: untiled).
+        checkpoints: the decoder layers' checkpointing (``None``: not checkpointed).
+    """
+
+    tiling: Tiling | None
+    checkpoints: LayerCheckpoints | None
+
+    def apply(self, plan: MemoryPlan) -> None:
+        """Set the MLP tile, the checkpoint blocks and the offloaded blocks ``plan`` chose."""
+        if self.tiling is not None:
+            self.tiling.tile = plan.mlp_tile
+        if self.checkpoints is not None:
+            self.checkpoints.layers_per_checkpoint = plan.layers_per_checkpoint
+            self.checkpoints.offloaded_layers = plan.offloaded_layers
+
+
+def apply_memory(model: nn.Module, memory: MemoryOptions, device: torch.device, *, unplanned: str | None) -> HFMemory:
     """Apply the memory options (:func:`megacp.config.read_memory_options`) to a transformers model:
-    every decoder layer checkpointed (its input on the host with ``offload: "cpu"``) and the MLPs
-    sequence-tiled (returned: the :class:`Tiling`, else ``None``). The plan that
-    chooses ``"auto"`` values reads megacp's own model configs only.
+    its RMSNorms fused (:func:`fuse_norms`), every decoder layer checkpointed (its input on the host
+    with ``offload: "cpu"``; in blocks of ``layers_per_checkpoint``) and the MLPs sequence-tiled.
+    ``"auto"`` values start at their most frugal (every block offloaded, MLPs tiled by
+    :data:`~megacp.train.memory.AUTO_MLP_TILE`, one layer per block) until the memory plan sets them
+    before the first step (``unplanned``: ``None`` when a plan will, else why none will).
 
     Raises:
-        ConfigError: ``"auto"`` offload or checkpoint blocks, or a model these features cannot apply to.
+        ConfigError: ``"auto"`` without a plan, or a model these features cannot apply to.
     """
-    for key, value in (("offload", memory.offload), ("layers_per_checkpoint", memory.layers_per_checkpoint)):
-        if value == "auto":
-            raise ConfigError(f'activation_checkpointing.{key}: "auto" is chosen by the memory plan of megacp\'s '
-                              'own models; give a transformers model its value (offload "cpu" or "none", '
-                              "layers_per_checkpoint a number)")
+    from megacp.train.memory import AUTO_MLP_TILE
+
+    automatic = [key for key, value in (("activation_checkpointing.offload", memory.offload),
+                                        ("activation_checkpointing.layers_per_checkpoint",
+                                         memory.layers_per_checkpoint), ("sequence_tiling.mlp", memory.mlp_tile))
+                 if value == "auto" and (key.startswith("sequence") or memory.activation_checkpointing)]
+    if automatic and unplanned is not None:
+        raise ConfigError(f'{automatic[0]}: "auto" is chosen by megacp\'s memory plan, and {unplanned}; give it a '
+                          'value (offload "cpu" or "none", layers_per_checkpoint and sequence_tiling.mlp numbers)')
+    fuse_norms(model)
+    tiling = checkpoints = None
     try:
         if memory.activation_checkpointing:
             per = memory.layers_per_checkpoint if isinstance(memory.layers_per_checkpoint, int) else 1
-            checkpoint_layers(model, HostStash(device) if memory.offload == "cpu" else None, per)
-        if isinstance(memory.mlp_tile, int) and memory.mlp_tile > 0:
-            return tile_mlps(model, memory.mlp_tile)
+            offload = memory.offload in ("cpu", "auto")
+            checkpoints = checkpoint_layers(model, LayerCheckpoints(
+                per, frozenset(range(0, len(decoder_layers(model)), per)) if offload else frozenset(),
+                HostStash(device) if offload else None))
+        tile = AUTO_MLP_TILE if memory.mlp_tile == "auto" and not _experts(getattr(model, "config", None)) \
+            else memory.mlp_tile
+        if isinstance(tile, int) and tile > 0:
+            tiling = tile_mlps(model, tile)
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    return None
+    return HFMemory(tiling, checkpoints)

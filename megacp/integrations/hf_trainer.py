@@ -107,7 +107,8 @@ class CPTrainer(Trainer):
         vocab = int(getattr(model.config, "vocab_size", 0) or 0)
         tiled = bool(vocab) and "logits_to_keep" in inspect.signature(model.forward).parameters and \
             check_tiled_loss(model, vocab)
-        self._tiling = apply_memory(model, options, self.cp_state.device)
+        self._tiling = apply_memory(model, options, self.cp_state.device,
+                                    unplanned="CPTrainer has none (Hugging Face's Trainer runs the steps)").tiling
         if tiled:  # the forward keeps one token's logits; the loss takes the decoder's output
             self._hidden = []
             model.get_decoder().register_forward_hook(

@@ -150,8 +150,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if error is not None:
         raise UsageError(f"{'--hf-native' if args.hf_native else f'--model {args.model}'} {error}")
     if args.seq_len == "auto" and (args.family.plan_config() is None or not torch.cuda.is_available()):
-        raise UsageError("--seq-len auto fits a megacp model's step into GPU memory: it needs a GPU and one of "
-                         "megacp's own models (not a transformers model)")
+        raise UsageError("--seq-len auto fits a step into GPU memory by the memory plan: it needs a GPU and a model "
+                         "the plan has sizes for (not a mixture of experts megacp's own models do not implement)")
     if args.backend == "te":
         from megacp.models.te_model import te_import_error
 
@@ -361,7 +361,7 @@ def run(args: argparse.Namespace) -> int:
             if launcher_rank() == 0:  # held until this process ends
                 lock = SaveLock(args.save)
                 _remove_dead_staging(Path(args.save))  # before the room for the new checkpoints is counted
-            check_save_target(args.save, plan_config, settings.dtype,
+            check_save_target(args.save, family.saved_config(), settings.dtype,
                               force=args.force,
                               checkpoints=checkpoints_at_once(saves, args.keep_last, len(saved_tags(args.save))))
         except ValueError as err:
@@ -390,7 +390,8 @@ def run(args: argparse.Namespace) -> int:
     cp = CPSettings.from_state(state, prefill="pass_kv")
     if plan_config is not None:  # planned from the config: a length that does not fit is refused before any load
         args.seq_len, _ = plan_from_config(plan_config, settings, state, seq_len=args.seq_len,
-                                           micro_batch=micro_batch, backend=args.backend)
+                                           micro_batch=micro_batch, backend=args.backend,
+                                           norm_apart=family.norm_apart)
     if rank0 and not args.quiet:  # the load and DeepSpeed's set-up take a while: say what is happening
         print(f"{PROG}: loading {Path(model_path).name} ({family.describe}) and setting up DeepSpeed ...", flush=True)
         if args.resume == "auto" and resume_at is None:

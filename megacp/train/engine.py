@@ -37,7 +37,8 @@ import torch.distributed as dist
 from megacp.attention.training import warm_kernel_plans
 from megacp.checkpoint.staging import exchange_directories
 from megacp.config import ConfigError, DeepSpeedSections, MemoryOptions, read_memory_options
-from megacp.integrations.hf_memory import Tiling, apply_memory, training_loss
+from megacp.integrations.hf_memory import HFMemory, Tiling, apply_memory, training_loss
+from megacp.integrations.hf_memory import plan_config as hf_plan_config
 from megacp.layers.settings import CPSettings
 from megacp.models.config import ModelConfig
 from megacp.parallel.mpu import DeepSpeedMPU
@@ -216,14 +217,17 @@ def memory_inputs(model: torch.nn.Module, settings: TrainSettings, state: Parall
     and offloaded activations may use (``host``, else what is free now; on a GPU only)."""
     from megacp.models.llama import CausalLM, LayerNormMLP
 
-    dense = isinstance(model, CausalLM) and all(
-        isinstance(getattr(layer, "layernorm_mlp", None), LayerNormMLP) for layer in model.layers)
+    own = isinstance(model, CausalLM)
+    if own:
+        dense = all(isinstance(getattr(layer, "layernorm_mlp", None), LayerNormMLP) for layer in model.layers)  # type: ignore[union-attr]
+    else:  # a transformers model: its MLPs tile unless they route to experts
+        dense = not any(getattr(getattr(model, "config", None), key, 0) for key in ("num_experts", "num_local_experts"))
     device = state.device
     return dict(params=count_parameters(model) if params is None else params, options=settings.memory,
                 zero=ZeroSettings.of(settings.sections, partition=state.size("dp_cp"), dtype=settings.dtype),
                 capacity=gpu_capacity(device),
                 host=None if device.type != "cuda" else host_available() if host is None else host,
-                tp=state.size("tp"), cp=state.size("cp"), dense_mlp=dense)
+                tp=state.size("tp"), cp=state.size("cp"), dense_mlp=dense, norm_apart=not own)
 
 
 def _host_parameter_bytes(model: torch.nn.Module) -> int:
@@ -246,10 +250,11 @@ def longest_for(cfg: ModelConfig, inputs: Mapping[str, Any], state: ParallelStat
 
 
 def plan_from_config(cfg: ModelConfig, settings: TrainSettings, state: ParallelState, *, seq_len: int | str,
-                     micro_batch: int, backend: Any = "auto") -> tuple[int, MemoryPlan]:
+                     micro_batch: int, backend: Any = "auto", norm_apart: bool = False) -> tuple[int, MemoryPlan]:
     """The memory plan of a run from the model's config alone, before any weight is built or read:
     the model's skeleton is built on ``meta`` (shapes only) for its parameter count and MLP kind
-    (``backend``: the layers the run builds, :func:`~megacp.models.build.resolve_backend`).
+    (``backend``: the layers the run builds, :func:`~megacp.models.build.resolve_backend`; a
+    transformers model of these sizes: ``norm_apart``, its MLP's norm outside the tiles).
     ``seq_len="auto"`` becomes the longest that fits (:func:`longest_for`).
 
     Returns:
@@ -264,8 +269,8 @@ def plan_from_config(cfg: ModelConfig, settings: TrainSettings, state: ParallelS
 
     skeleton = build_model(cfg, dtype=settings.dtype, device="meta", backend="torch",
                            tp_group=state.group("tp") if state.size("tp") > 1 else None)
-    inputs = memory_inputs(skeleton, settings, state)
-    if resolve_backend(cfg, state.device, backend) != "torch":  # TE's fused MLP is not tiled
+    inputs = {**memory_inputs(skeleton, settings, state), "norm_apart": norm_apart}
+    if not norm_apart and resolve_backend(cfg, state.device, backend) != "torch":  # TE's fused MLP is not tiled
         inputs["dense_mlp"] = False
     if seq_len == "auto":
         seq_len = longest_for(cfg, inputs, state, micro_batch=micro_batch, limit=cfg.max_position_embeddings)
@@ -384,17 +389,23 @@ class Trainer:
         self.planned: MemoryPlan | None = None
         cfg = getattr(model, "cfg", None)
         self._cfg: ModelConfig | None = cfg if isinstance(cfg, ModelConfig) else None  # a megacp model's
+        self._plan_cfg = self._cfg if self._cfg is not None else hf_plan_config(getattr(model, "config", {}))
+        """The sizes the memory plan reads (a transformers model's, :func:`~megacp.integrations.hf_memory.plan_config`;
+        ``None``: no plan)."""
         self._params = count_parameters(model)
         self._host = host_available() + _host_parameter_bytes(model) if state.device.type == "cuda" else None
         """Host bytes the plan may give the run's states and offloaded activations: what was free
         before DeepSpeed allocated the host states (the plan counts them), plus parameters already there."""
         memory = settings.memory
-        self._tiling: Tiling | None = None
-        """A transformers model's MLP tiling (its ``step_tokens`` set before each micro-batch)."""
+        self._hf_memory: HFMemory | None = None
+        """A transformers model's memory features (the plan sets them; the MLP tiling's ``step_tokens``
+        is set before each micro-batch)."""
         if memory.activation_checkpointing and self._cfg is not None:
             setattr(model, "activation_checkpointing", True)  # noqa: B010 - a CausalLM attribute
         elif self._cfg is None:
-            self._tiling = apply_memory(model, memory, state.device)
+            self._hf_memory = apply_memory(model, memory, state.device, unplanned=None if self._plan_cfg else (
+                f"it has no sizes for {type(model).__name__} (a mixture of experts megacp's models do not implement)"))
+        self._tiling: Tiling | None = self._hf_memory.tiling if self._hf_memory else None
         if loss is None:
             loss = lm_loss if self._cfg is not None else training_loss(model)
         cp = cp or CPSettings.from_state(state)
@@ -429,19 +440,21 @@ class Trainer:
 
     def plan_memory(self, tokens: int) -> MemoryPlan | None:
         """Plan a step of ``tokens`` local tokens per rank (:func:`~megacp.train.memory.plan_memory`)
-        and set the model's MLP tiles and offloaded layers for it; ``None`` for a model that is not
-        megacp's own. Checks the GPU's capacity (and the host's memory for what is offloaded).
+        and set the model's MLP tiles, checkpoint blocks and offloaded blocks for it; ``None`` for a
+        model the plan has no sizes for. Checks the GPU's capacity (and the host's memory for what is offloaded).
 
         Raises:
             MemoryPlanError: the step will not fit (one line naming what would).
         """
-        if self._cfg is None:
+        if self._plan_cfg is None:
             return None
         if self.planned is not None and self.planned.tokens == tokens:
             return self.planned
-        model = self.module
-        self.planned = plan_memory(self._cfg, tokens=tokens, **self._plan_inputs())
-        self.planned.apply(model)
+        self.planned = plan_memory(self._plan_cfg, tokens=tokens, **self._plan_inputs())
+        if self._hf_memory is not None:
+            self._hf_memory.apply(self.planned)
+        else:
+            self.planned.apply(self.module)
         return self.planned
 
     def _plan_inputs(self) -> dict[str, Any]:

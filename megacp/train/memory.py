@@ -134,7 +134,7 @@ def state_bytes(params: int, largest_module: int, zero: ZeroSettings) -> tuple[i
 
 
 def working_bytes_per_token(cfg: ModelConfig, elem: int, tokens: int, *, tp: int = 1, cp: int = 1,
-                            mlp_tiled: bool) -> int:
+                            mlp_tiled: bool, norm_apart: bool = False) -> int:
     """GPU bytes per local token of one decoder layer's recompute and backward at their peak (the
     attention's backward), with the residual stream's gradients, for a step of ``tokens`` tokens.
 
@@ -142,7 +142,9 @@ def working_bytes_per_token(cfg: ModelConfig, elem: int, tokens: int, *, tp: int
     (kept for the backward), the gradients autograd holds at once, dQ/dK/dV and the fused kernel's
     fp32 dQ accumulator of one call (:func:`~megacp.attention.partial_backward.head_groups`). The
     MLP untiled adds gate/up ``[2F]``, ``silu(gate)`` and the product ``[F]`` and their gradients
-    (``F`` per TP rank); tiled it adds nothing per token. Under CP (``cp`` > 1) the ring adds the KV
+    (``F`` per TP rank); tiled it adds nothing per token, unless the norm before it runs apart from the
+    tiles (``norm_apart``: a transformers layer, whose ``post_attention_layernorm`` keeps its
+    normalised and its weighted ``[T, H]`` for the backward: two more). Under CP (``cp`` > 1) the ring adds the KV
     blocks in flight and the travelling fp32 dK/dV accumulators (sent and received), and an fp32
     dQ accumulator beyond two ranks. Fitted to a memory trace of the Llama-3.1-8B shape at 128K
     tokens on an H200 (``docs/PERFORMANCE.md``); the CP terms count the buffers, unmeasured.
@@ -153,7 +155,7 @@ def working_bytes_per_token(cfg: ModelConfig, elem: int, tokens: int, *, tp: int
     kv = cfg.num_kv_heads * cfg.head_dim // tp
     groups = head_groups(tokens, cfg.num_heads // tp, max(cfg.num_kv_heads // tp, 1), cfg.head_dim)
     attention = elem * (8 * h + 3 * q + 4 * kv) + 4 * q // groups
-    mlp = 0 if mlp_tiled else elem * 8 * cfg.intermediate_size // tp
+    mlp = (2 * elem * h if norm_apart else 0) if mlp_tiled else elem * 8 * cfg.intermediate_size // tp
     ring = 0 if cp == 1 else 2 * elem * 2 * kv + 2 * 4 * 2 * kv + (4 * q if cp > 2 else 0)
     return attention + mlp + ring
 
@@ -237,7 +239,7 @@ def host_available() -> int:
 
 def plan_memory(cfg: ModelConfig, *, params: int, tokens: int, options: MemoryOptions, zero: ZeroSettings,
                 capacity: int | None, host: int | None = None, tp: int = 1, cp: int = 1,
-                dense_mlp: bool = True) -> MemoryPlan:
+                dense_mlp: bool = True, norm_apart: bool = False) -> MemoryPlan:
     """The settings and estimated peaks of a step of ``tokens`` local tokens.
 
     Args:
@@ -246,7 +248,8 @@ def plan_memory(cfg: ModelConfig, *, params: int, tokens: int, options: MemoryOp
         zero: where the model states live; capacity: usable GPU bytes (``None``: do not check);
         host: host bytes available (``None``: do not check).
         tp / cp: tensor- and context-parallel sizes; dense_mlp: the model's MLPs can be tiled
-            (megacp's torch layers).
+            (megacp's torch layers, a transformers model without experts); norm_apart: the MLP's
+            norm runs outside its tiles (a transformers model, :func:`working_bytes_per_token`).
 
     Raises:
         MemoryPlanError: the step does not fit even with the configured options at their most frugal.
@@ -265,7 +268,8 @@ def plan_memory(cfg: ModelConfig, *, params: int, tokens: int, options: MemoryOp
         of ``per > 1`` layers holds its layers' inputs while its backward runs)."""
         blocks = -(-layers // per)
         kept = (blocks - offloaded) if options.activation_checkpointing else 0
-        work = working_bytes_per_token(cfg, elem, tokens, tp=tp, cp=cp, mlp_tiled=tile > 0) * tokens
+        work = working_bytes_per_token(cfg, elem, tokens, tp=tp, cp=cp, mlp_tiled=tile > 0,
+                                       norm_apart=norm_apart) * tokens
         if not options.activation_checkpointing:  # every layer's activations stay for the backward
             work *= layers
         tile_work = elem * tile * 10 * cfg.intermediate_size // tp if tile else 0
@@ -278,7 +282,7 @@ def plan_memory(cfg: ModelConfig, *, params: int, tokens: int, options: MemoryOp
     tiles = [t for t in tiles if t == 0 or t < tokens] or [0]
     if not dense_mlp and any(tiles):
         if options.mlp_tile != "auto":
-            raise ConfigError("sequence_tiling.mlp: tiles megacp's dense torch layers only (this model has MoE or "
+            raise ConfigError("sequence_tiling.mlp: tiles dense MLPs only (this model has MoE or "
                               "Transformer Engine layers); set it to 0 or \"auto\"")
         tiles = [0]
     pers = [options.layers_per_checkpoint] if options.layers_per_checkpoint != "auto" else [1, 2, 4, 8]
@@ -328,13 +332,13 @@ def _suggestion(cfg: ModelConfig, options: MemoryOptions, zero: ZeroSettings, to
 
 def longest_fitting(cfg: ModelConfig, *, params: int, options: MemoryOptions, zero: ZeroSettings,
                     capacity: int | None, host: int | None, multiple: int, cp: int = 1, batch: int = 1, tp: int = 1,
-                    dense_mlp: bool = True, limit: int | None = None) -> int:
+                    dense_mlp: bool = True, norm_apart: bool = False, limit: int | None = None) -> int:
     """The longest sequence length (a multiple of ``multiple``, at most ``limit``) whose step of
     ``batch`` sequences (``length x batch / cp`` local tokens) fits (``--seq-len auto``); 0 when none does."""
     def fits(length: int) -> bool:
         try:
             plan_memory(cfg, params=params, tokens=-(-length * batch // cp), options=options, zero=zero,
-                        capacity=capacity, host=host, tp=tp, cp=cp, dense_mlp=dense_mlp)
+                        capacity=capacity, host=host, tp=tp, cp=cp, dense_mlp=dense_mlp, norm_apart=norm_apart)
             return True
         except MemoryPlanError:
             return False

@@ -167,37 +167,43 @@ def megacp_step(args: argparse.Namespace, cfg: Any, state: Any, seq: int) -> tup
 def hf_step(args: argparse.Namespace, cfg: Any, state: Any, seq: int) -> tuple[Step, Any, dict[str, Any]]:
     """A user's own Hugging Face model through megacp's trainer at ``seq`` tokens: transformers'
     ``LlamaForCausalLM`` with ``attn_implementation="megacp"``, the memory sections of megacp's config
-    applied to it (:mod:`megacp.integrations.hf_memory`; an ``"auto"`` MLP tile becomes
-    :data:`~megacp.train.memory.AUTO_MLP_TILE` tokens, as the plan tiles megacp's own model), and the
-    tiled LM head + loss."""
+    applied to it (:mod:`megacp.integrations.hf_memory`: fused norms, checkpointed layers, tiled MLPs,
+    ``"auto"`` values chosen by the same memory plan as megacp's own model's, from the model's config
+    before it is built) and the tiled LM head + loss.
+
+    Raises:
+        MemoryPlanError: the plan refuses the step.
+    """
     from transformers import LlamaForCausalLM
 
-    from megacp.integrations.hf_memory import training_loss
+    from megacp.integrations.hf_memory import plan_config, training_loss
     from megacp.train.data import PackedSequence
-    from megacp.train.engine import Trainer, build_for_training, read_settings
-    from megacp.train.memory import AUTO_MLP_TILE
+    from megacp.train.engine import Trainer, build_for_training, plan_from_config, read_settings
     from scripts.bench.train_step import hf_config
 
     config = megacp_config(args, state.device.type == "cuda")
-    if config.get("sequence_tiling", {}).get("mlp", "auto") == "auto":
-        config["sequence_tiling"] = {"mlp": AUTO_MLP_TILE}
     settings = read_settings(config)
+    hf = hf_config(cfg, "megacp")
+    plan_cfg = plan_config(hf)
+    assert plan_cfg is not None  # a Llama
+    plan_from_config(plan_cfg, settings, state, seq_len=seq, micro_batch=1, norm_apart=True)  # refused before the build
 
     def build(device: torch.device) -> torch.nn.Module:
         with torch.device(device):
-            model = LlamaForCausalLM(hf_config(cfg, "megacp"))
+            model = LlamaForCausalLM(hf)
         return model if settings.zero_stage == 3 else model.to(settings.dtype)  # ZeRO 3: the config's dtype
 
     model = build_for_training(build, config, state, settings)  # ZeRO 3: built partitioned on the GPU
     loss = training_loss(model)
     trainer = Trainer(model.train(), config, state, settings, loss=loss)
+    plan = trainer.plan_memory(seq)
     ids = torch.randint(0, cfg.vocab_size, (seq,), device=state.device)
     batch = PackedSequence(ids, torch.tensor([0, seq], dtype=torch.int32))
 
     def step() -> float:
         return trainer.step(iter([batch])).loss
     return step, trainer.engine, {"dtype": str(settings.dtype).replace("torch.", ""), "loss_fn": loss.__name__,
-                                  "mlp_tile": config["sequence_tiling"]["mlp"]}
+                                  "plan": plan.describe() if plan else None}
 
 
 def alst_step(args: argparse.Namespace, cfg: Any, state: Any, seq: int) -> tuple[Step, Any, dict[str, Any]]:

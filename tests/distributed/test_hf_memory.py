@@ -1,7 +1,9 @@
 """Long-sequence memory features on transformers models (:mod:`megacp.integrations.hf_memory`) on real gloo
-processes at CP = 1 and 2 (fp32): the sequence-tiled MLP (tiles of 4 tokens), checkpointed decoder
-layers with their inputs in host memory, the second checkpoint level (both layers one block, its input
-on the host) and the tiled LM head + loss each leave every rank's loss and
+processes at CP = 1 and 2 (fp32): the fused RMSNorms, the sequence-tiled MLP (tiles of 4 tokens),
+checkpointed decoder layers with their inputs in host memory, the second checkpoint level (both layers
+one block, its input on the host), a memory plan's choice (one layer's input on the host, the other's
+on the device, then blocks of two with tiles of 4 set through :class:`HFMemory`) and the tiled LM head +
+loss each leave every rank's loss and
 every parameter's gradient what the model's own forward and loss give (1e-6 relative), for a Llama, a
 Qwen3 (q/k norms) and a Mistral whose window (4 tokens) is shorter than its documents; all three at
 once as well. A Granite head (``logits_scaling``) passes the tiled loss's check against the model's own."""
@@ -16,7 +18,7 @@ import torch
 from tests.helpers.distributed import run_distributed
 from tests.helpers.hf_archs import DOCS, SMALL, make_model, packed_batch
 
-VARIANTS = ("tiled_mlp", "host_offload", "second_level", "tiled_loss", "all")
+VARIANTS = ("fused_norms", "tiled_mlp", "host_offload", "second_level", "planned", "tiled_loss", "all")
 ARCHS = {"llama": {}, "qwen3": {}, "mistral": dict(sliding_window=4)}
 
 
@@ -27,6 +29,7 @@ def _grads(rank: int, world: int) -> dict[str, dict[str, float]]:
     from megacp.models.checkpointing import HostStash
     from megacp.placement.batch import shard_batch
     from megacp.integrations import hf_memory
+    from megacp.train.memory import MemoryPlan
 
     state = megacp.initialize()
     settings = CPSettings.from_state(state, prefill="pass_kv") if world > 1 else None
@@ -48,12 +51,23 @@ def _grads(rank: int, world: int) -> dict[str, dict[str, float]]:
         ref_loss, ref_grads = run(base, shard_loss)
         for variant in VARIANTS:
             model = copy.deepcopy(base)
+            stash = HostStash(torch.device("cpu"))
+            if variant in ("fused_norms", "all"):  # every layer's two norms, the final one (and Qwen3's q/k norms)
+                assert hf_memory.fuse_norms(model) == (4 if arch == "qwen3" else 2) * SMALL["num_hidden_layers"] + 1
             if variant in ("tiled_mlp", "all"):
                 assert hf_memory.tile_mlps(model, 4).tile == 4
             if variant == "host_offload":
-                assert hf_memory.checkpoint_layers(model, HostStash(torch.device("cpu"))) == SMALL["num_hidden_layers"]
+                every = frozenset(range(SMALL["num_hidden_layers"]))
+                hf_memory.checkpoint_layers(model, hf_memory.LayerCheckpoints(1, every, stash))
             if variant in ("second_level", "all"):  # one block of both layers, its input on the host
-                assert hf_memory.checkpoint_layers(model, HostStash(torch.device("cpu")), per=2) == 1
+                hf_memory.checkpoint_layers(model, hf_memory.LayerCheckpoints(2, frozenset({0}), stash))
+            if variant == "planned":  # layer 1's input on the host, layer 0's on the device; then as the plan says
+                memory = hf_memory.HFMemory(hf_memory.tile_mlps(model, 8), hf_memory.checkpoint_layers(
+                    model, hf_memory.LayerCheckpoints(1, frozenset({1}), stash)))
+                run(model, shard_loss)
+                memory.apply(MemoryPlan(tokens=1, mlp_tile=4, offloaded_layers=frozenset({0}), gpu_bytes=0,
+                                        host_bytes=0, capacity_bytes=None, layers_per_checkpoint=2))
+                assert (memory.tiling.tile, memory.checkpoints.layers_per_checkpoint) == (4, 2)
             tiled = variant in ("tiled_loss", "all")
             if tiled:
                 assert hf_memory.check_tiled_loss(model, SMALL["vocab_size"])

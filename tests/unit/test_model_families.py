@@ -38,7 +38,9 @@ def test_each_source_gets_its_family(dirs: dict[str, Path]) -> None:
     assert llama.graph_decode_error(limits) is None and llama.training_error(backend="torch", allow_non_finite=True) is None
 
     qwen3 = family_for(dirs["qwen3"])  # an architecture megacp's own models do not implement
-    assert type(qwen3) is TransformersFamily and qwen3.plan_config() is None
+    assert type(qwen3) is TransformersFamily and qwen3.saved_config() is None
+    planned = qwen3.plan_config()  # the memory plan reads its sizes (Llama-shaped)
+    assert planned is not None and (planned.num_layers, planned.hidden_size) == (2, 64)
     assert qwen3.limits().num_layers == 2 and qwen3.limits().head_dim == 16
     assert "decodes eagerly" in (qwen3.graph_decode_error(qwen3.limits()) or "")
     assert "--backend and --allow-non-finite do not apply" in (qwen3.training_error(backend="torch", allow_non_finite=False) or "")

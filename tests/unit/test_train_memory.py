@@ -112,8 +112,8 @@ def test_seq_len_auto_needs_a_gpu(capsys):
         main(["--deepspeed_config", "configs/train_cpu_cp1.json", "--seq-len", "auto"])
     assert exit_.value.code == 2
     assert capsys.readouterr().err.strip().splitlines() == [
-        "megacp.train: error: --seq-len auto fits a megacp model's step into GPU memory: it needs a GPU and one of "
-        "megacp's own models (not a transformers model)"]
+        "megacp.train: error: --seq-len auto fits a step into GPU memory by the memory plan: it needs a GPU and a "
+        "model the plan has sizes for (not a mixture of experts megacp's own models do not implement)"]
     with pytest.raises(SystemExit):
         main(["--deepspeed_config", "configs/train_cpu_cp1.json", "--seq-len", "long"])
     assert "--seq-len: expected a number of tokens or 'auto', got 'long'" in capsys.readouterr().err
