@@ -36,7 +36,7 @@ import contextlib
 import copy
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -47,9 +47,6 @@ from megacp.models.config import ModelConfig
 from megacp.models.lm_head import DEFAULT_CHUNK_TOKENS, chunked_cross_entropy
 from megacp.models.ops import rms_norm
 from megacp.placement.batch import TrainShard
-
-if TYPE_CHECKING:
-    from megacp.train.memory import MemoryPlan
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -197,17 +194,18 @@ def tiled_tokenwise(module: nn.Module, run: Callable[[Tensor], Tensor], x: Tenso
 
 
 def tile_mlps(model: nn.Module, tile: int) -> Tiling:
-    """Run every decoder layer's ``mlp`` over sequence tiles of ``tile`` tokens (:func:`tiled_tokenwise`).
+    """Run every decoder layer's ``mlp`` over sequence tiles of ``tile`` tokens (:func:`tiled_tokenwise`;
+    0: untiled until the returned :class:`Tiling`'s ``tile`` is set, as a memory plan does per step).
 
     Returns:
         The :class:`Tiling` the MLPs read (a trainer sets its ``step_tokens``).
 
     Raises:
-        ValueError: ``tile < 1``; a mixture-of-experts model (its router's outputs are recorded per
+        ValueError: ``tile < 0``; a mixture-of-experts model (its router's outputs are recorded per
             call); a layer without an ``mlp`` module.
     """
-    if tile < 1:
-        raise ValueError(f"sequence_tiling.mlp must be at least 1 token; got {tile}")
+    if tile < 0:
+        raise ValueError(f"sequence_tiling.mlp must be at least 0 tokens; got {tile}")
     config = getattr(model, "config", None)
     if _experts(config):
         raise ValueError(f"sequence_tiling.mlp: {type(model).__name__} is a mixture of experts, whose routers "
@@ -493,8 +491,9 @@ class HFMemory:
     tiling: Tiling | None
     checkpoints: LayerCheckpoints | None
 
-    def apply(self, plan: MemoryPlan) -> None:
-        """Set the MLP tile, the checkpoint blocks and the offloaded blocks ``plan`` chose."""
+    def apply(self, plan: Any) -> None:
+        """Set the MLP tile, the checkpoint blocks and the offloaded blocks ``plan`` (a
+        :class:`~megacp.train.memory.MemoryPlan`) chose."""
         if self.tiling is not None:
             self.tiling.tile = plan.mlp_tile
         if self.checkpoints is not None:
@@ -506,15 +505,13 @@ def apply_memory(model: nn.Module, memory: MemoryOptions, device: torch.device, 
     """Apply the memory options (:func:`megacp.config.read_memory_options`) to a transformers model:
     its RMSNorms fused (:func:`fuse_norms`), every decoder layer checkpointed (its input on the host
     with ``offload: "cpu"``; in blocks of ``layers_per_checkpoint``) and the MLPs sequence-tiled.
-    ``"auto"`` values start at their most frugal (every block offloaded, MLPs tiled by
-    :data:`~megacp.train.memory.AUTO_MLP_TILE`, one layer per block) until the memory plan sets them
-    before the first step (``unplanned``: ``None`` when a plan will, else why none will).
+    ``"auto"`` values start as every block offloaded, one layer per block and the MLPs untiled, until
+    the memory plan sets them before the first step (``unplanned``: ``None`` when a plan will, else why
+    none will).
 
     Raises:
         ConfigError: ``"auto"`` without a plan, or a model these features cannot apply to.
     """
-    from megacp.train.memory import AUTO_MLP_TILE
-
     automatic = [key for key, value in (("activation_checkpointing.offload", memory.offload),
                                         ("activation_checkpointing.layers_per_checkpoint",
                                          memory.layers_per_checkpoint), ("sequence_tiling.mlp", memory.mlp_tile))
@@ -531,10 +528,10 @@ def apply_memory(model: nn.Module, memory: MemoryOptions, device: torch.device, 
             checkpoints = checkpoint_layers(model, LayerCheckpoints(
                 per, frozenset(range(0, len(decoder_layers(model)), per)) if offload else frozenset(),
                 HostStash(device) if offload else None))
-        tile = AUTO_MLP_TILE if memory.mlp_tile == "auto" and not _experts(getattr(model, "config", None)) \
-            else memory.mlp_tile
-        if isinstance(tile, int) and tile > 0:
-            tiling = tile_mlps(model, tile)
+        if memory.mlp_tile == "auto" and not _experts(getattr(model, "config", None)):
+            tiling = tile_mlps(model, 0)  # the plan sets the tile
+        elif isinstance(memory.mlp_tile, int) and memory.mlp_tile > 0:
+            tiling = tile_mlps(model, memory.mlp_tile)
     except ValueError as err:
         raise ConfigError(str(err)) from None
     return HFMemory(tiling, checkpoints)
