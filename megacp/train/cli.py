@@ -407,7 +407,7 @@ def run(args: argparse.Namespace) -> int:
     model.train()
     trainer = Trainer(model, config.deepspeed, state, settings, cp=cp)
     cp_size = state.size("cp")
-    plan = trainer.plan_memory(-(-args.seq_len * micro_batch // cp_size))  # MemoryPlanError before any step
+    plan = trainer.prepare(-(-args.seq_len * micro_batch // cp_size))  # MemoryPlanError before any step
     start = StreamPosition()
     if resume_at is not None:
         start = trainer.load(*resume_at).data

@@ -460,13 +460,27 @@ class Trainer:
     def _plan_inputs(self) -> dict[str, Any]:
         return memory_inputs(self.module, self.settings, self.state, params=self._params, host=self._host)
 
+    def prepare(self, tokens: int) -> MemoryPlan | None:
+        """Ready the first step of ``tokens`` local tokens per rank before it runs: the memory plan
+        (:meth:`plan_memory`) and the attention kernels' plans of every padded tile length up to
+        ``tokens`` (:func:`~megacp.attention.training.warm_kernel_plans`: each length's forward and
+        backward run once, seconds at hundreds of thousands of tokens). :meth:`step` does both
+        itself when not done; a caller timing its steps calls this first.
+
+        Raises:
+            MemoryPlanError: the step will not fit (one line naming what would).
+        """
+        plan = self.plan_memory(tokens)
+        self._warm_plans(tokens)
+        return plan
+
     def _warm_plans(self, tokens: int) -> None:
-        """Before the first step of a megacp model: the attention kernels' plans of every padded
-        tile length up to ``tokens`` (:func:`~megacp.attention.training.warm_kernel_plans`), so no
-        later step stalls on building one."""
-        if self.plans_warmed is not None or self._cfg is None:
+        """Before the first step: the attention kernels' plans of every padded tile length up to
+        ``tokens`` (:func:`~megacp.attention.training.warm_kernel_plans`; a transformers model's
+        attention runs the same kernels), so no later step stalls on building one."""
+        if self.plans_warmed is not None or self._plan_cfg is None:
             return
-        cfg, tp = self._cfg, self.state.size("tp")
+        cfg, tp = self._plan_cfg, self.state.size("tp")
         self.plans_warmed = warm_kernel_plans(cfg.num_heads // tp, cfg.num_kv_heads // tp, cfg.head_dim,
                                               dtype=self.settings.dtype, device=self.state.device, tokens=tokens,
                                               backend=self.cp.backend)

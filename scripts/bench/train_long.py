@@ -154,7 +154,7 @@ def megacp_step(args: argparse.Namespace, cfg: Any, state: Any, seq: int) -> tup
                                config, state, settings)  # ZeRO 3: built partitioned, initialised on the GPU
     megacp.swap_attention(model, state, strategy="pass_kv")
     trainer = Trainer(model.train(), config, state, settings)
-    plan = trainer.plan_memory(seq)
+    plan = trainer.prepare(seq)  # the plan and the attention kernels' plans, before the timed steps
     ids = torch.randint(0, cfg.vocab_size, (seq,), device=state.device)
     batch = PackedSequence(ids, torch.tensor([0, seq], dtype=torch.int32))
 
@@ -196,7 +196,7 @@ def hf_step(args: argparse.Namespace, cfg: Any, state: Any, seq: int) -> tuple[S
     model = build_for_training(build, config, state, settings)  # ZeRO 3: built partitioned on the GPU
     loss = training_loss(model)
     trainer = Trainer(model.train(), config, state, settings, loss=loss)
-    plan = trainer.plan_memory(seq)
+    plan = trainer.prepare(seq)  # the plan and the attention kernels' plans, before the timed steps
     ids = torch.randint(0, cfg.vocab_size, (seq,), device=state.device)
     batch = PackedSequence(ids, torch.tensor([0, seq], dtype=torch.int32))
 
