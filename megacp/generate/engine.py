@@ -365,7 +365,8 @@ class EngineCore:
         prompt tokens, the strategy of every prefill forward, ``ttft_s`` (the latest first token's
         time from submission), decoded tokens (after each request's first) and their rate over the
         time from the earliest first token to the latest token, the decode loop (``"cuda_graph"``:
-        the static step, replayed from CUDA graphs on CUDA and run eagerly elsewhere; ``"eager"``)
+        the static step replayed from CUDA graphs; ``"static_eager"``: the same step run eagerly;
+        ``"eager"``: eager steps, :class:`~megacp.generate.worker.EagerBatch`)
         and, with graphs captured, the seconds spent capturing them in this run. ``progress`` shows a prefill
         progress bar. An exception part-way (``on_event`` raising, ``KeyboardInterrupt``) leaves no
         request behind (:meth:`reset`) and propagates."""
@@ -397,7 +398,7 @@ class EngineCore:
             "ttft_s": round(max(r.ttft_s for r in requests), 4),
             "decode_tokens": decoded,
             "decode_tokens_per_s": round(decoded / (end - start), 2) if decoded and end > start else None,
-            "decode": "eager" if self.worker.decode_mode == "eager" else "cuda_graph",
+            "decode": self.worker.decode_mode,
         }
         if self.worker.decode_mode == "cuda_graph":
             report["graph_capture_s"] = round(getattr(self.worker.decoder, "capture_s", 0.0) - capture, 4)
@@ -421,34 +422,51 @@ def offline_slots(lengths: Sequence[int], max_num_seqs: int) -> int:
     return max(1, min(len(lengths), max_num_seqs))
 
 
-def offline_fits(engine: EngineCore, lengths: Sequence[int], max_tokens: int, *, static: bool,
-                 max_num_seqs: int) -> bool:
-    """Whether ``engine`` (an :func:`offline_engine`) decodes as ``static`` says and has the slots
-    and rows of a batch of prompts of ``lengths`` generating up to ``max_tokens`` each (then its
-    CUDA graphs are reused)."""
-    return (engine.worker.static == static and len(engine.slots) == offline_slots(lengths, max_num_seqs)
-            and engine.worker.cache.capacity >= engine.worker.gen.cache_rows(lengths, max_tokens))
+def decode_mode(gen: Generator) -> str:
+    """How ``gen``'s engines decode (:attr:`Worker.decode_mode`): ``"cuda_graph"`` (the static step
+    replayed from CUDA graphs: ``gen.static_step`` and ``gen.cuda_graphs`` on CUDA), ``"static_eager"``
+    (the same step run eagerly) or ``"eager"`` (eager steps)."""
+    if not gen.static_step:
+        return "eager"
+    return "cuda_graph" if gen.cuda_graphs and gen.device.type == "cuda" else "static_eager"
 
 
-def offline_engine(gen: Generator, lengths: Sequence[int], max_tokens: int, *, vocab: int, static: bool,
+def decoder_worker(gen: Generator, num_slots: int, capacity: int, *, vocab: int) -> Worker:
+    """A :class:`Worker` of ``num_slots`` slots of ``capacity`` tokens per rank that every rank runs
+    alike (no broadcast), decoding as :func:`decode_mode` says."""
+    mode = decode_mode(gen)
+    return Worker(gen, num_slots, capacity, vocab=vocab, static=mode != "eager", capture=mode == "cuda_graph",
+                  shared=False)
+
+
+def offline_fits(engine: EngineCore, lengths: Sequence[int], max_tokens: int, *, max_num_seqs: int) -> bool:
+    """Whether ``engine`` (an :func:`offline_engine`) decodes as its generator now says and has the
+    slots and rows of a batch of prompts of ``lengths`` generating up to ``max_tokens`` each (then
+    its CUDA graphs are reused)."""
+    worker = engine.worker
+    return (worker.decode_mode == decode_mode(worker.gen) and len(engine.slots) == offline_slots(lengths, max_num_seqs)
+            and worker.cache.capacity >= worker.gen.cache_rows(lengths, max_tokens))
+
+
+def offline_engine(gen: Generator, lengths: Sequence[int], max_tokens: int, *, vocab: int,
                    max_num_seqs: int, tokenizer: Any = None) -> EngineCore:
     """An engine for an offline batch of prompts of ``lengths`` generating up to ``max_tokens``
     each: :func:`offline_slots` slots, each just large enough for the longest request
-    (:meth:`Generator.cache_rows`), decoding with the static step (``static``: CUDA graphs when
-    ``gen.cuda_graphs``) or eagerly. Every rank schedules alike (no broadcast); no prefix reuse."""
-    worker = Worker(gen, offline_slots(lengths, max_num_seqs), gen.cache_rows(lengths, max_tokens) - 1, vocab=vocab,
-                    static=static, capture=static and gen.cuda_graphs and gen.device.type == "cuda", shared=False)
+    (:meth:`Generator.cache_rows`), decoding as :func:`decoder_worker` says. Every rank schedules
+    alike (no broadcast); no prefix reuse."""
+    worker = decoder_worker(gen, offline_slots(lengths, max_num_seqs), gen.cache_rows(lengths, max_tokens) - 1,
+                            vocab=vocab)
     return EngineCore(worker, tokenizer, prefix_reuse=False)
 
 
 def generate(gen: Generator, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams], *,
              vocab: int, progress: bool = False) -> GenerationResult:
     """Generate for token-id ``prompts`` (``params``: one for all or one per prompt, already
-    holding their stop tokens) in an engine of their own, every prompt at once: decoded by CUDA
-    graphs when ``gen.cuda_graphs`` (the model must run the static step), else eagerly."""
+    holding their stop tokens) in an engine of their own, every prompt at once, decoded as
+    :func:`decoder_worker` says."""
     rows = batch_params(params, len(prompts))
     engine = offline_engine(gen, [len(p) for p in prompts], max(p.max_tokens for p in rows), vocab=vocab,
-                            static=gen.cuda_graphs, max_num_seqs=len(prompts))
+                            max_num_seqs=len(prompts))
     requests = [Request(list(p), r) for p, r in zip(prompts, rows)]
     report = engine.run(requests, progress=progress)
     return result_of(requests, report)

@@ -20,13 +20,21 @@ import torch
 
 from megacp.attention.strategy import STRATEGIES
 from megacp.checkpoint.dtypes import DTYPES
-from megacp.generate.engine import EngineCore, Request, offline_engine, offline_fits, result_of, token_events
+from megacp.generate.engine import (
+    EngineCore,
+    Request,
+    decode_mode,
+    decoder_worker,
+    offline_engine,
+    offline_fits,
+    result_of,
+    token_events,
+)
 from megacp.generate.loop import Generator
 from megacp.generate.outputs import GenerationOutput, chat_ids, outputs_of, stop_string_check, with_eos
 from megacp.generate.requests import check_prompt, encode
 from megacp.generate.sampling import SamplingParams, SeedSource, batch_params
 from megacp.generate.session import Session
-from megacp.generate.worker import Worker
 from megacp.integrations.families import family_for
 from megacp.kv_cache import CacheCapacityError, kv_cache_format
 from megacp.layers.settings import CPSettings
@@ -100,8 +108,10 @@ class LLM:
         max_session_tokens: tokens one session may hold (default: the model's context, at most 4096).
         cuda_graphs: decode from CUDA graphs (:class:`~megacp.generate.graph.BatchDecoder`: one per
             padded batch size and kind of sampling); ``None`` (default): on CUDA for dense
-            models without a sliding window, ``False``: eager decode. ``True`` on a CPU, with a
-            mixture-of-experts model or with a sliding window raises ``ValueError``.
+            models without a sliding window, ``False``: the same static step run eagerly (the
+            server's ``--enforce-eager``; models the static step does not cover decode with eager
+            steps either way). ``True`` on a CPU, with a mixture-of-experts model or with a sliding
+            window raises ``ValueError``.
         allow_non_finite: load weights that hold NaN or inf (refused by default, naming the tensor).
         tokenizer: the tokenizer of a transformers model object (text prompts, chat, stop strings).
         state: an existing :class:`~megacp.parallel.ParallelState` to run on.
@@ -170,7 +180,7 @@ class LLM:
             cuda_graphs = device.type == "cuda" and self.static_decode
         self.generator = Generator.for_model(net, mc, settings, device=device, dtype=self.dtype, tp_size=tp,
                                              prefill_chunk=prefill_chunk, kv_cache_dtype=self.kv_cache_dtype,
-                                             cuda_graphs=cuda_graphs)
+                                             cuda_graphs=cuda_graphs, static_step=self.static_decode)
         self.seeds = SeedSource(self.state.device)
         """Fresh seeds of the requests that give none (the same on every rank: collective here)."""
         self.max_num_seqs, self.max_sessions = max_num_seqs, max_sessions
@@ -212,12 +222,11 @@ class LLM:
         lengths, max_tokens = [len(p) for p in ids], max(p.max_tokens for p in params)
         if self._engine is not None and self._engine.busy:  # a stream left unfinished
             self._engine.reset()
-        if self._engine is None or not offline_fits(self._engine, lengths, max_tokens, static=self.generator.cuda_graphs,
-                                                              max_num_seqs=self.max_num_seqs):
+        if self._engine is None or not offline_fits(self._engine, lengths, max_tokens, max_num_seqs=self.max_num_seqs):
             self._engine = None
             gc.collect()
             self._engine = offline_engine(self.generator, lengths, max_tokens, vocab=self.model_config.vocab_size,
-                                          static=self.generator.cuda_graphs, max_num_seqs=self.max_num_seqs,
+                                          max_num_seqs=self.max_num_seqs,
                                           tokenizer=self.tokenizer)
         return self._engine
 
@@ -288,14 +297,12 @@ class LLM:
             CacheCapacityError: ``max_sessions`` sessions are open.
         """
         engine = self._sessions
-        if engine is not None and engine.worker.static != self.generator.cuda_graphs \
+        if engine is not None and engine.worker.decode_mode != decode_mode(self.generator) \
                 and len(self._free_sessions) == len(engine.slots):
             self._sessions = None  # no session open: rebuilt for the generator's decode mode
         if self._sessions is None:
             capacity = rank_capacity(self.max_session_tokens, self.generator.cp_size)
-            worker = Worker(self.generator, self.max_sessions, capacity, vocab=self.model_config.vocab_size,
-                            static=self.generator.cuda_graphs, shared=False,
-                            capture=self.generator.cuda_graphs and self.generator.device.type == "cuda")
+            worker = decoder_worker(self.generator, self.max_sessions, capacity, vocab=self.model_config.vocab_size)
             self._sessions = EngineCore(worker, self.tokenizer, prefix_reuse=False)
             self._free_sessions = list(worker.slots)
         if not self._free_sessions:

@@ -59,20 +59,26 @@ class Generator:
             generator is made (the smallest over the CP group), elsewhere the whole prompt.
         kv_cache_dtype: the KV cache's storage: ``"auto"`` (``dtype``) or ``"fp8_e4m3"``
             (:mod:`megacp.kv_cache`; the ``auto`` prefill rule then weighs 1-byte keys and values).
-        cuda_graphs: offline engines decode with :class:`~megacp.generate.graph.BatchDecoder`'s
+        cuda_graphs: engines replay the static step from :class:`~megacp.generate.graph.BatchDecoder`'s
             CUDA graphs (one per padded batch size and kind of sampling, replayed per token, no host
             synchronisation per token; needs a CUDA device and, under CP, NCCL; the model must run
-            the static step), else with eager steps (:meth:`decode_step`).
+            the static step).
+        static_step: the model runs the static decode step (megacp's own dense models without a
+            sliding window): engines decode with :class:`~megacp.generate.graph.BatchDecoder`,
+            from CUDA graphs with ``cuda_graphs``, else running the same step eagerly; ``False``:
+            eager steps (:meth:`decode_step`); ``None``: as ``cuda_graphs``.
     """
 
     def __init__(self, model: torch.nn.Module, *, settings: CPSettings, num_layers: int, num_heads: int,
                  num_kv_heads: int, head_dim: int, device: torch.device, dtype: torch.dtype, prefill_chunk: int = 0,
-                 kv_cache_dtype: str = "auto", cuda_graphs: bool = False) -> None:
+                 kv_cache_dtype: str = "auto", cuda_graphs: bool = False, static_step: bool | None = None) -> None:
         if prefill_chunk < 0:
             raise ValueError(f"prefill_chunk must be >= 0 (0 = automatic), got {prefill_chunk}")
         self.kv_cache_dtype = kv_cache_format(kv_cache_dtype, dtype)
         if cuda_graphs and device.type != "cuda":
             raise ValueError(f"cuda_graphs=True needs a CUDA device; this model runs on {device}")
+        if cuda_graphs and static_step is False:
+            raise ValueError("cuda_graphs=True replays the static decode step, which static_step=False turns off")
         self.model, self.settings, self.device, self.dtype = model, settings, device, dtype
         self.shape = dict(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim)
         kv_bytes = 1 if self.kv_cache_dtype == "fp8_e4m3" else torch.empty((), dtype=dtype).element_size()
@@ -80,6 +86,7 @@ class Generator:
         self.cp_size, self.cp_rank = settings.cp_size, settings.cp_rank
         self.prefill_chunk = prefill_chunk or self._auto_chunk()
         self.cuda_graphs = cuda_graphs
+        self.static_step = cuda_graphs if static_step is None else static_step
 
     def _auto_chunk(self) -> int:
         """The automatic prefill chunk on CUDA (0 = whole prompts elsewhere), the same on every CP rank."""
@@ -99,12 +106,13 @@ class Generator:
     @classmethod
     def for_model(cls, model: torch.nn.Module, config: Any, settings: CPSettings, *, device: torch.device,
                   dtype: torch.dtype, tp_size: int = 1, prefill_chunk: int = 0, kv_cache_dtype: str = "auto",
-                  cuda_graphs: bool = False) -> "Generator":
+                  cuda_graphs: bool = False, static_step: bool | None = None) -> "Generator":
         """The generator of a swapped megacp model of :class:`~megacp.models.config.ModelConfig`
         ``config`` whose heads are split over ``tp_size`` TP ranks."""
         return cls(model, settings=settings, num_layers=config.num_layers, num_heads=config.num_heads // tp_size,
                    num_kv_heads=config.num_kv_heads // tp_size, head_dim=config.head_dim, device=device, dtype=dtype,
-                   prefill_chunk=prefill_chunk, kv_cache_dtype=kv_cache_dtype, cuda_graphs=cuda_graphs)
+                   prefill_chunk=prefill_chunk, kv_cache_dtype=kv_cache_dtype, cuda_graphs=cuda_graphs,
+                   static_step=static_step)
 
     def new_cache(self, max_requests: int, capacity: int) -> ShardedKVCache:
         """A KV cache of ``max_requests`` slots holding ``capacity`` tokens each on this rank."""

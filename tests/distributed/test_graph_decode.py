@@ -89,7 +89,7 @@ def _run_loop(rank: int, n: int, path: str, prompts: list[list[int]]) -> dict:
     stop = SamplingParams(max_tokens=12, ignore_eos=True, stop_token_ids=[eager[1].token_ids[3]])
     runs = {}
     for mode in (False, True):
-        llm.generator.cuda_graphs = mode  # on CPU only a test turns the graph loop on
+        llm.generator.static_step = mode  # eager steps (False) against the batch decoder's static step (True)
         outs = llm.generate(prompts, stop)
         with llm.session() as chat:
             turns = [chat.send(prompts[2], stop).token_ids, chat.send(prompts[0], stop).token_ids]
@@ -107,7 +107,7 @@ def test_graph_decode_loop_equals_eager_cp3(tiny: str) -> None:
     prompts = [torch.randint(3, 256, (k,), generator=g).tolist() for k in (2, 17, 6)]
     for runs in run_distributed(_run_loop, 3, tiny, prompts, timeout=300):
         eager, graph = runs[False], runs[True]
-        assert eager["decode"] == "eager" and graph["decode"] == "cuda_graph"
+        assert eager["decode"] == "eager" and graph["decode"] == "static_eager"
         assert "stop" in eager["finish"] and "length" in eager["finish"], eager
         for key in ("tokens", "finish", "turns", "history"):
             assert graph[key] == eager[key], key
@@ -126,10 +126,10 @@ def _cpu_llm(rank: int, n: int, path: str) -> dict:
     return {"refused": refused, "decode": llm.last_report["decode"], "graphs": llm.generator.cuda_graphs}
 
 
-def test_cuda_graphs_refused_on_cpu_and_default_eager(tiny: str) -> None:
+def test_cuda_graphs_refused_on_cpu_and_the_static_step_eager_by_default(tiny: str) -> None:
     (r,) = run_distributed(_cpu_llm, 1, tiny)
     assert r["refused"].startswith("cuda_graphs=True needs a CUDA GPU; this LLM runs on cpu") and "\n" not in r["refused"]
-    assert r["decode"] == "eager" and r["graphs"] is False
+    assert r["decode"] == "static_eager" and r["graphs"] is False  # the batch decoder's step, run eagerly
 
 
 def test_cli_takes_no_cuda_graphs() -> None:
