@@ -95,7 +95,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="measure attention FLOP/s and ring bandwidth for the auto strategy (cached in ~/.cache/megacp)")
     p.add_argument("--allow-non-finite", action="store_true", help="load weights that hold NaN or inf")
     p.add_argument("--no-cuda-graphs", action="store_true",
-                   help="decode eagerly on a GPU (default there: greedy decode replays a CUDA graph per token)")
+                   help="run the batch's decode step eagerly on a GPU (default there: it replays a CUDA graph per token)")
     p.add_argument("--output", help="write {'tokens': ..., 'report': ...} JSON here (rank 0; default: no file)")
     p.add_argument("--quiet", action="store_true",
                    help="print only the generated text: no progress, streaming or report line")

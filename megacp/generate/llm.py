@@ -156,7 +156,7 @@ class LLM:
             raise ValueError(graph_error)
         if cuda_graphs and device.type != "cuda":
             raise ValueError(f"cuda_graphs=True needs a CUDA GPU; this LLM runs on {device.type} "
-                             "(leave cuda_graphs unset for eager decode)")
+                             "(leave cuda_graphs unset: the same decode step runs eagerly there)")
         if verbose and self.state.rank == 0:
             print(f"megacp: loading {Path(self.model_path).name} ({str(self.dtype).replace('torch.', '')}) on {device}, "
                   f"CP={self.state.size('cp')} TP={tp} ...", flush=True)

@@ -67,8 +67,7 @@ class StepOutput:
 class EagerBatch:
     """The running batch decoded by eager steps (:meth:`Generator.decode_step`, which keeps the
     cache's bookkeeping) with one sampler per request, for models the static step does not run
-    (transformers modules, sliding windows, mixture of experts) and for offline engines without
-    CUDA graphs. Same calls and :attr:`logprobs` as :class:`~megacp.generate.graph.BatchDecoder`."""
+    (transformers modules, sliding windows, mixture of experts). Same calls and :attr:`logprobs` as :class:`~megacp.generate.graph.BatchDecoder`."""
 
     def __init__(self, gen: Generator, cache: ShardedKVCache) -> None:
         self.gen, self.cache = gen, cache
