@@ -127,7 +127,7 @@ def run_megacp(gen: Any, prompt: list[int], new: int, vocab: int) -> tuple[dict,
     from megacp.generate.engine import Request, offline_engine
 
     params = SamplingParams(max_tokens=new, ignore_eos=True)
-    engine = offline_engine(gen, [len(prompt)], new, vocab=vocab, static=gen.cuda_graphs, max_num_seqs=1)
+    engine = offline_engine(gen, [len(prompt)], new, vocab=vocab, max_num_seqs=1)
     seconds, reports, reqs = [], [], []
     for _ in range(2):
         req = Request(list(prompt), params)

@@ -27,7 +27,8 @@ shape (``scripts.bench.decode_hf.MODELS["smollm2"]``), each in float32 and bfloa
   fails), the logits within :data:`FP8_TOL` (the bound of the ``fp8`` check on FP8 against an
   unquantised cache) and the same argmax unless the eager top-2 margin is within twice that
   row's difference.
-* ``generate``: ``LLM(cuda_graphs=True)`` against ``LLM(cuda_graphs=False)``, 72 greedy tokens of
+* ``generate``: ``LLM(cuda_graphs=True)`` against an LLM decoding with eager steps
+  (``cuda_graphs=False``, ``generator.static_step = False``), 72 greedy tokens of
   the ragged batch, then with a stop token that ends one request early (the one-step lag drops its
   extra token): identical tokens; the report says ``decode: cuda_graph``.
 * ``session``: two turns of a session on each LLM: identical tokens (the graph of turn 1 replays
@@ -313,6 +314,7 @@ def main() -> int:
             try:
                 graph = LLM(str(path), dtype=dtype, cuda_graphs=True, state=state, kv_cache_dtype=kv)
                 eager = LLM(str(path), dtype=dtype, cuda_graphs=False, state=state, kv_cache_dtype=kv)
+                eager.generator.static_step = False  # eager steps, not the graph's step run eagerly
             except Exception as exc:  # noqa: BLE001
                 checks.say("FAIL", f"{case} load", f"{type(exc).__name__}: {exc}")
                 continue
@@ -326,6 +328,7 @@ def main() -> int:
                 checks.run(f"{case} fp8 kernel", lambda: check_fp8_kernel(mc.num_heads, mc.num_kv_heads, mc.head_dim))
             if kv != "auto":
                 plain = LLM(str(path), dtype=dtype, cuda_graphs=False, state=state)
+                plain.generator.static_step = False
                 checks.run(f"{case} fp8", lambda: check_fp8(eager, plain))
                 del plain
             del graph, eager
