@@ -8,7 +8,8 @@
 * ``slow`` marks tests that launch whole jobs (``deepspeed``/``torchrun``); they run by default,
   ``-m "not slow"`` skips them.
 * ``MEGACP_CACHE_DIR`` points at a temporary directory for the session (token and calibration
-  caches of the jobs the tests start stay out of the user's home), unless it is set already.
+  caches of the jobs the tests start stay out of the user's home), unless it is set already; the
+  process that made it removes it when the session ends (a run leaves no gigabyte of caches behind).
 * With pytest-timeout installed, every test gets a 300 s default timeout (a hung collective must
   not hang CI); an explicit ``--timeout`` or ``timeout`` ini setting wins.
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -27,14 +29,25 @@ TIERS = ("unit", "distributed", "jobs", "gpu")
 DEFAULT_TIMEOUT_S = 300
 
 
+_MADE_CACHE_DIR: list[str] = []
+"""The ``MEGACP_CACHE_DIR`` this process made (xdist's workers inherit the controller's)."""
+
+
 def pytest_configure(config: pytest.Config) -> None:
-    os.environ.setdefault("MEGACP_CACHE_DIR", tempfile.mkdtemp(prefix="megacp-test-cache-"))
+    if "MEGACP_CACHE_DIR" not in os.environ:
+        os.environ["MEGACP_CACHE_DIR"] = tempfile.mkdtemp(prefix="megacp-test-cache-")
+        _MADE_CACHE_DIR.append(os.environ["MEGACP_CACHE_DIR"])
     config.addinivalue_line("markers", "slow: launches whole multi-process jobs (deepspeed / torchrun)")
     for tier in TIERS:
         config.addinivalue_line("markers", f"{tier}: a test of tests/{tier}")
     if importlib.util.find_spec("pytest_timeout") is not None and not config.getoption("timeout", None):
         if not config.getini("timeout"):
             config.option.timeout = DEFAULT_TIMEOUT_S
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    for path in _MADE_CACHE_DIR:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

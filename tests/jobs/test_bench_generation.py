@@ -20,7 +20,7 @@ def test_decode_kinds_every_kind_on_cpu(tmp_path) -> None:
     rows = report["results"]
     assert [r["request"] for r in rows] == list(KINDS) and all(r["batch"] == 2 for r in rows)
     for r in rows:
-        assert r["megacp_tok_s"] > 0 and "hf_tok_s" in r and r["megacp_decode"] == "eager", r
+        assert r["megacp_tok_s"] > 0 and "hf_tok_s" in r and r["megacp_decode"] == "static_eager", r
     assert not report.get("errors") and report["meta"]["hf_cache"] == "dynamic"
     assert report["checks"] == [{"model": "tiny", "batch": 2, "first_greedy_token_equal": True, "differing": 0,
                                  "near_ties": 0, "ok": True}]
