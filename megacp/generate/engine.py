@@ -431,12 +431,13 @@ def decode_mode(gen: Generator) -> str:
     return "cuda_graph" if gen.cuda_graphs and gen.device.type == "cuda" else "static_eager"
 
 
-def decoder_worker(gen: Generator, num_slots: int, capacity: int, *, vocab: int) -> Worker:
-    """A :class:`Worker` of ``num_slots`` slots of ``capacity`` tokens per rank that every rank runs
-    alike (no broadcast), decoding as :func:`decode_mode` says."""
+def decoder_worker(gen: Generator, num_slots: int, capacity: int, *, vocab: int, shared: bool = False) -> Worker:
+    """A :class:`Worker` of ``num_slots`` slots of ``capacity`` tokens per rank, decoding as
+    :func:`decode_mode` says; ``shared``: rank 0's work is broadcast (a server), else every rank
+    runs alike."""
     mode = decode_mode(gen)
     return Worker(gen, num_slots, capacity, vocab=vocab, static=mode != "eager", capture=mode == "cuda_graph",
-                  shared=False)
+                  shared=shared)
 
 
 def offline_fits(engine: EngineCore, lengths: Sequence[int], max_tokens: int, *, max_num_seqs: int) -> bool:

@@ -63,8 +63,11 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     return layers
 
 
-def _experts(config: Any) -> int:
-    return int(getattr(config, "num_experts", 0) or getattr(config, "num_local_experts", 0) or 0)
+def num_experts(config: Any) -> int:
+    """Routed experts of a transformers config (a ``PretrainedConfig`` or ``config.json`` as a dict;
+    0: a dense model)."""
+    read = config.get if isinstance(config, dict) else lambda key: getattr(config, key, 0)
+    return int(read("num_experts") or read("num_local_experts") or 0)
 
 
 class _TiledTokenwise(torch.autograd.Function):
@@ -207,7 +210,7 @@ def tile_mlps(model: nn.Module, tile: int) -> Tiling:
     if tile < 0:
         raise ValueError(f"sequence_tiling.mlp must be at least 0 tokens; got {tile}")
     config = getattr(model, "config", None)
-    if _experts(config):
+    if num_experts(config):
         raise ValueError(f"sequence_tiling.mlp: {type(model).__name__} is a mixture of experts, whose routers "
                          "megacp does not tile; set sequence_tiling.mlp to 0")
     tiling = Tiling(tile)
@@ -467,7 +470,7 @@ def plan_config(config: Any) -> ModelConfig | None:
     except CheckpointError:
         pass
     sizes = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
-    if raw.get("num_experts") or raw.get("num_local_experts") or not all(isinstance(raw.get(k), int) for k in sizes):
+    if num_experts(raw) or not all(isinstance(raw.get(k), int) for k in sizes):
         return None
     heads = raw["num_attention_heads"]
     return ModelConfig(vocab_size=raw["vocab_size"], hidden_size=raw["hidden_size"],
@@ -512,10 +515,11 @@ def apply_memory(model: nn.Module, memory: MemoryOptions, device: torch.device, 
     Raises:
         ConfigError: ``"auto"`` without a plan, or a model these features cannot apply to.
     """
-    automatic = [key for key, value in (("activation_checkpointing.offload", memory.offload),
-                                        ("activation_checkpointing.layers_per_checkpoint",
-                                         memory.layers_per_checkpoint), ("sequence_tiling.mlp", memory.mlp_tile))
-                 if value == "auto" and (key.startswith("sequence") or memory.activation_checkpointing)]
+    settings: list[tuple[str, object]] = [("sequence_tiling.mlp", memory.mlp_tile)]
+    if memory.activation_checkpointing:
+        settings[:0] = [("activation_checkpointing.offload", memory.offload),
+                        ("activation_checkpointing.layers_per_checkpoint", memory.layers_per_checkpoint)]
+    automatic = [key for key, value in settings if value == "auto"]
     if automatic and unplanned is not None:
         raise ConfigError(f'{automatic[0]}: "auto" is chosen by megacp\'s memory plan, and {unplanned}; give it a '
                           'value (offload "cpu" or "none", layers_per_checkpoint and sequence_tiling.mlp numbers)')
@@ -528,7 +532,7 @@ def apply_memory(model: nn.Module, memory: MemoryOptions, device: torch.device, 
             checkpoints = checkpoint_layers(model, LayerCheckpoints(
                 per, frozenset(range(0, len(decoder_layers(model)), per)) if offload else frozenset(),
                 HostStash(device) if offload else None))
-        if memory.mlp_tile == "auto" and not _experts(getattr(model, "config", None)):
+        if memory.mlp_tile == "auto" and not num_experts(getattr(model, "config", None)):
             tiling = tile_mlps(model, 0)  # the plan sets the tile
         elif isinstance(memory.mlp_tile, int) and memory.mlp_tile > 0:
             tiling = tile_mlps(model, memory.mlp_tile)

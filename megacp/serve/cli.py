@@ -149,7 +149,7 @@ def _drain_on_signals(server: Any) -> Iterator[None]:
 
 def _serve(args: argparse.Namespace) -> int:
     from megacp.generate.cli import _set_threads
-    from megacp.generate.worker import Worker
+    from megacp.generate.engine import decoder_worker
     from megacp.parallel import initialize
     from megacp.parallel.launcher_watch import watch_launcher
 
@@ -165,8 +165,8 @@ def _serve(args: argparse.Namespace) -> int:
     cfg = llm.model_config
     max_len = min(args.max_model_len or min(cfg.max_position_embeddings, 4096), cfg.max_position_embeddings)
     n = llm.generator.cp_size
-    worker = Worker(llm.generator, args.max_num_seqs, rank_capacity(max_len, n), vocab=cfg.vocab_size,
-                    static=llm.static_decode, capture=llm.generator.cuda_graphs)
+    worker = decoder_worker(llm.generator, args.max_num_seqs, rank_capacity(max_len, n), vocab=cfg.vocab_size,
+                            shared=True)
     # everything built so far (modules, model, tokenizer, graphs) is never garbage: later
     # collections walk only what serving creates, not millions of objects mid-request
     gc.collect()

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from megacp.attention.training import warm_kernel_plans
 from megacp.checkpoint.staging import exchange_directories
 from megacp.config import ConfigError, DeepSpeedSections, MemoryOptions, read_memory_options
-from megacp.integrations.hf_memory import HFMemory, Tiling, apply_memory, training_loss
+from megacp.integrations.hf_memory import HFMemory, apply_memory, num_experts, training_loss
 from megacp.integrations.hf_memory import plan_config as hf_plan_config
 from megacp.layers.settings import CPSettings
 from megacp.models.config import ModelConfig
@@ -221,7 +221,7 @@ def memory_inputs(model: torch.nn.Module, settings: TrainSettings, state: Parall
     if own:
         dense = all(isinstance(getattr(layer, "layernorm_mlp", None), LayerNormMLP) for layer in model.layers)  # type: ignore[union-attr]
     else:  # a transformers model: its MLPs tile unless they route to experts
-        dense = not any(getattr(getattr(model, "config", None), key, 0) for key in ("num_experts", "num_local_experts"))
+        dense = not num_experts(getattr(model, "config", None))
     device = state.device
     return dict(params=count_parameters(model) if params is None else params, options=settings.memory,
                 zero=ZeroSettings.of(settings.sections, partition=state.size("dp_cp"), dtype=settings.dtype),
@@ -405,7 +405,6 @@ class Trainer:
         elif self._cfg is None:
             self._hf_memory = apply_memory(model, memory, state.device, unplanned=None if self._plan_cfg else (
                 f"it has no sizes for {type(model).__name__} (a mixture of experts megacp's models do not implement)"))
-        self._tiling: Tiling | None = self._hf_memory.tiling if self._hf_memory else None
         if loss is None:
             loss = lm_loss if self._cfg is not None else training_loss(model)
         cp = cp or CPSettings.from_state(state)
@@ -460,6 +459,12 @@ class Trainer:
     def _plan_inputs(self) -> dict[str, Any]:
         return memory_inputs(self.module, self.settings, self.state, params=self._params, host=self._host)
 
+    def _step_tokens(self, tokens: int) -> None:
+        """A transformers model's MLP tiling learns the micro-batch's local tokens (every rank cuts as
+        many tiles: ZeRO 3 gathers per call)."""
+        if self._hf_memory is not None and self._hf_memory.tiling is not None:
+            self._hf_memory.tiling.step_tokens = tokens
+
     def prepare(self, tokens: int) -> MemoryPlan | None:
         """Ready the first step of ``tokens`` local tokens per rank before it runs: the memory plan
         (:meth:`plan_memory`) and the attention kernels' plans of every padded tile length up to
@@ -499,8 +504,7 @@ class Trainer:
                                 cp_rank=self.state.rank_in("cp"), load_balance=self.cp.load_balance)
             local = -(-batch.input_ids.numel() // self.state.size("cp"))
             self.plan_memory(local)  # the same on every CP rank
-            if self._tiling is not None:  # every rank cuts as many MLP tiles (ZeRO 3 gathers per call)
-                self._tiling.step_tokens = local
+            self._step_tokens(local)
             self._warm_plans(local)
             loss = self.engine(shard) if self.zero3 else self.loss(self.module, shard, settings=self.cp)
             # ZeRO 3's reduce-scatter averages the gradients over DP x CP; the CP ranks' shares must
@@ -531,8 +535,7 @@ class Trainer:
             for seq in sequences:
                 shard = shard_batch(seq.input_ids, cu_seqlens=seq.cu_seqlens, cp_size=self.state.size("cp"),
                                     cp_rank=self.state.rank_in("cp"), load_balance=self.cp.load_balance)
-                if self._tiling is not None:
-                    self._tiling.step_tokens = -(-seq.input_ids.numel() // self.state.size("cp"))
+                self._step_tokens(-(-seq.input_ids.numel() // self.state.size("cp")))
                 loss = self.engine(shard) if self.zero3 else self.loss(self.module, shard, settings=self.cp)
                 sums[0] += loss.double() * shard.num_valid_tokens
                 sums[1] += shard.num_valid_tokens if first_cp_rank else 0
