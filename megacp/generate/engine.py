@@ -366,7 +366,7 @@ class EngineCore:
         time from submission), decoded tokens (after each request's first) and their rate over the
         time from the earliest first token to the latest token, the decode loop (``"cuda_graph"``:
         the static step replayed from CUDA graphs; ``"static_eager"``: the same step run eagerly;
-        ``"eager"``: eager steps, :class:`~megacp.generate.worker.EagerBatch`)
+        ``"eager"``: eager model steps in the same :class:`~megacp.generate.graph.BatchDecoder`)
         and, with graphs captured, the seconds spent capturing them in this run. ``progress`` shows a prefill
         progress bar. An exception part-way (``on_event`` raising, ``KeyboardInterrupt``) leaves no
         request behind (:meth:`reset`) and propagates."""

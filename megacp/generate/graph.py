@@ -134,16 +134,27 @@ class BatchDecoder:
         capture: replay CUDA graphs (needs CUDA and, under CP, NCCL); every CP rank must make the
             same calls.
         warmup: eager steps before a capture (each undone).
+        forward: ``None``: the static step above. Else the model step of models the static step
+            does not run (transformers modules, sliding windows, mixture of experts):
+            ``forward(slots, tokens [B] int64)`` feeds each request its next token and returns the
+            logits ``[B, V]`` and keeps the cache's bookkeeping itself
+            (:meth:`~megacp.generate.loop.Generator.decode_step`); the batch then never pads
+            (every size up to ``max_batch`` runs as it is), nothing is captured, and the same
+            sampler buffers draw the tokens.
     """
 
     def __init__(self, model: torch.nn.Module, cache: ShardedKVCache, scratch: int | None, settings: CPSettings,
-                 device: torch.device, *, vocab: int, max_batch: int, capture: bool, warmup: int = 2) -> None:
+                 device: torch.device, *, vocab: int, max_batch: int, capture: bool, warmup: int = 2,
+                 forward: Callable[[list[int], Tensor], Tensor] | None = None) -> None:
         if capture and device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device; the decoder runs on {device}")
+        if capture and forward is not None:
+            raise ValueError("an eager model step (forward) cannot be captured in a CUDA graph")
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
-        self.model, self.cache, self.settings, self.device = model, cache, settings, device
-        self.sizes, self.use_graph, self.warmup = batch_sizes(max_batch), capture, warmup
+        self.model, self.cache, self.settings, self.device, self.forward = model, cache, settings, device, forward
+        self.sizes = batch_sizes(max_batch) if forward is None else list(range(1, max_batch + 1))
+        self.use_graph, self.warmup = capture, warmup
         self.pad_start = None if scratch is None else scratch * cache.capacity
         m = max_batch
         self.tokens = torch.zeros(m, dtype=torch.long, device=device)
@@ -194,7 +205,9 @@ class BatchDecoder:
         """Take the requests in ``slots`` out of the batch (their rows are reused at the next
         :meth:`join`), recording the tokens each fed in the cache's bookkeeping."""
         for s in slots:
-            self.cache.advance_decoded(s, self.fed.pop(s))
+            fed = self.fed.pop(s)
+            if self.forward is None:  # an eager step keeps the bookkeeping itself
+                self.cache.advance_decoded(s, fed)
             del self._features[s], self._rows[s], self._top[s]
         self.slots = [s for s in self.slots if s in self.fed]
         self._update_features()
@@ -232,15 +245,22 @@ class BatchDecoder:
         self.slots, self._rows = list(slots), {s: i for i, s in enumerate(slots)}
         self._update_features()
 
+    def _sampler(self, size: int, features: Features) -> Sampler:
+        if (size, features) not in self._samplers:
+            self._samplers[size, features] = self.sampler.view(size, features)
+        return self._samplers[size, features]
+
     def _fns(self, size: int, features: Features) -> tuple[StaticDecodeStep, Tensor, Sampler]:
         if size not in self._steps:
             self._steps[size] = (static_decode_step(self.settings, self.cache, self.starts[:size]),
                                  torch.arange(size + 1, dtype=torch.int32, device=self.device))
-        if (size, features) not in self._samplers:
-            self._samplers[size, features] = self.sampler.view(size, features)
-        return (*self._steps[size], self._samplers[size, features])
+        return (*self._steps[size], self._sampler(size, features))
 
     def _run(self, size: int, features: Features) -> Tensor:
+        if self.forward is not None:
+            logits = self.forward(self.slots, self.tokens[:size]).float()
+            self.tokens[:size] = self._sampler(size, features)(logits)
+            return logits
         params, cu, sampler = self._fns(size, features)
         return static_step(self.model, params, cu, self.tokens[:size], self.positions[:size], self.held[:size],
                            sampler, self.live[:size])

@@ -8,7 +8,6 @@ log-probabilities of the tokens whose requests ask for them."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -16,7 +15,7 @@ from torch import Tensor
 
 from megacp.generate.graph import BatchDecoder
 from megacp.generate.loop import Generator
-from megacp.generate.sampling import Sampler, SamplingParams, draw_logprobs, logprob_dicts
+from megacp.generate.sampling import Sampler, SamplingParams, logprob_dicts
 from megacp.kv_cache import ShardedKVCache
 
 
@@ -64,38 +63,6 @@ class StepOutput:
     logprobs: tuple[Tensor, Tensor, Tensor] | None = None
 
 
-class EagerBatch:
-    """The running batch decoded by eager steps (:meth:`Generator.decode_step`, which keeps the
-    cache's bookkeeping) with one sampler per request, for models the static step does not run
-    (transformers modules, sliding windows, mixture of experts). Same calls and :attr:`logprobs` as :class:`~megacp.generate.graph.BatchDecoder`."""
-
-    def __init__(self, gen: Generator, cache: ShardedKVCache) -> None:
-        self.gen, self.cache = gen, cache
-        self.slots: list[int] = []
-        self._next: dict[int, Tensor] = {}
-        self._samplers: dict[int, Sampler] = {}
-        self.logprobs: tuple[Tensor, Tensor, Tensor] | None = None
-
-    def leave(self, slots: Sequence[int]) -> None:
-        for s in slots:
-            del self._next[s], self._samplers[s]
-        self.slots = [s for s in self.slots if s in self._next]
-
-    def join(self, slots: Sequence[int], new: dict[int, tuple[Tensor, Sampler]]) -> None:
-        for s, (token, sampler) in new.items():
-            self._next[s], self._samplers[s] = token.reshape(1), sampler
-        self.slots = list(slots)
-
-    def step(self) -> Tensor:
-        logits = self.gen.decode_step(self.cache, self.slots, torch.cat([self._next[s] for s in self.slots]))
-        for row, s in enumerate(self.slots):
-            self._next[s] = self._samplers[s](logits[row: row + 1])
-        tokens = torch.cat([self._next[s] for s in self.slots])
-        k = max((k for k in (self._samplers[s].top_logprobs for s in self.slots) if k is not None), default=None)
-        self.logprobs = None if k is None else draw_logprobs(logits, tokens, k)
-        return tokens
-
-
 class Worker:
     """Executes :class:`Work` on this rank's cache (every slot allocated once, for good).
 
@@ -105,9 +72,10 @@ class Worker:
         capacity: tokens one request may hold on this rank (the cache keeps one row more: the
             static step writes the row after a rank's tokens).
         vocab: the logits' vocabulary size.
-        static: decode with :class:`~megacp.generate.graph.BatchDecoder` (megacp's own dense
-            models; with more than one slot an extra scratch slot takes its padding rows), else
-            :class:`EagerBatch`.
+        static: decode the running batch with the static step (megacp's own dense models; with
+            more than one slot an extra scratch slot takes its padding rows), else with eager
+            model steps (:meth:`Generator.decode_step`); either way in one
+            :class:`~megacp.generate.graph.BatchDecoder`, whose sampler buffers draw the tokens.
         capture: replay CUDA graphs (with ``static``; when ``shared``, the greedy ones are captured
             here, else each graph on its first use).
         shared: rank 0's work is broadcast to the other ranks (:meth:`share`; a server's followers
@@ -124,18 +92,16 @@ class Worker:
         self.shared = shared
         self.progress = False
         """Show a progress bar of the prefill forwards (an offline caller's rank 0)."""
-        self.decoder: Union[BatchDecoder, EagerBatch]
-        if static:
-            self.decoder = BatchDecoder(gen.model, self.cache, self.cache.allocate() if scratch else None,
-                                        gen.settings, gen.device, vocab=vocab, max_batch=num_slots, capture=capture)
-            if capture and shared:  # a server's first requests find them ready
-                with torch.inference_mode():
-                    self.decoder.capture_greedy()
-        else:
-            self.decoder = EagerBatch(gen, self.cache)
+        cache = self.cache
+        self.decoder = BatchDecoder(gen.model, cache, cache.allocate() if scratch else None, gen.settings, gen.device,
+                                    vocab=vocab, max_batch=num_slots, capture=capture,
+                                    forward=None if static else lambda slots, tokens: gen.decode_step(cache, slots, tokens))
+        if capture and shared:  # a server's first requests find them ready
+            with torch.inference_mode():
+                self.decoder.capture_greedy()
         self.decode_mode = "cuda_graph" if static and capture else "static_eager" if static else "eager"
         """How the running batch decodes: ``cuda_graph``, ``static_eager`` (the graph's step, run
-        eagerly) or ``eager`` (:class:`EagerBatch`)."""
+        eagerly) or ``eager`` (eager model steps)."""
 
     def share(self, work: Work | None) -> Work:
         """Rank 0's ``work`` on every rank (``work`` itself when not :attr:`shared`)."""

@@ -16,7 +16,7 @@ ask for logprobs, computed after the replay from the graph's logits):
 * ``graph = generate``: identical tokens to ``LLM.generate`` of the same requests and logprobs
   within 1e-4 (float32: ``PASS``/``FAIL``; bfloat16: differences are ``WARN``, near-ties under
   other kernels' rounding).
-* ``eager batch = generate``: the same for the eager batch (:class:`~megacp.generate.worker.EagerBatch`).
+* ``eager batch = generate``: the same for the eager batch (the eager model step in :class:`~megacp.generate.graph.BatchDecoder`).
 
 Prints one ``PASS``/``FAIL``/``WARN`` line per check (rank 0) and ends with ``ALL PASS`` or
 ``FAILED: n``; exit status 0 / 1.
