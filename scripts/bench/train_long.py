@@ -35,6 +35,12 @@ extension before any child runs, :func:`build_cpu_adam`, so no build time includ
   DeepSpeed's ``CheckpointHiddenStatesOffload`` (``--no-alst-offload``; on CPU DeepSpeed offloads
   nothing, which the row notes).
 
+With ``--from-checkpoint DIR`` the megacp and hf methods load the model from a Hugging Face directory
+of safetensors instead (the loaders of ``megacp.train --model DIR`` and ``--hf-native``: read on the
+GPU, then partitioned by the Trainer under ZeRO 3), so ``build_s`` is the time to be ready to step from
+a checkpoint on local disk; a directory without ``config.json`` first gets a random model of the shape,
+written by the parent before any child (``checkpoint_write_s``).
+
 Each (method, length) runs in a child process (``--child METHOD --child-seq S``), so that running
 out of memory ends only that point; each method climbs ``--seq-lens`` and stops at its first
 failure, recorded as ``oom`` (GPU), ``host-oom`` (killed by a signal), ``plan`` (megacp's plan
@@ -150,9 +156,12 @@ def megacp_step(args: argparse.Namespace, cfg: Any, state: Any, seq: int) -> tup
     config = megacp_config(args, state.device.type == "cuda")
     settings = read_settings(config)
     plan_from_config(cfg, settings, state, seq_len=seq, micro_batch=1, backend="torch")  # refused before the build
-    model = build_for_training(lambda device: build_model(cfg, dtype=settings.dtype, device=device, backend="torch"),
-                               config, state, settings)  # ZeRO 3: built partitioned, initialised on the GPU
-    megacp.swap_attention(model, state, strategy="pass_kv")
+    if args.from_checkpoint:  # as megacp.train --model DIR loads it (ZeRO 3: the Trainer partitions it)
+        model = loaded_for_training(args.from_checkpoint, state, settings.dtype, transformers=False)
+    else:
+        model = build_for_training(lambda device: build_model(cfg, dtype=settings.dtype, device=device, backend="torch"),
+                                   config, state, settings)  # ZeRO 3: built partitioned, initialised on the GPU
+        megacp.swap_attention(model, state, strategy="pass_kv")
     trainer = Trainer(model.train(), config, state, settings)
     plan = trainer.prepare(seq)  # the plan and the attention kernels' plans, before the timed steps
     ids = torch.randint(0, cfg.vocab_size, (seq,), device=state.device)
@@ -162,6 +171,41 @@ def megacp_step(args: argparse.Namespace, cfg: Any, state: Any, seq: int) -> tup
         return trainer.step(iter([batch])).loss
     return step, trainer.engine, {"dtype": str(settings.dtype).replace("torch.", ""),
                                   "plan": plan.describe() if plan else None}
+
+
+def loaded_for_training(directory: str, state: Any, dtype: torch.dtype, *, transformers: bool) -> torch.nn.Module:
+    """The model of the Hugging Face ``directory`` loaded by its family's ``load_for_training``, the
+    loader of ``megacp.train --model DIR`` (``transformers``: as ``--hf-native``, transformers'
+    modules with ``attn_implementation="megacp"``; else megacp's own model, CP-swapped, pass-KV)."""
+    from megacp.integrations.families import family_for
+    from megacp.layers.settings import CPSettings
+
+    family = family_for(directory, transformers=transformers)
+    return family.load_for_training(state, dtype=dtype, settings=CPSettings.from_state(state, prefill="pass_kv"),
+                                    backend="auto" if transformers else "torch").model.train()
+
+
+def write_checkpoint(args: argparse.Namespace, directory: str) -> float:
+    """Write a seeded random ``LlamaForCausalLM`` of the benchmark's shape (bf16 on CUDA, fp32 on
+    CPU; safetensors) and a word-level tokenizer to ``directory`` for ``--from-checkpoint``; seconds."""
+    from pathlib import Path
+
+    from scripts.bench.decode_kinds import save_random_model
+
+    cfg = model_config(args)
+    shape = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+                 num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+                 head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta,
+                 max_position_embeddings=cfg.max_position_embeddings, tie_word_embeddings=False)
+    cuda = args.device == "cuda"
+    t0 = time.perf_counter()
+    torch.manual_seed(0)
+    model, _ = save_random_model(shape, Path(directory), torch.bfloat16 if cuda else torch.float32,
+                                 torch.device(args.device))
+    del model
+    if cuda:
+        torch.cuda.empty_cache()
+    return round(time.perf_counter() - t0, 1)
 
 
 def hf_step(args: argparse.Namespace, cfg: Any, state: Any, seq: int) -> tuple[Step, Any, dict[str, Any]]:
@@ -193,7 +237,10 @@ def hf_step(args: argparse.Namespace, cfg: Any, state: Any, seq: int) -> tuple[S
             model = LlamaForCausalLM(hf)
         return model if settings.zero_stage == 3 else model.to(settings.dtype)  # ZeRO 3: the config's dtype
 
-    model = build_for_training(build, config, state, settings)  # ZeRO 3: built partitioned on the GPU
+    if args.from_checkpoint:  # as megacp.train --hf-native --model DIR loads it
+        model = loaded_for_training(args.from_checkpoint, state, settings.dtype, transformers=True)
+    else:
+        model = build_for_training(build, config, state, settings)  # ZeRO 3: built partitioned on the GPU
     loss = training_loss(model)
     trainer = Trainer(model.train(), config, state, settings, loss=loss)
     plan = trainer.prepare(seq)  # the plan and the attention kernels' plans, before the timed steps
@@ -346,6 +393,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--alst-checkpointing", action=bool_flag, default=True)
     p.add_argument("--alst-offload", action=bool_flag, default=True, help="checkpointed layer inputs on the host")
     p.add_argument("--concurrent", action="store_true", help="CPU checks: the methods' ladders side by side")
+    p.add_argument("--from-checkpoint", metavar="DIR", default=None,
+                   help="megacp and hf: load the model from this Hugging Face directory as megacp.train --model DIR "
+                        "does (the build time then includes reading it); a directory without config.json first "
+                        "gets a random model of the shape, written before any child runs")
     p.add_argument("--json", default=None)
     p.add_argument("--child", choices=METHODS, help=argparse.SUPPRESS)
     p.add_argument("--child-seq", type=int, help=argparse.SUPPRESS)
@@ -364,6 +415,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error("--concurrent would put both methods on one GPU at once: it is for --device cpu")
     if args.bf16_optimizer_states and args.device == "cpu":
         p.error("--bf16-optimizer-states needs bf16 training on CUDA")
+    if args.from_checkpoint and "alst" in args.methods:
+        p.error("--from-checkpoint loads megacp's and the hf method's models; ALST builds its own (drop alst from --methods)")
     if {"megacp", "hf"} & set(args.methods):
         from megacp.train.engine import read_settings
 
@@ -398,6 +451,8 @@ def main(argv: list[str] | None = None) -> int:
     info = bh.header(MODULE, argv, args.device)
     if args.bf16_optimizer_states:  # built once here, so no method's build time includes its JIT compile
         info["cpu_adam_build_s"] = build_cpu_adam()
+    if args.from_checkpoint and not os.path.isfile(os.path.join(args.from_checkpoint, "config.json")):
+        info["checkpoint_write_s"] = write_checkpoint(args, args.from_checkpoint)
     print(json.dumps(info), flush=True)
     if args.concurrent:
         with ThreadPoolExecutor(len(args.methods)) as pool:

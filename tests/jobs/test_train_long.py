@@ -46,3 +46,22 @@ def test_refused_megacp_section(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "scripts.bench.train_long", "--tiny", "--device", "cpu",
                            "--megacp-config", str(cfg)], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "offload" in proc.stderr.strip().splitlines()[-1], proc.stderr
+
+
+def test_both_loaders_read_one_checkpoint(tmp_path):
+    """``--from-checkpoint``: the parent writes a random model's safetensors directory, megacp's loader
+    and transformers' (``megacp.train --model DIR`` / ``--hf-native``) each read it, and their first
+    steps on the same ids give one loss (the same weights, two implementations); ALST is refused."""
+    out, ckpt = tmp_path / "long.json", tmp_path / "ckpt"
+    base = [sys.executable, "-m", "scripts.bench.train_long", "--tiny", "--device", "cpu", "--layers", "2",
+            "--seq-lens", "64", "--warmup", "0", "--steps", "1", "--from-checkpoint", str(ckpt)]
+    subprocess.run([*base, "--methods", "megacp,hf", "--json", str(out)], cwd=ROOT, check=True, capture_output=True,
+                   timeout=120)
+    report = json.loads(out.read_text())
+    assert (ckpt / "model.safetensors").is_file() and report["checkpoint_write_s"] > 0
+    rows = {r["method"]: r for r in report["results"]}
+    assert set(rows) == {"megacp", "hf"} and all("error" not in r for r in rows.values()), rows
+    assert abs(rows["megacp"]["loss"] - math.log(TINY["vocab_size"])) < 0.5, rows
+    assert math.isclose(rows["megacp"]["loss"], rows["hf"]["loss"], rel_tol=1e-5), rows
+    proc = subprocess.run([*base, "--methods", "megacp,alst"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "--from-checkpoint" in proc.stderr.strip().splitlines()[-1], proc.stderr
