@@ -31,9 +31,22 @@ def check_model_values(cfg: ModelConfig, where: str) -> ModelConfig:
     return cfg
 
 
+def all_finite(tensor: torch.Tensor) -> bool:
+    """Whether every value of ``tensor`` is finite (integer tensors always are).
+
+    First the sum (one vectorised pass, no ``[numel]`` bool tensor): NaN and inf propagate through
+    addition, so a finite sum proves every value finite; only a sum that is not finite (a NaN or inf,
+    or finite values overflowing the dtype) takes the elementwise check. On the CPU this reads a
+    bf16 checkpoint tens of times faster than ``isfinite(...).all()``."""
+    if not tensor.is_floating_point():
+        return True
+    tensor = tensor.detach()
+    return bool(torch.isfinite(tensor.sum())) or bool(torch.isfinite(tensor).all())
+
+
 def check_finite(name: str, tensor: torch.Tensor, where: object) -> torch.Tensor:
     """``tensor`` unchanged, or :class:`CheckpointError` naming the tensor when it holds NaN or inf."""
-    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+    if not all_finite(tensor):
         bad = int((~torch.isfinite(tensor)).sum())
         raise CheckpointError(
             f"tensor {name!r} in {where} holds {bad} non-finite value(s) (NaN/inf); "

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor, nn
 from transformers.cache_utils import Cache
 
+from megacp.checkpoint.values import all_finite
 from megacp.integrations.transformers import (
     NAME,
     STEP_KWARG,
@@ -205,7 +206,7 @@ def prepare_model(model: nn.Module, *, dtype: torch.dtype, state: Any, allow_non
         raise ValueError("a transformers model runs under CP only: tensor and pipeline parallel sizes must be 1")
     check_model(model, training=False)  # what its class and config state: before anything moves
     if not allow_non_finite:
-        bad = next((n for n, p in model.named_parameters() if not bool(torch.isfinite(p).all())), None)
+        bad = next((n for n, p in model.named_parameters() if not all_finite(p)), None)
         if bad is not None:
             raise ValueError(f"the model's weight {bad} holds NaN or inf; pass allow_non_finite=True to load it anyway")
     config: Any = model.config
