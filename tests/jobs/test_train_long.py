@@ -51,7 +51,8 @@ def test_refused_megacp_section(tmp_path):
 def test_both_loaders_read_one_checkpoint(tmp_path):
     """``--from-checkpoint``: the parent writes a random model's safetensors directory, megacp's loader
     and transformers' (``megacp.train --model DIR`` / ``--hf-native``) each read it, and their first
-    steps on the same ids give one loss (the same weights, two implementations); ALST is refused."""
+    steps on the same ids give one loss (the same weights, two implementations); ALST and a directory of
+another shape are refused in one line."""
     out, ckpt = tmp_path / "long.json", tmp_path / "ckpt"
     base = [sys.executable, "-m", "scripts.bench.train_long", "--tiny", "--device", "cpu", "--layers", "2",
             "--seq-lens", "64", "--warmup", "0", "--steps", "1", "--from-checkpoint", str(ckpt)]
@@ -65,3 +66,8 @@ def test_both_loaders_read_one_checkpoint(tmp_path):
     assert math.isclose(rows["megacp"]["loss"], rows["hf"]["loss"], rel_tol=1e-5), rows
     proc = subprocess.run([*base, "--methods", "megacp,alst"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "--from-checkpoint" in proc.stderr.strip().splitlines()[-1], proc.stderr
+    other = [*base, "--methods", "megacp"]
+    other[other.index("--layers") + 1] = "3"  # the directory holds 2 layers
+    proc = subprocess.run(other, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].endswith("num_hidden_layers 2 (the shape's: 3)"), proc.stderr
