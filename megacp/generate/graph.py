@@ -113,9 +113,9 @@ class BatchDecoder:
     again; without ``capture`` the same step runs eagerly. A membership change copies rows on the
     device (:meth:`leave`, then :meth:`join`), so the graphs stay valid.
 
-    The host counts the steps each request ran (:attr:`fed`) and brings the cache's bookkeeping up
-    to date when it leaves (:meth:`ShardedKVCache.advance_decoded`): every token fed keeps its keys
-    and values.
+    The host counts the steps each request ran (:attr:`fed`) and, for the static step, brings the
+    cache's bookkeeping up to date when it leaves (:meth:`ShardedKVCache.advance_decoded`): every
+    token fed keeps its keys and values (an eager ``forward`` keeps the bookkeeping as it goes).
 
     While a request of the batch asks for ``logprobs``, each step also leaves :attr:`logprobs`
     (:func:`~megacp.generate.sampling.draw_logprobs` of the step's logits, outside the graph).
