@@ -15,7 +15,9 @@ captured once (NCCL collectives are captured with it; gloo ones cannot be) and r
 The batch's requests come and go: static rows up to a maximum batch, graphs captured once per
 padded batch size and kind of sampling, rows moved on the device when the membership changes; the
 log-probabilities its requests ask for are computed after the step from the step's logits (outside
-the graph, only while a request of the batch asks).
+the graph, only while a request of the batch asks). Models the static step does not run
+(transformers modules, sliding windows, mixture of experts) decode in the same class with an eager
+model step in its place: the same rows, membership changes and sampler buffers, no padding.
 """
 
 from __future__ import annotations
