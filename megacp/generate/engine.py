@@ -424,11 +424,11 @@ def offline_slots(lengths: Sequence[int], max_num_seqs: int) -> int:
 
 def decode_mode(gen: Generator) -> str:
     """How ``gen``'s engines decode (:attr:`Worker.decode_mode`): ``"cuda_graph"`` (the static step
-    replayed from CUDA graphs: ``gen.static_step`` and ``gen.cuda_graphs`` on CUDA), ``"static_eager"``
-    (the same step run eagerly) or ``"eager"`` (eager steps)."""
+    replayed from CUDA graphs: ``gen.static_step`` and ``gen.cuda_graphs``, which only a CUDA
+    generator takes), ``"static_eager"`` (the same step run eagerly) or ``"eager"`` (eager model steps)."""
     if not gen.static_step:
         return "eager"
-    return "cuda_graph" if gen.cuda_graphs and gen.device.type == "cuda" else "static_eager"
+    return "cuda_graph" if gen.cuda_graphs else "static_eager"
 
 
 def decoder_worker(gen: Generator, num_slots: int, capacity: int, *, vocab: int, shared: bool = False) -> Worker:

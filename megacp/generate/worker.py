@@ -84,7 +84,7 @@ class Worker:
 
     def __init__(self, gen: Generator, num_slots: int, capacity: int, *, vocab: int, static: bool,
                  capture: bool, shared: bool = True) -> None:
-        self.gen, self.static = gen, static
+        self.gen = gen
         scratch = static and num_slots > 1  # one row never pads
         self.cache: ShardedKVCache = gen.new_cache(num_slots + (1 if scratch else 0), capacity + 1)
         self.slots = [self.cache.allocate() for _ in range(num_slots)]

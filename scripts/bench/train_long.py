@@ -185,20 +185,12 @@ def loaded_for_training(directory: str, state: Any, dtype: torch.dtype, *, trans
                                     backend="auto" if transformers else "torch").model.train()
 
 
-def checkpoint_shape(args: argparse.Namespace) -> dict[str, Any]:
-    """The Hugging Face config values of the benchmark's model shape (what :func:`write_checkpoint`
-    writes and :func:`checkpoint_mismatch` compares)."""
-    cfg = model_config(args)
-    return dict(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-                num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
-                num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps,
-                rope_theta=cfg.rope_theta, max_position_embeddings=cfg.max_position_embeddings, tie_word_embeddings=False)
-
-
 def checkpoint_mismatch(args: argparse.Namespace) -> str | None:
     """Why the ``--from-checkpoint`` directory cannot stand for the benchmark's model (the memory
     plan and the ids are made from ``--layers`` / ``--tiny``), or ``None``: it has no ``config.json``
     yet (the parent writes it) or its sizes are the shape's."""
+    from scripts.bench.train_step import hf_shape
+
     path = os.path.join(args.from_checkpoint, "config.json")
     if os.path.exists(args.from_checkpoint) and not os.path.isdir(args.from_checkpoint):
         return "not a directory"
@@ -209,7 +201,7 @@ def checkpoint_mismatch(args: argparse.Namespace) -> str | None:
             saved = json.load(f)
     except (OSError, ValueError) as err:
         return f"config.json is not readable JSON ({err})"
-    want = checkpoint_shape(args)
+    want = hf_shape(model_config(args))
     keys = [k for k in want if k not in ("rope_theta", "rms_norm_eps", "max_position_embeddings")]
     diff = [f"{k} {saved.get(k)!r} (the shape's: {want[k]!r})" for k in keys if saved.get(k) != want[k]]
     return f"its config.json is not the benchmark's model: {', '.join(diff)}" if diff else None
@@ -221,8 +213,9 @@ def write_checkpoint(args: argparse.Namespace, directory: str) -> float:
     from pathlib import Path
 
     from scripts.bench.decode_kinds import save_random_model
+    from scripts.bench.train_step import hf_shape
 
-    shape = checkpoint_shape(args)
+    shape = hf_shape(model_config(args))
     cuda = args.device == "cuda"
     t0 = time.perf_counter()
     torch.manual_seed(0)

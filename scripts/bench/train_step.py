@@ -84,15 +84,20 @@ def megacp_step(state: megacp.ParallelState, cfg: ModelConfig, ids: torch.Tensor
     return step, trainer
 
 
+def hf_shape(cfg: ModelConfig) -> dict[str, Any]:
+    """The Hugging Face Llama config values of ``cfg``'s shape (untied head)."""
+    return dict(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+                num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+                num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps,
+                rope_theta=cfg.rope_theta, max_position_embeddings=cfg.max_position_embeddings,
+                tie_word_embeddings=False)
+
+
 def hf_config(cfg: ModelConfig, attn_implementation: str) -> Any:
-    """Hugging Face's ``LlamaConfig`` of ``cfg``'s shape (untied head)."""
+    """Hugging Face's ``LlamaConfig`` of ``cfg``'s shape (:func:`hf_shape`)."""
     from transformers import LlamaConfig
 
-    return LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-                       num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
-                       num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps,
-                       rope_theta=cfg.rope_theta, max_position_embeddings=cfg.max_position_embeddings,
-                       tie_word_embeddings=False, attn_implementation=attn_implementation)
+    return LlamaConfig(**hf_shape(cfg), attn_implementation=attn_implementation)
 
 
 def hf_model(cfg: ModelConfig, attn_implementation: str) -> torch.nn.Module:
