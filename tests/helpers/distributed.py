@@ -18,6 +18,12 @@ unlike them they also do not see environment changes the caller makes after the 
 server's environment is fixed when it starts), so pass such values as arguments. Keep heavy
 imports (transformers, deepspeed) inside the function or in modules only it imports.
 
+Under gloo, every rank has joined the group before any runs the function (a barrier after
+``init_process_group``): a rank can finish joining before a peer has (gloo's connect completes on
+one side of a pair first), and one whose function returns at once could then exit, taking the
+rendezvous store (rank 0 hosts it) and its connections with it, while the peer is still joining:
+the peer would fail with a connection error instead of running.
+
 On a failing rank, the other ranks get a short grace period to report (peers usually fail
 right after), then are killed; the AssertionError lists every failing rank's traceback. On a
 timeout the hanging ranks' Python stacks are dumped (faulthandler) into the error as well. A rank
@@ -131,6 +137,8 @@ def _worker(
             dist.init_process_group(
                 backend, init_method="env://", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout)
             )
+            if backend == "gloo":
+                dist.barrier()  # every rank has joined: none leaves while a peer still connects to it
             message = (True, pickle.dumps(fn(rank, world_size, *args)))
         except BaseException:  # noqa: BLE001 - every failure, SystemExit included, goes to the parent
             message = (False, traceback.format_exc())
