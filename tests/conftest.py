@@ -10,6 +10,10 @@
 * ``MEGACP_CACHE_DIR`` points at a temporary directory for the session (token and calibration
   caches of the jobs the tests start stay out of the user's home), unless it is set already; the
   process that made it removes it when the session ends (a run leaves no gigabyte of caches behind).
+* The pytest process computes with one torch thread (``torch.set_num_threads(1)``, as the ranks the
+  harness spawns do): the tests' tensors are small, so a second OpenMP thread costs more in waiting
+  than it computes (the unit tier's CPU time halves), and under ``-n 2`` two workers of two threads
+  each would oversubscribe two cores.
 * With pytest-timeout installed, every test gets a 300 s default timeout (a hung collective must
   not hang CI); an explicit ``--timeout`` or ``timeout`` ini setting wins.
 """
@@ -23,6 +27,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+import torch
 
 TIERS = ("unit", "distributed", "jobs", "gpu")
 
@@ -40,6 +45,7 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "slow: launches whole multi-process jobs (deepspeed / torchrun)")
     for tier in TIERS:
         config.addinivalue_line("markers", f"{tier}: a test of tests/{tier}")
+    torch.set_num_threads(1)
     if importlib.util.find_spec("pytest_timeout") is not None and not config.getoption("timeout", None):
         if not config.getini("timeout"):
             config.option.timeout = DEFAULT_TIMEOUT_S
