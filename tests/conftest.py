@@ -1,7 +1,8 @@
 """pytest setup shared by megacp's tests.
 
-* Tiers: ``tests/unit`` (in-process), ``tests/distributed`` (spawned gloo ranks), ``tests/jobs``
-  (launchers, whole-model equivalence, DeepSpeed engines), ``tests/gpu`` (skipped without GPUs);
+* Tiers: ``tests/unit`` (in-process, no child process), ``tests/distributed`` (spawned gloo ranks),
+  ``tests/jobs`` (child processes: launchers and whole jobs, scripts, fresh interpreters; whole-model
+  equivalence, DeepSpeed engines), ``tests/gpu`` (skipped without GPUs);
   each test is marked with its tier, so ``pytest tests/unit`` (or ``-m unit``) is the fast loop.
   Shared code lives in ``tests/helpers``; pytest's ``pythonpath`` setting (pyproject.toml) puts the
   repository root on the import path, and the harness passes it to its workers in ``PYTHONPATH``.

@@ -1,4 +1,5 @@
-"""Whole jobs through the real launchers: ``deepspeed`` (CPU accelerator) and ``torchrun``, 2 ranks."""
+"""Whole jobs through the real launchers: ``deepspeed`` (CPU accelerator) and ``torchrun``, 2 ranks; and a
+launched worker's end when its launcher (a stand-in process) is SIGKILLed."""
 
 from __future__ import annotations
 
@@ -154,3 +155,37 @@ def test_init_check_accepts_launcher_arguments() -> None:
     parser = add_launcher_args(argparse.ArgumentParser())
     assert parser.parse_args(["--local_rank=3"]).local_rank == 3
     assert parser.parse_args(["--local-rank", "2", "--deepspeed_config", "x.json"]).deepspeed_config == "x.json"
+
+
+def test_worker_ends_when_its_launcher_is_killed(tmp_path: Path) -> None:
+    """A launched worker (``exit_with_parent``, as ``megacp.initialize`` calls it) gets SIGTERM when
+    its launcher is SIGKILLed, instead of running on unsupervised."""
+    ready = tmp_path / "ready"
+    worker = ("from megacp.parallel.state import exit_with_parent; exit_with_parent(); import pathlib, time; "
+              f"pathlib.Path({str(ready)!r}).touch(); time.sleep(60)")
+    launcher = (f"import subprocess, sys; p = subprocess.Popen([sys.executable, '-c', {worker!r}]); "
+                "print(p.pid, flush=True); p.wait()")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    parent = subprocess.Popen([sys.executable, "-c", launcher], stdout=subprocess.PIPE, text=True, env=env)
+    assert parent.stdout is not None
+    child = int(parent.stdout.readline())
+    deadline = time.monotonic() + 60
+    while not ready.exists() and time.monotonic() < deadline:  # the worker has asked for the signal
+        time.sleep(0.05)
+    parent.kill()
+    parent.wait()
+
+    def alive(pid: int) -> bool:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            return False
+        return state != "Z"  # a zombie has ended (its new parent has not reaped it yet)
+
+    deadline = time.monotonic() + 10
+    while alive(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    ended = not alive(child)
+    if not ended:
+        os.kill(child, signal.SIGKILL)
+    assert ended, "the worker outlived its launcher"

@@ -329,6 +329,23 @@ def test_bad_input_is_one_line(case: str, expected: str, tiny: tuple[Path, Path]
     del held
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is of a machine without a GPU")
+def test_seq_len_auto_needs_a_gpu(capsys):
+    """``--seq-len auto`` without a GPU and a length that is no number, with the default model (SmolLM2's
+    GGUF, whose header megacp reads for the plan's sizes: seconds of CPU)."""
+    from megacp.train.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--deepspeed_config", "configs/train_cpu_cp1.json", "--seq-len", "auto"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "megacp.train: error: --seq-len auto fits a step into GPU memory by the memory plan: it needs a GPU and a "
+        "model the plan has sizes for (not a mixture of experts megacp's own models do not implement)"]
+    with pytest.raises(SystemExit):
+        main(["--deepspeed_config", "configs/train_cpu_cp1.json", "--seq-len", "long"])
+    assert "--seq-len: expected a number of tokens or 'auto', got 'long'" in capsys.readouterr().err
+
+
 def test_trains_without_a_launcher(tiny: tuple[Path, Path], tmp_path: Path) -> None:
     """``python -m megacp.train`` as a plain process (no launcher environment) trains at CP 1 on
     CPU as a world of one, with DeepSpeed's ``--deepspeed`` flag, and exits 0. Run twice on the
