@@ -56,6 +56,7 @@ import torch
 import torch.distributed as dist
 
 from tests.helpers.paths import ROOT
+from tests.helpers.timeouts import HANG_GUARD_S
 
 _PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "pytest", "tests.helpers.distributed"]
 """Imported once by the forkserver; every worker is forked from that state (``torch._dynamo``:
@@ -157,7 +158,7 @@ def run_distributed(
     fn: Callable[..., Any],
     world_size: int,
     *args: Any,
-    timeout: float = 120.0,
+    timeout: float = HANG_GUARD_S,
     backend: str = "gloo",
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; return the results by rank.
@@ -169,7 +170,8 @@ def run_distributed(
         fn: a module-level function (picklable by reference).
         world_size: number of processes.
         args: extra picklable arguments for ``fn``.
-        timeout: seconds for the whole call, start-up included.
+        timeout: seconds for the whole call, start-up included (a hang guard, also each rank's
+            process-group timeout).
         backend: ``torch.distributed`` backend.
 
     Raises:

@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.distributed import free_port
-
 from tests.helpers.paths import ROOT
+from tests.helpers.timeouts import HANG_GUARD_S
+
 INIT_CHECK = ROOT / "tests" / "programs" / "init_check.py"
 PREFIX = "MEGACP_INIT_CHECK "
-LAUNCH_TIMEOUT_S = 180
 
 
 def launch(command: list[str]) -> subprocess.CompletedProcess[str]:
@@ -32,11 +32,11 @@ def launch(command: list[str]) -> subprocess.CompletedProcess[str]:
     proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
     try:
-        out, _ = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
+        out, _ = proc.communicate(timeout=HANG_GUARD_S)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
-        pytest.fail(f"{command[0]} did not finish within {LAUNCH_TIMEOUT_S} s:\n{out[-4000:]}")
+        pytest.fail(f"{command[0]} did not finish within {HANG_GUARD_S} s:\n{out[-4000:]}")
     return subprocess.CompletedProcess(command, proc.returncode, out, None)
 
 
@@ -100,7 +100,7 @@ def test_second_job_on_a_busy_port_stops_and_spares_the_first(tmp_path: Path) ->
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         first = pool.submit(launch, [*job, "--hold-until", str(release)])
         try:
-            deadline = time.monotonic() + LAUNCH_TIMEOUT_S
+            deadline = time.monotonic() + HANG_GUARD_S
             while not listening(port):  # the first job's store
                 assert not first.done() and time.monotonic() < deadline, "the first job never listened"
                 time.sleep(0.2)
@@ -169,7 +169,7 @@ def test_worker_ends_when_its_launcher_is_killed(tmp_path: Path) -> None:
     parent = subprocess.Popen([sys.executable, "-c", launcher], stdout=subprocess.PIPE, text=True, env=env)
     assert parent.stdout is not None
     child = int(parent.stdout.readline())
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + HANG_GUARD_S
     while not ready.exists() and time.monotonic() < deadline:  # the worker has asked for the signal
         time.sleep(0.05)
     parent.kill()

@@ -10,12 +10,14 @@ import sys
 
 import pytest
 
+from tests.helpers.timeouts import HANG_GUARD_S
+
 HEAVY = ("torch", "triton", "deepspeed", "transformers")
 
 
 def _loaded(statement: str) -> list[str]:
     code = f"import json, sys\n{statement}\nprint(json.dumps([m for m in {HEAVY!r} if m in sys.modules]))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=HANG_GUARD_S, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
