@@ -62,9 +62,12 @@ _PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "pytest", "tests.help
 """Imported once by the forkserver; every worker is forked from that state (``torch._dynamo``:
 every ``torch.optim`` optimizer imports it on construction, seconds per process)."""
 
-_WARM = ("megacp.parallel.state", "megacp.parallel.mpu", "deepspeed", "deepspeed.runtime.zero.muon.muon_optimizer",
+_WARM = ("megacp.parallel.state", "megacp.parallel.mpu", "megacp.generate.llm", "megacp.train.engine",
+         "megacp.integrations.families", "deepspeed", "deepspeed.runtime.zero.muon.muon_optimizer",
          "transformers.models.llama.modeling_llama")
-"""Modules most workers import (megacp's mesh with pydantic ~0.35 s per process, DeepSpeed, the
+"""Modules most workers import (megacp's mesh with pydantic ~0.35 s per process; its models,
+checkpoints, generation and training, ~50 modules that a process would otherwise compile from
+source when no bytecode is written, e.g. under ``PYTHONDONTWRITEBYTECODE``; DeepSpeed, the
 optimizer module DeepSpeed's engine checks every optimizer against, whose ``torch.compile``
 decorators import torch._inductor, ~1.2 s per training rank, and transformers' Llama ~3 s),
 imported when this module is. A broken module must not take the forkserver down (it only survives
