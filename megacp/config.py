@@ -55,6 +55,9 @@ from typing import Annotated, Any, Literal, NoReturn, Union
 import annotated_types
 import hjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic_core import core_schema
+
+from megacp.attention.kernels import registry
 
 
 class ConfigError(ValueError):
@@ -62,6 +65,18 @@ class ConfigError(ValueError):
 
     def __init__(self, message: str) -> None:
         super().__init__(" ".join(message.split()))
+
+
+@dataclasses.dataclass(frozen=True)
+class _OneOf:
+    """Field metadata: a string that must be one of ``values``, for choices another module lists
+    (the attention backends of :mod:`megacp.attention.kernels.registry`); validated and described
+    as a ``Literal`` of them."""
+
+    values: tuple[str, ...]
+
+    def __get_pydantic_core_schema__(self, source: Any, handler: Any) -> core_schema.CoreSchema:
+        return core_schema.literal_schema(list(self.values))
 
 
 class _Section(BaseModel):
@@ -113,7 +128,8 @@ class RuntimeConfig(_Section):
     """``runtime``: how the job runs (no effect on results).
 
     Attributes:
-        attention_backend: partial-attention kernels (:mod:`megacp.attention.partial`).
+        attention_backend: partial-attention kernels: ``"auto"`` or a backend of
+            :mod:`megacp.attention.kernels.registry` (:mod:`megacp.attention.kernels.partial`).
         ring_transport: how ring blocks travel (:mod:`megacp.parallel.ring`).
         peer_window_mb: MiB of each of the two slots of a CP group's copy-engine window; larger
             blocks rotate over NCCL.
@@ -122,7 +138,7 @@ class RuntimeConfig(_Section):
             ends the job with an error after this long instead of hanging.
     """
 
-    attention_backend: Literal["auto", "cudnn", "flash", "reference"] = "auto"
+    attention_backend: Annotated[str, _OneOf(registry.choices())] = "auto"
     ring_transport: Literal["auto", "nccl", "copy_engine"] = "auto"
     peer_window_mb: int = Field(1024, ge=1)
     calibration_cache_dir: Union[str, None] = None
@@ -519,7 +535,10 @@ def _describe_type(annotation: Any, metadata: list[Any] | None = None) -> str:
         annotation, *extra = typing.get_args(annotation)
         metadata = [m for e in extra for m in getattr(e, "metadata", [e])]
     metadata = metadata or []
-    if typing.get_origin(annotation) is Literal:
+    choices = [meta.values for meta in metadata if isinstance(meta, _OneOf)]
+    if choices:
+        text = ", ".join(repr(value) for value in choices[0])
+    elif typing.get_origin(annotation) is Literal:
         text = ", ".join(repr(value) for value in typing.get_args(annotation))
     elif annotation is bool:
         text = "true, false"

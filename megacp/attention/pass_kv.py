@@ -10,9 +10,9 @@ NCCL, window slots over the copy engine), so the transfer of hop s+1 overlaps th
 On CUDA, step 0's compute is queued before the rotation starts and, for short shards, the received
 blocks' compute runs on a second stream beside it (see :func:`ring_pass_kv`).
 
-With an FP8 KV cache the block is an :class:`~megacp.attention.fp8_kv.FP8KVBlock`: the cache's FP8
+With an FP8 KV cache the block is an :class:`~megacp.attention.blocks.FP8KVBlock`: the cache's FP8
 rows travel as bytes (half of bf16's) and each rank dequantises the block in hand one key tile at a
-time, inside its tiles (:mod:`megacp.attention.fp8_kv`).
+time, inside its tiles (:mod:`megacp.attention.blocks`).
 
 The loop is a sequence of (block source, tiles) steps over :meth:`Ring.rotate`; the training
 backward (:mod:`megacp.attention.training`) replays the same rotation and tiles while the K/V
@@ -28,9 +28,9 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from megacp.attention.fp8_kv import FP8KVBlock, KVBlock
-from megacp.attention.merge import merge_into
-from megacp.attention.tile_attention import run_tiles
+from megacp.attention.blocks import FP8KVBlock, KVBlock, check_ring
+from megacp.attention.kernels.merge import merge_into
+from megacp.attention.kernels.tile_attention import run_tiles
 from megacp.parallel.ring import Block, Ring, side_stream
 from megacp.placement import ShardPlan, Tile
 
@@ -40,15 +40,6 @@ query rows. Measured on 2×H200 (``scripts/diagnostics/prefill_breakdown.py``): 
 ~16 waves of attention CTAs, not power-limited) filling step 0's tail saves ~3%; from 64K on the
 GPUs run at their power cap, the filled tail only lowers the clock, and at 128K-256K the concurrent
 kernels were 1-4% slower."""
-
-
-def check_ring(plan: ShardPlan, ring: Ring | None) -> None:
-    """Raise ``ValueError`` unless ``ring`` fits ``plan``: a ring of ``plan.cp_size`` ranks, or
-    ``None`` for CP = 1 (a missing ring would otherwise compute only the own block's share)."""
-    if plan.cp_size > 1 and ring is None:
-        raise ValueError(f"CP size {plan.cp_size} needs a ring (process group)")
-    if ring is not None and ring.size != plan.cp_size:
-        raise ValueError(f"plan is for CP size {plan.cp_size} but the group has {ring.size} ranks")
 
 
 def ring_pass_kv(

@@ -4,9 +4,9 @@ Forward is :func:`~megacp.attention.pass_kv.ring_pass_kv`; it keeps this rank's 
 block and the merged ``(out, lse)``. Backward replays the same rotation (:meth:`Ring.rotate`) and
 the same per-step tiles: at step ``s`` a rank holds the KV block of rank ``r - s`` together with the
 gradient accumulator of that block (filled by the ranks that held it before), adds the gradients of
-its own tiles (:func:`~megacp.attention.partial_backward.partial_attention_backward`, a fused kernel
+its own tiles (:func:`~megacp.attention.kernels.partial_backward.partial_attention_backward`, a fused kernel
 on GPU fed the *final* ``out``/``lse``, so no tile needs a correction; runs of short packed-document
-tiles one varlen call, :mod:`~megacp.attention.varlen`), and passes the accumulator on;
+tiles one varlen call, :mod:`~megacp.attention.kernels.varlen`), and passes the accumulator on;
 after N steps every accumulator is back at its owner, as in Transformer Engine's p2p CP. The tile
 gradients of step ``s`` are queued before the wait for the accumulator that arrives with it, so the
 transfers overlap the kernels. dQ stays local; the travelling dK/dV accumulators and dQ are fp32
@@ -19,18 +19,17 @@ through :class:`megacp.parallel.mpu.DeepSpeedMPU`).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import Tensor
 
-from megacp.attention.fp8_kv import KVBlock
-from megacp.attention.partial import kernels_apply, partial_attention, resolve_backend, softmax_scale
-from megacp.attention.partial_backward import partial_attention_backward
+from megacp.attention.blocks import KVBlock, build_kv_block
+from megacp.attention.kernels.partial import softmax_scale
+from megacp.attention.kernels.partial_backward import partial_attention_backward
+from megacp.attention.kernels.registry import resolve_backend
+from megacp.attention.kernels.varlen import TileRun, tile_runs, varlen_backward
 from megacp.attention.pass_kv import ring_pass_kv
-from megacp.attention.plans import plan_lengths, plans_reused_across_lengths
-from megacp.attention.prefill import build_kv_block
-from megacp.attention.varlen import TileRun, tile_runs, varlen_backward
 from megacp.parallel.ring import Ring
 from megacp.placement import ShardPlan, Tile
 
@@ -78,7 +77,7 @@ def block_gradients(q: Tensor, block: KVBlock, out: Tensor, lse: Tensor, dout: T
 
     Args:
         q, out, dout: ``[n_local, Hq, D]``; lse: ``[n_local, Hq]`` fp32 (final, merged).
-        block: the KV block the tiles index (:data:`~megacp.attention.pass_kv.KVBlock`, ``M`` rows).
+        block: the KV block the tiles index (:data:`~megacp.attention.blocks.KVBlock`, ``M`` rows).
 
     Returns:
         ``(dq, dk, dv)`` pieces: rows of the queries ``[n_local, Hq, D]`` and of the block's keys
@@ -90,7 +89,7 @@ def block_gradients(q: Tensor, block: KVBlock, out: Tensor, lse: Tensor, dout: T
     dq, dk, dv = [], [], []
     for t in tile_runs(tiles, backend, q):
         if isinstance(t, TileRun):
-            gq, gk, gv = varlen_backward(q, k, v, out, lse, dout, t, scale=run_scale)
+            gq, gk, gv = varlen_backward(q, k, v, out, lse, dout, t, scale=run_scale, backend=backend)
         else:
             rows, keys = slice(t.q0, t.q1), slice(t.k0, t.k1)
             gq, gk, gv = partial_attention_backward(q[rows], k[keys], v[keys], out[rows], lse[rows], dout[rows],
@@ -171,7 +170,7 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, plan: ShardPlan, ring: Ring 
             order (``plan`` without cached tokens).
         plan: the sharding plan; ring: the CP ring (``None`` when N = 1).
         scale: softmax scale (default ``1/sqrt(D)``); backend: forward and backward kernels
-            (:mod:`~megacp.attention.partial`, :mod:`~megacp.attention.partial_backward`).
+            (:mod:`~megacp.attention.kernels.partial`, :mod:`~megacp.attention.kernels.partial_backward`).
 
     Returns:
         ``out`` ``[n_local, Hq, D]`` in ``q.dtype``; its backward returns the gradients of q, k and v
@@ -182,65 +181,3 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, plan: ShardPlan, ring: Ring 
     if q.shape[0] != plan.num_local() or k.shape[0] != q.shape[0] or v.shape != k.shape:
         raise ValueError(f"q, k, v must hold this rank's {plan.num_local()} tokens; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     return _RingAttention.apply(q, k, v, plan, ring, scale, backend)
-
-
-def warm_kernel_plans(heads: int, kv_heads: int, head_dim: int, *, dtype: torch.dtype, device: torch.device,
-                      tokens: int, backend: str | None = None) -> list[int]:
-    """Build the cuDNN plans of every padded square causal tile length up to ``tokens`` (the
-    longest tile a step will run, local tokens per rank; :func:`~megacp.attention.plans.plan_lengths`),
-    forward and backward, through the calls a training step makes, so that no step stalls on
-    building one (~33 lengths, tens of milliseconds each, once per process).
-
-    torch keeps its cuDNN attention plans per thread, and autograd runs the backward of CUDA
-    tensors (with the layers' recomputed forward under activation checkpointing) on its own device
-    thread: the forward plans are built on the calling thread and, forward and backward, on that
-    device thread (:func:`run_on_backward_thread`). Built on the calling thread alone, every new
-    length cost its first training step tens of milliseconds (measured on an H100).
-
-    Runs only where the cuDNN kernels would: CUDA fp16/bf16, ``backend`` ``"auto"`` or ``"cudnn"``,
-    and torch not reusing plans across lengths (under it the backward runs FlashAttention-2).
-
-    Returns:
-        The lengths warmed (rows), ``[]`` when nothing ran.
-    """
-    backend = resolve_backend(backend)
-    probe = torch.empty(0, dtype=dtype, device=device)
-    if backend not in ("auto", "cudnn") or not kernels_apply(probe) or plans_reused_across_lengths():
-        return []
-    lengths = plan_lengths(tokens)
-
-    def warm(backward: bool) -> None:
-        gen = torch.Generator(device=device).manual_seed(0)
-        for n in lengths:
-            q, dout = (torch.randn(n, heads, head_dim, dtype=dtype, device=device, generator=gen) for _ in range(2))
-            k, v = (torch.randn(n, kv_heads, head_dim, dtype=dtype, device=device, generator=gen) for _ in range(2))
-            out, lse = partial_attention(q, k, v, causal=True, backend=backend)
-            if backward:
-                partial_attention_backward(q, k, v, out, lse, dout, causal=True, backend=backend)
-
-    with torch.no_grad():
-        warm(backward=False)
-    run_on_backward_thread(lambda: warm(backward=True), device)
-    torch.cuda.synchronize(device)
-    return lengths
-
-
-class _RunInBackward(torch.autograd.Function):
-    """Identity whose backward calls ``fn`` (on the thread autograd runs the input's device on)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, fn: Any) -> Tensor:
-        ctx.fn = fn
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple:
-        ctx.fn()
-        return grad, None
-
-
-def run_on_backward_thread(fn: Callable[[], None], device: torch.device) -> None:
-    """Call ``fn`` where autograd runs the backward of tensors on ``device`` (for a CUDA device,
-    autograd's device thread, not the caller's), through a one-element backward pass."""
-    x = torch.zeros((), device=device, requires_grad=True)
-    _RunInBackward.apply(x, fn).backward()

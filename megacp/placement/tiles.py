@@ -1,4 +1,4 @@
-"""Turning buffer layouts into kernel calls (pure planning; :mod:`megacp.attention.tile_attention`
+"""Turning buffer layouts into kernel calls (pure planning; :mod:`megacp.attention.kernels.tile_attention`
 runs them).
 
 Given where a block's queries sit (:class:`~megacp.placement.layout.SeqLayout` per request, no
@@ -144,7 +144,7 @@ def split_keys(tiles: Sequence[Tile], max_keys: int) -> list[Tile]:
     before its last ``q1 - q0`` — go in dense pieces of ``max_keys``; a causal tile's last
     ``q1 - q0`` keys stay one causal tile, and a windowed (``left``) tile stays whole (it reads at
     most its queries plus the window). So each piece reads at most ``max(max_keys, q1 - q0 + window)``
-    keys: what an FP8 block dequantises at a time (:mod:`megacp.attention.fp8_kv`)."""
+    keys: what an FP8 block dequantises at a time (:mod:`megacp.attention.blocks`)."""
     if max_keys < 1:
         raise ValueError(f"a key tile must hold at least 1 key, got {max_keys}")
     out: list[Tile] = []

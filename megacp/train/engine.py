@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from megacp.attention.training import warm_kernel_plans
+from megacp.attention.kernels.warmup import warm_kernel_plans
 from megacp.checkpoint.staging import exchange_directories
 from megacp.config import ConfigError, DeepSpeedSections, MemoryOptions, read_memory_options
 from megacp.integrations.hf_memory import HFMemory, apply_memory, num_experts, training_loss
@@ -468,7 +468,7 @@ class Trainer:
     def prepare(self, tokens: int) -> MemoryPlan | None:
         """Ready the first step of ``tokens`` local tokens per rank before it runs: the memory plan
         (:meth:`plan_memory`) and the attention kernels' plans of every padded tile length up to
-        ``tokens`` (:func:`~megacp.attention.training.warm_kernel_plans`: each length's forward and
+        ``tokens`` (:func:`~megacp.attention.kernels.warmup.warm_kernel_plans`: each length's forward and
         backward run once, seconds at hundreds of thousands of tokens). :meth:`step` does both
         itself when not done; a caller timing its steps calls this first.
 
@@ -481,7 +481,7 @@ class Trainer:
 
     def _warm_plans(self, tokens: int) -> None:
         """Before the first step: the attention kernels' plans of every padded tile length up to
-        ``tokens`` (:func:`~megacp.attention.training.warm_kernel_plans`; a transformers model's
+        ``tokens`` (:func:`~megacp.attention.kernels.warmup.warm_kernel_plans`; a transformers model's
         attention runs the same kernels), so no later step stalls on building one."""
         if self.plans_warmed is not None or self._plan_cfg is None:
             return

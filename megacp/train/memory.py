@@ -140,7 +140,7 @@ def working_bytes_per_token(cfg: ModelConfig, elem: int, tokens: int, *, tp: int
 
     Attention: the normed input and its weighted copy, rotated q/k, v, the output, the residual
     (kept for the backward), the gradients autograd holds at once, dQ/dK/dV and the fused kernel's
-    fp32 dQ accumulator of one call (:func:`~megacp.attention.partial_backward.head_groups`). The
+    fp32 dQ accumulator of one call (:func:`~megacp.attention.kernels.partial_backward.head_groups`). The
     MLP untiled adds gate/up ``[2F]``, ``silu(gate)`` and the product ``[F]`` and their gradients
     (``F`` per TP rank); tiled it adds nothing per token, unless the norm before it runs apart from the
     tiles (``norm_apart``: a transformers layer, whose ``post_attention_layernorm`` keeps its
@@ -149,7 +149,7 @@ def working_bytes_per_token(cfg: ModelConfig, elem: int, tokens: int, *, tp: int
     dQ accumulator beyond two ranks. Fitted to a memory trace of the Llama-3.1-8B shape at 128K
     tokens on an H200 (``docs/PERFORMANCE.md``); the CP terms count the buffers, unmeasured.
     """
-    from megacp.attention.partial_backward import head_groups
+    from megacp.attention.kernels.partial_backward import head_groups
 
     h, q = cfg.hidden_size, cfg.num_heads * cfg.head_dim // tp
     kv = cfg.num_kv_heads * cfg.head_dim // tp
