@@ -103,11 +103,7 @@ def ring_pass_kv(
         state = attend(q, wire, 0, own, None)
     later = [t for s in range(1, n) for t in plan.tiles(r, (r - s) % n)]
     lo, hi = min((t.q0 for t in later), default=0), max((t.q1 for t in later), default=0)
-    aux = side_stream(q.device, "pass_kv later steps") if q.is_cuda and q.shape[0] <= SECOND_STREAM_MAX_ROWS else None
-    if aux is not None:
-        main = torch.cuda.current_stream(q.device)
-        assert ready is not None  # recorded above on CUDA
-        aux.wait_event(ready)  # aux needs q, not step 0's results
+    aux = _second_stream(q, ready)
     need = [plan.kv_rows_read(j, r) for j in range(n)]  # pushed to rank j (copy engine), no more
     rest = None
     # at step s the block of rank r - s is in hand
@@ -122,12 +118,31 @@ def ring_pass_kv(
             if rest is not None and rest[0].dtype != torch.float32:  # a sum of partials is kept in fp32
                 rest = (rest[0].float(), rest[1])
             rest = attend(q[lo:hi], block, step, tiles, rest)
+    assert state is not None  # step 0 ran
     if rest is not None and hi > lo:
-        if aux is not None:
-            main.wait_stream(aux)
-            for t in rest:  # made on aux, read on main
-                t.record_stream(main)
-        assert state is not None  # step 0 ran
-        merge_into(state[0][lo:hi], state[1][lo:hi], *rest)
-    assert state is not None
+        _merge_later(state, rest, lo, hi, aux)
     return state[0].to(q.dtype), state[1]
+
+
+def _second_stream(q: Tensor, ready: torch.cuda.Event | None) -> torch.cuda.Stream | None:
+    """The stream steps ``>= 1`` run on: for CUDA queries of at most :data:`SECOND_STREAM_MAX_ROWS`
+    rows a side stream that waits on ``ready`` (the inputs are complete; it needs ``q``, not step
+    0's results), else ``None`` (the current stream)."""
+    if not q.is_cuda or q.shape[0] > SECOND_STREAM_MAX_ROWS:
+        return None
+    aux = side_stream(q.device, "pass_kv later steps")
+    assert ready is not None  # recorded on CUDA before step 0
+    aux.wait_event(ready)
+    return aux
+
+
+def _merge_later(state: tuple[Tensor, Tensor], rest: tuple[Tensor, Tensor], lo: int, hi: int,
+                 aux: torch.cuda.Stream | None) -> None:
+    """Fold the state of steps ``>= 1`` (query rows ``[lo, hi)``, made on ``aux`` when given) into
+    step 0's ``state`` ``(out [n_local, Hq, D], lse [n_local, Hq] fp32)``, in place."""
+    if aux is not None:
+        main = torch.cuda.current_stream(aux.device)
+        main.wait_stream(aux)
+        for t in rest:  # made on aux, read on main
+            t.record_stream(main)
+    merge_into(state[0][lo:hi], state[1][lo:hi], *rest)
