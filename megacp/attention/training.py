@@ -142,25 +142,27 @@ def ring_backward(q: Tensor, bk: Tensor, bv: Tensor, out: Tensor, lse: Tensor, d
         if into is not None:
             return dq, accumulate(into[0], pk, kv_shape, dev), accumulate(into[1], pv, kv_shape, dev)
         return dq, accumulate(None, pk, kv_shape, dev, kv_dtype), accumulate(None, pv, kv_shape, dev, kv_dtype)
-    dq, recv, pending = None, None, None
+    dq_sum: Tensor | None = None
+    recv: list[Tensor] | None = None
+    pending = None
     # without a window the tiles of one block never overlap in queries, so a query row sums at
     # most n partial gradients: with two, one rounding of their sum in q.dtype is what fp32 would give
     dq_dtype = q.dtype if n == 2 and plan.window is None else torch.float32
     need = [plan.kv_rows_read(j, r) for j in range(n)]
     start = list(into) if into is not None else None  # this block's running sums set out with it
     for step, held in ring.rotate((bk, bv), rows=need):  # held: KV block of rank r - step
-        pq, pk, pv = block_gradients(q, held, out, lse, dout, plan.tiles(r, (r - step) % n, rows),
+        pq, pk, pv = block_gradients(q, (held[0], held[1]), out, lse, dout, plan.tiles(r, (r - step) % n, rows),
                                      scale=scale, backend=backend)
-        dq = accumulate(dq, pq, q.shape, dev, dq_dtype)
+        dq_sum = accumulate(dq_sum, pq, q.shape, dev, dq_dtype)
         if pending is not None:
             Ring.wait(pending)  # what the ranks that held this block before have added
         base = recv if recv is not None else start
         acc = [accumulate(base[i] if base else None, p, kv_shape, dev) for i, p in enumerate((pk, pv))]
         recv = [torch.empty_like(a) for a in acc]
         pending = ring.start(acc, recv, tag=1)  # on to the next holder; the last hop goes home
-    assert recv is not None and pending is not None and dq is not None  # n > 1 steps ran
+    assert recv is not None and pending is not None and dq_sum is not None  # n > 1 steps ran
     Ring.wait(pending)
-    return dq, recv[0], recv[1]
+    return dq_sum, recv[0], recv[1]
 
 
 class _RingAttention(torch.autograd.Function):
@@ -210,7 +212,8 @@ class _RowAttention(torch.autograd.Function):
     def backward(ctx: Any, dout: Tensor) -> tuple:
         q, out, lse = ctx.saved_tensors
         grads: KVGradients = ctx.grads
-        dq, grads.k, grads.v = ring_backward(q, *ctx.block, out, lse, dout, ctx.plan, ctx.ring, scale=ctx.scale,
+        bk, bv = ctx.block
+        dq, grads.k, grads.v = ring_backward(q, bk, bv, out, lse, dout, ctx.plan, ctx.ring, scale=ctx.scale,
                                              backend=ctx.backend, rows=ctx.rows, into=(grads.k, grads.v))
         return dq.to(q.dtype), None, None, None, None, None, None, None
 

@@ -20,7 +20,7 @@ So K and V are projected from the whole input once per pass and kept ``[M, Hkv, 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -107,7 +107,9 @@ class TileStep(TrainStep):
 
 def autograd_leaves(*tensors: Tensor) -> list[Tensor]:
     """The leaf tensors (parameters) whose gradients ``tensors``' autograd graphs accumulate."""
-    seen, leaves, todo = set(), [], [t.grad_fn for t in tensors if t.grad_fn is not None]
+    seen: set[Any] = set()
+    leaves: list[Tensor] = []
+    todo = [t.grad_fn for t in tensors if t.grad_fn is not None]
     while todo:
         fn = todo.pop()
         if fn is None or fn in seen:
@@ -116,5 +118,5 @@ def autograd_leaves(*tensors: Tensor) -> list[Tensor]:
         variable = getattr(fn, "variable", None)
         if isinstance(variable, torch.Tensor):
             leaves.append(variable)
-        todo.extend(nxt for nxt, _ in fn.next_functions)
+        todo.extend(nxt for nxt, _ in fn.next_functions if nxt is not None)
     return leaves

@@ -124,6 +124,7 @@ class TiledLayer:
                     _ready([p for p in params if id(p) not in kv_params], True)
                 torch.autograd.backward(yt, self._rows(dy, rows))
                 if dx is not None:
+                    assert xt.grad is not None
                     self._rows(dx, rows).copy_(xt.grad)
             grads = work.grads
             for i, rows in enumerate(tiles):
@@ -135,8 +136,10 @@ class TiledLayer:
                 assert work.pending is not None
                 (kt, vt), work.pending = work.pending, None
                 a, b = rows
-                torch.autograd.backward([kt, vt], [grads.k[a:b].to(kt.dtype), grads.v[a:b].to(vt.dtype)])
-                if dx is not None:
+                pairs = [(t, g[a:b].to(t.dtype)) for t, g in ((kt, grads.k), (vt, grads.v)) if t.requires_grad]
+                if pairs:
+                    torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+                if dx is not None and xt.grad is not None:  # None: K and V do not depend on x
                     self._rows(dx, rows).add_(xt.grad)
         finally:
             _ready(params, True)
