@@ -112,7 +112,8 @@ class _TiledPartitioned(torch.autograd.Function):
     (ZeRO 3 gathers them only around each projection's call, so their recorded shapes would be the
     empty partitions); the backward recomputes each tile through the module's own calls and
     back-propagates into the parameters' ``.grad``, telling DeepSpeed (``ds_grad_is_ready``, its
-    protocol for tiled compute) that a parameter's gradient is complete only after the last tile.
+    protocol for tiled compute) that a parameter's gradient is complete only after the last tile (and
+    only where an enclosing tiled computation does not hold it back: :mod:`megacp.models.tiled_layer`).
     Every rank cuts the same number of tiles (:func:`_common_tiles`; some may be empty), so that their
     weight gathers pair up."""
 
@@ -129,15 +130,19 @@ class _TiledPartitioned(torch.autograd.Function):
         (x,) = ctx.saved_tensors
         wants_dx = ctx.needs_input_grad[0]
         grads = []
+        # an enclosing tiled computation (a layer over query tiles) may hold the gradients back itself
+        outer = [getattr(p, "ds_grad_is_ready", True) for p in ctx.params]
         for n, (xt, dyt) in enumerate(zip(torch.tensor_split(x, ctx.tiles, dim=1),
                                           torch.tensor_split(dy.contiguous(), ctx.tiles, dim=1))):
-            for p in ctx.params:
-                p.ds_grad_is_ready = n == ctx.tiles - 1
+            for p, ready in zip(ctx.params, outer):
+                p.ds_grad_is_ready = ready and n == ctx.tiles - 1
             with torch.enable_grad():
                 xt = xt.detach().requires_grad_(wants_dx)
                 yt = ctx.run(xt)
             torch.autograd.backward(yt, dyt)
             grads.append(xt.grad)
+        for p, ready in zip(ctx.params, outer):
+            p.ds_grad_is_ready = ready
         return (torch.cat(grads, dim=1) if wants_dx else None), None, None, None  # type: ignore[arg-type]
 
 
