@@ -50,6 +50,7 @@ def ring_pass_kv(
     *,
     scale: float | None = None,
     backend: str | None = None,
+    rows: tuple[int, int] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Exact attention of this rank's queries over every rank's KV block.
 
@@ -76,13 +77,15 @@ def ring_pass_kv(
             or an :class:`FP8KVBlock` (its bytes travel; the block in hand is dequantised a key
             tile at a time).
         plan: the step's sharding plan; ring: the CP ring (``None`` when N = 1).
+        rows: ``q`` holds only the local query rows ``[a, b)`` (a query tile: every rank rotates the
+            whole blocks once per tile, with as many tiles on every rank); ``None``: all of them.
 
     Returns:
-        ``(out [n_local, Hq, D] q.dtype, lse [n_local, Hq] fp32)``.
+        ``(out [n_local, Hq, D] q.dtype, lse [n_local, Hq] fp32)`` (``b - a`` rows with ``rows``).
     """
     check_ring(plan, ring)
     r, n = plan.rank, plan.cp_size
-    own = plan.tiles(r, r)
+    own = plan.tiles(r, r, rows)
     fp8 = kv_block if isinstance(kv_block, FP8KVBlock) else None
 
     def attend(q_rows: Tensor, block: Block, step: int, tiles: Sequence[Tile],
@@ -101,7 +104,7 @@ def ring_pass_kv(
         ready = torch.cuda.Event()
         ready.record()  # the inputs are complete: the transfers and the second stream wait on this
         state = attend(q, wire, 0, own, None)
-    later = [t for s in range(1, n) for t in plan.tiles(r, (r - s) % n)]
+    later = [t for s in range(1, n) for t in plan.tiles(r, (r - s) % n, rows)]
     lo, hi = min((t.q0 for t in later), default=0), max((t.q1 for t in later), default=0)
     aux = _second_stream(q, ready)
     need = [plan.kv_rows_read(j, r) for j in range(n)]  # pushed to rank j (copy engine), no more
@@ -112,7 +115,7 @@ def ring_pass_kv(
             if state is None:  # gloo: the transfers were posted first, step 0 overlaps them
                 state = attend(q, block, 0, own, None)
             continue
-        tiles = plan.tiles(r, (r - step) % n)
+        tiles = plan.tiles(r, (r - step) % n, rows)
         with torch.cuda.stream(aux) if aux is not None else contextlib.nullcontext():
             tiles = [dataclasses.replace(t, q0=t.q0 - lo, q1=t.q1 - lo) for t in tiles]
             if rest is not None and rest[0].dtype != torch.float32:  # a sum of partials is kept in fp32
