@@ -86,16 +86,12 @@ def ring_pass_kv(
     check_ring(plan, ring)
     r, n = plan.rank, plan.cp_size
     own = plan.tiles(r, r, rows)
-    fp8 = kv_block if isinstance(kv_block, FP8KVBlock) else None
 
     def attend(q_rows: Tensor, block: Block, step: int, tiles: Sequence[Tile],
                acc: tuple[Tensor, Tensor] | None) -> tuple[Tensor, Tensor]:
-        """``tiles`` of ``q_rows`` over the block of rank ``r - step`` (in hand), folded into ``acc``."""
-        if fp8 is None:
-            return run_tiles(q_rows, block[0], block[1], tiles, acc, scale=scale, backend=backend)
-        return fp8.attend(q_rows, block, (r - step) % n, tiles, acc, scale=scale, backend=backend)
+        return _attend(q_rows, kv_block, block, (r - step) % n, tiles, acc, scale=scale, backend=backend)
 
-    wire: Block = fp8.wire() if fp8 is not None else kv_block  # type: ignore[assignment]  # not FP8: a KVBlock
+    wire: Block = kv_block.wire() if isinstance(kv_block, FP8KVBlock) else kv_block
     if ring is None:
         out, lse = attend(q, wire, 0, own, None)
         return out.to(q.dtype), lse
@@ -125,6 +121,15 @@ def ring_pass_kv(
     if rest is not None and hi > lo:
         _merge_later(state, rest, lo, hi, aux)
     return state[0].to(q.dtype), state[1]
+
+
+def _attend(q: Tensor, kv_block: KVBlock | FP8KVBlock, block: Block, src: int, tiles: Sequence[Tile],
+            acc: tuple[Tensor, Tensor] | None, *, scale: float | None, backend: str | None) -> tuple[Tensor, Tensor]:
+    """``tiles`` of ``q`` ``[Lq, Hq, D]`` over ``block``, rank ``src``'s block in hand (in the form of
+    ``kv_block``, or an FP8 block's bytes as they travel), folded into the running state ``acc``."""
+    if isinstance(kv_block, FP8KVBlock):
+        return kv_block.attend(q, block, src, tiles, acc, scale=scale, backend=backend)
+    return run_tiles(q, block[0], block[1], tiles, acc, scale=scale, backend=backend)
 
 
 def _second_stream(q: Tensor, ready: torch.cuda.Event | None) -> torch.cuda.Stream | None:
