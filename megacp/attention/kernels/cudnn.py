@@ -16,10 +16,8 @@ import torch
 from torch import Tensor
 
 from megacp.attention.kernels import cudnn_band
+from megacp.attention.kernels.partial import Grads, State
 from megacp.attention.kernels.partial_backward import head_group_slices, head_groups, reference_backward, zero_seed
-
-State = tuple[Tensor, Tensor]
-Grads = tuple[Tensor, Tensor, Tensor]
 
 
 def forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> State:

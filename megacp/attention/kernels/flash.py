@@ -19,11 +19,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from megacp.attention.kernels.partial import Grads, State
 from megacp.attention.kernels.partial_backward import zero_seed
 from megacp.attention.kernels.varlen import TileRun
-
-State = tuple[Tensor, Tensor]
-Grads = tuple[Tensor, Tensor, Tensor]
 
 
 def forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> State:

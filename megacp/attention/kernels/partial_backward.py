@@ -49,6 +49,7 @@ from megacp.attention.kernels import registry
 from megacp.attention.kernels.band import band_backward
 from megacp.attention.kernels.merge import finite_or_zero
 from megacp.attention.kernels.partial import (
+    Grads,
     band_kernel,
     dense_rows,
     first_kernel,
@@ -63,7 +64,6 @@ from megacp.attention.kernels.partial import (
 from megacp.attention.kernels.plans import CUDNN_PLAN_REUSE, pad_rows, plan_length, plans_reused_across_lengths
 from megacp.attention.kernels.registry import AUTO, resolve_backend
 
-Grads = tuple[Tensor, Tensor, Tensor]
 _refused: set[tuple] = set()
 """Shape classes a kernel refused under ``"auto"`` (per process, like the forward's: a property of
 the installed kernels, not of any job)."""
