@@ -49,10 +49,10 @@ def _megacp_generate(rank: int, n: int, jobs: list[tuple[str, str, int]], prompt
     """Each job = (model path, strategy, prefill chunk); returns the generated tokens of each job.
     ``config`` is a DeepSpeed-style dict with megacp's sections (default: CP = world size)."""
     import megacp
+    from megacp.checkpoint import load_model
     from megacp.generate import Generator, SamplingParams
     from megacp.generate.engine import generate
     from megacp.layers.settings import CPSettings
-    from megacp.checkpoint import load_model
     from megacp.parallel.ring import Ring
 
     state = megacp.initialize(config)
@@ -131,10 +131,10 @@ def _smollm2_path() -> str | None:
 
 def _smollm2_cp(rank: int, n: int, path: str, prompt: list[int], new: int) -> list[int]:
     import megacp
+    from megacp.checkpoint import load_model
     from megacp.generate import Generator, SamplingParams
     from megacp.generate.engine import generate
     from megacp.layers.settings import CPSettings
-    from megacp.checkpoint import load_model
     from megacp.parallel.ring import Ring
 
     state = megacp.initialize()
@@ -203,8 +203,8 @@ def test_bad_prompt_ids_get_one_clear_error(content: str, tmp_path: Path) -> Non
 ])
 def test_requests_beyond_the_model_fail_before_it_loads(argv: list[str], message: str, hf_models, tmp_path: Path) -> None:
     """The model's context and vocabulary come from its config alone (no weights read)."""
-    from megacp.generate.cli import UsageError, check_model_limits, parse_args, validate
     from megacp.checkpoint.front import read_model_config
+    from megacp.generate.cli import UsageError, check_model_limits, parse_args, validate
 
     if argv[0] == "IDS":
         (tmp_path / "ids.json").write_text(argv[1])

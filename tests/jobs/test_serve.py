@@ -43,8 +43,8 @@ def _burst(llm, prompts: list[list[int]], ref: list[list[int]]) -> dict[str, obj
     steps and chunks after each of the first two steps, the requests still prefilling after the
     burst's step, and whether every request got its ``ref`` tokens."""
     from megacp import SamplingParams
-    from megacp.serve.engine import Engine, Request
     from megacp.generate.worker import Worker
+    from megacp.serve.engine import Engine, Request
 
     loop = asyncio.new_event_loop()
     worker = Worker(llm.generator, 5, 64, vocab=llm.model_config.vocab_size, static=True, capture=False)
