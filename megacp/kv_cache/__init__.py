@@ -8,9 +8,9 @@
 
 :class:`ShardedKVCache` is one rank's cache: a table and a storage of the same slots, side by side
 (:attr:`~ShardedKVCache.table`, :attr:`~ShardedKVCache.storage`). The request engine schedules on
-the table alone (allocation, ``check_room``, ``truncate``, ``snapshot``); the steps of
-:mod:`megacp.layers.step` plan on the table, read and write the storage (``write``, ``kv``,
-``decode_kv``, the static decode rows) and ``commit`` the table once every layer has written.
+the table alone (``check_room``, ``truncate``, ``snapshot``); the steps of :mod:`megacp.layers.step`
+plan on the table, read and write the storage (``write``, ``kv``, ``decode_kv``, the static decode
+rows) and ``commit`` the table once every layer has written.
 """
 
 from __future__ import annotations
