@@ -136,9 +136,13 @@ class SequenceTilingConfig(_Section):
         mlp: tokens per tile of each dense layer's RMSNorm + SwiGLU MLP
             (:mod:`megacp.models.tiling`); ``0`` untiled, ``"auto"`` tiled only when the memory plan
             needs it (:mod:`megacp.train.memory`).
+        attention: local query rows per tile of each dense layer trained over query tiles
+            (:mod:`megacp.models.tiled_layer`: the attention sublayer per tile, K/V projected once,
+            only the layer input kept); ``0`` untiled, ``"auto"`` tiled only when the plan needs it.
     """
 
     mlp: Union[Literal["auto"], Annotated[int, Field(ge=0)]] = "auto"
+    attention: Union[Literal["auto"], Annotated[int, Field(ge=0)]] = "auto"
 
 
 class ExpertModelParallelConfig(_Section):
@@ -549,6 +553,8 @@ class MemoryOptions:
         activation_checkpointing: checkpoint every decoder layer.
         offload: where the checkpointed inputs wait (``"none"``: on the GPU).
         mlp_tile: tokens per MLP tile, ``0`` untiled, or ``"auto"``.
+        attention_tile: local query rows per tile of a layer trained over query tiles, ``0``
+            untiled, or ``"auto"``.
         layers_per_checkpoint: consecutive decoder layers checkpointed as one block (``1``: every
             layer; ``k > 1``: a second checkpoint level, one block input kept per ``k`` layers and each
             block's layers checkpointed again while its backward runs), or ``"auto"`` (the plan's
@@ -559,6 +565,7 @@ class MemoryOptions:
     offload: Offload = "none"
     mlp_tile: int | Literal["auto"] = "auto"
     layers_per_checkpoint: int | Literal["auto"] = 1
+    attention_tile: int | Literal["auto"] = "auto"
 
 
 def read_memory_options(raw: Mapping[str, Any], *, activation_checkpointing: bool = False) -> MemoryOptions:
@@ -598,8 +605,9 @@ def read_memory_options(raw: Mapping[str, Any], *, activation_checkpointing: boo
     if per != 1 and not enabled:
         raise ConfigError("activation_checkpointing.layers_per_checkpoint: needs activation checkpointing "
                           '("enabled": true or --activation-checkpointing)')
-    return MemoryOptions(activation_checkpointing=enabled, offload=offload,
-                         mlp_tile=load_config(raw).sequence_tiling.mlp, layers_per_checkpoint=per)
+    tiling = load_config(raw).sequence_tiling
+    return MemoryOptions(activation_checkpointing=enabled, offload=offload, mlp_tile=tiling.mlp,
+                         layers_per_checkpoint=per, attention_tile=tiling.attention)
 
 
 

@@ -59,6 +59,7 @@ def ring_pass_kv(
     *,
     scale: float | None = None,
     backend: str | None = None,
+    rows: tuple[int, int] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Exact attention of this rank's queries over every rank's KV block.
 
@@ -85,13 +86,15 @@ def ring_pass_kv(
             or an :class:`FP8KVBlock` (its bytes travel; the block in hand is dequantised a key
             tile at a time).
         plan: the step's sharding plan; ring: the CP ring (``None`` when N = 1).
+        rows: ``q`` holds only the local query rows ``[a, b)`` (a query tile: every rank rotates the
+            whole blocks once per tile, with as many tiles on every rank); ``None``: all of them.
 
     Returns:
-        ``(out [n_local, Hq, D] q.dtype, lse [n_local, Hq] fp32)``.
+        ``(out [n_local, Hq, D] q.dtype, lse [n_local, Hq] fp32)`` (``b - a`` rows with ``rows``).
     """
     check_ring(plan, ring)
     r, n = plan.rank, plan.cp_size
-    own = plan.tiles(r, r)
+    own = plan.tiles(r, r, rows)
     fp8 = kv_block if isinstance(kv_block, FP8KVBlock) else None
 
     def attend(q_rows: Tensor, block: Block, step: int, tiles: Sequence[Tile],
@@ -110,7 +113,7 @@ def ring_pass_kv(
         ready = torch.cuda.Event()
         ready.record()  # the inputs are complete: the transfers and the second stream wait on this
         state = attend(q, wire, 0, own, None)
-    later = [t for s in range(1, n) for t in plan.tiles(r, (r - s) % n)]
+    later = [t for s in range(1, n) for t in plan.tiles(r, (r - s) % n, rows)]
     lo, hi = min((t.q0 for t in later), default=0), max((t.q1 for t in later), default=0)
     aux = side_stream(q.device, "pass_kv later steps") if q.is_cuda and q.shape[0] <= SECOND_STREAM_MAX_ROWS else None
     if aux is not None:
@@ -125,7 +128,7 @@ def ring_pass_kv(
             if state is None:  # gloo: the transfers were posted first, step 0 overlaps them
                 state = attend(q, block, 0, own, None)
             continue
-        tiles = plan.tiles(r, (r - step) % n)
+        tiles = plan.tiles(r, (r - step) % n, rows)
         with torch.cuda.stream(aux) if aux is not None else contextlib.nullcontext():
             tiles = [dataclasses.replace(t, q0=t.q0 - lo, q1=t.q1 - lo) for t in tiles]
             if rest is not None and rest[0].dtype != torch.float32:  # a sum of partials is kept in fp32

@@ -147,6 +147,22 @@ class _Checkpoint(torch.autograd.Function):
         return (xd.grad if ctx.needs_input_grad[0] else None), None, None, None
 
 
+class SelfCheckpointed:
+    """A layer run that keeps only its input for the backward by itself (a layer trained over query
+    tiles, :func:`~megacp.models.tiled_layer.tiled_layer`): :func:`checkpoint_layer` hands it the
+    stash instead of wrapping it in a second checkpoint.
+
+    Args:
+        run: ``(x, stash) -> y``, keeping ``x`` (in ``stash`` when given) for its own backward.
+    """
+
+    def __init__(self, run: Callable[[Tensor, HostStash | None], Tensor]) -> None:
+        self.run = run
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return self.run(x, None)
+
+
 def checkpoint_layer(run: Callable[[Tensor], Tensor], x: Tensor, stash: HostStash | None = None) -> Tensor:
     """``run(x)`` keeping only ``x`` (on the device, or in ``stash``) for the backward, which
     recomputes ``run`` under autograd.
@@ -157,8 +173,11 @@ def checkpoint_layer(run: Callable[[Tensor], Tensor], x: Tensor, stash: HostStas
         stash: host memory for ``x`` (``None``: ``x`` stays on the device).
 
     The output needs gradients whenever autograd is on, also when ``x`` does not (frozen
-    embeddings): the layer's parameters still get theirs.
+    embeddings): the layer's parameters still get theirs. A :class:`SelfCheckpointed` run keeps its
+    input itself (in ``stash`` when given).
     """
+    if isinstance(run, SelfCheckpointed):
+        return run.run(x, stash)
     anchor = None if x.requires_grad else torch.empty(0, requires_grad=True)
     return _Checkpoint.apply(x, anchor, run, stash)
 

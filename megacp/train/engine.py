@@ -37,7 +37,14 @@ import torch.distributed as dist
 from megacp.attention.training import warm_kernel_plans
 from megacp.checkpoint.staging import exchange_directories
 from megacp.config import ConfigError, DeepSpeedSections, MemoryOptions, read_memory_options
-from megacp.integrations.hf_memory import HFMemory, apply_memory, num_experts, training_loss
+from megacp.integrations.hf_memory import (
+    HFMemory,
+    apply_memory,
+    decoder_layers,
+    num_experts,
+    pre_norm_layer,
+    training_loss,
+)
 from megacp.integrations.hf_memory import plan_config as hf_plan_config
 from megacp.layers.settings import CPSettings
 from megacp.models.config import ModelConfig
@@ -215,19 +222,21 @@ def memory_inputs(model: torch.nn.Module, settings: TrainSettings, state: Parall
     nothing is read) on this rank of ``state``: its parameters (``params``, else counted), the memory
     options, where ZeRO keeps the states, the GPU's capacity and the host memory the run's states
     and offloaded activations may use (``host``, else what is free now; on a GPU only)."""
-    from megacp.models.llama import CausalLM, LayerNormMLP
+    from megacp.models.llama import CausalLM, DecoderLayer, LayerNormMLP
 
     own = isinstance(model, CausalLM)
     if own:
         dense = all(isinstance(getattr(layer, "layernorm_mlp", None), LayerNormMLP) for layer in model.layers)  # type: ignore[union-attr]
+        tiled = dense and all(isinstance(layer, DecoderLayer) for layer in model.layers)  # type: ignore[union-attr]
     else:  # a transformers model: its MLPs tile unless they route to experts
         dense = not num_experts(getattr(model, "config", None))
+        tiled = dense and all(pre_norm_layer(layer) for layer in decoder_layers(model))
     device = state.device
     return dict(params=count_parameters(model) if params is None else params, options=settings.memory,
                 zero=ZeroSettings.of(settings.sections, partition=state.size("dp_cp"), dtype=settings.dtype),
                 capacity=gpu_capacity(device),
                 host=None if device.type != "cuda" else host_available() if host is None else host,
-                tp=state.size("tp"), cp=state.size("cp"), dense_mlp=dense, norm_apart=not own)
+                tp=state.size("tp"), cp=state.size("cp"), dense_mlp=dense, norm_apart=not own, tiled_attention=tiled)
 
 
 def _host_parameter_bytes(model: torch.nn.Module) -> int:
@@ -271,7 +280,7 @@ def plan_from_config(cfg: ModelConfig, settings: TrainSettings, state: ParallelS
                            tp_group=state.group("tp") if state.size("tp") > 1 else None)
     inputs = {**memory_inputs(skeleton, settings, state), "norm_apart": norm_apart}
     if not norm_apart and resolve_backend(cfg, state.device, backend) != "torch":  # TE's fused MLP is not tiled
-        inputs["dense_mlp"] = False
+        inputs["dense_mlp"] = inputs["tiled_attention"] = False
     if seq_len == "auto":
         seq_len = longest_for(cfg, inputs, state, micro_batch=micro_batch, limit=cfg.max_position_embeddings)
         if seq_len == 0:
