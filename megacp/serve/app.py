@@ -91,7 +91,7 @@ class Handlers:
         req.check_supported()
         return req
 
-    def check_text(self, chars: int, what: str, param: str) -> None:
+    def check_text_fits(self, chars: int, what: str, param: str) -> None:
         """Refuse (400) a text of ``chars`` characters too long for the context, before it is tokenised."""
         try:
             check_text_tokens(chars, self.longest_token, self.max_model_len, what)
@@ -139,7 +139,7 @@ class Handlers:
                 raise APIError(400, "only one prompt per request is supported", param="prompt")
             prompt = prompt[0]
         if isinstance(prompt, str):
-            self.check_text(len(prompt), "prompt", "prompt")
+            self.check_text_fits(len(prompt), "prompt", "prompt")
         try:  # off the event loop: a long text does not hold up other requests and /health
             ids = await asyncio.to_thread(encode, self.tokenizer, prompt)
         except ValueError as err:
@@ -150,7 +150,7 @@ class Handlers:
         """``POST /v1/chat/completions``: the conversation through the tokenizer's chat template."""
         req = await self.parse(request, ChatRequest)
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        self.check_text(sum(len(m["content"]) for m in messages), "conversation", "messages")
+        self.check_text_fits(sum(len(m["content"]) for m in messages), "conversation", "messages")
         try:
             ids = await asyncio.to_thread(chat_ids, self.tokenizer, messages)
         except ValueError as err:
