@@ -4,7 +4,7 @@ picks them per sequence length and says, before the first step, whether a step w
 Options (from the DeepSpeed config, :func:`megacp.config.read_memory_options`)::
 
     "activation_checkpointing": {"enabled": true, "offload": "auto"},   # "none" | "cpu" | "auto"
-    "sequence_tiling": {"mlp": "auto"},                                  # "auto" | tokens per tile | 0
+    "sequence_tiling": {"mlp": "auto", "attention": "auto"},             # "auto" | tokens per tile | 0
 
 * ``activation_checkpointing.enabled`` (or ``--activation-checkpointing``): each decoder layer keeps
   only its input and runs again in backward (:mod:`megacp.models.checkpointing`).
@@ -14,6 +14,10 @@ Options (from the DeepSpeed config, :func:`megacp.config.read_memory_options`)::
   ``deepspeed.checkpointing``, which megacp's layers do not use: they are refused.
 * ``sequence_tiling.mlp``: dense layers' MLPs run over sequence tiles (:mod:`megacp.models.tiling`);
   ``"auto"`` tiles (:data:`AUTO_MLP_TILE` tokens) only when the plan needs it.
+* ``sequence_tiling.attention``: dense layers train over tiles of their query rows, keeping only their
+  input (:mod:`megacp.models.tiled_layer`; :func:`tiled_layer_bytes_per_token` beside one tile's work);
+  ``"auto"`` tiles (:data:`AUTO_ATTENTION_TILE` rows) only when the plan needs it and the model's
+  layers can (``tiled_attention``).
 
 The plan (:func:`plan_memory`) estimates one rank's peak GPU bytes as model states (by ZeRO stage and
 offload, :func:`state_bytes`) + checkpointed layer inputs kept on the GPU + one layer's working set
@@ -22,7 +26,8 @@ and of what is offloaded (each input at its pinned size, :func:`pinned_bytes`), 
 host's available memory less :data:`HOST_RESERVE_BYTES`. Under ``auto`` it takes the cheapest
 settings that fit: untiled and nothing offloaded, else the MLP tiled, else as many layers offloaded
 as needed, each first with every layer its own checkpoint, then (``layers_per_checkpoint: "auto"``)
-blocks of 2, 4 and 8 layers, whose fewer inputs fit a smaller host. It is an estimate
+blocks of 2, 4 and 8 layers, whose fewer inputs fit a smaller host; all of that first with the
+attention untiled, then over query tiles. It is an estimate
 (``docs/PERFORMANCE.md`` compares it with measured peaks); :class:`MemoryPlanError` names the
 settings or sequence length that would fit.
 """

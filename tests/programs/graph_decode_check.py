@@ -87,9 +87,10 @@ class Checks:
         if self.rank == 0:
             print(f"{verdict} {what}: {detail}", flush=True)
 
-    def run(self, what: str, fn: Callable[[], tuple[str, str]]) -> None:
+    def run(self, what: str, fn: Callable[..., tuple[str, str]], *args: Any) -> None:
+        """Say ``fn(*args)``'s verdict and detail (an exception: FAIL, its traceback on rank 0)."""
         try:
-            verdict, detail = fn()
+            verdict, detail = fn(*args)
         except Exception as exc:  # noqa: BLE001 - report and go on with the next check
             verdict, detail = "FAIL", f"{type(exc).__name__}: {exc}"
             if self.rank == 0:
@@ -319,17 +320,17 @@ def main() -> int:
                 checks.say("FAIL", f"{case} load", f"{type(exc).__name__}: {exc}")
                 continue
             mc = graph.model_config
-            checks.run(f"{case} kernel", lambda: check_kernel(dtype, mc.num_heads, mc.num_kv_heads, mc.head_dim))
-            checks.run(f"{case} step", lambda: check_step(graph, dtype))
-            checks.run(f"{case} generate", lambda: check_generate(graph, eager, dtype))
-            checks.run(f"{case} session", lambda: check_session(graph, eager, dtype))
-            checks.run(f"{case} sampled", lambda: check_sampled(graph, eager, dtype))
+            checks.run(f"{case} kernel", check_kernel, dtype, mc.num_heads, mc.num_kv_heads, mc.head_dim)
+            checks.run(f"{case} step", check_step, graph, dtype)
+            checks.run(f"{case} generate", check_generate, graph, eager, dtype)
+            checks.run(f"{case} session", check_session, graph, eager, dtype)
+            checks.run(f"{case} sampled", check_sampled, graph, eager, dtype)
             if kv != "auto" and dtype == torch.bfloat16:
-                checks.run(f"{case} fp8 kernel", lambda: check_fp8_kernel(mc.num_heads, mc.num_kv_heads, mc.head_dim))
+                checks.run(f"{case} fp8 kernel", check_fp8_kernel, mc.num_heads, mc.num_kv_heads, mc.head_dim)
             if kv != "auto":
                 plain = LLM(str(path), dtype=dtype, cuda_graphs=False, state=state)
                 plain.generator.static_step = False
-                checks.run(f"{case} fp8", lambda: check_fp8(eager, plain))
+                checks.run(f"{case} fp8", check_fp8, eager, plain)
                 del plain
             del graph, eager
             torch.cuda.empty_cache()
