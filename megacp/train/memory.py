@@ -22,7 +22,7 @@ Options (from the DeepSpeed config, :func:`megacp.config.read_memory_options`)::
 The plan (:func:`plan_memory`) estimates one rank's peak GPU bytes as model states (by ZeRO stage and
 offload, :func:`state_bytes`) + checkpointed layer inputs kept on the GPU + one layer's working set
 in its backward (:func:`working_bytes_per_token`) + fixed buffers, and the host bytes of the states
-and of what is offloaded (each input at its pinned size, :func:`pinned_bytes`), checked against the
+and of what is offloaded (each input in whole pages, :func:`pinned_bytes`), checked against the
 host's available memory less :data:`HOST_RESERVE_BYTES`. Under ``auto`` it takes the cheapest
 settings that fit: untiled and nothing offloaded, else the MLP tiled, else as many layers offloaded
 as needed, each first with every layer its own checkpoint, then (``layers_per_checkpoint: "auto"``)
@@ -34,6 +34,7 @@ settings or sequence length that would fit.
 
 from __future__ import annotations
 
+import mmap
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -235,10 +236,11 @@ class MemoryPlan:
             setattr(model, "layers_per_checkpoint", self.layers_per_checkpoint)  # noqa: B010
 
 
-def pinned_bytes(nbytes: int) -> int:
-    """Host bytes a pinned buffer of ``nbytes`` holds: torch's pinned (caching host) allocator rounds
-    each allocation up to a power of two (a 192K-token layer input of 1.5 GiB holds 2 GiB)."""
-    return 1 << max(nbytes - 1, 0).bit_length()
+def pinned_bytes(nbytes: int, page: int = mmap.PAGESIZE) -> int:
+    """Host bytes an offloaded input of ``nbytes`` holds: its pinned buffer is whole pages of ``page``
+    bytes of its own (:func:`~megacp.models.checkpointing.page_locked_empty`), ``nbytes`` rounded up to
+    a page (a 192K-token layer input of 1.5 GiB holds 1.5 GiB)."""
+    return -(-nbytes // page) * page
 
 
 def gpu_capacity(device: torch.device) -> int | None:
