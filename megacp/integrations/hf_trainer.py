@@ -31,7 +31,13 @@ from transformers import Trainer
 
 from megacp.config import MemoryOptions, read_memory_options
 from megacp.integrations.hf_memory import Tiling, apply_memory, check_tiled_loss, forward_inputs, head_loss
-from megacp.integrations.transformers import STEP_KWARG, check_model, prepare_batch, verify_attention_calls
+from megacp.integrations.transformers import (
+    STEP_KWARG,
+    check_model,
+    prepare_batch,
+    verify_attention_calls,
+    without_adapters,
+)
 
 BATCH_KEYS = frozenset({"input_ids", "labels", "attention_mask", "position_ids"})
 """What a batch of :class:`CPTrainer` may hold (a collator's output)."""
@@ -103,7 +109,7 @@ class CPTrainer(Trainer):
         if options.activation_checkpointing and self.args.gradient_checkpointing:
             raise ValueError("CPTrainer memory= checkpoints the decoder layers itself: leave TrainingArguments."
                              "gradient_checkpointing off")
-        model: Any = self.model
+        model: Any = without_adapters(self.model)  # a PEFT model's adapters live in the model's own modules
         vocab = int(getattr(model.config, "vocab_size", 0) or 0)
         tiled = bool(vocab) and "logits_to_keep" in inspect.signature(model.forward).parameters and \
             check_tiled_loss(model, vocab)
@@ -173,7 +179,7 @@ class CPTrainer(Trainer):
         if self._hidden is not None:  # the tiled LM head + loss (memory=): through the (wrapped) model's forward
             self._hidden.clear()
             outputs = model(**forward_inputs(inputs, inputs["input_ids"].device), logits_to_keep=1)
-            loss = head_loss(self.model, self._hidden.pop(), inputs) * world
+            loss = head_loss(without_adapters(self.model), self._hidden.pop(), inputs) * world
         else:
             outputs = model(**inputs)
             loss = outputs.loss * world

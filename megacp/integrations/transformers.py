@@ -124,12 +124,21 @@ def check_config_architecture(config: Any) -> None:
         raise ValueError(problem)
 
 
+def without_adapters(model: nn.Module) -> nn.Module:
+    """The transformers model inside a PEFT ``PeftModel`` (whose adapter layers PEFT put into that
+    model's own modules), or ``model`` itself when it is not one."""
+    if callable(getattr(type(model), "get_base_model", None)) and hasattr(model, "peft_config"):
+        return model.get_base_model()  # type: ignore[operator]  # a peft.PeftModel
+    return model
+
+
 def check_model(model: nn.Module, *, training: bool | None = None) -> None:
     """Refuse, in one line, a model megacp's attention cannot run exactly, before any work (what its
     class and config state; :func:`verify_attention_calls` then runs it once).
 
     Args:
-        model: a transformers ``PreTrainedModel`` (its ``config``).
+        model: a transformers ``PreTrainedModel`` (its ``config``), or a PEFT ``PeftModel`` of one
+            (:func:`without_adapters`: the transformers model's class is checked).
         training: whether it will be trained (default: ``model.training``); attention dropout then
             counts.
 
@@ -140,7 +149,7 @@ def check_model(model: nn.Module, *, training: bool | None = None) -> None:
     config: Any = getattr(model, "config", None)
     problem = config_problem(config) if config is not None else f"{type(model).__name__} has no transformers config"
     if problem is None:
-        problem = _interface_problem(type(model), config)
+        problem = _interface_problem(type(without_adapters(model)), config)
     training = model.training if training is None else training
     if problem is None and training and float(getattr(config, "attention_dropout", 0.0) or 0.0):
         problem = (f"{config.model_type} has attention_dropout={config.attention_dropout} and trains: megacp's "
@@ -168,7 +177,7 @@ def verify_attention_calls(model: nn.Module) -> None:
     """
     global _PROBE
     config: Any = getattr(model, "config", None)
-    name = type(model).__name__
+    name = type(without_adapters(model)).__name__
     layers = getattr(config, "num_hidden_layers", None)
     device = next(model.parameters()).device
     inputs = prepare_batch(torch.tensor([[0, min(1, int(getattr(config, "vocab_size", 2)) - 1)]]), training=False)

@@ -60,6 +60,7 @@ from megacp.config import (
 
 PROG = "megacp.train"
 from megacp.integrations.families import ModelFamily, family_for
+from megacp.integrations.lora import LoraSettings, peft_import_error
 from megacp.version import __version__
 
 
@@ -119,6 +120,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         "attn_implementation='megacp' (no conversion; --save writes DeepSpeed checkpoints as for "
                         "megacp's models and, under ZeRO <= 2, the model's save_pretrained files at the end); "
                         "implied for an architecture megacp's own models do not implement (Qwen3, Phi-3, ...)")
+    p.add_argument("--lora-r", type=int, metavar="R",
+                   help="train PEFT's LoRA adapters of rank R on the frozen model (only they get gradients and "
+                        "optimizer states) and write them in PEFT's format (adapter_config.json, "
+                        "adapter_model.safetensors) into --save; needs --model DIR, a Hugging Face model "
+                        "directory, trained through transformers' modules (implies --hf-native)")
+    p.add_argument("--lora-alpha", type=int, metavar="A", help="LoRA's lora_alpha: the adapters' output is "
+                   "scaled by A/R (default: 2 x R)")
+    p.add_argument("--lora-dropout", type=float, metavar="P", help="LoRA's lora_dropout on the adapters' input "
+                   "(default: 0)")
+    p.add_argument("--lora-target-modules", nargs="+", metavar="NAME",
+                   help="the modules that get adapters (PEFT's target_modules): linear module names or name "
+                        "suffixes such as q_proj v_proj, or all-linear (default: all-linear)")
     p.add_argument("--deepspeed", action="store_true",
                    help="accepted for DeepSpeed scripts' sake: megacp.train always trains under DeepSpeed")
     p.add_argument("--version", action="version", version=f"megacp {__version__}")
@@ -144,8 +157,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                          + ("" if args.eval_corpus else " without --eval-corpus"))
     if args.model is not None and not Path(args.model).exists():
         raise UsageError(f"--model {args.model} does not exist")
+    args.lora = _lora_settings(args)
     # the model's family decides how it loads, trains and saves (megacp.integrations.families)
-    args.family = family_for(args.model, transformers=args.hf_native)
+    args.family = family_for(args.model, transformers=args.hf_native or args.lora is not None)
     error = args.family.training_error(backend=args.backend, allow_non_finite=args.allow_non_finite)
     if error is not None:
         raise UsageError(f"{'--hf-native' if args.hf_native else f'--model {args.model}'} {error}")
@@ -158,6 +172,33 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         if not torch.cuda.is_available() or te_import_error() is not None:
             raise UsageError(f"--backend te needs CUDA and Transformer Engine: {te_import_error() or 'no CUDA device'}")
     return args
+
+
+def _lora_settings(args: argparse.Namespace) -> LoraSettings | None:
+    """The ``--lora-*`` flags as checked settings (``None`` without ``--lora-r``).
+
+    Raises:
+        UsageError: a bad value, another ``--lora-*`` flag without ``--lora-r``, PEFT missing, or a
+            ``--model`` that is not a Hugging Face model directory.
+    """
+    others = [flag for flag, value in (("--lora-alpha", args.lora_alpha), ("--lora-dropout", args.lora_dropout),
+                                       ("--lora-target-modules", args.lora_target_modules)) if value is not None]
+    if args.lora_r is None:
+        if others:
+            raise UsageError(f"{others[0]} needs --lora-r R, the rank of the LoRA adapters")
+        return None
+    try:
+        settings = LoraSettings.of(args.lora_r, args.lora_alpha, args.lora_dropout, args.lora_target_modules)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    error = peft_import_error()
+    if error is not None:
+        raise UsageError(f"--lora-r: {error}")
+    if args.model is None or not (Path(args.model) / "config.json").is_file():
+        raise UsageError(f"--lora-r trains PEFT adapters on a transformers model: --model must be a Hugging Face model "
+                         f"directory with a config.json, got {args.model or 'the default GGUF model'} (tools/"
+                         "convert_checkpoint.py gguf-to-megacp, then megacp-to-hf, makes one of a .gguf file)")
+    return settings
 
 
 def _token_cache(sources: Any, tokenizer: Any, eos_id: int, root: str | None, device: torch.device) -> Any:
@@ -321,6 +362,7 @@ def run(args: argparse.Namespace) -> int:
 
     import megacp
     from megacp.checkpoint.deepspeed import read_zero_stage
+    from megacp.integrations.lora import add_adapters, save_adapter
     from megacp.layers.settings import CPSettings
     from megacp.parallel import peak_memory_mib
     from megacp.parallel.launcher_watch import watch_launcher
@@ -404,6 +446,14 @@ def run(args: argparse.Namespace) -> int:
     model, model_config, tokenizer = loaded.model, loaded.config, loaded.tokenizer
     if tokenizer is None:
         raise UsageError(f"--model {model_path} has no tokenizer to read the corpus with")
+    adapted, lora_counts = None, ""
+    if args.lora is not None:  # PEFT's layers go into the model's modules: the Trainer trains the same object
+        try:
+            adapted = add_adapters(model, args.lora)
+        except ValueError as err:
+            raise UsageError(f"--model {model_path}: {err}") from None
+        trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        lora_counts = f"{trained:,} of {sum(p.numel() for p in model.parameters()):,}"
     model.train()
     trainer = Trainer(model, config.deepspeed, state, settings, cp=cp)
     cp_size = state.size("cp")
@@ -437,6 +487,8 @@ def run(args: argparse.Namespace) -> int:
               f"ZeRO {settings.zero_stage}, model {Path(model_path).name}, {args.seq_len} tokens per sequence, "
               f"{micro_batch} per micro-batch, {trainer.engine.gradient_accumulation_steps()} micro-batches per step",
               flush=True)
+        if adapted is not None:
+            print(f"{PROG}: {args.lora.describe()}: {lora_counts} parameters train", flush=True)
         if plan is not None and state.device.type == "cuda":
             print(f"{PROG}: memory plan: {plan.describe()}", flush=True)
         if resume_at is not None:
@@ -487,7 +539,10 @@ def run(args: argparse.Namespace) -> int:
     peak = float(peak_t)
     if args.save_at_end and not (args.save_every and args.steps % args.save_every == 0):
         saved = f", saved {save(data)}"
-    if args.save and args.save_at_end:  # and, where the family writes them, the model's own files
+    if args.save and args.save_at_end and adapted is not None:  # the adapters in PEFT's format
+        save_adapter(adapted, args.save, tokenizer=tokenizer, zero_stage=settings.zero_stage)
+        saved += f" and the LoRA adapters in PEFT's format in {args.save}"
+    elif args.save and args.save_at_end:  # and, where the family writes them, the model's own files
         saved += family.save_model_files(trainer.module, args.save, tokenizer=tokenizer, zero_stage=settings.zero_stage)
     if rank0 and not args.quiet:
         print(f"{PROG}: {args.steps - first + 1} steps, loss {losses[0]:.4f} -> {losses[-1]:.4f}, "
