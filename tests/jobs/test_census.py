@@ -29,8 +29,9 @@ from megacp.checkpoint.convert import main as convert
 from megacp.config import ConfigError, load_config, with_env_overrides
 from megacp.models import ModelConfig, parameter_shapes
 from megacp.parallel.layout import ParallelLayout
-
 from tests.helpers.paths import ROOT
+from tests.helpers.timeouts import HANG_GUARD_S
+
 CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=1, num_heads=4, num_kv_heads=2,
                   eos_token_id=2)
 
@@ -176,7 +177,7 @@ def test_command_lines(tmp_path: Path) -> None:
     procs = [subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
              for argv, _ in rows]
     for proc, (_, message) in zip(procs, rows):
-        stdout, stderr = proc.communicate(timeout=120)
+        stdout, stderr = proc.communicate(timeout=HANG_GUARD_S)
         assert proc.returncode == 2 and stdout == "", (proc.returncode, stdout, stderr)
         assert stderr.count("\n") == 1 and stderr.rstrip("\n").endswith(message), stderr
 
@@ -297,7 +298,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tests.helpers.distributed import run_distributed
 
     root = tmp_path_factory.mktemp("trained")
-    results = run_distributed(_train_save_and_kill_resaves, 2, str(root), timeout=240)
+    results = run_distributed(_train_save_and_kill_resaves, 2, str(root))
     (root / "read.json").write_text(json.dumps(results[0]["read"]))
     (root / "resume.json").write_text(json.dumps([r["resume"] for r in results]))
     return root
@@ -403,7 +404,7 @@ def test_rank_divergent_generation_is_one_error_on_every_rank() -> None:
     """Same shapes, other values: caught in the step's one agreement, on every rank, before the ring."""
     from tests.helpers.distributed import run_distributed
 
-    results = run_distributed(_divergent_generation, 2, timeout=120)
+    results = run_distributed(_divergent_generation, 2)
     for rank, res in enumerate(results):
         other = 1 - rank
         assert _one_line(res["prompt"]) == (
