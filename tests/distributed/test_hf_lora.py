@@ -16,6 +16,7 @@ import torch
 
 from tests.helpers.distributed import run_distributed
 from tests.helpers.hf_archs import SMALL, make_model
+from tests.helpers.timeouts import HANG_GUARD_S
 
 pytest.importorskip("peft", reason="LoRA adapters are PEFT's: pip install peft")
 
@@ -23,7 +24,6 @@ STEPS = 3
 ACCUM = 2
 LR = 5e-3
 CLIP = 0.5
-TIMEOUT = 1800
 MEMORY = {"activation_checkpointing": {"enabled": True, "offload": "cpu", "layers_per_checkpoint": 2},
           "sequence_tiling": {"mlp": 5, "attention": 0}}
 """The memory settings of the third run: layers checkpointed in blocks of 2 with their inputs on the
@@ -128,7 +128,7 @@ def test_lora_equals_peft(tmp_path, reference: dict[str, Any], world: int, memor
     start = {n: p.detach().clone() for n, p in _lora_model("sdpa").named_parameters()}
     assert any(float(g.abs().max()) > 0 for n, g in reference["grads"][1].items() if "lora_A" in n), \
         "the reference's A matrices got no gradient"
-    for rank, out in enumerate(run_distributed(_train, world, str(tmp_path), memory, timeout=TIMEOUT)):
+    for rank, out in enumerate(run_distributed(_train, world, str(tmp_path), memory, timeout=HANG_GUARD_S)):
         assert out["losses"] == pytest.approx(reference["losses"], abs=1e-5), f"rank {rank}"
         assert out["trainable"] and all(".lora_" in n for n in out["trainable"]), out["trainable"]
         assert out["optimized"] == sorted(out["trainable"]), "the optimizer holds states of frozen weights"

@@ -22,6 +22,7 @@ import torch
 from tests.helpers.distributed import free_port, run_distributed
 from tests.helpers.paths import ROOT
 from tests.helpers.reference import rel_err
+from tests.helpers.timeouts import HANG_GUARD_S
 from tests.helpers.train_cli import make_corpus, make_tiny_model
 from tests.helpers.training import ELEMENT_RTOL, RTOL
 
@@ -30,7 +31,6 @@ pytest.importorskip("peft", reason="LoRA adapters are PEFT's: pip install peft")
 
 SEQ_LEN = 40
 STEPS = 3
-TIMEOUT = 1800
 LORA = ["--lora-r", "8", "--lora-alpha", "16"]
 
 
@@ -106,12 +106,12 @@ def test_lora_trains_the_same_at_cp1_and_cp2(tmp_path: Path) -> None:
     make_tiny_model(tmp_path / "model")
     make_corpus(tmp_path / "corpus")
     _write_configs(tmp_path)
-    refused = run_distributed(_runs, 1, tmp_path, ["cp1"], [free_port()], timeout=TIMEOUT)[0]
+    refused = run_distributed(_runs, 1, tmp_path, ["cp1"], [free_port()], timeout=HANG_GUARD_S)[0]
     errors = [line for line in refused.splitlines() if line.startswith("megacp.train: error: ")]
     assert len(errors) == 1 and errors[0].startswith(f"megacp.train: error: --model {tmp_path / 'model'}: LoRA "
                                                      "(LoRA r 8, alpha 16, dropout 0 on no_such_proj): Target "
                                                      "modules {'no_such_proj'} not found"), refused
-    run_distributed(_runs, 2, tmp_path, ["cp2", "cp2_zero3"], [free_port(), free_port()], timeout=TIMEOUT)
+    run_distributed(_runs, 2, tmp_path, ["cp2", "cp2_zero3"], [free_port(), free_port()], timeout=HANG_GUARD_S)
 
     reference = _losses(tmp_path, "cp1")
     assert len(reference) == STEPS and reference[0] != reference[-1]
