@@ -79,7 +79,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--presence-penalty", type=float, default=0.0, help="subtracted from generated tokens' logits; 0 = off")
     p.add_argument("--frequency-penalty", type=float, default=0.0,
                    help="subtracted per occurrence in the generated tokens; 0 = off")
-    p.add_argument("--seed", type=int, default=0, help="the request's sampler seed (the same on every rank)")
+    p.add_argument("--seed", type=int,
+                   help="the requests' sampler seed, to repeat a sampled run (default: a fresh seed per request "
+                        "and run, the same on every rank, as LLM and the server draw)")
     p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable; default: none)")
     p.add_argument("--no-stop", action="store_true", help="ignore the model's end-of-sequence tokens")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
