@@ -364,7 +364,7 @@ def checkpoint_layers(model: nn.Module, checkpoints: LayerCheckpoints) -> LayerC
     if checkpoints.offloaded_layers and checkpoints.stash is None:
         raise ValueError("offloaded decoder layers need a host stash")
     layers = decoder_layers(model)
-    if getattr(model, "is_gradient_checkpointing", False):
+    if any(getattr(module, "gradient_checkpointing", False) is True for module in model.modules()):
         model.gradient_checkpointing_disable()  # type: ignore[operator]  # a transformers PreTrainedModel
     originals = [layer.forward for layer in layers]
     for i, layer in enumerate(layers):
