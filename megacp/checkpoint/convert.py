@@ -22,11 +22,13 @@ leftovers of a writer killed outright are removed by the next write into the sam
 from __future__ import annotations
 
 import argparse
+import json
 import signal
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -40,7 +42,9 @@ from megacp.checkpoint.hf import (
     hf_to_megacp,
     megacp_to_hf,
     open_hf_checkpoint,
+    own_architectures,
     save_hf_checkpoint,
+    transformers_only,
 )
 from megacp.checkpoint.megacp_format import open_megacp_checkpoint, save_megacp_checkpoint
 from megacp.checkpoint.safetensors_io import WriteSummary
@@ -70,7 +74,21 @@ def _progress(
         yield bar
 
 
+def _check_converts(path: str) -> None:
+    """Refuse, in one line, a Hugging Face directory of an architecture megacp's own models do not
+    implement, naming those they do and where the directory runs as it is."""
+    if not transformers_only(path):
+        return
+    config = json.loads((Path(path) / "config.json").read_text())
+    name = ", ".join(map(str, config.get("architectures") or [])) or repr(config.get("model_type"))
+    raise CheckpointError(f"unsupported architecture {name}; hf-to-megacp converts the architectures megacp's own "
+                          f"models implement: {', '.join(own_architectures())}. megacp.train, megacp.generate, "
+                          "megacp.serve and LLM take a directory of another architecture as it is (transformers' "
+                          "modules with megacp's attention, where that runs it)")
+
+
 def _hf_to_megacp(args: argparse.Namespace) -> WriteSummary:
+    _check_converts(args.input)
     check_output_dir(args.output, force=args.force)
     with open_hf_checkpoint(args.input) as source:
         cfg = source.config
@@ -204,7 +222,8 @@ def build_parser() -> argparse.ArgumentParser:
         return sub
 
     dtype_help = f"stored dtype ({', '.join(DTYPES)}); default: %s"
-    sub = command("hf-to-megacp", "Hugging Face directory -> megacp checkpoint", _hf_to_megacp,
+    sub = command("hf-to-megacp", f"Hugging Face directory ({', '.join(own_architectures())}) -> megacp checkpoint",
+                  _hf_to_megacp,
                   "Hugging Face checkpoint directory", "megacp checkpoint directory to create")
     sub.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default: 1)")
     sub.add_argument("--dtype", choices=list(DTYPES), help=dtype_help % "the input's")
