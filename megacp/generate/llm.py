@@ -29,6 +29,7 @@ import torch
 from megacp.attention.preconditions import agree
 from megacp.attention.strategy import STRATEGIES
 from megacp.checkpoint.dtypes import DTYPES
+from megacp.checkpoint.tokenizer_files import check_companion_files
 from megacp.generate.engine import (
     EngineCore,
     Request,
@@ -177,12 +178,12 @@ class LLM:
                  max_session_tokens: int | None = None,
                  cuda_graphs: bool | None = None, allow_non_finite: bool = False, tokenizer: Any = None,
                  state: ParallelState | None = None, verbose: bool = False) -> None:
-        if prefill_chunk < 0:
-            raise ValueError(f"prefill_chunk must be >= 0 (0 = automatic), got {prefill_chunk}")
-        if max_sessions < 1:
-            raise ValueError(f"max_sessions must be >= 1, got {max_sessions}")
-        if max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        sizes = {"prefill_chunk": (prefill_chunk, 0), "max_sessions": (max_sessions, 1),
+                 "max_num_seqs": (max_num_seqs, 1), "max_session_tokens": (max_session_tokens, 2)}
+        for name, (value, least) in sizes.items():
+            if value is not None or name != "max_session_tokens":
+                if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                    raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
         self.state = state or initialize(config)
         self.dtype = resolve_dtype(dtype, self.state)
         cp, runtime = self.state.config.context_parallel, self.state.config.runtime
@@ -192,6 +193,8 @@ class LLM:
         self.family = family_for(model, tokenizer=tokenizer)
         """The model's family (:mod:`megacp.integrations.families`): how it loads and what it can do."""
         self.model_path = self.family.source
+        if not isinstance(model, torch.nn.Module) and Path(self.model_path).is_dir():
+            check_companion_files(Path(self.model_path))  # before the weights load, not after
         cfg = self.family.limits()
         if dtype is None:
             self.dtype = self.family.native_dtype() or self.dtype
@@ -253,6 +256,9 @@ class LLM:
                ) -> tuple[list[list[int]], list[SamplingParams]]:
         """Token ids of one prompt or many and each one's settings (``sampling``: one for all or
         one per prompt), each prompt checked against the model with its ``max_tokens``."""
+        if not isinstance(prompts, (str, Sequence)):
+            raise ValueError("prompts must be text, token ids, or a list of them, got "
+                             f"{'None' if prompts is None else type(prompts).__name__}")
         one = isinstance(prompts, str) or (len(prompts) > 0 and all(type(t) is int for t in prompts))
         batch = [prompts] if one else list(prompts)
         if not batch:

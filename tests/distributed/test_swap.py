@@ -66,7 +66,7 @@ def test_real_te_model_swapped_matches_single_gpu() -> None:
     """A model of real te.TransformerLayers: megacp checkpoint loads, CP=2 equals single GPU."""
     root = ROOT
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           str(root / "tests" / "programs" / "te_swap_check.py")], capture_output=True, text=True, timeout=600)
+                           str(root / "tests" / "programs" / "te_swap_check.py")], capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0 and "FAIL" not in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
