@@ -94,7 +94,7 @@ def test_llm_generate_equals_transformers(n: int, tiny) -> None:
     assert turn2[: len(chat) + NEW] == list(chat) + chat_ref  # the reply re-tokenizes to the generated ids
     turn2_ref = hf_greedy(hf, [list(turn2)], NEW)[0]
     assert penalised != expected  # the penalty changes the greedy choice somewhere
-    for got in run_distributed(_llm_body, n, path, prompts, ref_text, timeout=1800):
+    for got in run_distributed(_llm_body, n, path, prompts, ref_text):
         assert got["tokens"] == expected
         assert got["reasons"] == ["length"] * 3 and all(t > 0 for t in got["ttft"]) and all(r > 0 for r in got["rates"])
         tokens, reason, stop_at = got["stopped"]
@@ -183,7 +183,7 @@ def test_llm_refuses_non_finite_weights_unless_allowed(tmp_path: Path) -> None:
     state = load_file(weights)
     state["model.layers.1.self_attn.k_proj.weight"][0, 0] = float("nan")
     save_file(state, weights, metadata={"format": "pt"})
-    refused, loaded_nan = run_distributed(_non_finite_body, 1, str(tmp_path), timeout=1800)[0]
+    refused, loaded_nan = run_distributed(_non_finite_body, 1, str(tmp_path))[0]
     assert "tensor 'layers.1.self_attention.layernorm_qkv.key_weight'" in refused and "holds 1 non-finite value" in refused
     assert loaded_nan
 
@@ -241,7 +241,7 @@ def test_two_threads_on_one_llm_get_the_single_threaded_tokens(n: int, tiny) -> 
     gives alone; at CP 2 each call gives them or, where the threads' calls reached the two ranks in
     different orders, one error on every rank saying so; the ranks stay in step."""
     path, _ = tiny
-    results = run_distributed(_threads_body, n, path, timeout=1800)
+    results = run_distributed(_threads_body, n, path)
     for rank, res in enumerate(results):
         assert res["alone"] == results[0]["alone"] and res["after"] == res["alone"][0][0]
         for t in range(2):

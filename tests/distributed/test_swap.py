@@ -16,6 +16,7 @@ from megacp.layers.cp_attention import CPDotProductAttention
 from megacp.layers.swap import TECPDotProductAttention
 from megacp.models import ModelConfig, build_model
 from tests.helpers.paths import ROOT
+from tests.helpers.timeouts import HANG_GUARD_S
 
 CFG = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
                   num_kv_heads=2, max_position_embeddings=1024)
@@ -66,7 +67,7 @@ def test_real_te_model_swapped_matches_single_gpu() -> None:
     """A model of real te.TransformerLayers: megacp checkpoint loads, CP=2 equals single GPU."""
     root = ROOT
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           str(root / "tests" / "programs" / "te_swap_check.py")], capture_output=True, text=True, timeout=1800)
+                           str(root / "tests" / "programs" / "te_swap_check.py")], capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert proc.returncode == 0 and "FAIL" not in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 

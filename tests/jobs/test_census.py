@@ -35,8 +35,9 @@ from megacp.checkpoint.convert import main as convert
 from megacp.config import ConfigError, load_config, with_env_overrides
 from megacp.models import ModelConfig, parameter_shapes
 from megacp.parallel.layout import ParallelLayout
-
 from tests.helpers.paths import ROOT
+from tests.helpers.timeouts import HANG_GUARD_S
+
 CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=1, num_heads=4, num_kv_heads=2,
                   eos_token_id=2)
 
@@ -182,7 +183,7 @@ def test_command_lines(tmp_path: Path) -> None:
     procs = [subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
              for argv, _ in rows]
     for proc, (_, message) in zip(procs, rows):
-        stdout, stderr = proc.communicate(timeout=1800)
+        stdout, stderr = proc.communicate(timeout=HANG_GUARD_S)
         assert proc.returncode == 2 and stdout == "", (proc.returncode, stdout, stderr)
         assert stderr.count("\n") == 1 and stderr.rstrip("\n").endswith(message), stderr
 
@@ -303,7 +304,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tests.helpers.distributed import run_distributed
 
     root = tmp_path_factory.mktemp("trained")
-    results = run_distributed(_train_save_and_kill_resaves, 2, str(root), timeout=1800)
+    results = run_distributed(_train_save_and_kill_resaves, 2, str(root))
     (root / "read.json").write_text(json.dumps(results[0]["read"]))
     (root / "resume.json").write_text(json.dumps([r["resume"] for r in results]))
     return root
@@ -409,7 +410,7 @@ def test_rank_divergent_generation_is_one_error_on_every_rank() -> None:
     """Same shapes, other values: caught in the step's one agreement, on every rank, before the ring."""
     from tests.helpers.distributed import run_distributed
 
-    results = run_distributed(_divergent_generation, 2, timeout=1800)
+    results = run_distributed(_divergent_generation, 2)
     for rank, res in enumerate(results):
         other = 1 - rank
         assert _one_line(res["prompt"]) == (
@@ -459,7 +460,7 @@ def test_generate_and_serve_command_lines(tiny_llama: Path, tmp_path: Path) -> N
     procs = [subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
              for argv, _ in rows]
     for proc, (_, message) in zip(procs, rows):
-        stdout, stderr = proc.communicate(timeout=1800)
+        stdout, stderr = proc.communicate(timeout=HANG_GUARD_S)
         assert proc.returncode == 2 and "loading" not in stdout, (proc.returncode, stdout, stderr)
         assert stderr.count("\n") == 1 and re.fullmatch(message, stderr.rstrip("\n")), stderr
 
@@ -523,7 +524,7 @@ def _no_prompts(rank: int, n: int, path: str) -> dict[str, str]:
 def test_llm_generate_of_no_prompt_is_one_error(tiny_llama: Path) -> None:
     from tests.helpers.distributed import run_distributed
 
-    (got,) = run_distributed(_no_prompts, 1, str(tiny_llama), timeout=1800)
+    (got,) = run_distributed(_no_prompts, 1, str(tiny_llama))
     assert {k: _one_line(v) for k, v in got.items()} == {
         "None": "prompts must be text, token ids, or a list of them, got None",
         "[None]": "prompt 0 must be text or a list of integer token ids",

@@ -269,47 +269,6 @@ def test_generate_output_directory_refused_before_generation(tmp_path: Path) -> 
     validate(parse_args(["--prompt", "hi", "--output", str(tmp_path / "out.json")]))
 
 
-def test_worker_ends_when_its_launcher_is_killed(tmp_path: Path) -> None:
-    """A launched worker (``exit_with_parent``, as ``megacp.initialize`` calls it) gets SIGTERM when
-    its launcher is SIGKILLed, instead of running on unsupervised."""
-    import signal
-    import subprocess
-    import sys
-    import time
-
-    from tests.helpers.paths import ROOT
-
-    ready = tmp_path / "ready"
-    worker = ("from megacp.parallel.state import exit_with_parent; exit_with_parent(); import pathlib, time; "
-              f"pathlib.Path({str(ready)!r}).touch(); time.sleep(60)")
-    launcher = (f"import subprocess, sys; p = subprocess.Popen([sys.executable, '-c', {worker!r}]); "
-                "print(p.pid, flush=True); p.wait()")
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    parent = subprocess.Popen([sys.executable, "-c", launcher], stdout=subprocess.PIPE, text=True, env=env)
-    assert parent.stdout is not None
-    child = int(parent.stdout.readline())
-    deadline = time.monotonic() + 60
-    while not ready.exists() and time.monotonic() < deadline:  # the worker has asked for the signal
-        time.sleep(0.05)
-    parent.kill()
-    parent.wait()
-
-    def alive(pid: int) -> bool:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except FileNotFoundError:
-            return False
-        return state != "Z"  # a zombie has ended (its new parent has not reaped it yet)
-
-    deadline = time.monotonic() + 10
-    while alive(child) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    ended = not alive(child)
-    if not ended:
-        os.kill(child, signal.SIGKILL)
-    assert ended, "the worker outlived its launcher"
-
-
 def test_second_job_on_a_busy_launcher_port() -> None:
     """A second launched job on a busy ``MASTER_PORT``: its rank 0 gets one line naming the port and
     how to pick another; its rank 1, a client of the first job's store, reads and writes its own
