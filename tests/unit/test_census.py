@@ -136,6 +136,40 @@ def test_symlinked_companion_file_outside_is_not_copied(tmp_path: Path) -> None:
     assert list(target.iterdir()) == []
 
 
+def test_symlinked_companion_file_outside_is_not_read(tmp_path: Path) -> None:
+    from megacp.checkpoint.tokenizer_files import load_tokenizer
+
+    (tmp_path / "secret.txt").write_text("not yours")
+    source = tmp_path / "model"
+    source.mkdir()
+    (source / "tokenizer.json").symlink_to(tmp_path / "secret.txt")
+    with pytest.raises(CheckpointError) as err:
+        load_tokenizer(source)
+    assert str(err.value) == (f"{source / 'tokenizer.json'} is a symlink leading outside the checkpoint {source}; "
+                              "refusing to read it")
+
+
+@pytest.mark.parametrize("how", ["empty_latest", "truncated_shard"])
+def test_empty_latest_or_truncated_shard_is_one_line_saying_so(how: str, tmp_path: Path) -> None:
+    """Where a model loads (and the converters read): an empty ``latest`` names no tag, a shard cut
+    short is unreadable (not a file to trust)."""
+    from megacp.checkpoint.load import load_model
+
+    root = _checkpoint(tmp_path / "ck")
+    shard = root / "step1" / "mp_rank_00_model_states.pt"
+    if how == "empty_latest":
+        (root / "latest").write_text("\n")
+        message = f"{root / 'latest'} is empty: it names no checkpoint tag; pass --tag"
+    else:
+        shard.write_bytes(shard.read_bytes()[:1000])
+        message = f"cannot read {shard} (1000 bytes; truncated or corrupt?): "
+    for load in (lambda: read_deepspeed_checkpoint(root), lambda: load_model(root, dtype=torch.float32, device="cpu")):
+        with pytest.raises(CheckpointError) as err:
+            load()
+        assert "\n" not in str(err.value) and str(err.value).startswith(message), str(err.value)
+        assert how == "empty_latest" or "trust" not in str(err.value)
+
+
 def test_symlinked_companion_file_inside_is_copied(tmp_path: Path) -> None:
     source, target = tmp_path / "src", tmp_path / "dst"
     source.mkdir()
