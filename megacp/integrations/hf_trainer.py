@@ -31,7 +31,13 @@ from transformers import Trainer
 
 from megacp.config import MemoryOptions, read_memory_options
 from megacp.integrations.hf_memory import Tiling, apply_memory, check_tiled_loss, forward_inputs, head_loss
-from megacp.integrations.transformers import STEP_KWARG, check_model, prepare_batch, verify_attention_calls
+from megacp.integrations.transformers import (
+    STEP_KWARG,
+    check_mesh,
+    check_model,
+    prepare_batch,
+    verify_attention_calls,
+)
 
 BATCH_KEYS = frozenset({"input_ids", "labels", "attention_mask", "position_ids"})
 """What a batch of :class:`CPTrainer` may hold (a collator's output)."""
@@ -72,8 +78,7 @@ class CPTrainer(Trainer):
     loss_is_scaled_for_ga = True  # normalised over the whole accumulated batch (get_batch_samples)
 
     def __init__(self, *args: Any, cp_state: Any, memory: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
-        if cp_state.size("tp") > 1 or cp_state.size("pp") > 1:
-            raise ValueError("CPTrainer runs a transformers model under CP and DP only: TP and PP sizes must be 1")
+        check_mesh(cp_state)
         options = read_memory_options(memory) if memory is not None else None
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
         if options is not None and options.activation_checkpointing and training_args is not None:

@@ -33,7 +33,7 @@ backward all-reduce of the input gradient) and :func:`reduce_from_tp` after each
 replicated weights and of the residual stream.
 
 Training: :meth:`CausalLM.hidden_states` returns the final-norm hidden states (the LM head is
-applied by the loss, chunk by chunk: :mod:`megacp.train.loss`); with
+applied by the loss, chunk by chunk: :mod:`megacp.models.loss`); with
 ``activation_checkpointing=True`` each decoder layer's activations are recomputed in backward.
 """
 

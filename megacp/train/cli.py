@@ -57,10 +57,10 @@ from megacp.config import (
     load_config,
     print_error_once,
 )
+from megacp.families import ModelFamily, family_for
+from megacp.version import __version__
 
 PROG = "megacp.train"
-from megacp.integrations.families import ModelFamily, family_for
-from megacp.version import __version__
 
 
 class UsageError(ValueError):
@@ -144,7 +144,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                          + ("" if args.eval_corpus else " without --eval-corpus"))
     if args.model is not None and not Path(args.model).exists():
         raise UsageError(f"--model {args.model} does not exist")
-    # the model's family decides how it loads, trains and saves (megacp.integrations.families)
+    # the model's family decides how it loads, trains and saves (megacp.families)
     args.family = family_for(args.model, transformers=args.hf_native)
     error = args.family.training_error(backend=args.backend, allow_non_finite=args.allow_non_finite)
     if error is not None:
@@ -236,15 +236,6 @@ def _open_metrics(path: str, done: int) -> Any:
     tmp.write_text("".join(kept), encoding="utf-8")
     tmp.replace(target)
     return open(target, "a", encoding="utf-8")
-
-
-def _eos_id(tokenizer: Any, model_config: Any) -> int:
-    if tokenizer.eos_token_id is not None:
-        return int(tokenizer.eos_token_id)
-    eos = getattr(model_config, "eos_token_ids", None) or getattr(model_config, "eos_token_id", None)  # megacp's / HF's
-    if eos:
-        return int(eos[0] if isinstance(eos, (list, tuple)) else eos)
-    raise UsageError("the model's tokenizer has no EOS token to separate the packed documents")
 
 
 HARMLESS_DEEPSPEED_LOGS = (
@@ -349,7 +340,6 @@ def run(args: argparse.Namespace) -> int:
         limits = family.limits()
     except ValueError as err:
         raise UsageError(f"--model {model_path}: {err}") from None
-    plan_config = family.plan_config()
     if args.seq_len != "auto":
         check_seq_len(args.seq_len, config.context_parallel.size or 1, limits)
     lock = None
@@ -388,23 +378,22 @@ def run(args: argparse.Namespace) -> int:
     rank0 = state.rank == 0
 
     cp = CPSettings.from_state(state, prefill="pass_kv")
-    if plan_config is not None:  # planned from the config: a length that does not fit is refused before any load
-        args.seq_len, _ = plan_from_config(plan_config, settings, state, seq_len=args.seq_len,
-                                           micro_batch=micro_batch, backend=args.backend,
-                                           norm_apart=family.norm_apart)
+    shape = family.plan_shape(backend=args.backend, device=state.device)
+    if shape is not None:  # planned from the config: a length that does not fit is refused before any load
+        args.seq_len, _ = plan_from_config(shape, settings, state, seq_len=args.seq_len, micro_batch=micro_batch)
     if rank0 and not args.quiet:  # the load and DeepSpeed's set-up take a while: say what is happening
         print(f"{PROG}: loading {Path(model_path).name} ({family.describe}) and setting up DeepSpeed ...", flush=True)
         if args.resume == "auto" and resume_at is None:
             print(f"{PROG}: --resume auto: {args.save} holds no checkpoint yet, starting at step 1", flush=True)
     try:  # refused here, in one line, when megacp's attention cannot run the model exactly
-        loaded = family.load_for_training(state, dtype=settings.dtype, settings=cp, backend=args.backend,
-                                          allow_non_finite=args.allow_non_finite)
+        model = family.load_for_training(state, dtype=settings.dtype, settings=cp, backend=args.backend,
+                                         allow_non_finite=args.allow_non_finite)
     except ValueError as err:
         raise UsageError(f"--model {model_path}: {err}") from None
-    model, model_config, tokenizer = loaded.model, loaded.config, loaded.tokenizer
+    tokenizer = model.tokenizer
     if tokenizer is None:
         raise UsageError(f"--model {model_path} has no tokenizer to read the corpus with")
-    model.train()
+    model.module.train()
     trainer = Trainer(model, config.deepspeed, state, settings, cp=cp)
     cp_size = state.size("cp")
     plan = trainer.prepare(-(-args.seq_len * micro_batch // cp_size))  # MemoryPlanError before any step
@@ -412,7 +401,9 @@ def run(args: argparse.Namespace) -> int:
     if resume_at is not None:
         start = trainer.load(*resume_at).data
     first = trainer.steps_done + 1
-    eos_id = _eos_id(tokenizer, model_config)
+    eos_id = model.eos_id()
+    if eos_id is None:
+        raise UsageError("the model's tokenizer has no EOS token to separate the packed documents")
     eval_set = None if eval_sources is None else held_out_sequences(
         eval_sources, tokenizer, eos_id=eos_id, seq_len=args.seq_len, dp_size=state.size("dp"),
         dp_rank=state.rank_in("dp"))
@@ -424,8 +415,7 @@ def run(args: argparse.Namespace) -> int:
         resume = None if data is None else ResumePoint(
             step=trainer.steps_done, data=data, seq_len=args.seq_len, micro_batch=micro_batch,
             dp_size=state.size("dp"), world_size=dist.get_world_size())
-        tag = trainer.save(args.save, model_config=model_config, tokenizer=tokenizer, resume=resume,
-                           keep_last=args.keep_last)
+        tag = trainer.save(args.save, resume=resume, keep_last=args.keep_last)
         return str(Path(args.save) / tag)
 
     cache = None if args.token_cache == "none" else _token_cache(sources, tokenizer, eos_id, args.token_cache,
@@ -488,7 +478,7 @@ def run(args: argparse.Namespace) -> int:
     if args.save_at_end and not (args.save_every and args.steps % args.save_every == 0):
         saved = f", saved {save(data)}"
     if args.save and args.save_at_end:  # and, where the family writes them, the model's own files
-        saved += family.save_model_files(trainer.module, args.save, tokenizer=tokenizer, zero_stage=settings.zero_stage)
+        saved += model.save_model_files(args.save, zero_stage=settings.zero_stage)
     if rank0 and not args.quiet:
         print(f"{PROG}: {args.steps - first + 1} steps, loss {losses[0]:.4f} -> {losses[-1]:.4f}, "
               f"{tokens / seconds:,.0f} tokens/s, peak memory {peak:,.0f} MiB per rank{evaluated}{saved}", flush=True)

@@ -1,15 +1,16 @@
-"""A megacp model inside a DeepSpeed engine: the settings read from the DeepSpeed config, the
+"""A model of any family inside a DeepSpeed engine: the settings read from the DeepSpeed config, the
 engine built with megacp's mpu, one optimizer step over CP-sharded micro-batches, and saving.
 
 DeepSpeed owns the optimizer, the LR schedule, gradient clipping and accumulation, bf16 and ZeRO
 (all from the user's DeepSpeed JSON). megacp's mpu (:class:`~megacp.parallel.mpu.DeepSpeedMPU`)
 names CP as DeepSpeed's sequence-parallel dimension, so DeepSpeed all-reduces gradients over the
 DP x CP ranks and divides by the DP size: the CP ranks' gradients are summed and the DP replicas'
-averaged, which makes :func:`~megacp.train.loss.lm_loss` (each CP rank's share of the batch's
-mean token loss) exact. Experts sharded over EP go through DeepSpeed's MoE gradient path
-(:mod:`megacp.train.experts`). The model is trained through ``engine.module``'s
-:meth:`~megacp.models.llama.CausalLM.hidden_states`, and the loss applies the LM head matrix
-itself, chunk by chunk. Under ZeRO 3 (parameters partitioned over the DP x CP ranks, optionally
+averaged, which makes the family's loss (each CP rank's share of the batch's mean token loss,
+:mod:`megacp.train.loss`) exact. Experts sharded over EP go through DeepSpeed's MoE gradient path
+(:mod:`megacp.train.experts`). Everything that depends on the model's kind — the loss, the memory
+features and the plan's sizes, the LM head, what a checkpoint records — comes from its family's
+:class:`~megacp.families.Trainable`; the loss applies the LM head matrix itself, chunk by chunk.
+Under ZeRO 3 (parameters partitioned over the DP x CP ranks, optionally
 offloaded to CPU with ``offload_param`` / ``offload_optimizer``) DeepSpeed gathers a parameter only
 around the forward and backward of the module that owns it, so the engine trains a
 :class:`LossModule` (the model and its loss as one forward) that registers the LM head matrix as
@@ -37,15 +38,13 @@ import torch.distributed as dist
 from megacp.attention.training import warm_kernel_plans
 from megacp.checkpoint.staging import exchange_directories
 from megacp.config import ConfigError, DeepSpeedSections, MemoryOptions, read_memory_options
-from megacp.integrations.hf_memory import HFMemory, apply_memory, num_experts, training_loss
-from megacp.integrations.hf_memory import plan_config as hf_plan_config
+from megacp.families import PlanShape, Trainable, trainable
 from megacp.layers.settings import CPSettings
-from megacp.models.config import ModelConfig
 from megacp.parallel.mpu import DeepSpeedMPU
 from megacp.parallel.state import ParallelState
 from megacp.placement.batch import shard_batch
 from megacp.train.data import PackedSequence, StreamPosition
-from megacp.train.loss import lm_loss, logged_loss
+from megacp.train.loss import logged_loss
 from megacp.train.memory import (
     MemoryPlan,
     ZeroSettings,
@@ -166,23 +165,20 @@ def _check_zero3(raw: Mapping[str, Any], sections: DeepSpeedSections) -> None:
 
 
 class LossModule(torch.nn.Module):
-    """What a ZeRO 3 engine trains: ``model`` and :func:`~megacp.train.loss.lm_loss` as one forward,
-    with the LM head matrix registered as an external parameter so that DeepSpeed keeps it gathered
-    through the loss (it is read outside the module that owns it). Its parameter names are the
-    model's, prefixed with ``model.`` (:data:`~megacp.checkpoint.deepspeed.ZERO3_PREFIX`)."""
+    """What a ZeRO 3 engine trains: ``model`` and its loss as one forward, with the LM head matrix
+    ``head`` (:attr:`~megacp.families.Trainable.head`) registered as an external parameter so that
+    DeepSpeed keeps it gathered through the loss (it is read outside the module that owns it). Its
+    parameter names are the model's, prefixed with ``model.`` (:data:`~megacp.checkpoint.deepspeed.ZERO3_PREFIX`)."""
 
-    def __init__(self, model: torch.nn.Module, loss: Callable[..., torch.Tensor], cp: CPSettings) -> None:
+    def __init__(self, model: torch.nn.Module, loss: Callable[..., torch.Tensor], cp: CPSettings,
+                 head: torch.nn.Parameter | None) -> None:
         super().__init__()
         from deepspeed.runtime.zero.partition_parameters import (
             register_external_parameter,
         )
 
         self.model, self.loss, self.cp = model, loss, cp
-        head = getattr(model, "lm_head_weight", None)  # megacp's model reads it outside its owner
-        embeddings = getattr(model, "get_output_embeddings", None)
-        if head is None and callable(embeddings):  # a transformers model's tiled loss does too
-            head = getattr(embeddings(), "weight", None)
-        if isinstance(head, torch.nn.Parameter):
+        if head is not None:
             register_external_parameter(self, head)
 
     def forward(self, shard: Any) -> torch.Tensor:
@@ -208,26 +204,19 @@ def deepspeed_for(state: ParallelState) -> Any:
     return deepspeed
 
 
-def memory_inputs(model: torch.nn.Module, settings: TrainSettings, state: ParallelState, *,
-                  params: int | None = None, host: int | None = None) -> dict[str, Any]:
+def memory_inputs(shape: PlanShape, params: int, settings: TrainSettings, state: ParallelState, *,
+                  host: int | None = None) -> dict[str, Any]:
     """What :func:`~megacp.train.memory.plan_memory` and :func:`~megacp.train.memory.longest_fitting`
-    take besides the model config and the tokens, for ``model`` (a ``meta`` skeleton will do:
-    nothing is read) on this rank of ``state``: its parameters (``params``, else counted), the memory
-    options, where ZeRO keeps the states, the GPU's capacity and the host memory the run's states
-    and offloaded activations may use (``host``, else what is free now; on a GPU only)."""
-    from megacp.models.llama import CausalLM, LayerNormMLP
-
-    own = isinstance(model, CausalLM)
-    if own:
-        dense = all(isinstance(getattr(layer, "layernorm_mlp", None), LayerNormMLP) for layer in model.layers)  # type: ignore[union-attr]
-    else:  # a transformers model: its MLPs tile unless they route to experts
-        dense = not num_experts(getattr(model, "config", None))
+    take besides the model config and the tokens, for a model of ``shape`` with ``params`` parameters
+    on this rank of ``state``: the memory options, where ZeRO keeps the states, the GPU's capacity and
+    the host memory the run's states and offloaded activations may use (``host``, else what is free
+    now; on a GPU only)."""
     device = state.device
-    return dict(params=count_parameters(model) if params is None else params, options=settings.memory,
+    return dict(params=params, options=settings.memory,
                 zero=ZeroSettings.of(settings.sections, partition=state.size("dp_cp"), dtype=settings.dtype),
                 capacity=gpu_capacity(device),
                 host=None if device.type != "cuda" else host_available() if host is None else host,
-                tp=state.size("tp"), cp=state.size("cp"), dense_mlp=dense, norm_apart=not own)
+                tp=state.size("tp"), cp=state.size("cp"), dense_mlp=shape.dense_mlp, norm_apart=shape.norm_apart)
 
 
 def _host_parameter_bytes(model: torch.nn.Module) -> int:
@@ -236,7 +225,7 @@ def _host_parameter_bytes(model: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t.device.type == "cpu")
 
 
-def longest_for(cfg: ModelConfig, inputs: Mapping[str, Any], state: ParallelState, *, micro_batch: int,
+def longest_for(shape: PlanShape, inputs: Mapping[str, Any], state: ParallelState, *, micro_batch: int,
                 limit: int | None = None) -> int:
     """``--seq-len auto``: the longest packed-sequence length (a multiple of ``2 x CP``, at most
     ``limit``) whose step of ``micro_batch`` sequences fits this GPU by the memory plan; 0 when none does.
@@ -246,16 +235,14 @@ def longest_for(cfg: ModelConfig, inputs: Mapping[str, Any], state: ParallelStat
     """
     if state.device.type != "cuda":
         raise ConfigError("the longest sequence is planned for megacp's own models on a GPU")
-    return longest_fitting(cfg, multiple=2 * state.size("cp"), batch=micro_batch, limit=limit, **inputs)
+    return longest_fitting(shape.config, multiple=2 * state.size("cp"), batch=micro_batch, limit=limit, **inputs)
 
 
-def plan_from_config(cfg: ModelConfig, settings: TrainSettings, state: ParallelState, *, seq_len: int | str,
-                     micro_batch: int, backend: Any = "auto", norm_apart: bool = False) -> tuple[int, MemoryPlan]:
-    """The memory plan of a run from the model's config alone, before any weight is built or read:
-    the model's skeleton is built on ``meta`` (shapes only) for its parameter count and MLP kind
-    (``backend``: the layers the run builds, :func:`~megacp.models.build.resolve_backend`; a
-    transformers model of these sizes: ``norm_apart``, its MLP's norm outside the tiles).
-    ``seq_len="auto"`` becomes the longest that fits (:func:`longest_for`).
+def plan_from_config(shape: PlanShape, settings: TrainSettings, state: ParallelState, *, seq_len: int | str,
+                     micro_batch: int) -> tuple[int, MemoryPlan]:
+    """The memory plan of a run from the model's shape alone (:meth:`~megacp.families.ModelFamily.plan_shape`),
+    before any weight is built or read: a Llama skeleton of its sizes is built on ``meta`` (shapes
+    only) for the parameter count. ``seq_len="auto"`` becomes the longest that fits (:func:`longest_for`).
 
     Returns:
         ``(seq_len, plan)``.
@@ -265,15 +252,13 @@ def plan_from_config(cfg: ModelConfig, settings: TrainSettings, state: ParallelS
         off a GPU.
     """
     from megacp.models import build_model
-    from megacp.models.build import resolve_backend
 
+    cfg = shape.config
     skeleton = build_model(cfg, dtype=settings.dtype, device="meta", backend="torch",
                            tp_group=state.group("tp") if state.size("tp") > 1 else None)
-    inputs = {**memory_inputs(skeleton, settings, state), "norm_apart": norm_apart}
-    if not norm_apart and resolve_backend(cfg, state.device, backend) != "torch":  # TE's fused MLP is not tiled
-        inputs["dense_mlp"] = False
+    inputs = memory_inputs(shape, count_parameters(skeleton), settings, state)
     if seq_len == "auto":
-        seq_len = longest_for(cfg, inputs, state, micro_batch=micro_batch, limit=cfg.max_position_embeddings)
+        seq_len = longest_for(shape, inputs, state, micro_batch=micro_batch, limit=cfg.max_position_embeddings)
         if seq_len == 0:
             seq_len = 2 * state.size("cp")  # not even the shortest step fits: the plan below says why
     assert isinstance(seq_len, int)
@@ -351,11 +336,12 @@ class StepResult:
 
 
 class Trainer:
-    """A megacp :class:`~megacp.models.llama.CausalLM` (CP attention swapped in) trained by a
-    DeepSpeed engine.
+    """A model of any family (CP attention swapped in) trained by a DeepSpeed engine.
 
     Args:
-        model: the model, in training mode, its parameters in ``settings.dtype``.
+        model: the model as its family trains it (:class:`~megacp.families.Trainable`), or a built
+            module (its family's, :func:`~megacp.families.trainable`), in training mode, its
+            parameters in ``settings.dtype``.
         config: the whole DeepSpeed config dict (megacp's sections included; DeepSpeed ignores them).
         state: the mesh; its CP group must be the one the model's CP attention uses.
         settings: from :func:`read_settings`.
@@ -363,23 +349,25 @@ class Trainer:
             :meth:`~megacp.layers.settings.CPSettings.from_state`); their ``load_balance`` shards
             the batches.
         loss: ``loss(module, shard, settings=cp)``, this CP rank's share of a shard's mean token
-            loss (default: :func:`~megacp.train.loss.lm_loss` for megacp's own models, the tiled
-            LM head + loss of :func:`megacp.integrations.hf_memory.training_loss` for a transformers model).
+            loss (default: the family's, :meth:`~megacp.families.Trainable.loss`).
     """
 
-    def __init__(self, model: torch.nn.Module, config: Mapping[str, Any], state: ParallelState,
+    def __init__(self, model: torch.nn.Module | Trainable, config: Mapping[str, Any], state: ParallelState,
                  settings: TrainSettings, *, cp: CPSettings | None = None,
                  loss: Callable[..., torch.Tensor] | None = None) -> None:
+        self.model = trainable(model)
+        """The model as its family trains it: loss, memory features, plan sizes, what a save records."""
+        module = self.model.module
         deepspeed = deepspeed_for(state)
-        mark_tensor_parallel(model, state.size("tp"))
-        params = [p for p in model.parameters() if p.requires_grad]
+        mark_tensor_parallel(module, state.size("tp"))
+        params = [p for p in module.parameters() if p.requires_grad]
         from megacp.train.experts import (
             check_expert_training,
             expert_parallel,
             sharded_expert_parameters,
         )
 
-        self.sharded_experts = bool(sharded_expert_parameters(model))
+        self.sharded_experts = bool(sharded_expert_parameters(module))
         if self.sharded_experts:
             if settings.zero_stage == 3:
                 raise ConfigError("zero_optimization.stage 3 with experts sharded over expert parallelism is "
@@ -387,35 +375,22 @@ class Trainer:
             check_expert_training(config, settings.zero_stage, state.size("ep"))
         self.zero3 = settings.zero_stage == 3
         self.planned: MemoryPlan | None = None
-        cfg = getattr(model, "cfg", None)
-        self._cfg: ModelConfig | None = cfg if isinstance(cfg, ModelConfig) else None  # a megacp model's
-        self._plan_cfg = self._cfg if self._cfg is not None else hf_plan_config(getattr(model, "config", {}))
-        """The sizes the memory plan reads (a transformers model's, :func:`~megacp.integrations.hf_memory.plan_config`;
-        ``None``: no plan)."""
-        self._params = count_parameters(model)
-        self._host = host_available() + _host_parameter_bytes(model) if state.device.type == "cuda" else None
+        self._params = count_parameters(module)
+        self._host = host_available() + _host_parameter_bytes(module) if state.device.type == "cuda" else None
         """Host bytes the plan may give the run's states and offloaded activations: what was free
         before DeepSpeed allocated the host states (the plan counts them), plus parameters already there."""
-        memory = settings.memory
-        self._hf_memory: HFMemory | None = None
-        """A transformers model's memory features (the plan sets them; the MLP tiling's ``step_tokens``
-        is set before each micro-batch)."""
-        if memory.activation_checkpointing and self._cfg is not None:
-            setattr(model, "activation_checkpointing", True)  # noqa: B010 - a CausalLM attribute
-        elif self._cfg is None:
-            self._hf_memory = apply_memory(model, memory, state.device, unplanned=None if self._plan_cfg else (
-                f"it has no sizes for {type(model).__name__} (a mixture of experts megacp's models do not implement)"))
-        if loss is None:
-            loss = lm_loss if self._cfg is not None else training_loss(model)
+        self.model.install_memory(settings.memory, state.device)
+        loss = loss or self.model.loss()
         cp = cp or CPSettings.from_state(state)
+        trained = module
         if self.zero3:
-            model = LossModule(model, loss, cp)
-            if not all(hasattr(p, "ds_id") for p in model.parameters()):  # not built partitioned (build_for_training)
+            trained = LossModule(module, loss, cp, self.model.head)
+            if not all(hasattr(p, "ds_id") for p in trained.parameters()):  # not built partitioned (build_for_training)
                 # partitioned over DP x CP (DeepSpeed's own conversion would use the mpu's DP group only)
-                deepspeed.zero.Init(module=model, data_parallel_group=state.group("dp_cp"),
+                deepspeed.zero.Init(module=trained, data_parallel_group=state.group("dp_cp"),
                                     config_dict_or_path=dict(config), mpu=DeepSpeedMPU(state))
-        with expert_parallel(model, state):
-            self.engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=dict(config),
+        with expert_parallel(trained, state):
+            self.engine, *_ = deepspeed.initialize(model=trained, model_parameters=params, config=dict(config),
                                                    mpu=DeepSpeedMPU(state))
         self.state, self.settings, self.config = state, settings, config
         self.cp, self.loss = cp, loss
@@ -439,31 +414,22 @@ class Trainer:
 
     def plan_memory(self, tokens: int) -> MemoryPlan | None:
         """Plan a step of ``tokens`` local tokens per rank (:func:`~megacp.train.memory.plan_memory`)
-        and set the model's MLP tiles, checkpoint blocks and offloaded blocks for it; ``None`` for a
-        model the plan has no sizes for. Checks the GPU's capacity (and the host's memory for what is offloaded).
+        and set the model's MLP tiles, checkpoint blocks and offloaded blocks for it (the family's
+        :meth:`~megacp.families.Trainable.apply_plan`); ``None`` for a model the plan has no sizes
+        for. Checks the GPU's capacity (and the host's memory for what is offloaded).
 
         Raises:
             MemoryPlanError: the step will not fit (one line naming what would).
         """
-        if self._plan_cfg is None:
+        shape = self.model.plan_shape
+        if shape is None:
             return None
         if self.planned is not None and self.planned.tokens == tokens:
             return self.planned
-        self.planned = plan_memory(self._plan_cfg, tokens=tokens, **self._plan_inputs())
-        if self._hf_memory is not None:
-            self._hf_memory.apply(self.planned)
-        else:
-            self.planned.apply(self.module)
+        inputs = memory_inputs(shape, self._params, self.settings, self.state, host=self._host)
+        self.planned = plan_memory(shape.config, tokens=tokens, **inputs)
+        self.model.apply_plan(self.planned)
         return self.planned
-
-    def _plan_inputs(self) -> dict[str, Any]:
-        return memory_inputs(self.module, self.settings, self.state, params=self._params, host=self._host)
-
-    def _step_tokens(self, tokens: int) -> None:
-        """A transformers model's MLP tiling learns the micro-batch's local tokens (every rank cuts as
-        many tiles: ZeRO 3 gathers per call)."""
-        if self._hf_memory is not None and self._hf_memory.tiling is not None:
-            self._hf_memory.tiling.step_tokens = tokens
 
     def prepare(self, tokens: int) -> MemoryPlan | None:
         """Ready the first step of ``tokens`` local tokens per rank before it runs: the memory plan
@@ -483,9 +449,10 @@ class Trainer:
         """Before the first step: the attention kernels' plans of every padded tile length up to
         ``tokens`` (:func:`~megacp.attention.training.warm_kernel_plans`; a transformers model's
         attention runs the same kernels), so no later step stalls on building one."""
-        if self.plans_warmed is not None or self._plan_cfg is None:
+        shape = self.model.plan_shape
+        if self.plans_warmed is not None or shape is None:
             return
-        cfg, tp = self._plan_cfg, self.state.size("tp")
+        cfg, tp = shape.config, self.state.size("tp")
         self.plans_warmed = warm_kernel_plans(cfg.num_heads // tp, cfg.num_kv_heads // tp, cfg.head_dim,
                                               dtype=self.settings.dtype, device=self.state.device, tokens=tokens,
                                               backend=self.cp.backend)
@@ -504,7 +471,7 @@ class Trainer:
                                 cp_rank=self.state.rank_in("cp"), load_balance=self.cp.load_balance)
             local = -(-batch.input_ids.numel() // self.state.size("cp"))
             self.plan_memory(local)  # the same on every CP rank
-            self._step_tokens(local)
+            self.model.step_tokens(local)
             self._warm_plans(local)
             loss = self.engine(shard) if self.zero3 else self.loss(self.module, shard, settings=self.cp)
             # ZeRO 3's reduce-scatter averages the gradients over DP x CP; the CP ranks' shares must
@@ -535,17 +502,17 @@ class Trainer:
             for seq in sequences:
                 shard = shard_batch(seq.input_ids, cu_seqlens=seq.cu_seqlens, cp_size=self.state.size("cp"),
                                     cp_rank=self.state.rank_in("cp"), load_balance=self.cp.load_balance)
-                self._step_tokens(-(-seq.input_ids.numel() // self.state.size("cp")))
+                self.model.step_tokens(-(-seq.input_ids.numel() // self.state.size("cp")))
                 loss = self.engine(shard) if self.zero3 else self.loss(self.module, shard, settings=self.cp)
                 sums[0] += loss.double() * shard.num_valid_tokens
                 sums[1] += shard.num_valid_tokens if first_cp_rank else 0
         dist.all_reduce(sums, group=self.state.group("dp_cp"))
         return float(sums[0] / sums[1].clamp(min=1)), int(sums[1])
 
-    def save(self, directory: str | Path, *, model_config: Any, tokenizer: Any, resume: ResumePoint | None = None,
-             keep_last: int | None = None) -> str:
+    def save(self, directory: str | Path, *, resume: ResumePoint | None = None, keep_last: int | None = None) -> str:
         """``engine.save_checkpoint(directory)`` (tag ``step<N>``, ZeRO shards included), plus, from
-        global rank 0, the model description and tokenizer files that
+        global rank 0, the model description (what its family records,
+        :meth:`~megacp.families.Trainable.record`) and tokenizer files that
         :func:`~megacp.checkpoint.deepspeed.read_deepspeed_checkpoint` needs. With ``resume``, the
         tag also gets what :meth:`load` restores (:mod:`megacp.train.resume`: the point and every
         rank's generator states); with ``keep_last``, only that many ``step<N>`` tags remain. The
@@ -586,7 +553,8 @@ class Trainer:
             raise CheckpointError(f"saving {tag} into {directory} failed ({reason}); its staging directory is "
                                   "removed and the previous checkpoint is kept") from None
         dist.barrier()
-        meta = train_state(model_config=model_config, dtype=self.settings.dtype, tp_size=self.state.size("tp"),
+        record = self.model.record()
+        meta = train_state(model=record, dtype=self.settings.dtype, tp_size=self.state.size("tp"),
                            zero_stage=self.settings.zero_stage, tag=tag)
         files = self._digests(staging / tag, None)
         if dist.get_rank() == 0:
@@ -600,9 +568,9 @@ class Trainer:
             elif not exchange_directories(staging / tag, directory / tag):  # re-saving a tag: swapped atomically
                 os.replace(directory / tag, old)  # where the system cannot swap: a kill here leaves it in .old
                 os.replace(staging / tag, directory / tag)
-            write_train_state(directory, model_config=model_config, dtype=self.settings.dtype,
+            write_train_state(directory, model=record, dtype=self.settings.dtype,
                               tp_size=self.state.size("tp"), zero_stage=self.settings.zero_stage, tag=tag,
-                              tokenizer=tokenizer)  # the values ``meta`` holds
+                              tokenizer=self.model.tokenizer)  # the values ``meta`` holds
             shutil.copyfile(zero_to_fp32.__file__, directory / zero_to_fp32.SCRIPT_NAME)  # HF files, not DeepSpeed's
             latest = directory / ".latest.tmp"
             latest.write_text(tag, encoding="utf-8")

@@ -38,7 +38,7 @@ import torch
 
 from megacp.config import ConfigError, DeepSpeedSections, MemoryOptions
 from megacp.models.config import ModelConfig
-from megacp.train.loss import DEFAULT_CHUNK_TOKENS
+from megacp.models.lm_head import DEFAULT_CHUNK_TOKENS
 
 AUTO_MLP_TILE = 8192
 """Tokens per MLP tile when ``sequence_tiling.mlp`` is ``"auto"`` and the plan tiles."""

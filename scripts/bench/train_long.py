@@ -151,11 +151,14 @@ def megacp_step(args: argparse.Namespace, cfg: Any, state: Any, seq: int) -> tup
     import megacp
     from megacp.models import build_model
     from megacp.train.data import PackedSequence
+    from megacp.families import PlanShape
+    from megacp.families.base import all_layers_dense
     from megacp.train.engine import Trainer, build_for_training, plan_from_config, read_settings
 
     config = megacp_config(args, state.device.type == "cuda")
     settings = read_settings(config)
-    plan_from_config(cfg, settings, state, seq_len=seq, micro_batch=1, backend="torch")  # refused before the build
+    shape = PlanShape(cfg, dense_mlp=all_layers_dense(cfg))  # megacp's torch layers
+    plan_from_config(shape, settings, state, seq_len=seq, micro_batch=1)  # refused before the build
     if args.from_checkpoint:  # as megacp.train --model DIR loads it (ZeRO 3: the Trainer partitions it)
         model = loaded_for_training(args.from_checkpoint, state, settings.dtype, transformers=False)
     else:
@@ -177,12 +180,12 @@ def loaded_for_training(directory: str, state: Any, dtype: torch.dtype, *, trans
     """The model of the Hugging Face ``directory`` loaded by its family's ``load_for_training``, the
     loader of ``megacp.train --model DIR`` (``transformers``: as ``--hf-native``, transformers'
     modules with ``attn_implementation="megacp"``; else megacp's own model, CP-swapped, pass-KV)."""
-    from megacp.integrations.families import family_for
+    from megacp.families import family_for
     from megacp.layers.settings import CPSettings
 
     family = family_for(directory, transformers=transformers)
     return family.load_for_training(state, dtype=dtype, settings=CPSettings.from_state(state, prefill="pass_kv"),
-                                    backend="auto" if transformers else "torch").model.train()
+                                    backend="auto" if transformers else "torch").module.train()
 
 
 def checkpoint_mismatch(args: argparse.Namespace) -> str | None:
@@ -239,6 +242,7 @@ def hf_step(args: argparse.Namespace, cfg: Any, state: Any, seq: int) -> tuple[S
     """
     from transformers import LlamaForCausalLM
 
+    from megacp.families import PlanShape
     from megacp.integrations.hf_memory import plan_config, training_loss
     from megacp.train.data import PackedSequence
     from megacp.train.engine import Trainer, build_for_training, plan_from_config, read_settings
@@ -249,7 +253,8 @@ def hf_step(args: argparse.Namespace, cfg: Any, state: Any, seq: int) -> tuple[S
     hf = hf_config(cfg, "megacp")
     plan_cfg = plan_config(hf)
     assert plan_cfg is not None  # a Llama
-    plan_from_config(plan_cfg, settings, state, seq_len=seq, micro_batch=1, norm_apart=True)  # refused before the build
+    shape = PlanShape(plan_cfg, dense_mlp=True, norm_apart=True)  # transformers' dense Llama layers
+    plan_from_config(shape, settings, state, seq_len=seq, micro_batch=1)  # refused before the build
 
     def build(device: torch.device) -> torch.nn.Module:
         with torch.device(device):
@@ -280,8 +285,8 @@ def alst_step(args: argparse.Namespace, cfg: Any, state: Any, seq: int) -> tuple
     from transformers import LlamaForCausalLM
     from transformers.models.llama import modeling_llama
 
+    from megacp.models.lm_head import DEFAULT_CHUNK_TOKENS
     from megacp.train.engine import deepspeed_for
-    from megacp.train.loss import DEFAULT_CHUNK_TOKENS
     from scripts.bench.train_step import hf_config
 
     deepspeed = deepspeed_for(state)  # as megacp's Trainer: no shared-memory op build on CPU

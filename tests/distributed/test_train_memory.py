@@ -28,8 +28,8 @@ def _grads(rank: int, world_size: int) -> float:
     import megacp
     from megacp.layers.settings import CPSettings
     from megacp.models import CausalLM
+    from megacp.models.loss import lm_loss
     from megacp.placement.batch import shard_batch
-    from megacp.train.loss import lm_loss
 
     state = megacp.initialize({"context_parallel": {"size": world_size}})
     torch.manual_seed(0)

@@ -28,12 +28,12 @@ def _resave(rank: int, world_size: int, directory: str) -> tuple[list[str], floa
     state = megacp.initialize(config)
     torch.manual_seed(0)
     trainer = Trainer(CausalLM(cfg, dtype=torch.float32).train(), config, state, read_settings(config))
-    trainer.save(directory, model_config=cfg, tokenizer=None)
+    trainer.save(directory)
     first = read_deepspeed_checkpoint(directory).tensors["embedding.weight"].clone()
     ids = torch.randint(0, cfg.vocab_size, (16,), generator=torch.Generator().manual_seed(1))
     trainer.step(iter([PackedSequence(ids, torch.tensor([0, 16], dtype=torch.int32))]))
     trainer.steps_done = 0  # the run repeated into its own directory: the same tag, step0, again
-    trainer.save(directory, model_config=cfg, tokenizer=None)
+    trainer.save(directory)
     saved = read_deepspeed_checkpoint(directory).tensors["embedding.weight"]
     trained = trainer.module.embedding.weight.detach()
     names = sorted(p.name for p in Path(directory).iterdir())
@@ -43,7 +43,7 @@ def _resave(rank: int, world_size: int, directory: str) -> tuple[list[str], floa
     trainer.steps_done = 1
     (Path(directory) / ".step1.staging").write_text("not a directory")
     try:
-        trainer.save(directory, model_config=cfg, tokenizer=None)
+        trainer.save(directory)
         failure = ""
     except CheckpointError as err:
         failure = str(err)

@@ -81,8 +81,8 @@ def _flat(model: torch.nn.Module, tp_group: torch.distributed.ProcessGroup | Non
 
 def _plain_torch() -> tuple[list[float], torch.Tensor]:
     """CP = 1 without DeepSpeed: per-step mean micro-batch loss and the final weights."""
+    from megacp.models.loss import lm_loss
     from megacp.placement.batch import shard_batch
-    from megacp.train.loss import lm_loss
 
     model = _model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)

@@ -77,7 +77,7 @@ def _train(rank: int, world_size: int, cp: int, save_dir: str) -> dict:
         if name == "zero3":  # the saved ZeRO 3 shards convert back to the trained weights
             from megacp.checkpoint.deepspeed import read_deepspeed_checkpoint
 
-            trainer.save(save_dir, model_config=CFG, tokenizer=None)
+            trainer.save(save_dir)
             converted = read_deepspeed_checkpoint(save_dir).tensors
             out["zero3_converted"] = torch.cat([converted[n].flatten() for n, _ in trainer.module.named_parameters()])
     return out
@@ -107,6 +107,7 @@ def _built_partitioned(rank: int, world_size: int, cp: int) -> dict:
     import deepspeed
 
     import megacp
+    from megacp.families import PlanShape
     from megacp.models import CausalLM, build_model
     from megacp.train.engine import Trainer, build_for_training, plan_from_config, read_settings
 
@@ -124,7 +125,8 @@ def _built_partitioned(rank: int, world_size: int, cp: int) -> dict:
     if cp > 1:
         megacp.swap_attention(model, state, strategy="pass_kv")
     trainer = Trainer(model.train(), config, state, settings)
-    early = plan_from_config(CFG, settings, state, seq_len=SEQ_LEN, micro_batch=1)[1].describe()
+    early = plan_from_config(PlanShape(CFG, dense_mlp=True), settings, state, seq_len=SEQ_LEN,
+                             micro_batch=1)[1].describe()
     planned = trainer.plan_memory(SEQ_LEN // cp)
     losses = [trainer.step(iter(_batches(state.rank_in("dp")))).loss for _ in range(4)]
     # the same weights in a plain (ZeRO 0) model train to the same losses

@@ -227,9 +227,9 @@ def _train_save_and_kill_resaves(rank: int, world_size: int, root: str) -> dict[
     run = Path(root) / "run"
     trainer.step(iter([batch]))
     point = ResumePoint(step=1, data=StreamPosition(), seq_len=16, micro_batch=1, dp_size=1, world_size=world_size)
-    trainer.save(run, model_config=CFG, tokenizer=None, resume=point)
+    trainer.save(run, resume=point)
     trainer.step(iter([batch]))
-    trainer.save(Path(root) / "other", model_config=CFG, tokenizer=None)
+    trainer.save(Path(root) / "other")
     if rank == 0:
         shutil.copytree(run, Path(root) / "pristine")
     trainer.steps_done = 1  # the run repeated into its own directory: step1 again, with the new weights
@@ -250,7 +250,7 @@ def _train_save_and_kill_resaves(rank: int, world_size: int, root: str) -> dict[
         renames[:] = [0, stop if rank == 0 else 0]
         os.replace, engine.exchange_directories = counted(real_replace), counted(real_exchange)  # type: ignore[assignment]
         try:
-            trainer.save(run, model_config=CFG, tokenizer=None)
+            trainer.save(run)
             done = True
         except _Killed:
             dist.barrier()  # the one the stopped rank 0 owed its peer at the end of the save

@@ -4,8 +4,9 @@ Layers, top first; a module may import its own package, and packages of its own 
 layers below it, never above (README, "Architecture"):
 
     megacp, generate, train  the package root (public re-exports), the entry points
-    integrations, serve      (``python -m megacp.generate`` / ``train`` / ``serve``) and the
-                             transformers attention interface
+    serve                    (``python -m megacp.generate`` / ``train`` / ``serve``)
+    families                 the model-family seam: what a model is, how it loads, trains and saves
+    integrations             the transformers attention interface, memory features, CPTrainer
     checkpoint               formats, conversion, loading weights into a built model
     models                   the model, its config and parameter schema
     layers                   CP attention modules, CPSettings, the step kinds, swap_attention
@@ -28,7 +29,9 @@ from tests.helpers.paths import ROOT
 PACKAGE = ROOT / "megacp"
 
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("megacp", "generate", "train", "integrations", "serve"),
+    ("megacp", "generate", "train", "serve"),
+    ("families",),
+    ("integrations",),
     ("checkpoint",),
     ("models",),
     ("layers",),
