@@ -31,13 +31,13 @@ from megacp.attention.plans import reuse_plans_across_lengths
 from megacp.attention.strategy import STRATEGIES
 from megacp.checkpoint.dtypes import DTYPES
 from megacp.checkpoint.front import default_model_path
-from megacp.config import OneLineArgumentParser, add_launcher_args, launcher_rank, print_error_once
 from megacp.families import family_for
 from megacp.generate.llm import LLM
 from megacp.generate.outputs import TextStream, chat_ids, stop_string_check
 from megacp.generate.requests import ModelLimits, check_context, check_prompt, check_text
 from megacp.generate.sampling import SamplingParams
 from megacp.kv_cache import KV_CACHE_DTYPES
+from megacp.launch import OneLineArgumentParser, add_launcher_args, launcher_rank, print_error_once
 from megacp.parallel import initialize, peak_memory_mib
 
 PROG = "megacp.generate"

@@ -1,5 +1,6 @@
-"""A model of any family inside a DeepSpeed engine: the settings read from the DeepSpeed config, the
-engine built with megacp's mpu, one optimizer step over CP-sharded micro-batches, and saving.
+"""A model of any family inside a DeepSpeed engine: the engine built with megacp's mpu from the
+typed training config (:class:`~megacp.config.TrainingConfig`; DeepSpeed alone reads the raw dict),
+one optimizer step over CP-sharded micro-batches, and saving.
 
 DeepSpeed owns the optimizer, the LR schedule, gradient clipping and accumulation, bf16 and ZeRO
 (all from the user's DeepSpeed JSON). megacp's mpu (:class:`~megacp.parallel.mpu.DeepSpeedMPU`)
@@ -17,12 +18,11 @@ around the forward and backward of the module that owns it, so the engine trains
 its external parameter: it stays gathered through the chunked loss. The model is partitioned over
 the DP x CP group (``deepspeed.zero.Init`` with megacp's ``dp_cp`` group: DeepSpeed's own conversion
 would use the DP group alone and leave the CP ranks' gradients unsummed). ZeRO 3 is refused with TP
-or EP sharding (:func:`_check_zero3`).
+or EP sharding when the config is read (:meth:`~megacp.config.TrainingConfig.read`).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
 import time
@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from megacp.attention.training import warm_kernel_plans
 from megacp.checkpoint.staging import exchange_directories
-from megacp.config import ConfigError, DeepSpeedSections, MemoryOptions, read_memory_options
+from megacp.config import ConfigError, MegacpConfig, TrainingConfig, load_config
 from megacp.families import PlanShape, Trainable, trainable
 from megacp.layers.settings import CPSettings
 from megacp.parallel.mpu import DeepSpeedMPU
@@ -58,111 +58,6 @@ from megacp.train.resume import ResumePoint, load_rng_file, prune, rng_file, rng
 
 if TYPE_CHECKING:
     from megacp.checkpoint.shard_manifest import FileDigest, Manifest
-
-ZERO_STAGES = (0, 1, 2, 3)
-"""ZeRO stages megacp trains with."""
-
-@dataclass(frozen=True)
-class TrainSettings:
-    """What megacp reads from the DeepSpeed config (DeepSpeed itself reads the rest).
-
-    Attributes:
-        dtype: of the model parameters: ``torch.bfloat16`` when ``bf16.enabled``, else fp32.
-        zero_stage: ``zero_optimization.stage``.
-        memory: activation checkpointing, offload and sequence tiling (:mod:`megacp.train.memory`).
-        sections: DeepSpeed's precision and ZeRO placement as read once
-            (:class:`~megacp.config.DeepSpeedSections`).
-    """
-
-    dtype: torch.dtype
-    zero_stage: int
-    memory: MemoryOptions = MemoryOptions()
-    sections: DeepSpeedSections = DeepSpeedSections()
-
-
-def _section(raw: Mapping[str, Any], key: str) -> Mapping[str, Any]:
-    value = raw.get(key, {})
-    if not isinstance(value, Mapping):
-        raise ConfigError(f"{key}: expected an object, got {value!r}")
-    return value
-
-
-def _check_optimizer(raw: Mapping[str, Any]) -> None:
-    from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS
-
-    optimizer = _section(raw, "optimizer")
-    name = optimizer.get("type")
-    if name is None:
-        raise ConfigError('optimizer.type: missing; the DeepSpeed config must name the optimizer, e.g. '
-                          '"optimizer": {"type": "AdamW", "params": {"lr": 1e-5}}')
-    candidate = getattr(torch.optim, name, None) if isinstance(name, str) else None
-    known = isinstance(name, str) and (name.lower() in DEEPSPEED_OPTIMIZERS or (
-        isinstance(candidate, type) and issubclass(candidate, torch.optim.Optimizer)))
-    if not known:
-        raise ConfigError(f"optimizer.type: got {name!r}; allowed values: one of DeepSpeed's "
-                          f"({', '.join(DEEPSPEED_OPTIMIZERS)}) or a torch.optim class name")
-    if not isinstance(optimizer.get("params", {}), Mapping):
-        raise ConfigError(f"optimizer.params: expected an object, got {optimizer['params']!r}")
-
-
-MONITOR_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "comet": "comet_ml"}
-"""DeepSpeed's monitor sections and the package each needs (``csv_monitor`` needs none)."""
-
-
-def _check_monitors(sections: DeepSpeedSections) -> None:
-    """Refuse an enabled DeepSpeed monitor whose package is missing (DeepSpeed would fail once the
-    model is loaded)."""
-    for section, package in MONITOR_PACKAGES.items():
-        if section in sections.monitors and importlib.util.find_spec(package) is None:
-            raise ConfigError(f"{section}.enabled: the {package} package is not installed: pip install {package}, "
-                              f"or disable the {section} monitor")
-
-
-def read_settings(raw: Mapping[str, Any], *, activation_checkpointing: bool = False) -> TrainSettings:
-    """Check the training parts of the DeepSpeed config ``raw`` that megacp depends on (no process
-    group needed); ``activation_checkpointing`` (the CLI flag) switches checkpointing on.
-
-    Raises:
-        ConfigError: fp16 is enabled (refused: use bf16), the ZeRO stage is not one of
-            :data:`ZERO_STAGES`, the optimizer is missing or unknown, or an enabled monitor's
-            package (:data:`MONITOR_PACKAGES`) is missing.
-    """
-    sections = DeepSpeedSections.read(raw)  # bf16 / fp16 and ZeRO placement: read here, once
-    if sections.dtype_name == "float16":
-        raise ConfigError("fp16.enabled: fp16 training (loss scaling) is not supported; "
-                          'use "bf16": {"enabled": true} or fp32')
-    stage = sections.zero_stage
-    if stage not in ZERO_STAGES:
-        raise ConfigError(f"zero_optimization.stage: got {stage!r}; allowed values: 0, 1, 2, 3")
-    if stage < 3 and "offload_param" in _section(raw, "zero_optimization"):
-        raise ConfigError(f"zero_optimization.offload_param: needs stage 3 (got stage {stage})")
-    _check_optimizer(raw)
-    _check_monitors(sections)
-    if stage == 3:
-        _check_zero3(raw, sections)
-    memory = read_memory_options(raw, activation_checkpointing=activation_checkpointing)
-    return TrainSettings(dtype=torch.bfloat16 if sections.dtype_name == "bfloat16" else torch.float32,
-                         zero_stage=stage, memory=memory, sections=sections)
-
-
-def _check_zero3(raw: Mapping[str, Any], sections: DeepSpeedSections) -> None:
-    """Refuse what ZeRO 3 under megacp cannot train: ``reduce_scatter: false`` with CP (see
-    :meth:`Trainer.step`), tensor parallelism (DeepSpeed's stage 3 would
-    partition the TP shards over DP x CP without TP-aware gathering in megacp's layers) and
-    expert parallelism (DeepSpeed's MoE gradient path is a ZeRO 1/2 path)."""
-    cp = _section(raw, "context_parallel").get("size")
-    if cp not in (None, 1) and not sections.reduce_scatter:
-        raise ConfigError(f"zero_optimization.reduce_scatter: false with stage 3 and context_parallel.size {cp} "
-                          "is not supported; leave reduce_scatter at its default (true)")
-    tp = _section(raw, "tensor_model_parallel").get("size", 1)
-    if tp != 1:
-        raise ConfigError(f"zero_optimization.stage 3 with tensor_model_parallel.size {tp} is not supported; "
-                          "use ZeRO 0-2 with TP, or TP 1 with ZeRO 3")
-    ep = _section(raw, "expert_model_parallel").get("size")
-    if ep not in (None, 1):
-        raise ConfigError(f"zero_optimization.stage 3 with expert_model_parallel.size {ep} is not supported; "
-                          "use ZeRO 0-2 with EP, or EP 1 with ZeRO 3")
-
 
 class LossModule(torch.nn.Module):
     """What a ZeRO 3 engine trains: ``model`` and its loss as one forward, with the LM head matrix
@@ -204,7 +99,7 @@ def deepspeed_for(state: ParallelState) -> Any:
     return deepspeed
 
 
-def memory_inputs(shape: PlanShape, params: int, settings: TrainSettings, state: ParallelState, *,
+def memory_inputs(shape: PlanShape, params: int, training: TrainingConfig, state: ParallelState, *,
                   host: int | None = None) -> dict[str, Any]:
     """What :func:`~megacp.train.memory.plan_memory` and :func:`~megacp.train.memory.longest_fitting`
     take besides the model config and the tokens, for a model of ``shape`` with ``params`` parameters
@@ -212,8 +107,8 @@ def memory_inputs(shape: PlanShape, params: int, settings: TrainSettings, state:
     the host memory the run's states and offloaded activations may use (``host``, else what is free
     now; on a GPU only)."""
     device = state.device
-    return dict(params=params, options=settings.memory,
-                zero=ZeroSettings.of(settings.sections, partition=state.size("dp_cp"), dtype=settings.dtype),
+    return dict(params=params, options=training.memory,
+                zero=ZeroSettings.of(training.sections, partition=state.size("dp_cp"), dtype=training.dtype),
                 capacity=gpu_capacity(device),
                 host=None if device.type != "cuda" else host_available() if host is None else host,
                 tp=state.size("tp"), cp=state.size("cp"), dense_mlp=shape.dense_mlp, norm_apart=shape.norm_apart)
@@ -238,7 +133,7 @@ def longest_for(shape: PlanShape, inputs: Mapping[str, Any], state: ParallelStat
     return longest_fitting(shape.config, multiple=2 * state.size("cp"), batch=micro_batch, limit=limit, **inputs)
 
 
-def plan_from_config(shape: PlanShape, settings: TrainSettings, state: ParallelState, *, seq_len: int | str,
+def plan_from_config(shape: PlanShape, training: TrainingConfig, state: ParallelState, *, seq_len: int | str,
                      micro_batch: int) -> tuple[int, MemoryPlan]:
     """The memory plan of a run from the model's shape alone (:meth:`~megacp.families.ModelFamily.plan_shape`),
     before any weight is built or read: a Llama skeleton of its sizes is built on ``meta`` (shapes
@@ -254,9 +149,9 @@ def plan_from_config(shape: PlanShape, settings: TrainSettings, state: ParallelS
     from megacp.models import build_model
 
     cfg = shape.config
-    skeleton = build_model(cfg, dtype=settings.dtype, device="meta", backend="torch",
+    skeleton = build_model(cfg, dtype=training.dtype, device="meta", backend="torch",
                            tp_group=state.group("tp") if state.size("tp") > 1 else None)
-    inputs = memory_inputs(shape, count_parameters(skeleton), settings, state)
+    inputs = memory_inputs(shape, count_parameters(skeleton), training, state)
     if seq_len == "auto":
         seq_len = longest_for(shape, inputs, state, micro_batch=micro_batch, limit=cfg.max_position_embeddings)
         if seq_len == 0:
@@ -266,29 +161,39 @@ def plan_from_config(shape: PlanShape, settings: TrainSettings, state: ParallelS
     return seq_len, plan_memory(cfg, tokens=tokens, **inputs)
 
 
-def build_for_training(build: Callable[[torch.device], torch.nn.Module], config: Mapping[str, Any],
-                       state: ParallelState, settings: TrainSettings) -> torch.nn.Module:
-    """``build(device)`` for a :class:`Trainer`. Under ZeRO 3 it runs inside ``deepspeed.zero.Init``
-    over the DP x CP group: each module's parameters are created on the GPU and partitioned (and
-    moved to the host with ``offload_param``) as soon as the module is built, and random init fills
-    each rank's partition (:meth:`~megacp.models.llama.CausalLM.reset_parameters`), so no full copy
-    of the model is ever made or initialised on the CPU. Otherwise it builds on ``state.device``."""
-    if settings.zero_stage != 3:
+def build_for_training(build: Callable[[torch.device], torch.nn.Module], config: MegacpConfig | Mapping[str, Any],
+                       state: ParallelState) -> torch.nn.Module:
+    """``build(device)`` for a :class:`Trainer` of ``config`` (its training view:
+    :func:`~megacp.config.load_config` with ``training=True``). Under ZeRO 3 it runs inside
+    ``deepspeed.zero.Init`` over the DP x CP group: each module's parameters are created on the GPU
+    and partitioned (and moved to the host with ``offload_param``) as soon as the module is built,
+    and random init fills each rank's partition (:meth:`~megacp.models.llama.CausalLM.reset_parameters`),
+    so no full copy of the model is ever made or initialised on the CPU. Otherwise it builds on
+    ``state.device``."""
+    config = load_config(config, training=True)
+    training = _training(config)
+    if training.zero_stage != 3:
         return build(state.device)
     deepspeed = deepspeed_for(state)
     # the parameters' dtype comes from the config's bf16/fp16 sections (DeepSpeed reads a ``dtype``
     # argument only where the accelerator supports fp16); F.linear stays torch's own
-    with deepspeed.zero.Init(data_parallel_group=state.group("dp_cp"), config_dict_or_path=dict(config),
+    with deepspeed.zero.Init(data_parallel_group=state.group("dp_cp"), config_dict_or_path=dict(config.deepspeed),
                              mpu=DeepSpeedMPU(state), mem_efficient_linear=False):
         model = build(state.device)
-    if any(p.dtype != settings.dtype for p in model.parameters()):
+    if any(p.dtype != training.dtype for p in model.parameters()):
         raise ConfigError(f"DeepSpeed built the model's parameters in {next(model.parameters()).dtype}, "
-                          f"not the configured {settings.dtype}")
+                          f"not the configured {training.dtype}")
     return model
 
 
-def check_batch_config(raw: Mapping[str, Any], state: ParallelState) -> int:
-    """Let DeepSpeed check the batch sizes of ``raw`` against the mesh (``train_batch_size`` =
+def _training(config: MegacpConfig) -> TrainingConfig:
+    """``config``'s training view (:func:`~megacp.config.load_config` with ``training=True`` built it)."""
+    assert config.training is not None, "load_config(..., training=True) builds the training view"
+    return config.training
+
+
+def check_batch_config(config: MegacpConfig, state: ParallelState) -> int:
+    """Let DeepSpeed check the batch sizes of ``config`` against the mesh (``train_batch_size`` =
     micro-batch x accumulation x DP size) and parse the rest of its config, without building an
     engine. Needs the process group (:func:`megacp.initialize`). Returns the micro-batch size
     (packed sequences per micro-batch and DP replica).
@@ -300,7 +205,7 @@ def check_batch_config(raw: Mapping[str, Any], state: ParallelState) -> int:
 
     deepspeed_for(state).init_distributed(dist_backend=state.backend)
     try:
-        return DeepSpeedConfig(dict(raw), mpu=DeepSpeedMPU(state)).train_micro_batch_size_per_gpu
+        return DeepSpeedConfig(dict(config.deepspeed), mpu=DeepSpeedMPU(state)).train_micro_batch_size_per_gpu
     except (AssertionError, ValueError, TypeError, KeyError) as err:
         lines = [line.strip() for line in str(err).splitlines() if line.strip()]
         raise ConfigError(f"DeepSpeed rejects the config: {lines[0] if lines else type(err).__name__}") from None
@@ -341,10 +246,11 @@ class Trainer:
     Args:
         model: the model as its family trains it (:class:`~megacp.families.Trainable`), or a built
             module (its family's, :func:`~megacp.families.trainable`), in training mode, its
-            parameters in ``settings.dtype``.
-        config: the whole DeepSpeed config dict (megacp's sections included; DeepSpeed ignores them).
+            parameters in the config's dtype (:attr:`~megacp.config.TrainingConfig.dtype`).
+        config: the config with its training view (:func:`~megacp.config.load_config` with
+            ``training=True``; a DeepSpeed config dict gets it here). Only DeepSpeed reads its raw
+            dict (:attr:`~megacp.config.MegacpConfig.deepspeed`).
         state: the mesh; its CP group must be the one the model's CP attention uses.
-        settings: from :func:`read_settings`.
         cp: the CP settings the model's attention was swapped with (default: the state's,
             :meth:`~megacp.layers.settings.CPSettings.from_state`); their ``load_balance`` shards
             the batches.
@@ -352,34 +258,28 @@ class Trainer:
             loss (default: the family's, :meth:`~megacp.families.Trainable.loss`).
     """
 
-    def __init__(self, model: torch.nn.Module | Trainable, config: Mapping[str, Any], state: ParallelState,
-                 settings: TrainSettings, *, cp: CPSettings | None = None,
+    def __init__(self, model: torch.nn.Module | Trainable, config: MegacpConfig | Mapping[str, Any],
+                 state: ParallelState, *, cp: CPSettings | None = None,
                  loss: Callable[..., torch.Tensor] | None = None) -> None:
+        self.config = load_config(config, training=True)
+        self.training = _training(self.config)
+        """What the run trains with (precision, ZeRO, memory options, ...), read and checked once."""
         self.model = trainable(model)
         """The model as its family trains it: loss, memory features, plan sizes, what a save records."""
         module = self.model.module
         deepspeed = deepspeed_for(state)
         mark_tensor_parallel(module, state.size("tp"))
         params = [p for p in module.parameters() if p.requires_grad]
-        from megacp.train.experts import (
-            check_expert_training,
-            expert_parallel,
-            sharded_expert_parameters,
-        )
+        from megacp.train.experts import expert_parallel, sharded_expert_parameters
 
         self.sharded_experts = bool(sharded_expert_parameters(module))
-        if self.sharded_experts:
-            if settings.zero_stage == 3:
-                raise ConfigError("zero_optimization.stage 3 with experts sharded over expert parallelism is "
-                                  "not supported; use ZeRO 0-2 with EP")
-            check_expert_training(config, settings.zero_stage, state.size("ep"))
-        self.zero3 = settings.zero_stage == 3
+        self.zero3 = self.training.zero_stage == 3
         self.planned: MemoryPlan | None = None
         self._params = count_parameters(module)
         self._host = host_available() + _host_parameter_bytes(module) if state.device.type == "cuda" else None
         """Host bytes the plan may give the run's states and offloaded activations: what was free
         before DeepSpeed allocated the host states (the plan counts them), plus parameters already there."""
-        self.model.install_memory(settings.memory, state.device)
+        self.model.install_memory(self.training.memory, state.device)
         loss = loss or self.model.loss()
         cp = cp or CPSettings.from_state(state)
         trained = module
@@ -388,11 +288,11 @@ class Trainer:
             if not all(hasattr(p, "ds_id") for p in trained.parameters()):  # not built partitioned (build_for_training)
                 # partitioned over DP x CP (DeepSpeed's own conversion would use the mpu's DP group only)
                 deepspeed.zero.Init(module=trained, data_parallel_group=state.group("dp_cp"),
-                                    config_dict_or_path=dict(config), mpu=DeepSpeedMPU(state))
+                                    config_dict_or_path=dict(self.config.deepspeed), mpu=DeepSpeedMPU(state))
         with expert_parallel(trained, state):
-            self.engine, *_ = deepspeed.initialize(model=trained, model_parameters=params, config=dict(config),
-                                                   mpu=DeepSpeedMPU(state))
-        self.state, self.settings, self.config = state, settings, config
+            self.engine, *_ = deepspeed.initialize(model=trained, model_parameters=params,
+                                                   config=dict(self.config.deepspeed), mpu=DeepSpeedMPU(state))
+        self.state = state
         self.cp, self.loss = cp, loss
         self.cp_group = state.group("cp")
         self.dp_group = state.group("dp")
@@ -426,7 +326,7 @@ class Trainer:
             return None
         if self.planned is not None and self.planned.tokens == tokens:
             return self.planned
-        inputs = memory_inputs(shape, self._params, self.settings, self.state, host=self._host)
+        inputs = memory_inputs(shape, self._params, self.training, self.state, host=self._host)
         self.planned = plan_memory(shape.config, tokens=tokens, **inputs)
         self.model.apply_plan(self.planned)
         return self.planned
@@ -454,7 +354,7 @@ class Trainer:
             return
         cfg, tp = shape.config, self.state.size("tp")
         self.plans_warmed = warm_kernel_plans(cfg.num_heads // tp, cfg.num_kv_heads // tp, cfg.head_dim,
-                                              dtype=self.settings.dtype, device=self.state.device, tokens=tokens,
+                                              dtype=self.training.dtype, device=self.state.device, tokens=tokens,
                                               backend=self.cp.backend)
 
     def step(self, batches: Iterator[PackedSequence]) -> StepResult:
@@ -527,9 +427,9 @@ class Trainer:
         from megacp.checkpoint.shard_manifest import Manifest, Mesh
 
         if self.sharded_experts:
-            from megacp.train.experts import check_expert_training
+            from megacp.train.experts import check_expert_saving
 
-            check_expert_training(self.config, self.settings.zero_stage, self.state.size("ep"), save=True)
+            check_expert_saving(self.state.size("ep"))
         tag = f"step{self.steps_done}"
         directory = Path(directory)
         staging = directory / f".{tag}.staging"
@@ -554,12 +454,12 @@ class Trainer:
                                   "removed and the previous checkpoint is kept") from None
         dist.barrier()
         record = self.model.record()
-        meta = train_state(model=record, dtype=self.settings.dtype, tp_size=self.state.size("tp"),
-                           zero_stage=self.settings.zero_stage, tag=tag)
+        meta = train_state(model=record, dtype=self.training.dtype, tp_size=self.state.size("tp"),
+                           zero_stage=self.training.zero_stage, tag=tag)
         files = self._digests(staging / tag, None)
         if dist.get_rank() == 0:
             mesh = Mesh(world_size=dist.get_world_size(), dp=self.state.size("dp"), cp=self.state.size("cp"),
-                        tp=self.state.size("tp"), ep=self.state.size("ep"), zero_stage=self.settings.zero_stage)
+                        tp=self.state.size("tp"), ep=self.state.size("ep"), zero_stage=self.training.zero_stage)
             Manifest(self.run_id, tag, mesh, train_state_sha256(meta), files).write(staging / tag)
             old = directory / f".{tag}.old"
             shutil.rmtree(old, ignore_errors=True)
@@ -568,8 +468,8 @@ class Trainer:
             elif not exchange_directories(staging / tag, directory / tag):  # re-saving a tag: swapped atomically
                 os.replace(directory / tag, old)  # where the system cannot swap: a kill here leaves it in .old
                 os.replace(staging / tag, directory / tag)
-            write_train_state(directory, model=record, dtype=self.settings.dtype,
-                              tp_size=self.state.size("tp"), zero_stage=self.settings.zero_stage, tag=tag,
+            write_train_state(directory, model=record, dtype=self.training.dtype,
+                              tp_size=self.state.size("tp"), zero_stage=self.training.zero_stage, tag=tag,
                               tokenizer=self.model.tokenizer)  # the values ``meta`` holds
             shutil.copyfile(zero_to_fp32.__file__, directory / zero_to_fp32.SCRIPT_NAME)  # HF files, not DeepSpeed's
             latest = directory / ".latest.tmp"

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from megacp.config import ConfigError, DeepSpeedSections, MemoryOptions
+from megacp.config import ConfigError, DeepSpeedSections, MemoryOptions, load_config
 from megacp.models.config import ModelConfig
 from megacp.models.lm_head import DEFAULT_CHUNK_TOKENS
 
@@ -87,8 +87,8 @@ class ZeroSettings:
 
     @classmethod
     def from_config(cls, raw: Mapping[str, Any], *, partition: int, dtype: torch.dtype) -> ZeroSettings:
-        """:meth:`of` the sections of the DeepSpeed config ``raw``."""
-        return cls.of(DeepSpeedSections.read(raw), partition=partition, dtype=dtype)
+        """:meth:`of` the sections of the DeepSpeed config ``raw`` (as :func:`~megacp.config.load_config` reads them)."""
+        return cls.of(load_config(raw).deepspeed_sections, partition=partition, dtype=dtype)
 
 
 def state_bytes(params: int, largest_module: int, zero: ZeroSettings) -> tuple[int, int]:

@@ -360,7 +360,7 @@ def _ep_train_worker(rank: int, world: int) -> dict:
     from megacp.models.build import expert_parallel_group
     from megacp.models.loss import lm_loss
     from megacp.placement.batch import shard_batch
-    from megacp.train.engine import Trainer, read_settings
+    from megacp.train.engine import Trainer
     from tests.helpers.training import seeded_model
 
     torch.set_num_threads(1)
@@ -377,7 +377,7 @@ def _ep_train_worker(rank: int, world: int) -> dict:
         model.load_state_dict({n: shard_experts(n, shard_tensor(cfg, n, t, tp_rank, tp), ep_rank, ep_size).clone()
                                for n, t in seeded_model(cfg).state_dict().items()})
         megacp.swap_attention(model, state, strategy="pass_kv")
-        trainer = Trainer(model, config, state, read_settings(config))
+        trainer = Trainer(model, config, state)
         dp, first = state.rank_in("dp"), {}
         if stage == 0:
             batch = _ep_batches()[dp]

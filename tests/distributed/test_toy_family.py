@@ -106,12 +106,12 @@ def _train_save_resume(rank: int, world_size: int, directory: str) -> dict[str, 
     from megacp.checkpoint.deepspeed import TRAIN_STATE_FILE, read_record, train_state_checksum
     from megacp.checkpoint.shard_manifest import verify_tag
     from megacp.train.data import StreamPosition
-    from megacp.train.engine import Trainer, read_settings
+    from megacp.train.engine import Trainer
     from megacp.train.resume import ResumePoint
 
     state = megacp.initialize(CONFIG)
     toy = ToyFamily(ToyLM(seed=0).train(), {"eos": 1})
-    trainer = Trainer(toy, CONFIG, state, read_settings(CONFIG))
+    trainer = Trainer(toy, CONFIG, state)
     losses = [trainer.step(iter([batch])).loss for batch in _batches()]
     trained = {n: p.detach().clone() for n, p in trainer.module.state_dict().items()}
     point = ResumePoint(step=STEPS, data=StreamPosition(), seq_len=23, micro_batch=1, dp_size=1, world_size=world_size)
@@ -125,7 +125,7 @@ def _train_save_resume(rank: int, world_size: int, directory: str) -> dict[str, 
         refusal = ""
     except CheckpointError as err:
         refusal = str(err)
-    fresh = Trainer(ToyFamily(ToyLM(seed=1).train(), {"eos": 1}), CONFIG, state, read_settings(CONFIG))
+    fresh = Trainer(ToyFamily(ToyLM(seed=1).train(), {"eos": 1}), CONFIG, state)
     resumed = fresh.load(root, tag)
     return {"losses": losses, "trained": trained, "tag": tag, "sidecar": sidecar, "refusal": refusal,
             "saved": {n: t.clone() for n, t in saved.items()}, "eos": toy.eos_id(), "resumed_step": resumed.step,

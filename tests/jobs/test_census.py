@@ -211,7 +211,7 @@ def _train_save_and_kill_resaves(rank: int, world_size: int, root: str) -> dict[
     from megacp.models import CausalLM
     from megacp.train import engine
     from megacp.train.data import PackedSequence, StreamPosition
-    from megacp.train.engine import Trainer, read_settings
+    from megacp.train.engine import Trainer
     from megacp.train.resume import ResumePoint
 
     config = {"train_micro_batch_size_per_gpu": 1, "steps_per_print": 10**6, "zero_optimization": {"stage": 1},
@@ -221,7 +221,7 @@ def _train_save_and_kill_resaves(rank: int, world_size: int, root: str) -> dict[
     torch.manual_seed(0)
     model = CausalLM(CFG, dtype=torch.float32).train()
     megacp.swap_attention(model, state, strategy="pass_kv")
-    trainer = Trainer(model, config, state, read_settings(config))
+    trainer = Trainer(model, config, state)
     ids = torch.randint(0, CFG.vocab_size, (16,), generator=torch.Generator().manual_seed(1))
     batch = PackedSequence(ids, torch.tensor([0, 16], dtype=torch.int32))
     run = Path(root) / "run"

@@ -396,10 +396,9 @@ def test_shipped_training_configs_parse(name: str) -> None:
     from deepspeed.runtime.config import DeepSpeedConfig
 
     from megacp.config import load_config
-    from megacp.train.engine import read_settings
 
-    config = load_config(ROOT / "configs" / f"{name}.json")
-    settings = read_settings(config.deepspeed)
+    config = load_config(ROOT / "configs" / f"{name}.json", training=True)
+    settings = config.training
     parsed = DeepSpeedConfig(dict(config.deepspeed))
     assert parsed.zero_optimization_stage == settings.zero_stage
     assert parsed.optimizer_name == "adamw" and parsed.gradient_clipping > 0

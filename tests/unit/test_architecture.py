@@ -4,7 +4,8 @@ Layers, top first; a module may import its own package, and packages of its own 
 layers below it, never above (README, "Architecture"):
 
     megacp, generate, train  the package root (public re-exports), the entry points
-    serve                    (``python -m megacp.generate`` / ``train`` / ``serve``)
+    serve, launch            (``python -m megacp.generate`` / ``train`` / ``serve``) and what they
+                             need of their launcher
     families                 the model-family seam: what a model is, how it loads, trains and saves
     integrations             the transformers attention interface, memory features, CPTrainer
     checkpoint               formats, conversion, loading weights into a built model
@@ -29,7 +30,7 @@ from tests.helpers.paths import ROOT
 PACKAGE = ROOT / "megacp"
 
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("megacp", "generate", "train", "serve"),
+    ("megacp", "generate", "train", "serve", "launch"),
     ("families",),
     ("integrations",),
     ("checkpoint",),
