@@ -22,7 +22,7 @@ setup(
         "deepspeed": ["deepspeed>=0.14"],
         "serve": ["fastapi", "uvicorn"],
         "te": ["transformer-engine[pytorch]"],
-        # cuDNN's own sliding-window attention (megacp.attention.cudnn_band; CUDA only)
+        # cuDNN's own sliding-window attention (megacp.attention.kernels.cudnn_band; CUDA only)
         "cudnn": ["nvidia-cudnn-frontend>=1.32"],
         # transformers 5: the tokenizers megacp exports name its TokenizersBackend class (4.57 cannot load them)
         "hf": ["transformers>=5.0", "safetensors", "gguf>=0.10", "accelerate", "sentencepiece"],

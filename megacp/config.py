@@ -60,6 +60,9 @@ from typing import Annotated, Any, Literal, Union
 import annotated_types
 import hjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic_core import core_schema
+
+from megacp.attention.kernels import registry
 
 
 class ConfigError(ValueError):
@@ -67,6 +70,18 @@ class ConfigError(ValueError):
 
     def __init__(self, message: str) -> None:
         super().__init__(" ".join(message.split()))
+
+
+@dataclasses.dataclass(frozen=True)
+class _OneOf:
+    """Field metadata: a string that must be one of ``values``, for choices another module lists
+    (the attention backends of :mod:`megacp.attention.kernels.registry`); validated and described
+    as a ``Literal`` of them."""
+
+    values: tuple[str, ...]
+
+    def __get_pydantic_core_schema__(self, source: Any, handler: Any) -> core_schema.CoreSchema:
+        return core_schema.literal_schema(list(self.values))
 
 
 class _Section(BaseModel):
@@ -118,7 +133,8 @@ class RuntimeConfig(_Section):
     """``runtime``: how the job runs (no effect on results).
 
     Attributes:
-        attention_backend: partial-attention kernels (:mod:`megacp.attention.partial`).
+        attention_backend: partial-attention kernels: ``"auto"`` or a backend of
+            :mod:`megacp.attention.kernels.registry` (:mod:`megacp.attention.kernels.partial`).
         ring_transport: how ring blocks travel (:mod:`megacp.parallel.ring`).
         peer_window_mb: MiB of each of the two slots of a CP group's copy-engine window; larger
             blocks rotate over NCCL.
@@ -127,7 +143,7 @@ class RuntimeConfig(_Section):
             ends the job with an error after this long instead of hanging.
     """
 
-    attention_backend: Literal["auto", "cudnn", "flash", "reference"] = "auto"
+    attention_backend: Annotated[str, _OneOf(registry.choices())] = "auto"
     ring_transport: Literal["auto", "nccl", "copy_engine"] = "auto"
     peer_window_mb: int = Field(1024, ge=1)
     calibration_cache_dir: Union[str, None] = None
@@ -141,9 +157,13 @@ class SequenceTilingConfig(_Section):
         mlp: tokens per tile of each dense layer's RMSNorm + SwiGLU MLP
             (:mod:`megacp.models.tiling`); ``0`` untiled, ``"auto"`` tiled only when the memory plan
             needs it (:mod:`megacp.train.memory`).
+        attention: local query rows per tile of each dense layer trained over query tiles
+            (:mod:`megacp.models.tiled_layer`: the attention sublayer per tile, K/V projected once,
+            only the layer input kept); ``0`` untiled, ``"auto"`` tiled only when the plan needs it.
     """
 
     mlp: Union[Literal["auto"], Annotated[int, Field(ge=0)]] = "auto"
+    attention: Union[Literal["auto"], Annotated[int, Field(ge=0)]] = "auto"
 
 
 class ExpertModelParallelConfig(_Section):
@@ -282,6 +302,8 @@ class MemoryOptions:
         activation_checkpointing: checkpoint every decoder layer.
         offload: where the checkpointed inputs wait (``"none"``: on the GPU).
         mlp_tile: tokens per MLP tile, ``0`` untiled, or ``"auto"``.
+        attention_tile: local query rows per tile of a layer trained over query tiles, ``0``
+            untiled, or ``"auto"``.
         layers_per_checkpoint: consecutive decoder layers checkpointed as one block (``1``: every
             layer; ``k > 1``: a second checkpoint level, one block input kept per ``k`` layers and each
             block's layers checkpointed again while its backward runs), or ``"auto"`` (the plan's
@@ -292,6 +314,7 @@ class MemoryOptions:
     offload: Offload = "none"
     mlp_tile: int | Literal["auto"] = "auto"
     layers_per_checkpoint: int | Literal["auto"] = 1
+    attention_tile: int | Literal["auto"] = "auto"
 
 
 def read_memory_options(raw: Mapping[str, Any], *, activation_checkpointing: bool = False) -> MemoryOptions:
@@ -305,12 +328,12 @@ def read_memory_options(raw: Mapping[str, Any], *, activation_checkpointing: boo
     """
     tiling = _read_section("sequence_tiling", raw)
     assert isinstance(tiling, SequenceTilingConfig)
-    return _memory_options(raw.get("activation_checkpointing", {}), mlp_tile=tiling.mlp,
+    return _memory_options(raw.get("activation_checkpointing", {}), tiling,
                            activation_checkpointing=activation_checkpointing)
 
 
-def _memory_options(section: Any, *, mlp_tile: int | Literal["auto"], activation_checkpointing: bool) -> MemoryOptions:
-    """:class:`MemoryOptions` of the ``activation_checkpointing`` section and the MLP tile."""
+def _memory_options(section: Any, tiling: SequenceTilingConfig, *, activation_checkpointing: bool) -> MemoryOptions:
+    """:class:`MemoryOptions` of the ``activation_checkpointing`` section and the ``sequence_tiling`` one."""
     if not isinstance(section, Mapping):
         raise ConfigError(f"activation_checkpointing: expected an object, got {section!r}")
     for key, value in section.items():
@@ -340,7 +363,8 @@ def _memory_options(section: Any, *, mlp_tile: int | Literal["auto"], activation
     if per != 1 and not enabled:
         raise ConfigError("activation_checkpointing.layers_per_checkpoint: needs activation checkpointing "
                           '("enabled": true or --activation-checkpointing)')
-    return MemoryOptions(activation_checkpointing=enabled, offload=offload, mlp_tile=mlp_tile, layers_per_checkpoint=per)
+    return MemoryOptions(activation_checkpointing=enabled, offload=offload, mlp_tile=tiling.mlp,
+                         layers_per_checkpoint=per, attention_tile=tiling.attention)
 
 
 ZERO_STAGES = (0, 1, 2, 3)
@@ -405,7 +429,7 @@ class TrainingConfig:
         _check_monitors(sections)
         if stage == 3:
             _check_zero3(config)
-        memory = _memory_options(raw.get("activation_checkpointing", {}), mlp_tile=config.sequence_tiling.mlp,
+        memory = _memory_options(raw.get("activation_checkpointing", {}), config.sequence_tiling,
                                  activation_checkpointing=activation_checkpointing)
         clipping = _gradient_clipping(raw)
         ep = config.expert_model_parallel.size or 1
@@ -776,7 +800,10 @@ def _describe_type(annotation: Any, metadata: list[Any] | None = None) -> str:
         annotation, *extra = typing.get_args(annotation)
         metadata = [m for e in extra for m in getattr(e, "metadata", [e])]
     metadata = metadata or []
-    if typing.get_origin(annotation) is Literal:
+    choices = [meta.values for meta in metadata if isinstance(meta, _OneOf)]
+    if choices:
+        text = ", ".join(repr(value) for value in choices[0])
+    elif typing.get_origin(annotation) is Literal:
         text = ", ".join(repr(value) for value in typing.get_args(annotation))
     elif annotation is bool:
         text = "true, false"

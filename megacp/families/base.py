@@ -52,11 +52,14 @@ class PlanShape:
             experts, a transformers model without experts).
         norm_apart: the MLP's norm runs outside its tiles, so the plan counts its activations
             (:func:`~megacp.train.memory.working_bytes_per_token`).
+        tiled_attention: every decoder layer can train over query tiles
+            (:mod:`megacp.models.tiled_layer`), so ``sequence_tiling.attention`` may tile them.
     """
 
     config: ModelConfig
     dense_mlp: bool
     norm_apart: bool = False
+    tiled_attention: bool = False
 
 
 def all_layers_dense(cfg: ModelConfig) -> bool:

@@ -19,7 +19,7 @@ from megacp.families.base import WINDOW_GRAPHS, Loaded, ModelFamily, PlanShape, 
 from megacp.layers.settings import CPSettings
 from megacp.models.build import resolve_backend
 from megacp.models.config import ModelConfig
-from megacp.models.llama import CausalLM, LayerNormMLP
+from megacp.models.llama import CausalLM, DecoderLayer, LayerNormMLP
 from megacp.models.loss import lm_loss
 from megacp.parallel.state import ParallelState
 
@@ -32,8 +32,10 @@ class MegacpTrainable(Trainable):
     config: ModelConfig
 
     def _plan_shape(self) -> PlanShape:
-        dense = all(isinstance(getattr(layer, "layernorm_mlp", None), LayerNormMLP) for layer in self.module.layers)
-        return PlanShape(self.config, dense_mlp=dense)  # TE's fused LayerNormMLP is not tiled
+        layers = self.module.layers
+        dense = all(isinstance(getattr(layer, "layernorm_mlp", None), LayerNormMLP) for layer in layers)
+        tiled = dense and all(isinstance(layer, DecoderLayer) for layer in layers)  # TE's layers are neither
+        return PlanShape(self.config, dense_mlp=dense, tiled_attention=tiled)
 
     @property
     def head(self) -> nn.Parameter | None:
@@ -90,5 +92,5 @@ class MegacpFamily(ModelFamily):
         cfg = self.plan_config()
         if cfg is None:
             return None
-        torch_layers = resolve_backend(cfg, device, backend) == "torch"  # TE's fused MLP is not tiled
-        return PlanShape(cfg, dense_mlp=torch_layers and all_layers_dense(cfg))
+        dense = resolve_backend(cfg, device, backend) == "torch" and all_layers_dense(cfg)  # TE's layers: untiled
+        return PlanShape(cfg, dense_mlp=dense, tiled_attention=dense)

@@ -23,7 +23,15 @@ from torch import nn
 from megacp.checkpoint.deepspeed import TransformersRecord
 from megacp.config import MemoryOptions
 from megacp.families.base import Loaded, ModelFamily, PlanShape, Trainable, all_layers_dense
-from megacp.integrations.hf_memory import HFMemory, apply_memory, num_experts, plan_config, training_loss
+from megacp.integrations.hf_memory import (
+    HFMemory,
+    apply_memory,
+    decoder_layers,
+    num_experts,
+    plan_config,
+    pre_norm_layer,
+    training_loss,
+)
 from megacp.layers.settings import CPSettings
 from megacp.models.config import ModelConfig
 from megacp.parallel.state import ParallelState
@@ -49,7 +57,11 @@ class TransformersTrainable(Trainable):
 
     def _plan_shape(self) -> PlanShape | None:
         cfg = plan_config(self.config) if self.config is not None else None
-        return None if cfg is None else PlanShape(cfg, dense_mlp=not num_experts(self.config), norm_apart=True)
+        if cfg is None:
+            return None
+        dense = not num_experts(self.config)  # its MLPs tile unless they route to experts
+        tiled = dense and all(pre_norm_layer(layer) for layer in decoder_layers(self.module))
+        return PlanShape(cfg, dense_mlp=dense, norm_apart=True, tiled_attention=tiled)
 
     @property
     def head(self) -> nn.Parameter | None:
@@ -140,7 +152,10 @@ class TransformersFamily(ModelFamily):
 
     def plan_shape(self, *, backend: Any, device: torch.device) -> PlanShape | None:
         cfg = self.plan_config()
-        return None if cfg is None else PlanShape(cfg, dense_mlp=all_layers_dense(cfg), norm_apart=True)
+        if cfg is None:
+            return None
+        dense = all_layers_dense(cfg)  # planned as a Llama skeleton of its sizes: its layers' formula is unread
+        return PlanShape(cfg, dense_mlp=dense, norm_apart=True, tiled_attention=dense)
 
     def saved_config(self) -> ModelConfig | None:
         return None  # its checkpoints record transformers' config

@@ -27,7 +27,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from megacp.attention.plans import reuse_plans_across_lengths
+from megacp.attention.kernels.plans import reuse_plans_across_lengths
 from megacp.attention.strategy import STRATEGIES
 from megacp.checkpoint.dtypes import DTYPES
 from megacp.checkpoint.front import default_model_path
@@ -210,7 +210,8 @@ def _set_threads(prog: str = PROG, quiet: bool = False) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the CLI; bad input (arguments, config, environment knobs, checkpoint, prompts) is one
+    """Run the CLI; bad input (arguments, config, environment knobs, checkpoint, a model megacp cannot run
+    exactly, prompts) is one
     line from the launcher's rank 0 (every rank fails alike; the others exit quietly), exit 2."""
     args = parse_args(argv)
     from megacp.checkpoint import CheckpointError
@@ -229,14 +230,17 @@ def _run(args: argparse.Namespace) -> int:
     _set_threads(quiet=args.quiet)
     reuse_plans_across_lengths()  # no attention backward runs in this process (see attention.plans)
     state = initialize(args.deepspeed_config)
-    family = family_for(args.model or default_model_path())  # resolved once: the checks and the load
-    cfg: ModelLimits | None = family.limits()  # sizes only, before anything loads
-    if cfg is not None:
-        check_model_limits(cfg, params, prompt_ids)
-    llm = LLM(family, dtype=args.dtype, strategy=args.strategy, prefill_chunk=args.prefill_chunk,
-              kv_cache_dtype=args.kv_cache_dtype, calibrate=args.calibrate,
-              cuda_graphs=False if args.no_cuda_graphs else None, allow_non_finite=args.allow_non_finite, state=state,
-              verbose=not args.quiet)
+    try:  # the family refuses a model it cannot run exactly (an architecture, a feature): one line
+        family = family_for(args.model or default_model_path())  # resolved once: the checks and the load
+        cfg: ModelLimits | None = family.limits()  # sizes only, before anything loads
+        if cfg is not None:
+            check_model_limits(cfg, params, prompt_ids)
+        llm = LLM(family, dtype=args.dtype, strategy=args.strategy, prefill_chunk=args.prefill_chunk,
+                  kv_cache_dtype=args.kv_cache_dtype, calibrate=args.calibrate,
+                  cuda_graphs=False if args.no_cuda_graphs else None, allow_non_finite=args.allow_non_finite,
+                  state=state, verbose=not args.quiet)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
     try:  # what only the loaded tokenizer can tell, before any prefill
         if prompt_ids is None and llm.tokenizer is None:
             raise UsageError("--prompt needs a model with a tokenizer; use --prompt-ids otherwise")

@@ -25,17 +25,48 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Sequence, TypeVar
+from typing import NamedTuple, Sequence, TypeVar
 
 import torch
 from torch import Tensor
 
 from megacp.generate import sampling_kernel
 
-Features = tuple[bool, tuple[bool, bool, bool], bool, bool]
-"""Which steps a :class:`Sampler`'s draw runs (:attr:`Sampler.features`)."""
+
+class Filters(NamedTuple):
+    """Which filters a :class:`Sampler`'s draw runs (those any sampled row of its batch asks for)."""
+
+    top_k: bool
+    top_p: bool
+    min_p: bool
+
+
+class Features(NamedTuple):
+    """Which steps a :class:`Sampler`'s draw runs (:attr:`Sampler.features`; with the batch size,
+    the key of a captured decode graph)."""
+
+    sampled: bool
+    """Some row samples (else every row is greedy: one argmax)."""
+    filters: Filters
+    penalised: bool
+    """Some row has a repetition, presence or frequency penalty (the counts of generated tokens)."""
+    repeats: bool
+    """Some row has a repetition penalty (the context tokens it also penalises)."""
+
+    @classmethod
+    def union(cls, rows: Iterable[Features]) -> Features:
+        """The steps a batch of requests drawing with ``rows`` runs: each one any of them runs."""
+        every = list(rows)
+        filters = [f.filters for f in every]
+        return cls(any(f.sampled for f in every),
+                   Filters(any(x.top_k for x in filters), any(x.top_p for x in filters), any(x.min_p for x in filters)),
+                   any(f.penalised for f in every), any(f.repeats for f in every))
+
+
+GREEDY = Features(False, Filters(False, False, False), False, False)
+"""The features of an all-greedy batch without penalties (one argmax)."""
 
 GREEDY_BELOW = 1e-5
 """Temperatures below this sample greedily (argmax); 0 is the documented way to ask for it."""
@@ -342,7 +373,8 @@ class Sampler:
         self.vocab, self.device = vocab, device
         self.sampled = any(not p.greedy for p in params)
         drawn = [p for p in params if not p.greedy]
-        self.filters = (any(p.top_k > 0 for p in drawn), any(p.top_p < 1.0 for p in drawn), any(p.min_p > 0 for p in drawn))
+        self.filters = Filters(any(p.top_k > 0 for p in drawn), any(p.top_p < 1.0 for p in drawn),
+                               any(p.min_p > 0 for p in drawn))
         self.penalised = any(p.penalised for p in params)
         repeats = any(p.repetition_penalty != 1.0 for p in params)
         self.top_logprobs = max((p.logprobs for p in params if p.logprobs is not None), default=None)
@@ -384,7 +416,7 @@ class Sampler:
     def features(self) -> Features:
         """Which steps a draw runs (a captured graph's key with the batch size): sampling, the
         (top-k, top-p, min-p) filters, penalties, the repetition penalty's context tokens."""
-        return self.sampled, self.filters, self.penalised, self.prompt_seen is not None
+        return Features(self.sampled, self.filters, self.penalised, self.prompt_seen is not None)
 
     @classmethod
     def buffers(cls, rows: int, vocab: int, device: torch.device) -> Sampler:
@@ -397,13 +429,13 @@ class Sampler:
     def view(self, rows: int, features: Features) -> Sampler:
         """The first ``rows`` rows (views of this sampler's tensors) drawing with the steps of
         ``features`` only (this sampler must hold their tensors: :meth:`buffers`)."""
-        sampled, filters, penalised, repeats = features
-        if ((sampled and self.columns.numel() != self.vocab) or (penalised and self.counts.shape[1] != self.vocab)
-                or (repeats and self.prompt_seen is None)):
+        if ((features.sampled and self.columns.numel() != self.vocab)
+                or (features.penalised and self.counts.shape[1] != self.vocab)
+                or (features.repeats and self.prompt_seen is None)):
             raise ValueError(f"a sampler of features {self.features} has no tensors for the steps of {features}")
         out = self._map(lambda t: t[:rows])
-        out.sampled, out.filters, out.penalised = sampled, filters, penalised
-        if not repeats:
+        out.sampled, out.filters, out.penalised = features.sampled, features.filters, features.penalised
+        if not features.repeats:
             out.prompt_seen = None
         return out
 
@@ -449,8 +481,8 @@ class Sampler:
         if not self.sampled:
             tokens = logits.argmax(dim=-1)
         else:
-            top_k, top_p, min_p = self.filters
-            floor = min_p_floor(logits.amax(dim=-1) / self.temperature, self.log_min_p) if min_p else None
+            top_k, top_p = self.filters.top_k, self.filters.top_p
+            floor = min_p_floor(logits.amax(dim=-1) / self.temperature, self.log_min_p) if self.filters.min_p else None
             if top_k or top_p:
                 # ascending, as the warpers sort; stable: a greedy row's first largest column is its argmax
                 ordered, index = (logits / self.temperature[:, None]).sort(dim=-1, stable=True)

@@ -30,7 +30,6 @@ class Session:
     def __init__(self, engine: EngineCore, slot: int, model_config: ModelLimits, tokenizer: Any, max_tokens: int,
                  seeds: SeedSource, release: Callable[[], None]) -> None:
         self._engine, self._slot, self._cfg, self._tokenizer = engine, slot, model_config, tokenizer
-        self._cache = engine.worker.cache
         self._seeds, self._release = seeds, release
         self.max_tokens = max_tokens
         """Tokens the session may hold in all (``LLM(max_session_tokens=...)``)."""
@@ -68,15 +67,14 @@ class Session:
             raise CacheCapacityError(f"the session would hold {len(self._history)} + {len(turn)} (turn) + "
                                      f"{params.max_tokens} (max_tokens) = {total} tokens, more than its "
                                      f"{self.max_tokens} (LLM(max_session_tokens=...))")
-        pending = self._history[self._cache.length(self._slot):] + turn
-        # the spare row is the one the cache keeps past the session's tokens (the static step writes it)
-        self._cache.check_room(self._slot, self._engine.worker.gen.steps(len(pending), params.max_tokens), spare=1)
-        before = self._cache.snapshot(self._slot)
+        pending = self._history[self._engine.held(self._slot):] + turn
+        self._engine.check_room(self._slot, len(pending), params.max_tokens)
+        before = self._engine.snapshot(self._slot)
         req = Request(pending, params, context=self._history + turn, pin=self._slot)
         try:
             self.last_report = self._engine.run([req], token_events(on_token))
         except BaseException:  # an on_token callback raising, KeyboardInterrupt: the turn never happened
-            self._cache.restore(self._slot, before)
+            self._engine.restore(self._slot, before)
             raise
         out = outputs_of(result_of([req], self.last_report), [pending], self._tokenizer, [params])[0]
         self._history += turn + out.token_ids
@@ -105,7 +103,7 @@ class Session:
         """Free the session's cache slot (idempotent)."""
         if not self.closed:
             self.closed = True
-            self._cache.truncate(self._slot, 0)
+            self._engine.truncate(self._slot, 0)
             self._release()
 
     def __enter__(self) -> Session:

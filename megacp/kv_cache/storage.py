@@ -174,7 +174,7 @@ class KVStorage:
 
     def stored_rows(self, layer: int, starts: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """An FP8 cache's rows as stored, for a decode kernel that reads them so
-        (:mod:`~megacp.attention.fp8_decode_kernel`): ``(k, v, scales)``, the :meth:`flat_kv` views
+        (:mod:`~megacp.attention.kernels.fp8_decode_kernel`): ``(k, v, scales)``, the :meth:`flat_kv` views
         and the ``[B, 2, Hkv]`` fp32 scales of the requests whose first rows are ``starts [B]``
         (int64). No host synchronisation."""
         if self.scales is None:

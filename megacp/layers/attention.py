@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from megacp.attention.partial import partial_attention
+from megacp.attention.kernels.partial import partial_attention
 from megacp.attention.training import ring_attention
 from megacp.placement import ShardPlan, seq_lengths
 

@@ -30,11 +30,11 @@ from typing import ClassVar, Protocol, Sequence
 import torch
 from torch import Tensor
 
-from megacp.attention import fp8_decode_kernel
+from megacp.attention.blocks import FP8KVBlock, KVBlock, block_owners, build_kv_block
 from megacp.attention.decode import allgather_decode, static_decode
-from megacp.attention.fp8_kv import FP8KVBlock, KVBlock
+from megacp.attention.kernels import fp8_decode_kernel
 from megacp.attention.preconditions import agree, check_inputs
-from megacp.attention.prefill import block_owners, build_kv_block, cp_prefill, resolve_strategy, strategy_name
+from megacp.attention.prefill import cp_prefill, resolve_strategy, strategy_name
 from megacp.attention.strategy import Choice
 from megacp.attention.training import ring_attention
 from megacp.kv_cache import AmaxReduce, ShardedKVCache
@@ -266,7 +266,7 @@ class CachedStep(PrefillStep):
     slots: list[int] = field(kw_only=True)
     cached: ClassVar[bool] = True
     owners: Tensor | None = field(default=None, init=False, repr=False)
-    """An FP8 cache's :func:`~megacp.attention.prefill.block_owners` of the plan, on the device
+    """An FP8 cache's :func:`~megacp.attention.blocks.block_owners` of the plan, on the device
     (made at the first layer)."""
 
     def _attention(self, layer: AttentionLayer, q: Tensor, k: Tensor, v: Tensor, scale: float | None,

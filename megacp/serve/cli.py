@@ -25,7 +25,7 @@ from typing import Any, NoReturn, Sequence
 import torch
 import torch.distributed as dist
 
-from megacp.attention.plans import reuse_plans_across_lengths
+from megacp.attention.kernels.plans import reuse_plans_across_lengths
 from megacp.attention.strategy import STRATEGIES
 from megacp.checkpoint.dtypes import DTYPES
 from megacp.checkpoint.front import default_model_path

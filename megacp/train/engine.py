@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from megacp.attention.training import warm_kernel_plans
+from megacp.attention.kernels.warmup import warm_kernel_plans
 from megacp.checkpoint.staging import exchange_directories
 from megacp.config import ConfigError, MegacpConfig, TrainingConfig, load_config
 from megacp.families import PlanShape, Trainable, trainable
@@ -111,7 +111,8 @@ def memory_inputs(shape: PlanShape, params: int, training: TrainingConfig, state
                 zero=ZeroSettings.of(training.sections, partition=state.size("dp_cp"), dtype=training.dtype),
                 capacity=gpu_capacity(device),
                 host=None if device.type != "cuda" else host_available() if host is None else host,
-                tp=state.size("tp"), cp=state.size("cp"), dense_mlp=shape.dense_mlp, norm_apart=shape.norm_apart)
+                tp=state.size("tp"), cp=state.size("cp"), dense_mlp=shape.dense_mlp, norm_apart=shape.norm_apart,
+                tiled_attention=shape.tiled_attention)
 
 
 def _host_parameter_bytes(model: torch.nn.Module) -> int:
@@ -334,7 +335,7 @@ class Trainer:
     def prepare(self, tokens: int) -> MemoryPlan | None:
         """Ready the first step of ``tokens`` local tokens per rank before it runs: the memory plan
         (:meth:`plan_memory`) and the attention kernels' plans of every padded tile length up to
-        ``tokens`` (:func:`~megacp.attention.training.warm_kernel_plans`: each length's forward and
+        ``tokens`` (:func:`~megacp.attention.kernels.warmup.warm_kernel_plans`: each length's forward and
         backward run once, seconds at hundreds of thousands of tokens). :meth:`step` does both
         itself when not done; a caller timing its steps calls this first.
 
@@ -347,7 +348,7 @@ class Trainer:
 
     def _warm_plans(self, tokens: int) -> None:
         """Before the first step: the attention kernels' plans of every padded tile length up to
-        ``tokens`` (:func:`~megacp.attention.training.warm_kernel_plans`; a transformers model's
+        ``tokens`` (:func:`~megacp.attention.kernels.warmup.warm_kernel_plans`; a transformers model's
         attention runs the same kernels), so no later step stalls on building one."""
         shape = self.model.plan_shape
         if self.plans_warmed is not None or shape is None:

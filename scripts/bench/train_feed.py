@@ -62,7 +62,7 @@ from typing import Any
 
 import torch
 
-from megacp.attention.plans import plan_length
+from megacp.attention.kernels.plans import plan_length
 from megacp.train.data import CorpusBatches, PackedSequence, resolve_corpus
 from scripts.bench import harness as bh
 from scripts.bench.decode_kinds import save_random_model
@@ -164,7 +164,7 @@ def allocator_counts(device: torch.device) -> dict[str, int]:
 
 
 def new_plan_lengths(group: Sequence[PackedSequence], seen: set[int]) -> int:
-    """How many padded cuDNN tile lengths (:func:`~megacp.attention.plans.plan_length` of the
+    """How many padded cuDNN tile lengths (:func:`~megacp.attention.kernels.plans.plan_length` of the
     document pieces, CP 1) of ``group`` are not in ``seen`` yet (added to it): the kernel plans a
     step would build if nothing had warmed them."""
     lengths = {plan_length(int(n)) for s in group for n in torch.diff(s.cu_seqlens.cpu())}

@@ -92,8 +92,8 @@ def _conversation(rank: int, n: int, path: str, prompts: list[list[int]], turn2:
     import megacp
     from megacp.checkpoint import load_model
     from megacp.generate import Generator
-    from tests.helpers.static_decode import fixed_batch
     from megacp.layers.settings import CPSettings
+    from tests.helpers.static_decode import fixed_batch
 
     state = megacp.initialize()
     model, cfg, _ = load_model(path, dtype=torch.float32, device="cpu")

@@ -20,8 +20,8 @@ import torch
 
 from tests.helpers.distributed import run_distributed
 from tests.helpers.hf_models import make_hf_model
-
 from tests.helpers.paths import ROOT
+
 STEPS = 8
 
 

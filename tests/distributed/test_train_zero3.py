@@ -126,8 +126,8 @@ def _built_partitioned(rank: int, world_size: int, cp: int) -> dict:
     if cp > 1:
         megacp.swap_attention(model, state, strategy="pass_kv")
     trainer = Trainer(model.train(), config, state)
-    early = plan_from_config(PlanShape(CFG, dense_mlp=True), config.training, state, seq_len=SEQ_LEN,
-                             micro_batch=1)[1].describe()
+    shape = PlanShape(CFG, dense_mlp=True, tiled_attention=True)  # megacp's torch layers
+    early = plan_from_config(shape, config.training, state, seq_len=SEQ_LEN, micro_batch=1)[1].describe()
     planned = trainer.plan_memory(SEQ_LEN // cp)
     losses = [trainer.step(iter(_batches(state.rank_in("dp")))).loss for _ in range(4)]
     # the same weights in a plain (ZeRO 0) model train to the same losses

@@ -49,10 +49,10 @@ def _megacp_generate(rank: int, n: int, jobs: list[tuple[str, str, int]], prompt
     """Each job = (model path, strategy, prefill chunk); returns the generated tokens of each job.
     ``config`` is a DeepSpeed-style dict with megacp's sections (default: CP = world size)."""
     import megacp
+    from megacp.checkpoint import load_model
     from megacp.generate import Generator, SamplingParams
     from megacp.generate.engine import generate
     from megacp.layers.settings import CPSettings
-    from megacp.checkpoint import load_model
     from megacp.parallel.ring import Ring
 
     state = megacp.initialize(config)
@@ -131,10 +131,10 @@ def _smollm2_path() -> str | None:
 
 def _smollm2_cp(rank: int, n: int, path: str, prompt: list[int], new: int) -> list[int]:
     import megacp
+    from megacp.checkpoint import load_model
     from megacp.generate import Generator, SamplingParams
     from megacp.generate.engine import generate
     from megacp.layers.settings import CPSettings
-    from megacp.checkpoint import load_model
     from megacp.parallel.ring import Ring
 
     state = megacp.initialize()
@@ -203,8 +203,8 @@ def test_bad_prompt_ids_get_one_clear_error(content: str, tmp_path: Path) -> Non
 ])
 def test_requests_beyond_the_model_fail_before_it_loads(argv: list[str], message: str, hf_models, tmp_path: Path) -> None:
     """The model's context and vocabulary come from its config alone (no weights read)."""
-    from megacp.generate.cli import UsageError, check_model_limits, parse_args, validate
     from megacp.checkpoint.front import read_model_config
+    from megacp.generate.cli import UsageError, check_model_limits, parse_args, validate
 
     if argv[0] == "IDS":
         (tmp_path / "ids.json").write_text(argv[1])
@@ -252,6 +252,45 @@ def test_config_error_is_one_line_from_one_rank_under_torchrun(config: str, argv
     assert len(worker_err) == 2, result.stderr[-2000:]
     lines = [line for f in worker_err for line in f.read_text().splitlines() if line.strip()]
     assert lines == ["megacp.generate: " + message.format(path=path)]
+    assert "exitcode: 2" in result.stderr
+
+
+def _refused_model(arch: str, directory: Path) -> None:
+    """Save the tiny ``arch`` model megacp refuses: Falcon and BLOOM (attention outside transformers'
+    interface, :data:`~tests.helpers.hf_archs.REFUSED`) or Gemma-2 (soft-capped attention logits)."""
+    import transformers
+
+    from tests.helpers.hf_archs import SMALL, make_refused
+
+    if arch == "gemma2":
+        config = transformers.Gemma2Config(**{**SMALL, "head_dim": 8}, attn_logit_softcapping=50.0)
+        transformers.Gemma2ForCausalLM(config).save_pretrained(directory)
+    else:
+        make_refused(arch, "eager").save_pretrained(directory)
+
+
+@pytest.mark.parametrize("arch,message", [
+    ("falcon", "FalconForCausalLM (falcon) computes attention in its own modules"),
+    ("bloom", "BloomForCausalLM (bloom) computes attention in its own modules"),
+    ("gemma2", "gemma2 soft-caps attention logits (attn_logit_softcapping=50.0)"),
+])
+def test_a_refused_architecture_is_one_line_from_rank_0_under_torchrun(arch: str, message: str, tmp_path: Path) -> None:
+    """A model megacp cannot run exactly is refused as ``LLM``, the server and training refuse it:
+    one line from rank 0 naming the problem, no traceback on any rank, exit 2."""
+    _refused_model(arch, tmp_path / arch)
+    (tmp_path / "ids.json").write_text("[5, 6, 7]")
+    logs = tmp_path / "logs"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+           "--log-dir", str(logs), "--redirects", "3", "-m", "megacp.generate", "--model", str(tmp_path / arch),
+           "--prompt-ids", str(tmp_path / "ids.json")]
+    result = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                            timeout=1200)
+    worker_err = sorted(logs.rglob("stderr.log"))
+    assert len(worker_err) == 2, result.stderr[-2000:]
+    texts = [f.read_text() for f in worker_err]
+    assert not any("Traceback" in t for t in texts), texts
+    said = [line for t in texts for line in t.splitlines() if line.startswith("megacp.generate:")]
+    assert len(said) == 1 and said[0].startswith(f"megacp.generate: {message}") and said[0] in texts[0], said
     assert "exitcode: 2" in result.stderr
 
 

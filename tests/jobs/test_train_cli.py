@@ -284,8 +284,8 @@ def test_bad_input_is_one_line(case: str, expected: str, tiny: tuple[Path, Path]
         from tests.helpers.training import tiny_config
 
         (tmp_path / "other").mkdir()
-        write_train_state(tmp_path / "other", model=MegacpRecord.of(tiny_config(tied=False)).entry(), dtype=torch.float32, tp_size=1,
-                          zero_stage=1, tag="step1", tokenizer=None)
+        write_train_state(tmp_path / "other", model=MegacpRecord.of(tiny_config(tied=False)).entry(),
+                          dtype=torch.float32, tp_size=1, zero_stage=1, tag="step1", tokenizer=None)
     held = None
     if case == "save_in_use":  # another run's lock on the directory
         from megacp.train.save_target import SaveLock

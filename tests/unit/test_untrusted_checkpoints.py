@@ -32,7 +32,8 @@ class _Payload:
 def _checkpoint(root: Path, marker: Path, latest: str = "step1") -> Path:
     ckpt = root / "ckpt"
     (ckpt / "step1").mkdir(parents=True)
-    write_train_state(ckpt, model=MegacpRecord.of(CFG).entry(), dtype=torch.float32, tp_size=1, zero_stage=0, tag="step1", tokenizer=None)
+    write_train_state(ckpt, model=MegacpRecord.of(CFG).entry(), dtype=torch.float32, tp_size=1, zero_stage=0,
+                      tag="step1", tokenizer=None)
     torch.save({"module": {"x": torch.zeros(1)}, "payload": _Payload(marker)}, ckpt / "step1" / "mp_rank_00_model_states.pt")
     (ckpt / "latest").write_text(latest)
     return ckpt
