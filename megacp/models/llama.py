@@ -311,7 +311,7 @@ class CausalLM(nn.Module):
         """Random init: norm weights 1, biases 0, matrices N(0, std²) (a no-op on ``meta``).
 
         Layers passed in by the caller (TE) keep their own initialisation. A model built inside
-        ``deepspeed.zero.Init`` (:func:`megacp.train.engine.build_for_training`) has its parameters
+        ``deepspeed.zero.Init`` (:func:`megacp.train.setup.build_for_training`) has its parameters
         partitioned by the time this runs: each rank initialises its partition (``ds_tensor``) in
         place, on the device DeepSpeed keeps it on, and no full copy is made.
         """

@@ -418,7 +418,7 @@ def _start_mesh(args: argparse.Namespace, config: MegacpConfig, point: Any) -> t
     """The process mesh (a world of one without a launcher) and the micro-batch size DeepSpeed
     accepts on it; a resumed run keeps its sequence length and must keep its layout."""
     import megacp
-    from megacp.train.engine import check_batch_config
+    from megacp.train.setup import check_batch_config
 
     _world_of_one_env()
     state = megacp.initialize(config)
@@ -437,7 +437,8 @@ def _load_model(args: argparse.Namespace, config: MegacpConfig, state: ParallelS
     ``--seq-len auto`` settled), then the model as its family trains it, its :class:`Trainer` and the
     first step's plan. Returns ``(model, trainer, plan)``."""
     from megacp.layers.settings import CPSettings
-    from megacp.train.engine import Trainer, plan_from_config
+    from megacp.train.engine import Trainer
+    from megacp.train.setup import plan_from_config
 
     family: ModelFamily = args.family
     training = config.training

@@ -237,7 +237,8 @@ def megacp_step(args: argparse.Namespace, cfg: Any, state: Any, seq: int) -> tup
     from megacp.families.base import all_layers_dense
     from megacp.models import build_model
     from megacp.train.data import PackedSequence
-    from megacp.train.engine import Trainer, build_for_training, plan_from_config
+    from megacp.train.engine import Trainer
+    from megacp.train.setup import build_for_training, plan_from_config
 
     config = load_config(megacp_config(args, state.device.type == "cuda"), training=True)
     settings = config.training
@@ -332,7 +333,8 @@ def hf_step(args: argparse.Namespace, cfg: Any, state: Any, seq: int) -> tuple[S
     from megacp.families import PlanShape
     from megacp.integrations.hf_memory import plan_config, training_loss
     from megacp.train.data import PackedSequence
-    from megacp.train.engine import Trainer, build_for_training, plan_from_config
+    from megacp.train.engine import Trainer
+    from megacp.train.setup import build_for_training, plan_from_config
     from scripts.bench.train_step import hf_config
 
     config = load_config(megacp_config(args, state.device.type == "cuda"), training=True)
@@ -375,7 +377,7 @@ def alst_step(args: argparse.Namespace, cfg: Any, state: Any, seq: int) -> tuple
     from transformers.models.llama import modeling_llama
 
     from megacp.models.lm_head import DEFAULT_CHUNK_TOKENS
-    from megacp.train.engine import deepspeed_for
+    from megacp.train.setup import deepspeed_for
     from scripts.bench.train_step import hf_config
 
     deepspeed = deepspeed_for(state)  # as megacp's Trainer: no shared-memory op build on CPU

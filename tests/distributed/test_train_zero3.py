@@ -110,7 +110,8 @@ def _built_partitioned(rank: int, world_size: int, cp: int) -> dict:
     from megacp.config import load_config
     from megacp.families import PlanShape
     from megacp.models import CausalLM, build_model
-    from megacp.train.engine import Trainer, build_for_training, plan_from_config
+    from megacp.train.engine import Trainer
+    from megacp.train.setup import build_for_training, plan_from_config
 
     dp = world_size // cp
     config = _ds_config({**ZERO3, **OFFLOAD}, cp, dp)

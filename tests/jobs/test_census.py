@@ -209,7 +209,7 @@ def _train_save_and_kill_resaves(rank: int, world_size: int, root: str) -> dict[
     import megacp
     from megacp.checkpoint.deepspeed import read_deepspeed_checkpoint
     from megacp.models import CausalLM
-    from megacp.train import engine
+    from megacp.train import saving
     from megacp.train.data import PackedSequence, StreamPosition
     from megacp.train.engine import Trainer
     from megacp.train.resume import ResumePoint
@@ -235,7 +235,7 @@ def _train_save_and_kill_resaves(rank: int, world_size: int, root: str) -> dict[
     trainer.steps_done = 1  # the run repeated into its own directory: step1 again, with the new weights
 
     renames = [0, 0]  # [calls so far, the call to stop before]
-    real_replace, real_exchange = os.replace, engine.exchange_directories
+    real_replace, real_exchange = os.replace, saving.exchange_directories
 
     def counted(fn: Callable[..., Any]) -> Callable[..., Any]:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -248,7 +248,7 @@ def _train_save_and_kill_resaves(rank: int, world_size: int, root: str) -> dict[
     read: list[str] = []
     for stop in range(1, 10):
         renames[:] = [0, stop if rank == 0 else 0]
-        os.replace, engine.exchange_directories = counted(real_replace), counted(real_exchange)  # type: ignore[assignment]
+        os.replace, saving.exchange_directories = counted(real_replace), counted(real_exchange)  # type: ignore[assignment]
         try:
             trainer.save(run)
             done = True
@@ -256,7 +256,7 @@ def _train_save_and_kill_resaves(rank: int, world_size: int, root: str) -> dict[
             dist.barrier()  # the one the stopped rank 0 owed its peer at the end of the save
             done = False
         finally:
-            os.replace, engine.exchange_directories = real_replace, real_exchange  # type: ignore[assignment]
+            os.replace, saving.exchange_directories = real_replace, real_exchange  # type: ignore[assignment]
         done_everywhere = torch.tensor([done], dtype=torch.int64)
         dist.all_reduce(done_everywhere, op=dist.ReduceOp.MIN)
         if rank == 0:
