@@ -29,6 +29,7 @@ import contextlib
 import io
 import json
 import os
+import pickle
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
@@ -331,7 +332,13 @@ def _latest_tag(path: Path) -> str:
     latest = path / "latest"
     if not latest.is_file():
         raise CheckpointError(f"{path} has no 'latest' file naming a checkpoint tag; pass --tag")
-    return latest.read_text(encoding="utf-8").strip()
+    try:
+        tag = latest.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{latest} cannot be read ({err}); pass --tag") from None
+    if not tag:
+        raise CheckpointError(f"{latest} is empty: it names no checkpoint tag; pass --tag")
+    return tag
 
 
 def tag_dir(path: Path, tag: str) -> Path:
@@ -364,8 +371,8 @@ def check_data_only(files: Iterable[Path], remedy: str = TRUST_REMEDY) -> None:
     before DeepSpeed's own loader (which unpickles without that guard) reads it.
 
     Raises:
-        CheckpointError: a symbolic link, or a file that is not plain data (naming it, the type it
-            holds and ``remedy``).
+        CheckpointError: a symbolic link, a file that is not plain data (naming it, the type it
+            holds and ``remedy``), or one that cannot be read at all (truncated or corrupt).
     """
     with torch.serialization.safe_globals(_deepspeed_safe_globals()):
         for file in files:
@@ -373,11 +380,19 @@ def check_data_only(files: Iterable[Path], remedy: str = TRUST_REMEDY) -> None:
                 raise CheckpointError(f"{file} is a symbolic link; a checkpoint's files must be its own")
             try:
                 torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-            except Exception as err:  # noqa: BLE001 - the unpickler's refusal, or a corrupt file
+            except pickle.UnpicklingError as err:  # the weights-only unpickler's refusal
                 found = re.search(r"GLOBAL (\S+)", str(err))  # the type the unpickler refused
-                first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-                why = f"it holds the object type {found.group(1)}" if found else first[:160]
+                why = f"it holds the object type {found.group(1)}" if found else _first_line(err)
                 raise CheckpointError(f"{file} is not plain tensor data ({why}); {remedy}") from None
+            except Exception as err:  # noqa: BLE001 - no torch.save archive: truncated, empty or corrupt
+                raise CheckpointError(f"cannot read {file} ({file.stat().st_size} bytes; truncated or corrupt?): "
+                                      f"{_first_line(err)}") from None
+
+
+def _first_line(err: BaseException) -> str:
+    """The first line of ``err``'s message (at most 160 characters), else its type's name."""
+    text = str(err).strip()
+    return text.splitlines()[0][:160] if text else type(err).__name__
 
 
 ZERO3_PREFIX = "model."

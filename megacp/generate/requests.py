@@ -85,6 +85,6 @@ def encode(tokenizer: Any, prompt: str | Sequence[int], what: str = "prompt", *,
         if tokenizer is None:
             raise ValueError(f"a text {what} needs a model with a tokenizer; pass token ids instead")
         return list(tokenizer(prompt, add_special_tokens=special_tokens)["input_ids"])
-    if set(map(type, prompt)) - {int}:
+    if not isinstance(prompt, Sequence) or set(map(type, prompt)) - {int}:  # None, a number, floats
         raise ValueError(f"{what} must be text or a list of integer token ids")
-    return list(prompt)
+    return list(map(int, prompt))

@@ -73,6 +73,14 @@ GREEDY_BELOW = 1e-5
 
 DEFAULT_MAX_TOKENS = 16
 
+MAX_LOGPROBS = 20
+"""The most top log-probabilities per generated token a request may ask for (vLLM's default
+``max_logprobs``, OpenAI's chat ``top_logprobs`` limit)."""
+
+SEED_RANGE = (-(2**63), 2**64)
+"""The seeds a request may give, ``[low, high)``: ``torch.manual_seed``'s range (a seed's low 64
+bits make its key, :func:`seed_key`, so a larger one would alias a smaller one)."""
+
 
 @dataclass
 class SamplingParams:
@@ -84,8 +92,8 @@ class SamplingParams:
         top_p: nucleus sampling, in (0, 1].
         top_k: keep the ``top_k`` most likely tokens (0 = all).
         min_p: drop tokens less likely than ``min_p`` times the most likely one, in [0, 1] (0 = off).
-        seed: seed of the request's draws (its tokens depend on its seed and logits only: the same
-            alone or in any batch, on every rank and CP size); ``None`` (default): a fresh seed per
+        seed: seed of the request's draws, in :data:`SEED_RANGE` (its tokens depend on its seed and
+            logits only: the same alone or in any batch, on every rank and CP size); ``None`` (default): a fresh seed per
             request, as vLLM's and OpenAI's unseeded requests (:class:`SeedSource`).
         stop: strings that end a request (found in the decoded text; the text ends before it).
         stop_token_ids: token ids that end a request (kept in ``token_ids``).
@@ -95,7 +103,8 @@ class SamplingParams:
         presence_penalty: subtracted from the logit of every token generated so far (0 = off).
         frequency_penalty: subtracted once per time a token was generated so far (0 = off).
         logprobs: per generated token, return the natural-log probability of the chosen token and
-            of the ``logprobs`` most likely tokens (``None`` = none; 0 = the chosen token's only):
+            of the ``logprobs`` most likely tokens (``None`` = none; 0 = the chosen token's only; at
+            most :data:`MAX_LOGPROBS`):
             the log-softmax of the model's fp32 logits, before penalties, temperature and filters
             (vLLM's default ``raw_logprobs``).
 
@@ -126,6 +135,7 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be an integer >= 1, got {n!r}")
         self.max_tokens = self.max_new_tokens = n
         _check_float("temperature", self.temperature, lambda x: x >= 0, ">= 0 (0 = greedy)")
+        _check_float("temperature", self.temperature, math.isfinite, "a finite number (0 = greedy)")
         _check_float("top_p", self.top_p, lambda x: 0 < x <= 1, "in (0, 1]")
         _check_float("repetition_penalty", self.repetition_penalty, lambda x: x > 0, "> 0 (1 = off)")
         _check_float("min_p", self.min_p, lambda x: 0 <= x <= 1, "in [0, 1] (0 = off)")
@@ -134,11 +144,13 @@ class SamplingParams:
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 = all tokens), got {self.top_k!r}")
         if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
-                                          or self.logprobs < 0):
-            raise ValueError(f"logprobs must be None or an integer >= 0 (top tokens per generated token), "
-                             f"got {self.logprobs!r}")
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be None or an integer >= 0 and <= {MAX_LOGPROBS} (top tokens per "
+                             f"generated token; vLLM's max_logprobs), got {self.logprobs!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        if self.seed is not None and not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]:
+            raise ValueError(f"seed must be in [-2**63, 2**64) (torch.manual_seed's range), got {self.seed}")
         if isinstance(self.stop, str):
             self.stop = (self.stop,)
         if not all(isinstance(s, str) and s for s in self.stop):

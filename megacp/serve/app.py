@@ -25,6 +25,19 @@ from megacp.serve.responses import ResponseWriter
 Body = TypeVar("Body", bound=SamplingFields)
 
 
+def json_kind(value: Any) -> str:
+    """What a parsed JSON value is, in JSON's words (``null``, an array, a string, ...)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, list):
+        return "an array"
+    if isinstance(value, str):
+        return "a string"
+    return "an object" if isinstance(value, dict) else "a number"
+
+
 class Handlers:
     """The handlers of the app's routes over ``engine``.
 
@@ -83,6 +96,8 @@ class Handlers:
             e = err.errors()[0]
             if e["type"] == "json_invalid":
                 raise APIError(400, f"the request body is not valid JSON: {e['msg']}") from None
+            if e["type"] == "model_type" and not e["loc"]:  # valid JSON, but not an object
+                raise APIError(400, f"the request body must be a JSON object, got {json_kind(e['input'])}") from None
             where = ".".join(str(x) for x in e["loc"]) or None
             msg = f"unsupported field {where}" if e["type"] == "extra_forbidden" else f"{where}: {e['msg']}"
             raise APIError(400, msg, param=where) from None

@@ -217,11 +217,15 @@ class Trainer(Checkpointing):
     def _warm_plans(self, tokens: int) -> None:
         """Before the first step: the attention kernels' plans of every padded tile length up to
         ``tokens`` (:func:`~megacp.attention.kernels.warmup.warm_kernel_plans`; a transformers model's
-        attention runs the same kernels), so no later step stalls on building one."""
+        attention runs the same kernels), so no later step stalls on building one; with layers over
+        query tiles, up to the tile's rows (the longest square causal call they make: warming the
+        whole shard's length would hold a whole-sequence attention's buffers)."""
         shape = self.model.plan_shape
         if self.plans_warmed is not None or shape is None:
             return
         cfg, tp = shape.config, self.state.size("tp")
+        if self.planned is not None and 0 < self.planned.attention_tile < tokens:
+            tokens = self.planned.attention_tile  # a layer over query tiles runs no longer square tile
         self.plans_warmed = warm_kernel_plans(cfg.num_heads // tp, cfg.num_kv_heads // tp, cfg.head_dim,
                                               dtype=self.training.dtype, device=self.state.device, tokens=tokens,
                                               backend=self.cp.backend)

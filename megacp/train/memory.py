@@ -266,6 +266,32 @@ def host_available() -> int:
 def plan_memory(cfg: ModelConfig, *, params: int, tokens: int, options: MemoryOptions, zero: ZeroSettings,
                 capacity: int | None, host: int | None = None, tp: int = 1, cp: int = 1,
                 dense_mlp: bool = True, norm_apart: bool = False, tiled_attention: bool = False) -> MemoryPlan:
+    """The settings and estimated peaks of a step of ``tokens`` local tokens (:func:`_plan`); a refusal
+    also names the most local tokens these settings fit.
+
+    Raises:
+        MemoryPlanError: the step does not fit even with the configured options at their most frugal.
+    """
+    shape = dict(params=params, options=options, zero=zero, capacity=capacity, host=host, tp=tp, cp=cp,
+                 dense_mlp=dense_mlp, norm_apart=norm_apart, tiled_attention=tiled_attention)
+    try:
+        return _plan(cfg, tokens=tokens, **shape)  # type: ignore[arg-type]
+    except MemoryPlanError as err:
+        lo, hi = 0, tokens  # lo tokens fit (or lo == 0), hi do not
+        while hi - lo > max(1, hi // 256):
+            mid = (lo + hi) // 2
+            try:
+                _plan(cfg, tokens=mid, **shape)  # type: ignore[arg-type]
+                lo = mid
+            except MemoryPlanError:
+                hi = mid
+        most = f"at most ~{lo} tokens per rank fit these settings" if lo else "no step fits these settings"
+        raise MemoryPlanError(f"{err}; {most}") from None
+
+
+def _plan(cfg: ModelConfig, *, params: int, tokens: int, options: MemoryOptions, zero: ZeroSettings,
+          capacity: int | None, host: int | None, tp: int, cp: int, dense_mlp: bool, norm_apart: bool,
+          tiled_attention: bool) -> MemoryPlan:
     """The settings and estimated peaks of a step of ``tokens`` local tokens.
 
     Args:
@@ -383,9 +409,8 @@ def longest_fitting(cfg: ModelConfig, *, params: int, options: MemoryOptions, ze
     ``batch`` sequences (``length x batch / cp`` local tokens) fits (``--seq-len auto``); 0 when none does."""
     def fits(length: int) -> bool:
         try:
-            plan_memory(cfg, params=params, tokens=-(-length * batch // cp), options=options, zero=zero,
-                        capacity=capacity, host=host, tp=tp, cp=cp, dense_mlp=dense_mlp, norm_apart=norm_apart,
-                        tiled_attention=tiled_attention)
+            _plan(cfg, params=params, tokens=-(-length * batch // cp), options=options, zero=zero, capacity=capacity,
+                  host=host, tp=tp, cp=cp, dense_mlp=dense_mlp, norm_apart=norm_apart, tiled_attention=tiled_attention)
             return True
         except MemoryPlanError:
             return False

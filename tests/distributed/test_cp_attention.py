@@ -151,7 +151,7 @@ def _all_paths(rank: int, n: int) -> dict[str, object]:
 
 @pytest.mark.parametrize("n", [6, 8])
 def test_every_cp_path_at_six_and_eight_ranks(n: int) -> None:
-    results = run_distributed(_all_paths, n, timeout=90)
+    results = run_distributed(_all_paths, n)
     for rank, res in enumerate(results):
         for name, err in res["ring"].items():
             assert err < TOL, (n, rank, name, err)

@@ -37,6 +37,7 @@ from megacp.kv_cache import ShardedKVCache
 from tests.helpers.distributed import run_distributed
 from tests.helpers.hf_models import make_hf_model
 from tests.helpers.paths import ROOT
+from tests.helpers.timeouts import HANG_GUARD_S
 
 LOGIT_BOUND = 0.35
 """Largest |FP8 - unquantised| logit allowed on the tiny model, about 10% of its largest logit
@@ -156,7 +157,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict]:
     g = torch.Generator().manual_seed(11)
     prompts = [torch.randint(3, 256, (k,), generator=g).tolist() for k in PROMPTS]
     turn2 = [torch.randint(3, 256, (k,), generator=g).tolist() for k in TURN2]
-    return {n: run_distributed(_conversation, n, str(d), prompts, turn2, timeout=120)[0] for n in (1, 2, 3)}
+    return {n: run_distributed(_conversation, n, str(d), prompts, turn2)[0] for n in (1, 2, 3)}
 
 
 @pytest.mark.parametrize("n", [1, 2, 3])
@@ -197,5 +198,5 @@ def test_fp8_cache_graph_decode_on_gpu() -> None:
     (tiny Llama and SmolLM2 shape, fp32 and bf16) and the FP8 logits stay near the unquantised cache's."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.run([sys.executable, "tests/programs/graph_decode_check.py", "--kv-cache-dtype", "fp8_e4m3"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert proc.returncode == 0 and "ALL PASS" in proc.stdout, proc.stdout[-6000:] + proc.stderr[-3000:]

@@ -21,6 +21,7 @@ import torch
 from tests.helpers.distributed import run_distributed
 from tests.helpers.hf_models import make_hf_model
 from tests.helpers.paths import ROOT
+from tests.helpers.timeouts import HANG_GUARD_S
 
 STEPS = 8
 
@@ -73,7 +74,7 @@ def test_static_step_equals_eager_decode_cp3(tiny: str) -> None:
     run equals eager decode's, and eager decode continues on the static step's cache."""
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(3, 256, (k,), generator=g).tolist() for k in (1, 5, 23)]
-    results = run_distributed(_static_vs_eager, 3, tiny, prompts, STEPS, timeout=300)
+    results = run_distributed(_static_vs_eager, 3, tiny, prompts, STEPS)
     assert min(r["held"][0] for r in results) >= 1  # every rank took decoded tokens of the short prompt
     for r in results:
         assert r["same"] and r["books"] and r["rows"], r
@@ -105,7 +106,7 @@ def test_graph_decode_loop_equals_eager_cp3(tiny: str) -> None:
     early gives the eager tokens and finish reasons; a session's second turn continues exactly."""
     g = torch.Generator().manual_seed(9)
     prompts = [torch.randint(3, 256, (k,), generator=g).tolist() for k in (2, 17, 6)]
-    for runs in run_distributed(_run_loop, 3, tiny, prompts, timeout=300):
+    for runs in run_distributed(_run_loop, 3, tiny, prompts):
         eager, graph = runs[False], runs[True]
         assert eager["decode"] == "eager" and graph["decode"] == "static_eager"
         assert "stop" in eager["finish"] and "length" in eager["finish"], eager
@@ -167,5 +168,5 @@ def test_graph_decode_on_gpu() -> None:
     bf16, ragged batch, 64+ tokens, a session's second turn); the program prints PASS/FAIL lines."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.run([sys.executable, "tests/programs/graph_decode_check.py"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=900)
+                          capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert proc.returncode == 0 and "ALL PASS" in proc.stdout, proc.stdout[-6000:] + proc.stderr[-3000:]

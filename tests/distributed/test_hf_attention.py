@@ -70,7 +70,7 @@ def _cp_matches_reference(rank: int, world: int, cases: dict | None = None) -> d
 
 @pytest.mark.parametrize("cp", [2, 3])
 def test_hf_models_under_cp_match_one_process(cp: int) -> None:
-    for rank, worst in enumerate(run_distributed(_cp_matches_reference, cp, timeout=240)):
+    for rank, worst in enumerate(run_distributed(_cp_matches_reference, cp)):
         assert set(worst) == set(ARCHS)
         for arch, (logit_err, loss_err, grad_err) in worst.items():
             assert logit_err <= 1e-5 and loss_err <= 1e-5 and grad_err <= 1e-5, (cp, rank, arch, worst[arch])
@@ -80,7 +80,7 @@ def test_hf_models_under_cp_match_one_process(cp: int) -> None:
 def test_hf_sliding_windows_under_cp_match_one_process(cp: int) -> None:
     """Logits, loss and every parameter's gradient of windowed models at CP 2-4 = transformers' SDPA
     with its own sliding-window mask in one process."""
-    for rank, worst in enumerate(run_distributed(_cp_matches_reference, cp, WINDOWED, timeout=240)):
+    for rank, worst in enumerate(run_distributed(_cp_matches_reference, cp, WINDOWED)):
         assert set(worst) == set(WINDOWED)
         for name, (logit_err, loss_err, grad_err) in worst.items():
             assert logit_err <= 1e-5 and loss_err <= 1e-5 and grad_err <= 1e-5, (rank, name, worst[name])
@@ -139,5 +139,5 @@ def _hand_reduced_training(rank: int, world: int) -> list[float]:
 def test_adamw_steps_at_cp2_follow_one_process() -> None:
     ref_losses, _ = _reference_training()
     assert ref_losses[-1] < ref_losses[0] - 0.1  # it learns: the comparison is not between two idle runs
-    for losses in run_distributed(_hand_reduced_training, 2, timeout=240):
+    for losses in run_distributed(_hand_reduced_training, 2):
         assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= 1e-5, (losses, ref_losses)

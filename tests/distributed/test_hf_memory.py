@@ -85,7 +85,7 @@ def _grads(rank: int, world: int) -> dict[str, dict[str, float]]:
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_memory_features_leave_losses_and_gradients_unchanged(world: int) -> None:
-    for rank, errors in enumerate(run_distributed(_grads, world, timeout=240)):
+    for rank, errors in enumerate(run_distributed(_grads, world)):
         bad = {k: v for k, v in errors.items() if v["loss"] > 1e-6 or v["grad"] > 1e-6}
         assert not bad, f"rank {rank}: {bad}"
         assert len(errors) == len(ARCHS) * len(VARIANTS) + 1
@@ -136,7 +136,7 @@ def _train(rank: int, world_size: int) -> dict:
 def test_the_trainer_with_every_memory_feature_equals_plain_steps() -> None:
     """Under DeepSpeed at ZeRO 1 and ZeRO 3 (parameters partitioned: the tiled MLP's backward recomputes
     through the projections' own calls), the memory features change no loss and no weight (1e-5)."""
-    out = run_distributed(_train, 2, timeout=240)[0]
+    out = run_distributed(_train, 2)[0]
     for stage in (1, 3):
         (plain, w0), (memory, w1) = out[(stage, "plain")], out[(stage, "memory")]
         assert max(abs(a - b) / abs(a) for a, b in zip(plain, memory)) <= 1e-5, (stage, plain, memory)

@@ -51,7 +51,7 @@ def test_logprobs_match_transformers_eager_graph_cp1_cp2(tiny: tuple[str, torch.
     prompts = [torch.randint(3, 256, (k,), generator=g).tolist() for k in (7, 12, 4)]
     by_cp = {}
     for cp in (1, 2):
-        results = run_distributed(_runs, cp, path, prompts, timeout=300)
+        results = run_distributed(_runs, cp, path, prompts)
         runs = results[0]
         eager, graph = runs[False], runs[True]
         assert eager["decode"] == "eager" and graph["decode"] == "static_eager"

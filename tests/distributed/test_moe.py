@@ -118,7 +118,7 @@ CASES = {
 def test_generation_equals_transformers_and_dispatch_reaches_owners(case: str, moe_models: dict) -> None:
     world, config, replicas = CASES[case]
     paths = [moe_models[k]["megacp_path" if "tensor_model_parallel" in config else "path"] for k in MOE_KINDS]
-    results = run_distributed(_generate, world, paths, _prompts(), NEW_TOKENS, config, timeout=300)
+    results = run_distributed(_generate, world, paths, _prompts(), NEW_TOKENS, config)
     ep = config.get("expert_model_parallel", {}).get("size") or 1
     for kind, path in zip(MOE_KINDS, paths):
         expected = moe_models[kind]
@@ -270,7 +270,7 @@ def test_moe_training_under_cp_equals_single_process(cp: int, tp: int) -> None:
     torch.set_num_threads(1)
     reference = seeded_model(_moe_config())
     ref_losses, _, _ = train_steps(reference, 1, 0, None)
-    results = run_distributed(_train_worker, cp * tp, cp, tp, timeout=300)
+    results = run_distributed(_train_worker, cp * tp, cp, tp)
     for res in results:
         assert rel_err(torch.tensor(res["losses"], dtype=torch.float64),
                        torch.tensor(ref_losses, dtype=torch.float64)) <= RTOL, (res["losses"], ref_losses)
@@ -421,7 +421,7 @@ def test_sharded_expert_training_under_deepspeed_equals_single_process() -> None
     from tests.helpers.training import ELEMENT_RTOL, RTOL, seeded_model
 
     torch.set_num_threads(1)
-    results = run_distributed(_ep_train_worker, 4, timeout=300)
+    results = run_distributed(_ep_train_worker, 4)
     references, errors = {}, {}
     for name, (kind, _, stage, clip) in EP_RUNS.items():
         if (kind, clip) not in references:

@@ -66,7 +66,7 @@ def _bf16_ratios(cuda: bool) -> dict[tuple[int, str], float]:
         bounds = [0, *torch.tensor(BF16_LENS).cumsum(0).tolist()]
         singles.append(torch.cat([partial_attention(*(x[a:b].to(device) for x in (q, k, v)), causal=True)[0].cpu()
                                   for a, b in zip(bounds, bounds[1:])]))
-    outs = run_distributed(_bf16_outputs, world, inputs, cuda, timeout=240, backend="nccl" if cuda else "gloo")[0]
+    outs = run_distributed(_bf16_outputs, world, inputs, cuda, backend="nccl" if cuda else "gloo")[0]
     ratios: dict[tuple[int, str], float] = {}
     for (n, strategy, i), out in outs.items():
         ratio = _rms_rel(out, refs[i]) / _rms_rel(singles[i], refs[i])
@@ -193,7 +193,7 @@ def test_nan_and_inf_propagate_as_in_single_process_attention() -> None:
     tiles (LSE -inf) contribute nothing, and so do rows whose every score is -inf: SDPA (torch 2.13,
     CPU) returns 0 for them, not NaN. Decode: only the request holding a NaN key, or with a NaN
     query, gets NaN rows."""
-    outs = run_distributed(_nan_outputs, 3, timeout=240)[0]
+    outs = run_distributed(_nan_outputs, 3)[0]
     sees = torch.zeros(sum(NAN_LENS), dtype=torch.bool)
     sees[NAN_POS:NAN_LENS[0]] = True  # rows of the first sequence at or after the poisoned position
     for c, case in enumerate(NAN_CASES):

@@ -67,7 +67,7 @@ def test_offline_continuous_and_served_tokens_agree(tiny: tuple[str, torch.nn.Mo
     path, model = tiny
     g = torch.Generator().manual_seed(13)
     prompts = [torch.randint(3, 256, (int(k),), generator=g).tolist() for k in torch.randint(2, 30, (10,), generator=g)]
-    results = run_distributed(_three_ways, cp, path, prompts, timeout=300)
+    results = run_distributed(_three_ways, cp, path, prompts)
     first = results[0]
     assert first["slots"] == 10 and first["few_slots"] == 3
     for r in results:  # every rank returns the same tokens

@@ -105,7 +105,7 @@ def test_cp_attention_mismatch_is_one_error_on_every_rank(n: int) -> None:
         "requires grad": "computes without autograd",
         "contents": "differ in v contents (rank",
     }
-    for rank, res in enumerate(run_distributed(_cp_attention_cases, n, timeout=180)):
+    for rank, res in enumerate(run_distributed(_cp_attention_cases, n)):
         for name, text in expect.items():
             assert text in res[name], (rank, name, res[name])
         own = "needs fp16, bf16 or fp32 inputs" if rank == 1 else "CP rank(s) [1] refused their inputs"
@@ -116,7 +116,7 @@ def test_cp_attention_mismatch_is_one_error_on_every_rank(n: int) -> None:
 
 
 def test_cp_layer_mismatch_is_one_error_on_every_rank_once_per_step() -> None:
-    for rank, res in enumerate(run_distributed(_layer_cases, 2, timeout=180)):
+    for rank, res in enumerate(run_distributed(_layer_cases, 2)):
         assert "differ in new tokens per request" in res["cached plan"], (rank, res)
         assert "differ in new tokens per request" in res["cacheless cu_seqlens"], (rank, res)
         assert "needs fp16, bf16 or fp32 inputs; q is torch.int64" in res["int inputs"], (rank, res)
@@ -204,5 +204,5 @@ def _stalled_cp_collective(rank: int, n: int) -> tuple[str, float] | None:
 def test_cp_group_collective_times_out_after_timeout_minutes() -> None:
     """The groups ParallelState creates take runtime.timeout_minutes (torch's new_group default is
     30 min for gloo, 10 for NCCL)."""
-    error, waited = run_distributed(_stalled_cp_collective, 4, timeout=120)[0]
+    error, waited = run_distributed(_stalled_cp_collective, 4)[0]
     assert "Timed out" in error and 2.5 < waited < 30, (error, waited)

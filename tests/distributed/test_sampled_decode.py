@@ -43,7 +43,7 @@ def test_seeded_requests_alone_and_in_a_mixed_batch_cp1_cp2_cp3(tiny: str) -> No
     prompts = [torch.randint(3, 256, (k,), generator=g).tolist() for k in (5, 19, 8)]
     by_cp = {}
     for cp in (1, 2, 3):
-        results = run_distributed(_runs, cp, tiny, prompts, timeout=300)
+        results = run_distributed(_runs, cp, tiny, prompts)
         runs = results[0]
         assert all(r == runs for r in results)
         eager, graph = runs[False], runs[True]

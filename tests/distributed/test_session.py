@@ -68,7 +68,7 @@ def test_three_turn_session_equals_transformers_on_the_joined_history(n: int, ti
     ref_a, ref_b = reference(hf, a), reference(hf, b)
     joined = [t for turn, reply in zip(a, ref_a) for t in turn + reply]
     strategies = ["auto", "pass_kv", "pass_q"]
-    for got in run_distributed(_session_body, n, path, strategies, a, b, timeout=300):
+    for got in run_distributed(_session_body, n, path, strategies, a, b):
         for strategy in strategies:
             g = got[strategy]
             assert g["a"] == ref_a, strategy

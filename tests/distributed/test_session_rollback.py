@@ -53,7 +53,7 @@ def test_failed_turn_rolls_back_and_the_retry_is_exact(n: int, tmp_path) -> None
     turns = _turns((40, 11), 3)
     ref = reference(hf, turns)
     joined = [t for turn, reply in zip(turns, ref) for t in turn + reply]
-    for got in run_distributed(_rollback_body, n, str(tmp_path), turns, timeout=240):
+    for got in run_distributed(_rollback_body, n, str(tmp_path), turns):
         assert got["caught"] == ["RuntimeError", "KeyboardInterrupt"]
         assert got["replies"] == ref
         assert got["history"] == joined

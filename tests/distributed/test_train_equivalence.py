@@ -76,7 +76,7 @@ def test_cp_training_equals_single_process(cp: int, tp: int, tied: bool) -> None
     from megacp.checkpoint.tp import is_replicated, merge_shards
 
     ref_losses, ref_params = _reference(tied)
-    results = run_distributed(_cp_worker, cp * tp, cp, tp, tied, timeout=300)
+    results = run_distributed(_cp_worker, cp * tp, cp, tp, tied)
     cfg = tiny_config(tied)
     for res in results:
         assert res["recompute_err"] <= 1e-6, (res["cp_rank"], res["tp_rank"], res["recompute_err"])

@@ -33,6 +33,7 @@ from tests.helpers import distributed
 from tests.helpers.distributed import free_port, run_distributed
 from tests.helpers.paths import ROOT
 from tests.helpers.reference import rel_err
+from tests.helpers.timeouts import HANG_GUARD_S
 from tests.helpers.train_cli import make_corpus, make_tiny_model
 
 pytest.importorskip("deepspeed", reason="DeepSpeed not installed")
@@ -76,11 +77,11 @@ def _kill_after_a_checkpoint(tmp: Path) -> int:
     ranks = [context.Process(target=_killed_rank, args=(r, port, args)) for r in range(2)]  # type: ignore[attr-defined]
     for p in ranks:
         p.start()
-    latest, deadline = tmp / "killed" / "latest", time.monotonic() + 120
+    latest, deadline = tmp / "killed" / "latest", time.monotonic() + HANG_GUARD_S
     try:
         while not latest.is_file():
             assert all(p.is_alive() for p in ranks), "a rank of the run to be killed ended early"
-            assert time.monotonic() < deadline, "no checkpoint within 120 s"
+            assert time.monotonic() < deadline, f"no checkpoint within {HANG_GUARD_S} s"
             time.sleep(0.005)
     finally:
         for p in ranks:
@@ -149,7 +150,7 @@ def test_resumed_run_continues_exactly_at_dp2_cp2(tmp_path: Path) -> None:
     make_tiny_model(tmp_path / "model")
     make_corpus(tmp_path / "corpus")
     _write_configs(tmp_path)
-    run_distributed(_dp2_runs, 4, tmp_path, [free_port() for _ in range(2)], timeout=120.0)
+    run_distributed(_dp2_runs, 4, tmp_path, [free_port() for _ in range(2)])
     ref, resumed = _rows(tmp_path / "ref.jsonl"), _rows(tmp_path / "resumed.jsonl")
     assert [r["step"] for r in resumed] == [3]
     assert resumed[0]["tokens"] == 2 * 2 * SEQ_LEN  # 2 micro-batches of one sequence on each of 2 replicas
@@ -162,7 +163,7 @@ def test_killed_and_resumed_runs_continue_exactly(tmp_path: Path) -> None:
     _write_configs(tmp_path)
     killed_at = _kill_after_a_checkpoint(tmp_path)
     assert killed_at % 7 == 0
-    run_distributed(_runs, 2, tmp_path, killed_at, [free_port() for _ in range(9)], timeout=120.0)
+    run_distributed(_runs, 2, tmp_path, killed_at, [free_port() for _ in range(9)])
 
     ref = _rows(tmp_path / "ref1.jsonl")
     # one --metrics file for both runs: the killed run's rows up to its checkpoint (its later ones dropped
@@ -271,7 +272,7 @@ def test_a_killed_transformers_model_run_resumes_exactly(tmp_path: Path) -> None
     config.update(activation_checkpointing={"enabled": True, "offload": "cpu"}, sequence_tiling={"mlp": 8})
     (tmp_path / "zero1.json").write_text(json.dumps({**config, "zero_optimization": {"stage": 1}}))
     killed_at = _kill_after_a_checkpoint(tmp_path)
-    run_distributed(_hf_runs, 2, tmp_path, killed_at, [free_port() for _ in range(2)], timeout=120.0)
+    run_distributed(_hf_runs, 2, tmp_path, killed_at, [free_port() for _ in range(2)])
 
     from megacp.checkpoint.convert import main as convert
     from megacp.checkpoint.deepspeed import read_transformers_checkpoint

@@ -131,7 +131,7 @@ def _zero_stages(rank: int, world_size: int) -> dict:
 @pytest.mark.slow
 def test_zero_stages_and_tp_train_like_plain_torch() -> None:
     pytest.importorskip("deepspeed", reason="DeepSpeed not installed")
-    results = run_distributed(_zero_stages, 2, timeout=300.0)
+    results = run_distributed(_zero_stages, 2)
     ref_losses, ref_weights = results[0]["torch"]
     assert ref_losses[-1] < ref_losses[0]  # it learns
     for out in results:
@@ -160,6 +160,6 @@ def test_bf16_zero1_on_one_gpu_tracks_fp32() -> None:
     """One GPU, bf16 from the DeepSpeed config, ZeRO 1 (fp32 master weights): the per-step losses
     follow plain fp32 training within bf16 rounding."""
     pytest.importorskip("deepspeed", reason="DeepSpeed not installed")
-    out = run_distributed(_bf16_on_gpu, 1, backend="nccl", timeout=300.0)[0]
+    out = run_distributed(_bf16_on_gpu, 1, backend="nccl")[0]
     assert out["dtype"] == "torch.bfloat16"
     assert out["losses"] == pytest.approx(_plain_torch()[0], rel=2e-2)

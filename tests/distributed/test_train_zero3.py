@@ -87,7 +87,7 @@ def _train(rank: int, world_size: int, cp: int, save_dir: str) -> dict:
 @pytest.mark.parametrize(("world_size", "cp"), [(1, 1), (2, 2), (4, 2)], ids=["cp1", "cp2", "cp2xdp2"])
 def test_zero3_trains_like_zero0(world_size: int, cp: int, tmp_path) -> None:
     pytest.importorskip("deepspeed", reason="DeepSpeed not installed")
-    results = run_distributed(_train, world_size, cp, str(tmp_path / "zero3"), timeout=400.0)
+    results = run_distributed(_train, world_size, cp, str(tmp_path / "zero3"))
     ref_losses, ref_weights = results[0]["zero0"]
     assert ref_losses[-1] < ref_losses[0]  # it learns
     for rank, out in enumerate(results):
@@ -152,7 +152,7 @@ def test_zero3_builds_partitioned_and_initialised(world_size: int, cp: int) -> N
     losses a plain ZeRO 0 model with those weights reaches; the plan from the config alone is the
     Trainer's."""
     pytest.importorskip("deepspeed", reason="DeepSpeed not installed")
-    results = run_distributed(_built_partitioned, world_size, cp, timeout=300.0)
+    results = run_distributed(_built_partitioned, world_size, cp)
     for out in results:
         assert out["partitioned"]
         for name, w in out["weights"].items():

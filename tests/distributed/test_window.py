@@ -258,7 +258,7 @@ def test_window_sizes_generate_as_transformers(n: int, window_models: tuple) -> 
     root, want = window_models
     for (kind, window), tokens in want.items():
         assert len({t for row in tokens for t in row}) > 2, f"{kind} window {window}: the reference is degenerate"
-    for rank, got in enumerate(run_distributed(_window_sizes_body, n, root, timeout=240)):
+    for rank, got in enumerate(run_distributed(_window_sizes_body, n, root)):
         for (name, window, prefill), (tokens, strategies) in got.items():
             assert tokens == want[(name.split()[1], window)], (n, rank, name, window, prefill)
             assert set(strategies) == {PREFILLS[prefill]["strategy"]}, (name, window, prefill, strategies)

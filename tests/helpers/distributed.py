@@ -13,10 +13,18 @@ Usage from a test module (the function must be defined at module level so it can
 
 Processes are started fresh for every call, from a ``forkserver`` that has imported ``torch``
 once (so a call costs fork + gloo rendezvous instead of N cold ``import torch``), with
-``torch.set_num_threads(1)``. Like ``spawn`` children they inherit nothing from pytest's process;
+``torch.set_num_threads(1)`` and the inherited objects frozen (``gc.freeze``: a full collection,
+which megacp's ``LLM`` runs per batch, would otherwise walk the ~400,000 objects of the preloaded
+imports, about 0.7 s each time on 2 loaded cores, and copy their pages). Like ``spawn`` children they inherit nothing from pytest's process;
 unlike them they also do not see environment changes the caller makes after the first call (the
 server's environment is fixed when it starts), so pass such values as arguments. Keep heavy
 imports (transformers, deepspeed) inside the function or in modules only it imports.
+
+Under gloo, every rank has joined the group before any runs the function (a barrier after
+``init_process_group``): a rank can finish joining before a peer has (gloo's connect completes on
+one side of a pair first), and one whose function returns at once could then exit, taking the
+rendezvous store (rank 0 hosts it) and its connections with it, while the peer is still joining:
+the peer would fail with a connection error instead of running.
 
 On a failing rank, the other ranks get a short grace period to report (peers usually fail
 right after), then are killed; the AssertionError lists every failing rank's traceback. On a
@@ -27,6 +35,7 @@ that returned its result must then exit with status 0: an abort on the way out f
 from __future__ import annotations
 
 import faulthandler
+import gc
 import importlib
 import multiprocessing
 import multiprocessing.connection
@@ -47,6 +56,7 @@ import torch
 import torch.distributed as dist
 
 from tests.helpers.paths import ROOT
+from tests.helpers.timeouts import HANG_GUARD_S
 
 _PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "pytest", "tests.helpers.distributed"]
 """Imported once by the forkserver; every worker is forked from that state (``torch._dynamo``:
@@ -116,6 +126,7 @@ def _worker(
     conn: multiprocessing.connection.Connection,
 ) -> None:
     """Child entry point: join the process group, run ``fn``, send back ``(ok, payload)``."""
+    gc.freeze()  # the forkserver's imports are never garbage: collections walk only what the child makes
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -131,6 +142,8 @@ def _worker(
             dist.init_process_group(
                 backend, init_method="env://", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout)
             )
+            if backend == "gloo":
+                dist.barrier()  # every rank has joined: none leaves while a peer still connects to it
             message = (True, pickle.dumps(fn(rank, world_size, *args)))
         except BaseException:  # noqa: BLE001 - every failure, SystemExit included, goes to the parent
             message = (False, traceback.format_exc())
@@ -145,7 +158,7 @@ def run_distributed(
     fn: Callable[..., Any],
     world_size: int,
     *args: Any,
-    timeout: float = 120.0,
+    timeout: float = HANG_GUARD_S,
     backend: str = "gloo",
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; return the results by rank.
@@ -157,7 +170,8 @@ def run_distributed(
         fn: a module-level function (picklable by reference).
         world_size: number of processes.
         args: extra picklable arguments for ``fn``.
-        timeout: seconds for the whole call, start-up included.
+        timeout: seconds for the whole call, start-up included (a hang guard, also each rank's
+            process-group timeout).
         backend: ``torch.distributed`` backend.
 
     Raises:

@@ -10,12 +10,13 @@ import sys
 
 from scripts.bench.decode_kinds import KINDS
 from tests.helpers.paths import ROOT
+from tests.helpers.timeouts import HANG_GUARD_S
 
 
 def test_decode_kinds_every_kind_on_cpu(tmp_path) -> None:
     out = tmp_path / "kinds.json"
     subprocess.run([sys.executable, "-m", "scripts.bench.decode_kinds", "--tiny", "--batches", "2", "--new-tokens", "3",
-                    "--json", str(out)], cwd=ROOT, check=True, capture_output=True, timeout=120)
+                    "--json", str(out)], cwd=ROOT, check=True, capture_output=True, timeout=HANG_GUARD_S)
     report = json.loads(out.read_text())
     rows = report["results"]
     assert [r["request"] for r in rows] == list(KINDS) and all(r["batch"] == 2 for r in rows)
@@ -29,7 +30,7 @@ def test_decode_kinds_every_kind_on_cpu(tmp_path) -> None:
 def test_long_prompt_ladder_on_cpu(tmp_path) -> None:
     out = tmp_path / "long.json"
     subprocess.run([sys.executable, "-m", "scripts.bench.long_prompt", "--tiny", "--device", "cpu", "--lengths", "48",
-                    "--new-tokens", "3", "--json", str(out)], cwd=ROOT, check=True, capture_output=True, timeout=120)
+                    "--new-tokens", "3", "--json", str(out)], cwd=ROOT, check=True, capture_output=True, timeout=HANG_GUARD_S)
     report = json.loads(out.read_text())
     rows = report["results"]
     assert sorted((r["method"], r["length"]) for r in rows) == [("hf", 48), ("megacp", 48)]

@@ -24,6 +24,7 @@ from scripts.bench import decode, prefill
 from scripts.bench import harness as bh
 from tests.helpers.paths import ROOT
 from tests.helpers.reference import naive_attention
+from tests.helpers.timeouts import HANG_GUARD_S
 
 SMALL = ["--device", "cpu", "--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--max-iters", "3",
          "--target-s", "0.01"]
@@ -33,7 +34,7 @@ def run_module(module: str, *args: str) -> subprocess.CompletedProcess[str]:
     """``python -m <module> ARGS`` from the repository root, one CPU process, no GPU."""
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
     return subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=240)
+                          text=True, timeout=HANG_GUARD_S)
 
 
 def test_sizes_and_labels() -> None:

@@ -33,8 +33,9 @@ from megacp.checkpoint.megacp_format import (
 from megacp.checkpoint.tp import merge_shards, shard_tensor
 from megacp.models import ModelConfig, parameter_shapes
 from tests.helpers.distributed import run_distributed
-
 from tests.helpers.paths import ROOT, session_shared
+from tests.helpers.timeouts import HANG_GUARD_S
+
 TOOL = ROOT / "tools" / "convert_checkpoint.py"
 KINDS = ("llama3", "qwen2", "mistral", "llama_tied")
 # How each kind is stored, so that every reader path is exercised.
@@ -268,7 +269,7 @@ def test_cli_errors_in_subprocess(hf_dirs: dict, tmp_path: Path) -> None:
         for args, _ in cases
     ]
     for process, (_, message) in zip(processes, cases):
-        stdout, stderr = process.communicate(timeout=120)
+        stdout, stderr = process.communicate(timeout=HANG_GUARD_S)
         assert process.returncode == 2 and stdout == ""
         assert stderr.startswith("error: ") and stderr.count("\n") == 1 and message in stderr, stderr
     assert _listing(tmp_path) == before
@@ -459,8 +460,7 @@ def test_gguf_megacp_model_matches_transformers(smollm: tuple[Path, torch.nn.Mod
 
 
 def test_load_model_takes_an_hf_dir_by_model_type_and_names_a_missing_path(hf_dirs: dict, tmp_path: Path) -> None:
-    from megacp.checkpoint import CheckpointError
-    from megacp.checkpoint import load_model
+    from megacp.checkpoint import CheckpointError, load_model
 
     source, reference = hf_dirs["llama3"]
     plain = _copy_hf(source, tmp_path / "no_architectures")
@@ -514,14 +514,14 @@ def test_killed_writers_leave_nothing_behind(hf_dirs: dict, tmp_path: Path) -> N
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         for sig in (signal.SIGTERM, signal.SIGKILL)
     }
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + HANG_GUARD_S
     while not all(any(d.iterdir()) for d in _staging_dirs(parent)) or len(_staging_dirs(parent)) < 2:
         assert time.monotonic() < deadline and all(p.poll() is None for p in procs.values())
         time.sleep(0.05)
     for sig, proc in procs.items():
         proc.send_signal(sig)
-    term_out, term_err = procs[signal.SIGTERM].communicate(timeout=60)
-    procs[signal.SIGKILL].communicate(timeout=60)
+    term_out, term_err = procs[signal.SIGTERM].communicate(timeout=HANG_GUARD_S)
+    procs[signal.SIGKILL].communicate(timeout=HANG_GUARD_S)
     assert procs[signal.SIGTERM].returncode == 143 and procs[signal.SIGKILL].returncode == -signal.SIGKILL
     assert term_err.count("\n") == 1 and "terminated (SIGTERM)" in term_err and "Traceback" not in term_err, term_err
     left = _staging_dirs(parent)

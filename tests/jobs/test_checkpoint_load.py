@@ -8,12 +8,13 @@ import subprocess
 import sys
 
 from tests.helpers.paths import ROOT
+from tests.helpers.timeouts import HANG_GUARD_S
 
 
 def test_checkpoint_load_benchmark_on_cpu(tmp_path):
     out = tmp_path / "load.json"
     subprocess.run([sys.executable, "-m", "scripts.bench.checkpoint_load", "--tiny", "--repeats", "1", "--dir",
-                    str(tmp_path / "ckpt"), "--json", str(out)], cwd=ROOT, check=True, capture_output=True, timeout=120)
+                    str(tmp_path / "ckpt"), "--json", str(out)], cwd=ROOT, check=True, capture_output=True, timeout=HANG_GUARD_S)
     report = json.loads(out.read_text())
     assert (tmp_path / "ckpt" / "model.safetensors").is_file() and report["checkpoint_bytes"] > 0
     rows = {r["method"]: r["s"] for r in report["results"]}

@@ -1,4 +1,5 @@
-"""Whole jobs through the real launchers: ``deepspeed`` (CPU accelerator) and ``torchrun``, 2 ranks."""
+"""Whole jobs through the real launchers: ``deepspeed`` (CPU accelerator) and ``torchrun``, 2 ranks; and a
+launched worker's end when its launcher (a stand-in process) is SIGKILLed."""
 
 from __future__ import annotations
 
@@ -17,11 +18,11 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.distributed import free_port
-
 from tests.helpers.paths import ROOT
+from tests.helpers.timeouts import HANG_GUARD_S
+
 INIT_CHECK = ROOT / "tests" / "programs" / "init_check.py"
 PREFIX = "MEGACP_INIT_CHECK "
-LAUNCH_TIMEOUT_S = 180
 
 
 def launch(command: list[str]) -> subprocess.CompletedProcess[str]:
@@ -31,11 +32,11 @@ def launch(command: list[str]) -> subprocess.CompletedProcess[str]:
     proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
     try:
-        out, _ = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
+        out, _ = proc.communicate(timeout=HANG_GUARD_S)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
-        pytest.fail(f"{command[0]} did not finish within {LAUNCH_TIMEOUT_S} s:\n{out[-4000:]}")
+        pytest.fail(f"{command[0]} did not finish within {HANG_GUARD_S} s:\n{out[-4000:]}")
     return subprocess.CompletedProcess(command, proc.returncode, out, None)
 
 
@@ -99,7 +100,7 @@ def test_second_job_on_a_busy_port_stops_and_spares_the_first(tmp_path: Path) ->
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         first = pool.submit(launch, [*job, "--hold-until", str(release)])
         try:
-            deadline = time.monotonic() + LAUNCH_TIMEOUT_S
+            deadline = time.monotonic() + HANG_GUARD_S
             while not listening(port):  # the first job's store
                 assert not first.done() and time.monotonic() < deadline, "the first job never listened"
                 time.sleep(0.2)
@@ -154,3 +155,37 @@ def test_init_check_accepts_launcher_arguments() -> None:
     parser = add_launcher_args(argparse.ArgumentParser())
     assert parser.parse_args(["--local_rank=3"]).local_rank == 3
     assert parser.parse_args(["--local-rank", "2", "--deepspeed_config", "x.json"]).deepspeed_config == "x.json"
+
+
+def test_worker_ends_when_its_launcher_is_killed(tmp_path: Path) -> None:
+    """A launched worker (``exit_with_parent``, as ``megacp.initialize`` calls it) gets SIGTERM when
+    its launcher is SIGKILLed, instead of running on unsupervised."""
+    ready = tmp_path / "ready"
+    worker = ("from megacp.parallel.state import exit_with_parent; exit_with_parent(); import pathlib, time; "
+              f"pathlib.Path({str(ready)!r}).touch(); time.sleep(60)")
+    launcher = (f"import subprocess, sys; p = subprocess.Popen([sys.executable, '-c', {worker!r}]); "
+                "print(p.pid, flush=True); p.wait()")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    parent = subprocess.Popen([sys.executable, "-c", launcher], stdout=subprocess.PIPE, text=True, env=env)
+    assert parent.stdout is not None
+    child = int(parent.stdout.readline())
+    deadline = time.monotonic() + HANG_GUARD_S
+    while not ready.exists() and time.monotonic() < deadline:  # the worker has asked for the signal
+        time.sleep(0.05)
+    parent.kill()
+    parent.wait()
+
+    def alive(pid: int) -> bool:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            return False
+        return state != "Z"  # a zombie has ended (its new parent has not reaped it yet)
+
+    deadline = time.monotonic() + 10
+    while alive(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    ended = not alive(child)
+    if not ended:
+        os.kill(child, signal.SIGKILL)
+    assert ended, "the worker outlived its launcher"

@@ -26,6 +26,7 @@ KINDS = ("llama3", "qwen2", "mistral")
 NEW_TOKENS = 6
 PROMPT_LENS = (301, 97, 185)
 from tests.helpers.paths import ROOT
+from tests.helpers.timeouts import HANG_GUARD_S
 
 
 def _prompts(seed: int = 3) -> list[list[int]]:
@@ -73,7 +74,7 @@ def _megacp_generate(rank: int, n: int, jobs: list[tuple[str, str, int]], prompt
 def test_greedy_tokens_equal_transformers(n: int, hf_models) -> None:
     jobs = [(hf_models[k][0], s, 0) for k in KINDS for s in ("auto", "pass_kv", "pass_q")]
     jobs.append((hf_models["llama3"][0], "auto", 64))  # chunked prefill: later chunks attend a sharded cache
-    results = run_distributed(_megacp_generate, n, jobs, _prompts(), NEW_TOKENS, timeout=600)
+    results = run_distributed(_megacp_generate, n, jobs, _prompts(), NEW_TOKENS)
     for rank_result in results:
         for (path, strategy, chunk), tokens in zip(jobs, rank_result):
             kind = next(k for k in KINDS if hf_models[k][0] == path)
@@ -96,7 +97,7 @@ def test_cp2_x_tp2_generation_equals_transformers(hf_models) -> None:
     """4 processes: CP=2 rings over TP=2-sharded layers (Qwen2: Q/K/V biases sharded too)."""
     path, expected = hf_models["qwen2"]
     config = {"context_parallel": {"size": 2}, "tensor_model_parallel": {"size": 2}}
-    for rank_result in run_distributed(_megacp_generate, 4, [(path, "auto", 0)], _prompts(), NEW_TOKENS, config, timeout=600):
+    for rank_result in run_distributed(_megacp_generate, 4, [(path, "auto", 0)], _prompts(), NEW_TOKENS, config):
         assert rank_result[0] == expected
 
 
@@ -110,7 +111,7 @@ def test_cli_contract_under_torchrun(hf_models, tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            "-m", "megacp.generate", "--model", path, "--prompt-ids", str(ids), "--max-new-tokens", str(NEW_TOKENS),
            "--dtype", "float32", "--no-stop", "--output", str(out), "--quiet"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
     # --quiet: the texts only (one line per prompt), no progress or report
     assert [line[:4] for line in proc.stdout.splitlines()] == [f"[{i}] " for i in range(len(PROMPT_LENS))], proc.stdout
@@ -158,7 +159,7 @@ def test_smollm2_gguf_cp2_matches_transformers() -> None:
     prompt = list(tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
     with torch.no_grad():
         ref = smollm2_reference().generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt):].tolist()
-    got = run_distributed(_smollm2_cp, 2, str(path), prompt, 12, timeout=600)
+    got = run_distributed(_smollm2_cp, 2, str(path), prompt, 12)
     assert got[0] == got[1] == ref, (tok.decode(got[0]), tok.decode(ref))
 
 
@@ -246,7 +247,7 @@ def test_config_error_is_one_line_from_one_rank_under_torchrun(config: str, argv
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            "--log-dir", str(logs), "--redirects", "3", "-m", "megacp.generate", "--deepspeed_config", str(path),
            "--model", str(tmp_path / "never-loaded"), *argv]
-    result = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=240)
+    result = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert result.returncode != 0
     worker_err = sorted(logs.rglob("stderr.log"))
     assert len(worker_err) == 2, result.stderr[-2000:]

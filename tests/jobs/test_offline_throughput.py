@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 from tests.helpers.paths import ROOT
+from tests.helpers.timeouts import HANG_GUARD_S
 
 
 def test_offline_batch_against_the_server_and_transformers_on_cpu(tmp_path) -> None:
@@ -16,7 +17,7 @@ def test_offline_batch_against_the_server_and_transformers_on_cpu(tmp_path) -> N
     subprocess.run([sys.executable, "-m", "scripts.bench.offline_throughput", "--tiny", "--requests", "6",
                     "--min-prompt", "16", "--max-prompt", "96",
                     "--min-tokens", "8", "--max-tokens", "24", "--hf-batch", "4", "--json", str(out)],
-                   cwd=ROOT, check=True, capture_output=True, timeout=240)
+                   cwd=ROOT, check=True, capture_output=True, timeout=HANG_GUARD_S)
     report = json.loads(out.read_text())
     assert report["requests"] == 6 and 6 * 8 <= report["new_tokens"] <= 6 * 24
     assert report["same_tokens_llm_server"] == 6

@@ -17,6 +17,7 @@ from megacp import ConfigError, ParallelLayout, ParallelState
 from megacp.parallel.layout import GROUP_KINDS
 from megacp.parallel.mpu import DeepSpeedMPU
 from tests.helpers.distributed import free_port, run_distributed
+from tests.helpers.timeouts import HANG_GUARD_S
 
 # (world size, megacp config dict or a layout to build directly) -> expected layout
 MESHES = [
@@ -220,7 +221,7 @@ def _deepspeed_engine_step(rank: int, world_size: int) -> dict:
 @pytest.mark.slow
 def test_deepspeed_engine_reduces_over_cp() -> None:
     pytest.importorskip("deepspeed", reason="DeepSpeed not installed: the engine/mpu integration cannot run")
-    results = run_distributed(_deepspeed_engine_step, 2, timeout=240.0)
+    results = run_distributed(_deepspeed_engine_step, 2)
     torch.manual_seed(0)
     initial = torch.nn.Linear(3, 1, bias=False).weight.detach().flatten()
     grad_sum = torch.tensor([1.0, 2.0, 3.0]) * (1 + 2)
@@ -290,7 +291,7 @@ def test_a_frozen_rank_ends_the_collective_after_the_configured_timeout() -> Non
     procs = [subprocess.Popen([sys.executable, "-c", _FREEZE], env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
     try:
-        out, err = procs[0].communicate(timeout=90)
+        out, err = procs[0].communicate(timeout=HANG_GUARD_S)
     finally:
         procs[1].kill()
         procs[1].communicate()

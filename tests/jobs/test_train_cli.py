@@ -30,12 +30,12 @@ import torch
 from tests.helpers.distributed import free_port
 from tests.helpers.paths import ROOT
 from tests.helpers.reference import rel_err
+from tests.helpers.timeouts import HANG_GUARD_S
 from tests.helpers.train_cli import make_corpus, make_tiny_model
 
 CPU_CONFIG = ROOT / "configs" / "train_cpu_cp2.json"
 STEPS = 3
 SEQ_LEN = 40
-TIMEOUT_S = 300
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +52,7 @@ def _env() -> dict[str, str]:
 
 
 def _run(command: list[str], **kwargs) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(command, check=False, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S, **kwargs)
+    return subprocess.run(command, check=False, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=HANG_GUARD_S, **kwargs)
 
 
 def _megacp_logits(weights: dict[str, torch.Tensor], model_config, ids: torch.Tensor) -> torch.Tensor:
@@ -186,7 +186,7 @@ def test_the_ranks_stop_when_the_deepspeed_launcher_is_killed(tiny: tuple[Path, 
                             cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + HANG_GUARD_S
         while not (metrics.is_file() and metrics.read_text().count("\n") >= 2):  # training
             assert proc.poll() is None and time.monotonic() < deadline, "the job did not start training"
             time.sleep(0.2)
@@ -329,6 +329,23 @@ def test_bad_input_is_one_line(case: str, expected: str, tiny: tuple[Path, Path]
     del held
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is of a machine without a GPU")
+def test_seq_len_auto_needs_a_gpu(capsys):
+    """``--seq-len auto`` without a GPU and a length that is no number, with the default model (SmolLM2's
+    GGUF, whose header megacp reads for the plan's sizes: seconds of CPU)."""
+    from megacp.train.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--deepspeed_config", "configs/train_cpu_cp1.json", "--seq-len", "auto"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "megacp.train: error: --seq-len auto fits a step into GPU memory by the memory plan: it needs a GPU and a "
+        "model the plan has sizes for (not a mixture of experts megacp's own models do not implement)"]
+    with pytest.raises(SystemExit):
+        main(["--deepspeed_config", "configs/train_cpu_cp1.json", "--seq-len", "long"])
+    assert "--seq-len: expected a number of tokens or 'auto', got 'long'" in capsys.readouterr().err
+
+
 def test_trains_without_a_launcher(tiny: tuple[Path, Path], tmp_path: Path) -> None:
     """``python -m megacp.train`` as a plain process (no launcher environment) trains at CP 1 on
     CPU as a world of one, with DeepSpeed's ``--deepspeed`` flag, and exits 0. Run twice on the
@@ -344,7 +361,7 @@ def test_trains_without_a_launcher(tiny: tuple[Path, Path], tmp_path: Path) -> N
                                  "--corpus", str(corpus), "--steps", "2", "--seq-len", "64", "--token-cache",
                                  str(tmp_path / "tokens"), "--metrics", str(tmp_path / f"{run}.jsonl"),
                                  "--deepspeed_config", str(ROOT / "configs" / "train_cpu_cp1.json")],
-                                env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+                                env=env, capture_output=True, text=True, timeout=HANG_GUARD_S)
         assert result.returncode == 0, result.stderr[-2000:]
         assert "megacp.train: 2 steps, loss" in result.stdout
         runs.append([line for line in result.stdout.splitlines() if "the corpus" in line or "tokenised corpus" in line])

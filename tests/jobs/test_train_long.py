@@ -16,15 +16,14 @@ from scripts.bench import harness as bh
 from scripts.bench import train_long
 from scripts.bench.train_long import TINY, AlstConfig, AlstSearch, search_configs
 from tests.helpers.paths import ROOT
-
-TIMEOUT = 1800  # seconds: children build DeepSpeed engines on a shared CPU
+from tests.helpers.timeouts import HANG_GUARD_S
 
 
 def test_the_methods_ladder_on_cpu(tmp_path):
     out = tmp_path / "long.json"
     subprocess.run([sys.executable, "-m", "scripts.bench.train_long", "--tiny", "--device", "cpu", "--layers", "2",
                     "--seq-lens", "64", "--warmup", "0", "--steps", "1", "--concurrent", "--json", str(out)],
-                   cwd=ROOT, check=True, capture_output=True, timeout=TIMEOUT)
+                   cwd=ROOT, check=True, capture_output=True, timeout=HANG_GUARD_S)
     report = json.loads(out.read_text())
     rows = report["results"]
     assert sorted((r["method"], r["seq"]) for r in rows) == [("alst", 64), ("hf", 64), ("megacp", 64)]
@@ -54,7 +53,7 @@ def test_refused_megacp_section(tmp_path):
     cfg = tmp_path / "ds.json"
     cfg.write_text(json.dumps({"activation_checkpointing": {"enabled": False, "offload": "cpu"}}))
     proc = subprocess.run([sys.executable, "-m", "scripts.bench.train_long", "--tiny", "--device", "cpu",
-                           "--megacp-config", str(cfg)], cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT)
+                           "--megacp-config", str(cfg)], cwd=ROOT, capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert proc.returncode == 2 and "offload" in proc.stderr.strip().splitlines()[-1], proc.stderr
 
 
@@ -67,18 +66,18 @@ another shape are refused in one line."""
     base = [sys.executable, "-m", "scripts.bench.train_long", "--tiny", "--device", "cpu", "--layers", "2",
             "--seq-lens", "64", "--warmup", "0", "--steps", "1", "--from-checkpoint", str(ckpt)]
     subprocess.run([*base, "--methods", "megacp,hf", "--json", str(out)], cwd=ROOT, check=True, capture_output=True,
-                   timeout=TIMEOUT)
+                   timeout=HANG_GUARD_S)
     report = json.loads(out.read_text())
     assert (ckpt / "model.safetensors").is_file() and report["checkpoint_write_s"] > 0
     rows = {r["method"]: r for r in report["results"]}
     assert set(rows) == {"megacp", "hf"} and all("error" not in r for r in rows.values()), rows
     assert abs(rows["megacp"]["loss"] - math.log(TINY["vocab_size"])) < 0.5, rows
     assert math.isclose(rows["megacp"]["loss"], rows["hf"]["loss"], rel_tol=1e-5), rows
-    proc = subprocess.run([*base, "--methods", "megacp,alst"], cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT)
+    proc = subprocess.run([*base, "--methods", "megacp,alst"], cwd=ROOT, capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert proc.returncode == 2 and "--from-checkpoint" in proc.stderr.strip().splitlines()[-1], proc.stderr
     other = [*base, "--methods", "megacp"]
     other[other.index("--layers") + 1] = "3"  # the directory holds 2 layers
-    proc = subprocess.run(other, cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT)
+    proc = subprocess.run(other, cwd=ROOT, capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines()[-1].endswith("num_hidden_layers 2 (the shape's: 3)"), proc.stderr
 
@@ -90,7 +89,7 @@ def test_alst_search_keeps_the_fastest_configuration(tmp_path):
     subprocess.run([sys.executable, "-m", "scripts.bench.train_long", "--tiny", "--device", "cpu", "--layers", "2",
                     "--seq-lens", "64", "--warmup", "0", "--steps", "1", "--methods", "alst",
                     "--alst-search", "offload-all,no-offload+offload-param", "--json", str(out)],
-                   cwd=ROOT, check=True, capture_output=True, timeout=TIMEOUT)
+                   cwd=ROOT, check=True, capture_output=True, timeout=HANG_GUARD_S)
     report = json.loads(out.read_text())
     [row] = report["results"]
     assert row["method"] == "alst" and row["seq"] == 64 and "error" not in row, row

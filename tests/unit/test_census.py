@@ -136,6 +136,40 @@ def test_symlinked_companion_file_outside_is_not_copied(tmp_path: Path) -> None:
     assert list(target.iterdir()) == []
 
 
+def test_symlinked_companion_file_outside_is_not_read(tmp_path: Path) -> None:
+    from megacp.checkpoint.tokenizer_files import load_tokenizer
+
+    (tmp_path / "secret.txt").write_text("not yours")
+    source = tmp_path / "model"
+    source.mkdir()
+    (source / "tokenizer.json").symlink_to(tmp_path / "secret.txt")
+    with pytest.raises(CheckpointError) as err:
+        load_tokenizer(source)
+    assert str(err.value) == (f"{source / 'tokenizer.json'} is a symlink leading outside the checkpoint {source}; "
+                              "refusing to read it")
+
+
+@pytest.mark.parametrize("how", ["empty_latest", "truncated_shard"])
+def test_empty_latest_or_truncated_shard_is_one_line_saying_so(how: str, tmp_path: Path) -> None:
+    """Where a model loads (and the converters read): an empty ``latest`` names no tag, a shard cut
+    short is unreadable (not a file to trust)."""
+    from megacp.checkpoint.load import load_model
+
+    root = _checkpoint(tmp_path / "ck")
+    shard = root / "step1" / "mp_rank_00_model_states.pt"
+    if how == "empty_latest":
+        (root / "latest").write_text("\n")
+        message = f"{root / 'latest'} is empty: it names no checkpoint tag; pass --tag"
+    else:
+        shard.write_bytes(shard.read_bytes()[:1000])
+        message = f"cannot read {shard} (1000 bytes; truncated or corrupt?): "
+    for load in (lambda: read_deepspeed_checkpoint(root), lambda: load_model(root, dtype=torch.float32, device="cpu")):
+        with pytest.raises(CheckpointError) as err:
+            load()
+        assert "\n" not in str(err.value) and str(err.value).startswith(message), str(err.value)
+        assert how == "empty_latest" or "trust" not in str(err.value)
+
+
 def test_symlinked_companion_file_inside_is_copied(tmp_path: Path) -> None:
     source, target = tmp_path / "src", tmp_path / "dst"
     source.mkdir()
@@ -233,47 +267,6 @@ def test_generate_output_directory_refused_before_generation(tmp_path: Path) -> 
     with pytest.raises(UsageError, match=r"^--output .* is a directory$"):
         validate(parse_args(["--prompt", "hi", "--output", str(tmp_path)]))
     validate(parse_args(["--prompt", "hi", "--output", str(tmp_path / "out.json")]))
-
-
-def test_worker_ends_when_its_launcher_is_killed(tmp_path: Path) -> None:
-    """A launched worker (``exit_with_parent``, as ``megacp.initialize`` calls it) gets SIGTERM when
-    its launcher is SIGKILLed, instead of running on unsupervised."""
-    import signal
-    import subprocess
-    import sys
-    import time
-
-    from tests.helpers.paths import ROOT
-
-    ready = tmp_path / "ready"
-    worker = ("from megacp.parallel.state import exit_with_parent; exit_with_parent(); import pathlib, time; "
-              f"pathlib.Path({str(ready)!r}).touch(); time.sleep(60)")
-    launcher = (f"import subprocess, sys; p = subprocess.Popen([sys.executable, '-c', {worker!r}]); "
-                "print(p.pid, flush=True); p.wait()")
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    parent = subprocess.Popen([sys.executable, "-c", launcher], stdout=subprocess.PIPE, text=True, env=env)
-    assert parent.stdout is not None
-    child = int(parent.stdout.readline())
-    deadline = time.monotonic() + 60
-    while not ready.exists() and time.monotonic() < deadline:  # the worker has asked for the signal
-        time.sleep(0.05)
-    parent.kill()
-    parent.wait()
-
-    def alive(pid: int) -> bool:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except FileNotFoundError:
-            return False
-        return state != "Z"  # a zombie has ended (its new parent has not reaped it yet)
-
-    deadline = time.monotonic() + 10
-    while alive(child) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    ended = not alive(child)
-    if not ended:
-        os.kill(child, signal.SIGKILL)
-    assert ended, "the worker outlived its launcher"
 
 
 def test_second_job_on_a_busy_launcher_port() -> None:

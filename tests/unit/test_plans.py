@@ -65,18 +65,6 @@ def test_cudnn_backward_is_refused_under_torchs_plan_reuse(monkeypatch: pytest.M
     assert all(torch.isfinite(g).all() for g in grads)  # auto on CPU: the exact path
 
 
-def test_inference_entry_points_turn_plan_reuse_on_and_training_does_not() -> None:
-    """Only megacp.generate / megacp.serve set torch's plan reuse (no backward runs there)."""
-    import subprocess
-    import sys
-
-    code = ("import os, megacp, megacp.train.engine, megacp.attention.training; "
-            "print(os.environ.get('TORCH_CUDNN_SDPA_AVOID_RECOMPILE'))")
-    env = {k: v for k, v in __import__("os").environ.items() if k != "TORCH_CUDNN_SDPA_AVOID_RECOMPILE"}
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
-    assert res.stdout.strip() == "None"
-
-
 def test_run_on_backward_thread_runs_where_a_backward_runs() -> None:
     """The plan warm-up's hook: ``fn`` runs once, on the thread autograd runs a backward of tensors
     of that device on (the caller's on CPU; autograd's device thread on a GPU, checked in

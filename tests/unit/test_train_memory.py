@@ -108,21 +108,6 @@ def test_plan_picks_the_cheapest_settings_that_fit():
         plan_memory(LLAMA, params=PARAMS, tokens=longest + 2, options=auto, zero=zero1, capacity=cap)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is of a machine without a GPU")
-def test_seq_len_auto_needs_a_gpu(capsys):
-    from megacp.train.cli import main
-
-    with pytest.raises(SystemExit) as exit_:
-        main(["--deepspeed_config", "configs/train_cpu_cp1.json", "--seq-len", "auto"])
-    assert exit_.value.code == 2
-    assert capsys.readouterr().err.strip().splitlines() == [
-        "megacp.train: error: --seq-len auto fits a step into GPU memory by the memory plan: it needs a GPU and a "
-        "model the plan has sizes for (not a mixture of experts megacp's own models do not implement)"]
-    with pytest.raises(SystemExit):
-        main(["--deepspeed_config", "configs/train_cpu_cp1.json", "--seq-len", "long"])
-    assert "--seq-len: expected a number of tokens or 'auto', got 'long'" in capsys.readouterr().err
-
-
 def test_the_second_checkpoint_level_keeps_fewer_inputs_on_the_host():
     """32 layers of the 8B shape at 256K tokens, every input on the host: 32 inputs (8 KiB/token each,
     64 GiB) do not fit a host with 40 GiB free beyond the states; "auto" takes blocks of 2 (16 inputs,
