@@ -31,13 +31,13 @@ from megacp.attention.kernels.plans import reuse_plans_across_lengths
 from megacp.attention.strategy import STRATEGIES
 from megacp.checkpoint.dtypes import DTYPES
 from megacp.checkpoint.front import default_model_path
-from megacp.config import OneLineArgumentParser, add_launcher_args, launcher_rank, print_error_once
+from megacp.families import family_for
 from megacp.generate.llm import LLM
 from megacp.generate.outputs import TextStream, chat_ids, stop_string_check
 from megacp.generate.requests import ModelLimits, check_context, check_prompt, check_text
 from megacp.generate.sampling import SamplingParams
-from megacp.integrations.families import family_for
 from megacp.kv_cache import KV_CACHE_DTYPES
+from megacp.launch import OneLineArgumentParser, add_launcher_args, launcher_rank, print_error_once
 from megacp.parallel import initialize, peak_memory_mib
 
 PROG = "megacp.generate"
@@ -232,12 +232,12 @@ def _run(args: argparse.Namespace) -> int:
     _set_threads(quiet=args.quiet)
     reuse_plans_across_lengths()  # no attention backward runs in this process (see attention.plans)
     state = initialize(args.deepspeed_config)
-    model_path = args.model or default_model_path()
     try:  # the family refuses a model it cannot run exactly (an architecture, a feature): one line
-        cfg: ModelLimits | None = family_for(model_path).limits()  # sizes only, before anything loads
+        family = family_for(args.model or default_model_path())  # resolved once: the checks and the load
+        cfg: ModelLimits | None = family.limits()  # sizes only, before anything loads
         if cfg is not None:
             check_model_limits(cfg, params, prompt_ids)
-        llm = LLM(model_path, dtype=args.dtype, strategy=args.strategy, prefill_chunk=args.prefill_chunk,
+        llm = LLM(family, dtype=args.dtype, strategy=args.strategy, prefill_chunk=args.prefill_chunk,
                   kv_cache_dtype=args.kv_cache_dtype, calibrate=args.calibrate,
                   cuda_graphs=False if args.no_cuda_graphs else None, allow_non_finite=args.allow_non_finite,
                   state=state, verbose=not args.quiet)

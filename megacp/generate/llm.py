@@ -30,6 +30,7 @@ from megacp.attention.preconditions import agree
 from megacp.attention.strategy import STRATEGIES
 from megacp.checkpoint.dtypes import DTYPES
 from megacp.checkpoint.tokenizer_files import check_companion_files
+from megacp.families import ModelFamily, family_for
 from megacp.generate.engine import (
     EngineCore,
     Request,
@@ -45,7 +46,6 @@ from megacp.generate.outputs import GenerationOutput, chat_ids, outputs_of, stop
 from megacp.generate.requests import check_prompt, encode
 from megacp.generate.sampling import SamplingParams, SeedSource, batch_params
 from megacp.generate.session import Session
-from megacp.integrations.families import family_for
 from megacp.kv_cache import CacheCapacityError, kv_cache_format
 from megacp.layers.settings import CPSettings
 from megacp.models.config import ModelConfig
@@ -139,7 +139,8 @@ class LLM:
             object. An object, and a directory of an architecture megacp's own models do not
             implement, run transformers' modules with ``attn_implementation="megacp"``
             (:mod:`megacp.integrations.hf_generate`; the object itself is switched to it, cast to
-            ``dtype`` when given, moved to the device and put in eval mode).
+            ``dtype`` when given, moved to the device and put in eval mode); or the family a caller
+            already resolved (:func:`~megacp.families.family_for`).
         config: a DeepSpeed JSON path or dict with megacp's sections (default: every rank in one
             CP group); ignored when ``state`` is given.
         dtype: ``"float32"``, ``"bfloat16"``, ... or a torch dtype (default: see :func:`resolve_dtype`).
@@ -172,7 +173,7 @@ class LLM:
         ValueError: another argument is invalid (before the model loads).
     """
 
-    def __init__(self, model: str | Path | torch.nn.Module | None = None, config: Any = None,
+    def __init__(self, model: str | Path | torch.nn.Module | ModelFamily | None = None, config: Any = None,
                  dtype: str | torch.dtype | None = None, *, strategy: str | None = None, prefill_chunk: int = 0,
                  kv_cache_dtype: str = "auto", calibrate: bool = False, max_num_seqs: int = 256, max_sessions: int = 2,
                  max_session_tokens: int | None = None,
@@ -191,7 +192,7 @@ class LLM:
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy {strategy!r} is not one of {', '.join(STRATEGIES)}")
         self.family = family_for(model, tokenizer=tokenizer)
-        """The model's family (:mod:`megacp.integrations.families`): how it loads and what it can do."""
+        """The model's family (:mod:`megacp.families`): how it loads and what it can do."""
         self.model_path = self.family.source
         if not isinstance(model, torch.nn.Module) and Path(self.model_path).is_dir():
             check_companion_files(Path(self.model_path))  # before the weights load, not after

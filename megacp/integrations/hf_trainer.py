@@ -44,6 +44,7 @@ from megacp.config import MemoryOptions, read_memory_options
 from megacp.integrations.hf_memory import Tiling, apply_memory, check_tiled_loss, forward_inputs, head_loss
 from megacp.integrations.transformers import (
     STEP_KWARG,
+    check_mesh,
     check_model,
     prepare_batch,
     verify_attention_calls,
@@ -101,8 +102,7 @@ class CPTrainerMixin(_TrainerBase):
 
     def __init__(self, *args: Any, cp_state: Any, memory: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
         name = type(self).__name__
-        if cp_state.size("tp") > 1 or cp_state.size("pp") > 1:
-            raise ValueError(f"{name} runs a transformers model under CP and DP only: TP and PP sizes must be 1")
+        check_mesh(cp_state)
         options = read_memory_options(memory) if memory is not None else None
         if options is not None and memory is not None and "attention" not in (memory.get("sequence_tiling") or {}):
             options = dataclasses.replace(options, attention_tile=0)  # no memory plan chooses query tiles here

@@ -457,6 +457,17 @@ def read_transformers_config(path: str) -> Any:
         raise CheckpointError(f"{path}: transformers cannot read its config ({str(err).splitlines()[0]})") from None
 
 
+def check_mesh(state: Any) -> None:
+    """Refuse a mesh that would split a transformers model: its modules run whole on every rank,
+    under CP and DP only.
+
+    Raises:
+        ValueError: ``state``'s TP or PP size is above 1 (one line).
+    """
+    if state.size("tp") > 1 or state.size("pp") > 1:
+        raise ValueError("a transformers model runs under CP and DP only: tensor and pipeline parallel sizes must be 1")
+
+
 def load_pretrained(path: str, *, dtype: torch.dtype, state: Any = None, activation_checkpointing: bool = False,
                     training: bool = True) -> nn.Module:
     """``AutoModelForCausalLM.from_pretrained(path, attn_implementation="megacp")`` on the state's
@@ -464,16 +475,14 @@ def load_pretrained(path: str, *, dtype: torch.dtype, state: Any = None, activat
 
     Args:
         path: a Hugging Face model directory; dtype: of the parameters.
-        state: the :class:`megacp.ParallelState` (its device; TP must be 1: the transformers modules
-            are not split); ``None``: CPU, CP = 1.
+        state: the :class:`megacp.ParallelState` (its device; the transformers family has checked
+            that it splits nothing over TP or PP ranks: :func:`check_mesh`); ``None``: CPU, CP = 1.
         activation_checkpointing: transformers' non-reentrant gradient checkpointing of every
             decoder layer (the recompute runs the CP ring again).
         training: whether the model will be trained (attention dropout is refused then).
     """
     from transformers import AutoModelForCausalLM
 
-    if state is not None and (state.size("tp") > 1 or state.size("pp") > 1):
-        raise ValueError("a transformers model runs under CP and DP only: tensor and pipeline parallel sizes must be 1")
     model: Any = AutoModelForCausalLM.from_pretrained(path, attn_implementation=NAME, dtype=dtype)
     check_model(model, training=training)
     model = model.to(state.device if state is not None else "cpu")

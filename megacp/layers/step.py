@@ -197,7 +197,7 @@ class CPStep(ABC):
                 return ("the CP layer computes gradients only without a KV cache (training); run cached prefill and "
                         "decode under torch.no_grad() or torch.inference_mode()")
             return (f"a {type(self).__name__} runs without autograd; train through a TrainStep "
-                    "(megacp.train.loss.lm_loss), or run inference under torch.no_grad() / torch.inference_mode()")
+                    "(megacp.models.loss.lm_loss), or run inference under torch.no_grad() / torch.inference_mode()")
         if self.replicated and q.shape[0] != self.plan.num_requests:
             return (f"a decode step of {self.plan.num_requests} requests needs one query token each on every CP rank; "
                     f"got {q.shape[0]}")

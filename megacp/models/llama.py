@@ -33,7 +33,7 @@ backward all-reduce of the input gradient) and :func:`reduce_from_tp` after each
 replicated weights and of the residual stream.
 
 Training: :meth:`CausalLM.hidden_states` returns the final-norm hidden states (the LM head is
-applied by the loss, chunk by chunk: :mod:`megacp.train.loss`); with
+applied by the loss, chunk by chunk: :mod:`megacp.models.loss`); with
 ``activation_checkpointing=True`` each decoder layer's activations are recomputed in backward.
 """
 
@@ -311,7 +311,7 @@ class CausalLM(nn.Module):
         """Random init: norm weights 1, biases 0, matrices N(0, std²) (a no-op on ``meta``).
 
         Layers passed in by the caller (TE) keep their own initialisation. A model built inside
-        ``deepspeed.zero.Init`` (:func:`megacp.train.engine.build_for_training`) has its parameters
+        ``deepspeed.zero.Init`` (:func:`megacp.train.setup.build_for_training`) has its parameters
         partitioned by the time this runs: each rank initialises its partition (``ds_tensor``) in
         place, on the device DeepSpeed keeps it on, and no full copy is made.
         """

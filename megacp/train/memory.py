@@ -42,9 +42,9 @@ from typing import Any
 
 import torch
 
-from megacp.config import ConfigError, DeepSpeedSections, MemoryOptions
+from megacp.config import ConfigError, DeepSpeedSections, MemoryOptions, load_config
 from megacp.models.config import ModelConfig
-from megacp.train.loss import DEFAULT_CHUNK_TOKENS
+from megacp.models.lm_head import DEFAULT_CHUNK_TOKENS
 
 AUTO_MLP_TILE = 8192
 """Tokens per MLP tile when ``sequence_tiling.mlp`` is ``"auto"`` and the plan tiles."""
@@ -96,8 +96,8 @@ class ZeroSettings:
 
     @classmethod
     def from_config(cls, raw: Mapping[str, Any], *, partition: int, dtype: torch.dtype) -> ZeroSettings:
-        """:meth:`of` the sections of the DeepSpeed config ``raw``."""
-        return cls.of(DeepSpeedSections.read(raw), partition=partition, dtype=dtype)
+        """:meth:`of` the sections of the DeepSpeed config ``raw`` (as :func:`~megacp.config.load_config` reads them)."""
+        return cls.of(load_config(raw).deepspeed_sections, partition=partition, dtype=dtype)
 
 
 def state_bytes(params: int, largest_module: int, zero: ZeroSettings) -> tuple[int, int]:

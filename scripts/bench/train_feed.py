@@ -226,12 +226,13 @@ def run_memory(ctx: bh.Ctx, args: argparse.Namespace, work: Path, config_path: P
     from megacp.layers.settings import CPSettings
     from megacp.train.cli import silence_harmless_warnings
     from megacp.train.collector import GarbageCollection
-    from megacp.train.engine import Trainer, read_settings
+    from megacp.train.engine import Trainer
     from megacp.train.token_cache import build_token_cache
 
     silence_harmless_warnings()
-    config = load_config(config_path)
-    settings = read_settings(config.deepspeed)
+    config = load_config(config_path, training=True)
+    settings = config.training
+    assert settings is not None  # built with training=True
     cp = CPSettings.from_state(ctx.state, prefill="pass_kv")
     loaded = load_on_mesh(str(work / "model"), ctx.state, dtype=settings.dtype, settings=cp)
     model = loaded.model.train()
@@ -246,7 +247,7 @@ def run_memory(ctx: bh.Ctx, args: argparse.Namespace, work: Path, config_path: P
     sequences = [PackedSequence(b.input_ids.to(ctx.device), b.cu_seqlens.to(ctx.device))
                  for b in islice(batches, args.steps * accumulation)]
     groups = [sequences[i: i + accumulation] for i in range(0, len(sequences), accumulation)]
-    trainer = Trainer(model, config.deepspeed, ctx.state, settings, cp=cp)
+    trainer = Trainer(model, config, ctx.state, cp=cp)
     seen: set[int] = set()
     few, warm = groups[: args.diagnose_steps], 1  # the trainer is warm after the main run
     heaviest = max(groups[args.warmup:], key=lambda g: attention_work(g, args.seq_len))

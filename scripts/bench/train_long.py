@@ -17,7 +17,7 @@ gradient clipping 1.0. Both DeepSpeed configs share :func:`ds_config`: ZeRO ``--
 (which need DeepSpeed's CPU Adam in place of torch's AdamW, for both methods; the parent builds that
 extension before any child runs, :func:`build_cpu_adam`, so no build time includes its compile).
 
-* ``megacp``: ``build_model`` + ``swap_attention`` + ``read_settings`` + ``Trainer`` (as in
+* ``megacp``: ``build_model`` + ``swap_attention`` + ``load_config(..., training=True)`` + ``Trainer`` (as in
   ``scripts/bench/train_step.py``); the memory sections come from ``--megacp-config``, a preset of
   :data:`MEGACP_PRESETS` or a JSON file whose top-level sections replace the base config's. The
   memory plan runs from the config before the model is built (``plan_from_config``; a refusal ends
@@ -232,20 +232,27 @@ def megacp_step(args: argparse.Namespace, cfg: Any, state: Any, seq: int) -> tup
         MemoryPlanError: the Trainer's plan refuses the step.
     """
     import megacp
+    from megacp.config import load_config
+    from megacp.families import PlanShape
+    from megacp.families.base import all_layers_dense
     from megacp.models import build_model
     from megacp.train.data import PackedSequence
-    from megacp.train.engine import Trainer, build_for_training, plan_from_config, read_settings
+    from megacp.train.engine import Trainer
+    from megacp.train.setup import build_for_training, plan_from_config
 
-    config = megacp_config(args, state.device.type == "cuda")
-    settings = read_settings(config)
-    plan_from_config(cfg, settings, state, seq_len=seq, micro_batch=1, backend="torch")  # refused before the build
+    config = load_config(megacp_config(args, state.device.type == "cuda"), training=True)
+    settings = config.training
+    assert settings is not None  # built with training=True
+    dense = all_layers_dense(cfg)  # megacp's torch layers: dense ones tile their MLP and their attention
+    shape = PlanShape(cfg, dense_mlp=dense, tiled_attention=dense)
+    plan_from_config(shape, settings, state, seq_len=seq, micro_batch=1)  # refused before the build
     if args.from_checkpoint:  # as megacp.train --model DIR loads it (ZeRO 3: the Trainer partitions it)
         model = loaded_for_training(args.from_checkpoint, state, settings.dtype, transformers=False)
     else:
         model = build_for_training(lambda device: build_model(cfg, dtype=settings.dtype, device=device, backend="torch"),
-                                   config, state, settings)  # ZeRO 3: built partitioned, initialised on the GPU
+                                   config, state)  # ZeRO 3: built partitioned, initialised on the GPU
         megacp.swap_attention(model, state, strategy="pass_kv")
-    trainer = Trainer(model.train(), config, state, settings)
+    trainer = Trainer(model.train(), config, state)
     plan = trainer.prepare(seq)  # the plan and the attention kernels' plans, before the timed steps
     ids = torch.randint(0, cfg.vocab_size, (seq,), device=state.device)
     batch = PackedSequence(ids, torch.tensor([0, seq], dtype=torch.int32))
@@ -260,12 +267,12 @@ def loaded_for_training(directory: str, state: Any, dtype: torch.dtype, *, trans
     """The model of the Hugging Face ``directory`` loaded by its family's ``load_for_training``, the
     loader of ``megacp.train --model DIR`` (``transformers``: as ``--hf-native``, transformers'
     modules with ``attn_implementation="megacp"``; else megacp's own model, CP-swapped, pass-KV)."""
-    from megacp.integrations.families import family_for
+    from megacp.families import family_for
     from megacp.layers.settings import CPSettings
 
     family = family_for(directory, transformers=transformers)
     return family.load_for_training(state, dtype=dtype, settings=CPSettings.from_state(state, prefill="pass_kv"),
-                                    backend="auto" if transformers else "torch").model.train()
+                                    backend="auto" if transformers else "torch").module.train()
 
 
 def checkpoint_mismatch(args: argparse.Namespace) -> str | None:
@@ -322,17 +329,22 @@ def hf_step(args: argparse.Namespace, cfg: Any, state: Any, seq: int) -> tuple[S
     """
     from transformers import LlamaForCausalLM
 
+    from megacp.config import load_config
+    from megacp.families import PlanShape
     from megacp.integrations.hf_memory import plan_config, training_loss
     from megacp.train.data import PackedSequence
-    from megacp.train.engine import Trainer, build_for_training, plan_from_config, read_settings
+    from megacp.train.engine import Trainer
+    from megacp.train.setup import build_for_training, plan_from_config
     from scripts.bench.train_step import hf_config
 
-    config = megacp_config(args, state.device.type == "cuda")
-    settings = read_settings(config)
+    config = load_config(megacp_config(args, state.device.type == "cuda"), training=True)
+    settings = config.training
+    assert settings is not None  # built with training=True
     hf = hf_config(cfg, "megacp")
     plan_cfg = plan_config(hf)
     assert plan_cfg is not None  # a Llama
-    plan_from_config(plan_cfg, settings, state, seq_len=seq, micro_batch=1, norm_apart=True)  # refused before the build
+    shape = PlanShape(plan_cfg, dense_mlp=True, norm_apart=True, tiled_attention=True)  # transformers' Llama layers
+    plan_from_config(shape, settings, state, seq_len=seq, micro_batch=1)  # refused before the build
 
     def build(device: torch.device) -> torch.nn.Module:
         with torch.device(device):
@@ -342,9 +354,9 @@ def hf_step(args: argparse.Namespace, cfg: Any, state: Any, seq: int) -> tuple[S
     if args.from_checkpoint:  # as megacp.train --hf-native --model DIR loads it
         model = loaded_for_training(args.from_checkpoint, state, settings.dtype, transformers=True)
     else:
-        model = build_for_training(build, config, state, settings)  # ZeRO 3: built partitioned on the GPU
+        model = build_for_training(build, config, state)  # ZeRO 3: built partitioned on the GPU
     loss = training_loss(model)
-    trainer = Trainer(model.train(), config, state, settings, loss=loss)
+    trainer = Trainer(model.train(), config, state, loss=loss)
     plan = trainer.prepare(seq)  # the plan and the attention kernels' plans, before the timed steps
     ids = torch.randint(0, cfg.vocab_size, (seq,), device=state.device)
     batch = PackedSequence(ids, torch.tensor([0, seq], dtype=torch.int32))
@@ -364,8 +376,8 @@ def alst_step(args: argparse.Namespace, cfg: Any, state: Any, seq: int) -> tuple
     from transformers import LlamaForCausalLM
     from transformers.models.llama import modeling_llama
 
-    from megacp.train.engine import deepspeed_for
-    from megacp.train.loss import DEFAULT_CHUNK_TOKENS
+    from megacp.models.lm_head import DEFAULT_CHUNK_TOKENS
+    from megacp.train.setup import deepspeed_for
     from scripts.bench.train_step import hf_config
 
     deepspeed = deepspeed_for(state)  # as megacp's Trainer: no shared-memory op build on CPU
@@ -598,10 +610,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if args.from_checkpoint and (problem := checkpoint_mismatch(args)):
         p.error(f"--from-checkpoint {args.from_checkpoint}: {problem}")
     if {"megacp", "hf"} & set(args.methods):
-        from megacp.train.engine import read_settings
+        from megacp.config import load_config
 
         try:  # a config megacp refuses: one line before any child runs
-            read_settings(megacp_config(args, args.device == "cuda"))
+            load_config(megacp_config(args, args.device == "cuda"), training=True)
         except ValueError as err:
             p.error(str(err))
     return args

@@ -23,8 +23,8 @@ def _grads(rank: int, world_size: int, window: int | None) -> tuple[float, float
     import megacp
     from megacp.layers.settings import CPSettings
     from megacp.models import CausalLM
+    from megacp.models.loss import lm_loss
     from megacp.placement.batch import shard_batch
-    from megacp.train.loss import lm_loss
 
     state = megacp.initialize({"context_parallel": {"size": world_size}})
     torch.manual_seed(0)
@@ -75,7 +75,7 @@ def _train(rank: int, world_size: int) -> dict:
     import megacp
     from megacp.models import CausalLM
     from megacp.train.data import PackedSequence
-    from megacp.train.engine import Trainer, read_settings
+    from megacp.train.engine import Trainer
     from tests.helpers.hf_archs import SMALL, make_model
 
     g = torch.Generator().manual_seed(5)
@@ -100,7 +100,7 @@ def _train(rank: int, world_size: int) -> dict:
                     model = make_model("qwen3")
                     model.set_attn_implementation("megacp")
                     model.train()
-                trainer = Trainer(model, config, state, read_settings(config))
+                trainer = Trainer(model, config, state)
                 losses = [trainer.step(iter([b])).loss for b in batches]
                 params = list(trainer.module.parameters())
                 with deepspeed.zero.GatheredParameters(params):

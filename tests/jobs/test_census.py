@@ -216,9 +216,9 @@ def _train_save_and_kill_resaves(rank: int, world_size: int, root: str) -> dict[
     import megacp
     from megacp.checkpoint.deepspeed import read_deepspeed_checkpoint
     from megacp.models import CausalLM
-    from megacp.train import engine
+    from megacp.train import saving
     from megacp.train.data import PackedSequence, StreamPosition
-    from megacp.train.engine import Trainer, read_settings
+    from megacp.train.engine import Trainer
     from megacp.train.resume import ResumePoint
 
     config = {"train_micro_batch_size_per_gpu": 1, "steps_per_print": 10**6, "zero_optimization": {"stage": 1},
@@ -228,21 +228,21 @@ def _train_save_and_kill_resaves(rank: int, world_size: int, root: str) -> dict[
     torch.manual_seed(0)
     model = CausalLM(CFG, dtype=torch.float32).train()
     megacp.swap_attention(model, state, strategy="pass_kv")
-    trainer = Trainer(model, config, state, read_settings(config))
+    trainer = Trainer(model, config, state)
     ids = torch.randint(0, CFG.vocab_size, (16,), generator=torch.Generator().manual_seed(1))
     batch = PackedSequence(ids, torch.tensor([0, 16], dtype=torch.int32))
     run = Path(root) / "run"
     trainer.step(iter([batch]))
     point = ResumePoint(step=1, data=StreamPosition(), seq_len=16, micro_batch=1, dp_size=1, world_size=world_size)
-    trainer.save(run, model_config=CFG, tokenizer=None, resume=point)
+    trainer.save(run, resume=point)
     trainer.step(iter([batch]))
-    trainer.save(Path(root) / "other", model_config=CFG, tokenizer=None)
+    trainer.save(Path(root) / "other")
     if rank == 0:
         shutil.copytree(run, Path(root) / "pristine")
     trainer.steps_done = 1  # the run repeated into its own directory: step1 again, with the new weights
 
     renames = [0, 0]  # [calls so far, the call to stop before]
-    real_replace, real_exchange = os.replace, engine.exchange_directories
+    real_replace, real_exchange = os.replace, saving.exchange_directories
 
     def counted(fn: Callable[..., Any]) -> Callable[..., Any]:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -255,15 +255,15 @@ def _train_save_and_kill_resaves(rank: int, world_size: int, root: str) -> dict[
     read: list[str] = []
     for stop in range(1, 10):
         renames[:] = [0, stop if rank == 0 else 0]
-        os.replace, engine.exchange_directories = counted(real_replace), counted(real_exchange)  # type: ignore[assignment]
+        os.replace, saving.exchange_directories = counted(real_replace), counted(real_exchange)  # type: ignore[assignment]
         try:
-            trainer.save(run, model_config=CFG, tokenizer=None)
+            trainer.save(run)
             done = True
         except _Killed:
             dist.barrier()  # the one the stopped rank 0 owed its peer at the end of the save
             done = False
         finally:
-            os.replace, engine.exchange_directories = real_replace, real_exchange  # type: ignore[assignment]
+            os.replace, saving.exchange_directories = real_replace, real_exchange  # type: ignore[assignment]
         done_everywhere = torch.tensor([done], dtype=torch.int64)
         dist.all_reduce(done_everywhere, op=dist.ReduceOp.MIN)
         if rank == 0:

@@ -28,8 +28,8 @@ def run(args: argparse.Namespace) -> dict:
     from megacp.integrations import hf_memory
     from megacp.layers.settings import CPSettings
     from megacp.models import CausalLM
+    from megacp.models.loss import lm_loss
     from megacp.placement.batch import shard_batch
-    from megacp.train.loss import lm_loss
     from scripts.bench.train_step import hf_model, model_config
 
     device = torch.device("cuda")

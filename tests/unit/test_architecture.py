@@ -5,8 +5,10 @@ layers below it, never above (README, "Architecture"). A layer is a package of `
 sub-package or module inside one (a module belongs to the longest name below that holds it):
 
     megacp, generate, train  the package root (public re-exports), the entry points
-    integrations, serve      (``python -m megacp.generate`` / ``train`` / ``serve``) and the
-                             transformers attention interface
+    serve, launch            (``python -m megacp.generate`` / ``train`` / ``serve``) and what they
+                             need of their launcher
+    families                 the model-family seam: what a model is, how it loads, trains and saves
+    integrations             the transformers attention interface, memory features, CPTrainer
     checkpoint               formats, conversion, loading weights into a built model
     models                   the model, its config and parameter schema
     layers                   CP attention modules, CPSettings, the step kinds, swap_attention
@@ -33,7 +35,9 @@ from tests.helpers.paths import ROOT
 PACKAGE = ROOT / "megacp"
 
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("megacp", "generate", "train", "integrations", "serve"),
+    ("megacp", "generate", "train", "serve", "launch"),
+    ("families",),
+    ("integrations",),
     ("checkpoint",),
     ("models",),
     ("layers",),

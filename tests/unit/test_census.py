@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megacp.checkpoint.deepspeed import read_deepspeed_checkpoint, write_train_state
+from megacp.checkpoint.deepspeed import MegacpRecord, read_deepspeed_checkpoint, write_train_state
 from megacp.checkpoint.errors import CheckpointError
 from megacp.checkpoint.tokenizer_files import write_tokenizer
 from megacp.models.schema import parameter_shapes
@@ -31,7 +31,7 @@ def _checkpoint(root: Path, tag: str = "step1", module: object = None) -> Path:
     """A ``megacp.train`` style checkpoint without ZeRO shards: sidecar, ``latest``, module states."""
     config = tiny_config(tied=False)
     root.mkdir(parents=True, exist_ok=True)
-    write_train_state(root, model_config=config, dtype=torch.float32, tp_size=1, zero_stage=0, tag=tag,
+    write_train_state(root, model=MegacpRecord.of(config).entry(), dtype=torch.float32, tp_size=1, zero_stage=0, tag=tag,
                       tokenizer=None)
     (root / tag).mkdir()
     if module is None:
