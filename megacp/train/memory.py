@@ -35,7 +35,6 @@ settings or sequence length that would fit.
 from __future__ import annotations
 
 import mmap
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -43,6 +42,7 @@ from typing import Any
 import torch
 
 from megacp.config import ConfigError, DeepSpeedSections, MemoryOptions, load_config
+from megacp.kv_cache.storage import available_bytes
 from megacp.models.config import ModelConfig
 from megacp.models.lm_head import DEFAULT_CHUNK_TOKENS
 
@@ -253,14 +253,7 @@ def gpu_capacity(device: torch.device) -> int | None:
 
 def host_available() -> int:
     """Bytes of host memory available now (``MemAvailable``; total memory where unreadable)."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return available_bytes("cpu")
 
 
 def plan_memory(cfg: ModelConfig, *, params: int, tokens: int, options: MemoryOptions, zero: ZeroSettings,
@@ -338,23 +331,9 @@ def _plan(cfg: ModelConfig, *, params: int, tokens: int, options: MemoryOptions,
         backward = kept * layer_input + inner + work + tile_work + prefetch
         return gpu_states + max(kept * layer_input + loss, backward), host_states + offloaded * pinned_input
 
-    tiles = [options.mlp_tile] if options.mlp_tile != "auto" else [0, AUTO_MLP_TILE]
-    tiles = [t for t in tiles if t == 0 or t < tokens] or [0]
-    if not dense_mlp and any(tiles):
-        if options.mlp_tile != "auto":
-            raise ConfigError("sequence_tiling.mlp: tiles dense MLPs only (this model has MoE or "
-                              "Transformer Engine layers); set it to 0 or \"auto\"")
-        tiles = [0]
+    tiles, rows_options = _tile_choices(options, tokens, dense_mlp=dense_mlp, tiled_attention=tiled_attention)
     pers = [options.layers_per_checkpoint] if options.layers_per_checkpoint != "auto" else [1, 2, 4, 8]
     pers = [p for p in pers if p == 1 or p <= layers] or [1]
-    rows_options = [options.attention_tile] if options.attention_tile != "auto" else [0, AUTO_ATTENTION_TILE]
-    rows_options = [r for r in rows_options if r == 0 or r < tokens] or [0]
-    if not tiled_attention and any(rows_options):
-        if options.attention_tile != "auto":
-            raise ConfigError("sequence_tiling.attention: tiles dense decoder layers of megacp's models and "
-                              "transformers layers of Llama's pre-norm formula only (this model has others); set it "
-                              'to 0 or "auto"')
-        rows_options = [0]
 
     def offloads(per: int) -> list[int]:
         blocks = -(-layers // per)
@@ -383,6 +362,32 @@ def _plan(cfg: ModelConfig, *, params: int, tokens: int, options: MemoryOptions,
     raise MemoryPlanError(f"a training step will not fit in host memory: {plan.describe()} "
                           f"(available {host / 2**30:.1f} GiB, {HOST_RESERVE_BYTES / 2**30:.0f} GiB of it kept for "
                           f"the process){hint}" if host is not None else plan.describe())
+
+
+def _tile_choices(options: MemoryOptions, tokens: int, *, dense_mlp: bool,
+                  tiled_attention: bool) -> tuple[list[int], list[int]]:
+    """The MLP tiles and the attention's query-tile rows the plan tries for a step of ``tokens`` local
+    tokens (0: untiled; ``"auto"``: untiled, then the default tile), cheapest first.
+
+    Raises:
+        ConfigError: a tile set for a model whose layers cannot take it.
+    """
+    tiles = [options.mlp_tile] if options.mlp_tile != "auto" else [0, AUTO_MLP_TILE]
+    tiles = [t for t in tiles if t == 0 or t < tokens] or [0]
+    if not dense_mlp and any(tiles):
+        if options.mlp_tile != "auto":
+            raise ConfigError("sequence_tiling.mlp: tiles dense MLPs only (this model has MoE or "
+                              "Transformer Engine layers); set it to 0 or \"auto\"")
+        tiles = [0]
+    rows = [options.attention_tile] if options.attention_tile != "auto" else [0, AUTO_ATTENTION_TILE]
+    rows = [r for r in rows if r == 0 or r < tokens] or [0]
+    if not tiled_attention and any(rows):
+        if options.attention_tile != "auto":
+            raise ConfigError("sequence_tiling.attention: tiles dense decoder layers of megacp's models and "
+                              "transformers layers of Llama's pre-norm formula only (this model has others); set it "
+                              'to 0 or "auto"')
+        rows = [0]
+    return tiles, rows
 
 
 def _suggestion(cfg: ModelConfig, options: MemoryOptions, zero: ZeroSettings, tokens: int, excess: int) -> str:
