@@ -13,18 +13,16 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 TORCH=torch==2.13.0
+# Whether a CPU torch 2.13.0 is installed, read from torch/version.py (importing torch takes seconds).
+CPU_TORCH='import importlib.util, pathlib, runpy, sys
+spec = importlib.util.find_spec("torch")
+v = runpy.run_path(str(pathlib.Path(spec.origin).parent / "version.py")) if spec and spec.origin else {}
+sys.exit(not (v.get("__version__", "").startswith("2.13.0") and v.get("cuda") is None))'
 if ! command -v nvidia-smi >/dev/null 2>&1; then
-  if ! $PY -c 'import sys, torch; sys.exit(not (torch.__version__.startswith("2.13.0") and torch.version.cuda is None))' \
-      2>/dev/null; then
-    REPORT=$(mktemp)
-    trap 'rm -f "$REPORT"' EXIT
-    if $PY -m pip install -q --dry-run --ignore-installed --no-deps --report "$REPORT" "$TORCH" 2>/dev/null &&
-        $PY -c 'import json, sys; sys.exit(not json.load(open(sys.argv[1]))["install"][0]["metadata"]["version"].endswith("+cpu"))' \
-          "$REPORT"; then
-      $PY -m pip install -q "$TORCH"
-    else
+  if ! $PY -c "$CPU_TORCH" 2>/dev/null; then
+    # One resolution: "+cpu" matches only a CPU build, so pip's configured index either has one or fails at once.
+    $PY -m pip install -q "$TORCH+cpu" 2>/dev/null ||
       $PY -m pip install -q "$TORCH" --index-url https://download.pytorch.org/whl/cpu
-    fi
   fi
 fi
 PINS=(-c requirements/constraints.txt)
