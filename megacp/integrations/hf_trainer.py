@@ -106,6 +106,11 @@ class CPTrainerMixin(_TrainerBase):
         options = read_memory_options(memory) if memory is not None else None
         if options is not None and memory is not None and "attention" not in (memory.get("sequence_tiling") or {}):
             options = dataclasses.replace(options, attention_tile=0)  # no memory plan chooses query tiles here
+        if (options is not None and isinstance(options.attention_tile, int) and options.attention_tile > 0
+                and dist.is_initialized() and dist.get_world_size() > 1):
+            raise ValueError(f"{name} memory=: sequence_tiling.attention trains the layers over query tiles, whose "
+                             "per-tile gradients DDP cannot take (it marks a parameter ready once a step); train "
+                             "such layers with megacp.train (DeepSpeed), or leave sequence_tiling.attention unset")
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
         if options is not None and options.activation_checkpointing and training_args is not None:
             # a layer recomputed in the backward marks its parameters ready there: DDP must not mark
