@@ -174,22 +174,34 @@ class HostStash:
         entry.fetched = None
 
 
+def keep_input(ctx: Any, x: Tensor, stash: HostStash | None) -> None:
+    """Keep a checkpoint's input ``x`` for its backward in an autograd function's ``ctx``: on the
+    device, or in ``stash``'s host memory (:func:`kept_input` gets it back)."""
+    ctx.stash = stash
+    if stash is None:
+        ctx.save_for_backward(x)
+    else:
+        ctx.index = stash.put(x)
+
+
+def kept_input(ctx: Any) -> Tensor:
+    """The input :func:`keep_input` kept (fetched back from the host stash, if there)."""
+    return ctx.saved_tensors[0] if ctx.stash is None else ctx.stash.fetch(ctx.index)
+
+
 class _Checkpoint(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, anchor: Tensor | None, run: Callable[[Tensor], Tensor],
                 stash: HostStash | None) -> Tensor:
         with torch.no_grad():
             y = run(x)
-        ctx.run, ctx.stash = run, stash
-        if stash is None:
-            ctx.save_for_backward(x)
-        else:
-            ctx.index = stash.put(x)
+        ctx.run = run
+        keep_input(ctx, x, stash)
         return y
 
     @staticmethod
     def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, None, None, None]:
-        x = ctx.saved_tensors[0] if ctx.stash is None else ctx.stash.fetch(ctx.index)
+        x = kept_input(ctx)
         with torch.enable_grad():
             xd = x.detach().requires_grad_(ctx.needs_input_grad[0])
             y = ctx.run(xd)

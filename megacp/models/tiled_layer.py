@@ -38,7 +38,7 @@ from torch import Tensor
 from megacp.attention.training import KVGradients
 from megacp.layers.step import TrainStep
 from megacp.layers.tile_step import LayerTiles, Phase, TileStep, autograd_leaves
-from megacp.models.checkpointing import HostStash
+from megacp.models.checkpointing import HostStash, keep_input, kept_input
 
 Sublayer = Callable[[Tensor, TileStep, slice], Tensor]
 """``(x rows, step, rows) -> attention output rows`` (without the residual): the family's attention
@@ -156,17 +156,13 @@ class _TiledLayer(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, anchor: Tensor | None, layer: TiledLayer, stash: HostStash | None) -> Tensor:
         y = layer.forward(x)
-        ctx.layer, ctx.stash = layer, stash
-        if stash is None:
-            ctx.save_for_backward(x)
-        else:
-            ctx.index = stash.put(x)
+        ctx.layer = layer
+        keep_input(ctx, x, stash)
         return y
 
     @staticmethod
     def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, None, None, None]:
-        x = ctx.saved_tensors[0] if ctx.stash is None else ctx.stash.fetch(ctx.index)
-        return ctx.layer.backward(x, dy, ctx.needs_input_grad[0]), None, None, None
+        return ctx.layer.backward(kept_input(ctx), dy, ctx.needs_input_grad[0]), None, None, None
 
 
 def tiled_layer(layer: TiledLayer, x: Tensor, stash: HostStash | None = None) -> Tensor:

@@ -16,6 +16,7 @@ from megacp.config import MemoryOptions
 from megacp.families import Trainable
 from megacp.placement.batch import IGNORE_INDEX, TrainShard
 from tests.helpers.distributed import run_distributed
+from tests.helpers.timeouts import HANG_GUARD_S
 
 VOCAB, HIDDEN, CONTEXT, STEPS, LR = 48, 16, 64, 4, 1e-2
 CONFIG = {"train_micro_batch_size_per_gpu": 1, "steps_per_print": 10**6, "zero_optimization": {"stage": 1},
@@ -135,7 +136,7 @@ def _train_save_resume(rank: int, world_size: int, directory: str) -> dict[str, 
 def test_a_toy_family_trains_saves_and_resumes_at_cp2(tmp_path) -> None:
     ref_losses, ref_weights = _plain_torch()
     assert ref_losses[-1] < ref_losses[0]  # it learns
-    for out in run_distributed(_train_save_resume, 2, str(tmp_path / "toy"), timeout=300.0):
+    for out in run_distributed(_train_save_resume, 2, str(tmp_path / "toy"), timeout=HANG_GUARD_S):
         assert out["losses"] == pytest.approx(ref_losses, rel=1e-5)
         for name, want in ref_weights.items():
             assert torch.allclose(out["trained"][name], want, rtol=1e-5, atol=1e-6), name

@@ -410,13 +410,14 @@ def test_a_text_longer_than_the_context_is_refused_before_it_is_tokenised(server
     text = "a" * (30 << 20)
     for path, body in (("/v1/completions", {"model": "tiny", "prompt": text}),
                        ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": text}]})):
-        r = httpx.post(url + path, json=body, headers=headers, timeout=300)
+        r = httpx.post(url + path, json=body, headers=headers, timeout=HANG_GUARD_S)
         assert r.status_code == 400, r.text
         err = r.json()["error"]
         assert err["code"] == "context_length_exceeded" and f"of {30 << 20} characters is at least" in err["message"]
     assert _rss_kib(pid) - before < 256 << 10
     ok = {"model": "tiny", "prompt": "hello", "max_tokens": 2}
-    assert httpx.post(url + "/v1/completions", json=ok, headers=headers, timeout=30).json()["usage"]["completion_tokens"] >= 1
+    assert httpx.post(url + "/v1/completions", json=ok, headers=headers,
+                      timeout=HANG_GUARD_S).json()["usage"]["completion_tokens"] >= 1
 
 
 def test_errors_name_no_source_paths_or_peer_addresses() -> None:
