@@ -22,10 +22,11 @@ setup(
         "deepspeed": ["deepspeed>=0.14"],
         "serve": ["fastapi", "uvicorn"],
         "te": ["transformer-engine[pytorch]"],
-        # cuDNN's own sliding-window attention (megacp.attention.cudnn_band; CUDA only)
+        # cuDNN's own sliding-window attention (megacp.attention.kernels.cudnn_band; CUDA only)
         "cudnn": ["nvidia-cudnn-frontend>=1.32"],
-        # transformers 5: the tokenizers megacp exports name its TokenizersBackend class (4.57 cannot load them)
-        "hf": ["transformers>=5.0", "safetensors", "gguf>=0.10", "accelerate", "sentencepiece"],
+        # transformers 5: the tokenizers megacp exports name its TokenizersBackend class (4.57 cannot load them);
+        # peft: LoRA adapters (megacp.integrations.lora; its dependencies are transformers' and accelerate's)
+        "hf": ["transformers>=5.0", "safetensors", "gguf>=0.10", "accelerate", "sentencepiece", "peft>=0.22"],
         # triton: the fused merges run in Triton's CPU interpreter in the tests (GPUs compile them)
         "dev": ["pytest", "pytest-timeout", "pytest-xdist", "hypothesis", "ruff", "mypy", "transformers>=5.0", "gguf>=0.10", "accelerate", "sentencepiece",
                 "triton; platform_system == 'Linux'",

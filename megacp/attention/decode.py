@@ -16,9 +16,9 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from megacp.attention import fp8_decode_kernel
-from megacp.attention.merge import merge_stack, pack_states, unpack_states
-from megacp.attention.partial import cache_decode_states, empty_state, partial_attention, softmax_scale
+from megacp.attention.kernels import fp8_decode_kernel
+from megacp.attention.kernels.merge import merge_stack, pack_states, unpack_states
+from megacp.attention.kernels.partial import cache_decode_states, empty_state, partial_attention, softmax_scale
 from megacp.parallel.ring import Ring
 
 
@@ -66,7 +66,7 @@ def allgather_decode(
         q: ``[B, Hq, D]`` (identical on every CP rank); kv: see :func:`local_decode_states`.
         ring: the CP ring (``None`` or size 1: local attention only).
         fused_merge: merge with the one-kernel Triton merge (``None`` = where it applies; see
-            :func:`~megacp.attention.merge.merge_stack`).
+            :func:`~megacp.attention.kernels.merge.merge_stack`).
 
     Returns:
         ``[B, Hq, D]`` in ``q.dtype``, identical on every rank.
@@ -104,11 +104,11 @@ def static_decode(
     Args:
         q: ``[B, Hq, D]`` (identical on every CP rank); k, v: this rank's packed cache rows
             ``[R * capacity, Hkv, D]``; starts, used, capacity: each request's first row and the
-            rows it attends over on this rank (:func:`~megacp.attention.partial.cache_decode_states`).
+            rows it attends over on this rank (:func:`~megacp.attention.kernels.partial.cache_decode_states`).
         ring: the CP ring (``None`` or size 1: local attention only).
         fp8_scales: with ``k``/``v`` as an FP8 cache stores them (``float8_e4m3fn`` or ``uint8``),
             each request's ``[B, 2, Hkv]`` fp32 key and value scales: the rows are read as stored
-            (:mod:`~megacp.attention.fp8_decode_kernel`; where its ``available`` says it applies).
+            (:mod:`~megacp.attention.kernels.fp8_decode_kernel`; where its ``available`` says it applies).
 
     Returns:
         ``[B, Hq, D]`` in ``q.dtype``, identical on every rank.

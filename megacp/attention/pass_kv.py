@@ -10,9 +10,9 @@ NCCL, window slots over the copy engine), so the transfer of hop s+1 overlaps th
 On CUDA, step 0's compute is queued before the rotation starts and, for short shards, the received
 blocks' compute runs on a second stream beside it (see :func:`ring_pass_kv`).
 
-With an FP8 KV cache the block is an :class:`~megacp.attention.fp8_kv.FP8KVBlock`: the cache's FP8
+With an FP8 KV cache the block is an :class:`~megacp.attention.blocks.FP8KVBlock`: the cache's FP8
 rows travel as bytes (half of bf16's) and each rank dequantises the block in hand one key tile at a
-time, inside its tiles (:mod:`megacp.attention.fp8_kv`).
+time, inside its tiles (:mod:`megacp.attention.blocks`).
 
 The loop is a sequence of (block source, tiles) steps over :meth:`Ring.rotate`; the training
 backward (:mod:`megacp.attention.training`) replays the same rotation and tiles while the K/V
@@ -28,9 +28,9 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from megacp.attention.fp8_kv import FP8KVBlock, KVBlock
-from megacp.attention.merge import merge_into
-from megacp.attention.tile_attention import run_tiles
+from megacp.attention.blocks import FP8KVBlock, KVBlock, check_ring
+from megacp.attention.kernels.merge import merge_into
+from megacp.attention.kernels.tile_attention import run_tiles
 from megacp.parallel.ring import Block, Ring, side_stream
 from megacp.placement import ShardPlan, Tile
 
@@ -42,15 +42,6 @@ GPUs run at their power cap, the filled tail only lowers the clock, and at 128K-
 kernels were 1-4% slower."""
 
 
-def check_ring(plan: ShardPlan, ring: Ring | None) -> None:
-    """Raise ``ValueError`` unless ``ring`` fits ``plan``: a ring of ``plan.cp_size`` ranks, or
-    ``None`` for CP = 1 (a missing ring would otherwise compute only the own block's share)."""
-    if plan.cp_size > 1 and ring is None:
-        raise ValueError(f"CP size {plan.cp_size} needs a ring (process group)")
-    if ring is not None and ring.size != plan.cp_size:
-        raise ValueError(f"plan is for CP size {plan.cp_size} but the group has {ring.size} ranks")
-
-
 def ring_pass_kv(
     q: Tensor,
     kv_block: KVBlock | FP8KVBlock,
@@ -59,6 +50,7 @@ def ring_pass_kv(
     *,
     scale: float | None = None,
     backend: str | None = None,
+    rows: tuple[int, int] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Exact attention of this rank's queries over every rank's KV block.
 
@@ -85,23 +77,21 @@ def ring_pass_kv(
             or an :class:`FP8KVBlock` (its bytes travel; the block in hand is dequantised a key
             tile at a time).
         plan: the step's sharding plan; ring: the CP ring (``None`` when N = 1).
+        rows: ``q`` holds only the local query rows ``[a, b)`` (a query tile: every rank rotates the
+            whole blocks once per tile, with as many tiles on every rank); ``None``: all of them.
 
     Returns:
-        ``(out [n_local, Hq, D] q.dtype, lse [n_local, Hq] fp32)``.
+        ``(out [n_local, Hq, D] q.dtype, lse [n_local, Hq] fp32)`` (``b - a`` rows with ``rows``).
     """
     check_ring(plan, ring)
     r, n = plan.rank, plan.cp_size
-    own = plan.tiles(r, r)
-    fp8 = kv_block if isinstance(kv_block, FP8KVBlock) else None
+    own = plan.tiles(r, r, rows)
 
     def attend(q_rows: Tensor, block: Block, step: int, tiles: Sequence[Tile],
                acc: tuple[Tensor, Tensor] | None) -> tuple[Tensor, Tensor]:
-        """``tiles`` of ``q_rows`` over the block of rank ``r - step`` (in hand), folded into ``acc``."""
-        if fp8 is None:
-            return run_tiles(q_rows, block[0], block[1], tiles, acc, scale=scale, backend=backend)
-        return fp8.attend(q_rows, block, (r - step) % n, tiles, acc, scale=scale, backend=backend)
+        return _attend(q_rows, kv_block, block, (r - step) % n, tiles, acc, scale=scale, backend=backend)
 
-    wire: Block = fp8.wire() if fp8 is not None else kv_block  # type: ignore[assignment]  # not FP8: a KVBlock
+    wire: Block = kv_block.wire() if isinstance(kv_block, FP8KVBlock) else kv_block
     if ring is None:
         out, lse = attend(q, wire, 0, own, None)
         return out.to(q.dtype), lse
@@ -110,13 +100,9 @@ def ring_pass_kv(
         ready = torch.cuda.Event()
         ready.record()  # the inputs are complete: the transfers and the second stream wait on this
         state = attend(q, wire, 0, own, None)
-    later = [t for s in range(1, n) for t in plan.tiles(r, (r - s) % n)]
+    later = [t for s in range(1, n) for t in plan.tiles(r, (r - s) % n, rows)]
     lo, hi = min((t.q0 for t in later), default=0), max((t.q1 for t in later), default=0)
-    aux = side_stream(q.device, "pass_kv later steps") if q.is_cuda and q.shape[0] <= SECOND_STREAM_MAX_ROWS else None
-    if aux is not None:
-        main = torch.cuda.current_stream(q.device)
-        assert ready is not None  # recorded above on CUDA
-        aux.wait_event(ready)  # aux needs q, not step 0's results
+    aux = _second_stream(q, ready)
     need = [plan.kv_rows_read(j, r) for j in range(n)]  # pushed to rank j (copy engine), no more
     rest = None
     # at step s the block of rank r - s is in hand
@@ -125,18 +111,46 @@ def ring_pass_kv(
             if state is None:  # gloo: the transfers were posted first, step 0 overlaps them
                 state = attend(q, block, 0, own, None)
             continue
-        tiles = plan.tiles(r, (r - step) % n)
+        tiles = plan.tiles(r, (r - step) % n, rows)
         with torch.cuda.stream(aux) if aux is not None else contextlib.nullcontext():
             tiles = [dataclasses.replace(t, q0=t.q0 - lo, q1=t.q1 - lo) for t in tiles]
             if rest is not None and rest[0].dtype != torch.float32:  # a sum of partials is kept in fp32
                 rest = (rest[0].float(), rest[1])
             rest = attend(q[lo:hi], block, step, tiles, rest)
+    assert state is not None  # step 0 ran
     if rest is not None and hi > lo:
-        if aux is not None:
-            main.wait_stream(aux)
-            for t in rest:  # made on aux, read on main
-                t.record_stream(main)
-        assert state is not None  # step 0 ran
-        merge_into(state[0][lo:hi], state[1][lo:hi], *rest)
-    assert state is not None
+        _merge_later(state, rest, lo, hi, aux)
     return state[0].to(q.dtype), state[1]
+
+
+def _attend(q: Tensor, kv_block: KVBlock | FP8KVBlock, block: Block, src: int, tiles: Sequence[Tile],
+            acc: tuple[Tensor, Tensor] | None, *, scale: float | None, backend: str | None) -> tuple[Tensor, Tensor]:
+    """``tiles`` of ``q`` ``[Lq, Hq, D]`` over ``block``, rank ``src``'s block in hand (in the form of
+    ``kv_block``, or an FP8 block's bytes as they travel), folded into the running state ``acc``."""
+    if isinstance(kv_block, FP8KVBlock):
+        return kv_block.attend(q, block, src, tiles, acc, scale=scale, backend=backend)
+    return run_tiles(q, block[0], block[1], tiles, acc, scale=scale, backend=backend)
+
+
+def _second_stream(q: Tensor, ready: torch.cuda.Event | None) -> torch.cuda.Stream | None:
+    """The stream steps ``>= 1`` run on: for CUDA queries of at most :data:`SECOND_STREAM_MAX_ROWS`
+    rows a side stream that waits on ``ready`` (the inputs are complete; it needs ``q``, not step
+    0's results), else ``None`` (the current stream)."""
+    if not q.is_cuda or q.shape[0] > SECOND_STREAM_MAX_ROWS:
+        return None
+    aux = side_stream(q.device, "pass_kv later steps")
+    assert ready is not None  # recorded on CUDA before step 0
+    aux.wait_event(ready)
+    return aux
+
+
+def _merge_later(state: tuple[Tensor, Tensor], rest: tuple[Tensor, Tensor], lo: int, hi: int,
+                 aux: torch.cuda.Stream | None) -> None:
+    """Fold the state of steps ``>= 1`` (query rows ``[lo, hi)``, made on ``aux`` when given) into
+    step 0's ``state`` ``(out [n_local, Hq, D], lse [n_local, Hq] fp32)``, in place."""
+    if aux is not None:
+        main = torch.cuda.current_stream(aux.device)
+        main.wait_stream(aux)
+        for t in rest:  # made on aux, read on main
+            t.record_stream(main)
+    merge_into(state[0][lo:hi], state[1][lo:hi], *rest)

@@ -15,10 +15,9 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from megacp.attention.fp8_kv import FP8KVBlock, KVBlock
-from megacp.attention.merge import merge_stack, pack_states, unpack_states
-from megacp.attention.pass_kv import check_ring
-from megacp.attention.tile_attention import run_tiles
+from megacp.attention.blocks import FP8KVBlock, KVBlock, check_ring
+from megacp.attention.kernels.merge import merge_stack, pack_states, unpack_states
+from megacp.attention.kernels.tile_attention import run_tiles
 from megacp.parallel.ring import Ring
 from megacp.placement import ShardPlan, Tile
 

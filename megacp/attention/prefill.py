@@ -1,20 +1,21 @@
-"""CP prefill entry point: build the local KV block, pick the strategy, run the ring.
+"""CP prefill entry points: pick the strategy and run the ring over this rank's KV block.
 
-This is the function the CP attention layer (and users with their own loop) call with local
-shards: queries and new keys/values of this rank in the plan's layout, plus, when a KV cache holds
-earlier tokens, this rank's cached tokens of each request.
+:func:`cp_prefill` is what the CP attention layer (and users with their own loop) call with local
+shards: queries of this rank in the plan's layout and its KV block
+(:func:`~megacp.attention.blocks.build_kv_block`: its new keys/values and, when a KV cache holds
+earlier tokens, its cached tokens of each request). :func:`cp_attention` takes whole sequences.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from megacp.attention.fp8_kv import FP8KVBlock, KVBlock
+from megacp.attention.blocks import FP8KVBlock, KVBlock, build_kv_block
 from megacp.attention.pass_kv import ring_pass_kv
 from megacp.attention.pass_q import ring_pass_q
 from megacp.attention.preconditions import agree, check_inputs, content_digest
@@ -23,58 +24,6 @@ from megacp.parallel.ring import Ring
 from megacp.placement import ShardPlan, seq_lengths
 
 log = logging.getLogger("megacp.prefill")
-
-
-def build_kv_block(
-    plan: ShardPlan,
-    k: Tensor,
-    v: Tensor,
-    cached: Callable[[int], tuple[Tensor, Tensor]] | None = None,
-) -> KVBlock:
-    """This rank's KV block (``plan.max_kv_block`` rows in ``plan.kv_layout(rank)`` order).
-
-    When the blocks are just the ranks' new tokens (:attr:`ShardPlan.kv_blocks_unpadded`: no cached
-    tokens, every rank as many tokens, as with one sequence split evenly) the pair ``(k, v)`` is the
-    block and nothing is copied (unless they are not contiguous). Otherwise a new
-    ``[2, plan.max_kv_block, Hkv, D]`` tensor (zero padding at the end). The form depends on the plan
-    only, so every rank of the ring passes blocks of the same form.
-
-    Args:
-        k, v: ``[n_local, Hkv, D]`` this rank's new keys/values (``plan.q_layout`` order).
-        cached: ``cached(i) -> (k_i, v_i)`` each ``[prefix_i, Hkv, D]``, this rank's cached tokens of
-            request ``i`` (required when the plan has cached tokens on this rank).
-    """
-    if k.shape[0] != plan.num_local() or v.shape != k.shape:
-        raise ValueError(f"k and v must hold this rank's {plan.num_local()} new tokens; got {tuple(k.shape)}, {tuple(v.shape)}")
-    if plan.kv_blocks_unpadded:
-        return k.contiguous(), v.contiguous()
-    kv_lay, q_lay = plan.kv_layout(plan.rank), plan.q_layout(plan.rank)
-    block = k.new_zeros((2, plan.max_kv_block, *k.shape[1:]))
-    if not any(lay.prefix for lay in kv_lay):
-        block[0, : k.shape[0]] = k
-        block[1, : v.shape[0]] = v
-        return block
-    if cached is None:
-        raise ValueError("the plan has cached tokens on this rank but no cache was given")
-    for i, (kl, ql) in enumerate(zip(kv_lay, q_lay)):
-        if kl.prefix:
-            ck, cv = cached(i)
-            block[0, kl.offset : kl.offset + kl.prefix] = ck
-            block[1, kl.offset : kl.offset + kl.prefix] = cv
-        a, b = kl.offset + kl.prefix, kl.offset + kl.length
-        block[0, a:b] = k[ql.offset : ql.offset + ql.num_new]
-        block[1, a:b] = v[ql.offset : ql.offset + ql.num_new]
-    return block
-
-
-def block_owners(plan: ShardPlan) -> Tensor:
-    """``[N, plan.max_kv_block]`` int64 (CPU): the request of each row of each rank's KV block
-    (:meth:`ShardPlan.kv_layout`; padding rows: 0), what :class:`FP8KVBlock` dequantises by."""
-    out = torch.zeros((plan.cp_size, plan.max_kv_block), dtype=torch.long)
-    for j in range(plan.cp_size):
-        for i, lay in enumerate(plan.kv_layout(j)):
-            out[j, lay.offset : lay.offset + lay.length] = i
-    return out
 
 
 def resolve_strategy(strategy: str, plan: ShardPlan, num_heads: int, num_kv_heads: int,

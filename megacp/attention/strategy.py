@@ -163,7 +163,7 @@ def calibrate(group: dist.ProcessGroup | None, device: torch.device, *, tokens: 
     ``runtime.calibration_cache_dir`` / ``MEGACP_CACHE_DIR``). The block's shape defaults
     to 4096 tokens, 32/8 heads of 128 on GPUs and 512 tokens, 8/2 heads of 64 on CPUs. With one
     rank there is no link to measure: BW keeps its default."""
-    from megacp.attention.partial import partial_attention
+    from megacp.attention.kernels.partial import partial_attention
     from megacp.parallel.ring import Ring
 
     gpu = device.type == "cuda"

@@ -22,12 +22,13 @@ leftovers of a writer killed outright are removed by the next write into the sam
 from __future__ import annotations
 
 import argparse
+import json
 import signal
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -40,12 +41,13 @@ from megacp.checkpoint.hf import (
     hf_to_megacp,
     megacp_to_hf,
     open_hf_checkpoint,
+    own_architectures,
     save_hf_checkpoint,
+    transformers_only,
 )
 from megacp.checkpoint.megacp_format import open_megacp_checkpoint, save_megacp_checkpoint
 from megacp.checkpoint.safetensors_io import WriteSummary
-from megacp.checkpoint.staging import check_output_dir, staged_directory
-from megacp.checkpoint.tokenizer_files import write_tokenizer
+from megacp.checkpoint.staging import check_output_dir
 from megacp.checkpoint.tp import check_tp_size
 from megacp.checkpoint.values import check_finite
 from megacp.models.schema import parameter_shapes
@@ -70,7 +72,21 @@ def _progress(
         yield bar
 
 
+def _check_converts(path: str) -> None:
+    """Refuse, in one line, a Hugging Face directory of an architecture megacp's own models do not
+    implement, naming those they do and where the directory runs as it is."""
+    if not transformers_only(path):
+        return
+    config = json.loads((Path(path) / "config.json").read_text())
+    name = ", ".join(map(str, config.get("architectures") or [])) or repr(config.get("model_type"))
+    raise CheckpointError(f"unsupported architecture {name}; hf-to-megacp converts the architectures megacp's own "
+                          f"models implement: {', '.join(own_architectures())}. megacp.train, megacp.generate, "
+                          "megacp.serve and LLM take a directory of another architecture as it is (transformers' "
+                          "modules with megacp's attention, where that runs it)")
+
+
 def _hf_to_megacp(args: argparse.Namespace) -> WriteSummary:
+    _check_converts(args.input)
     check_output_dir(args.output, force=args.force)
     with open_hf_checkpoint(args.input) as source:
         cfg = source.config
@@ -147,41 +163,15 @@ def _deepspeed_to_megacp(args: argparse.Namespace) -> WriteSummary:
                                       tp_size=args.tp, tokenizer=source.path, force=args.force)
 
 
-def _transformers_to_hf(args: argparse.Namespace) -> WriteSummary:
-    """A checkpoint of a model trained through transformers' modules, as that model's own
-    ``save_pretrained`` directory (built from its config, the weights loaded strictly)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from megacp.checkpoint.deepspeed import read_transformers_checkpoint
-
-    values, state, trained = read_transformers_checkpoint(args.input, args.tag, trust=args.trust_checkpoint)
-    dtype = _deepspeed_dtype(args, trained)
-    values = dict(values)
-    config = AutoConfig.for_model(values.pop("model_type"), **values)
-    with torch.device("meta"):
-        model: Any = AutoModelForCausalLM.from_config(config)
-    try:
-        model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True, assign=True)
-    except RuntimeError as err:
-        raise CheckpointError(f"{args.input}: the weights do not match the model of its config "
-                              f"({str(err).splitlines()[0]})") from None
-    with staged_directory(args.output, force=args.force) as staging:
-        model.save_pretrained(staging)
-        write_tokenizer(args.input, staging)
-    return WriteSummary(tensors=len(state), bytes=sum(t.numel() * t.element_size() for t in model.state_dict().values()))
-
-
 def _deepspeed_to_hf(args: argparse.Namespace) -> WriteSummary:
-    from megacp.checkpoint.deepspeed import read_deepspeed_checkpoint, read_train_kind
+    """The trained model as a Hugging Face directory, written as what the checkpoint records of its
+    model says (:meth:`~megacp.checkpoint.deepspeed.ModelRecord.write_hf`)."""
+    from megacp.checkpoint.deepspeed import read_record
 
     check_output_dir(args.output, force=args.force)
-    if read_train_kind(args.input) == "transformers":
-        return _transformers_to_hf(args)
-    source = read_deepspeed_checkpoint(args.input, args.tag, trust=args.trust_checkpoint)
-    tensors = megacp_to_hf(source.config, source.tensors.__getitem__, source.tensors)
-    with _progress(tensors, len(hf_parameter_shapes(source.config)), args) as stream:
-        return save_hf_checkpoint(args.output, source.config, stream, dtype=_deepspeed_dtype(args, source.dtype),
-                                  tokenizer=source.path, force=args.force)
+    return read_record(args.input).write_hf(
+        args.input, args.tag, output=args.output, dtype=dtype_from_name(args.dtype) if args.dtype else None,
+        force=args.force, trust=args.trust_checkpoint, progress=lambda tensors, total: _progress(tensors, total, args))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -204,7 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
         return sub
 
     dtype_help = f"stored dtype ({', '.join(DTYPES)}); default: %s"
-    sub = command("hf-to-megacp", "Hugging Face directory -> megacp checkpoint", _hf_to_megacp,
+    sub = command("hf-to-megacp", f"Hugging Face directory ({', '.join(own_architectures())}) -> megacp checkpoint",
+                  _hf_to_megacp,
                   "Hugging Face checkpoint directory", "megacp checkpoint directory to create")
     sub.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default: 1)")
     sub.add_argument("--dtype", choices=list(DTYPES), help=dtype_help % "the input's")

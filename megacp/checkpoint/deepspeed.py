@@ -12,8 +12,13 @@ model the tensors belong to, so the trainer adds, from rank 0, :data:`TRAIN_STAT
      "tp_size": 1, "zero_stage": 1, "tag": "step100"}
 
 and the tokenizer files; each tag directory also gets a manifest of its files
-(:mod:`megacp.checkpoint.shard_manifest`), checked before anything is merged.
-:func:`read_deepspeed_checkpoint` rebuilds the full weights: with ZeRO
+(:mod:`megacp.checkpoint.shard_manifest`), checked before anything is merged. What the sidecar
+records of the model is one entry its family gives (:meth:`megacp.families.Trainable.record`):
+``model_config`` above for megacp's own models, the transformers config for a model trained
+through transformers' modules. Read back (:func:`read_record`), each kind megacp knows
+(:data:`RECORDS`) writes the trained weights as a Hugging Face directory
+(:meth:`ModelRecord.write_hf`, the converter's ``deepspeed-to-hf``).
+:func:`read_deepspeed_checkpoint` rebuilds the full weights of megacp's own model: with ZeRO
 shards through DeepSpeed's own ``zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint`` (fp32
 master weights, partitions merged), without them from the module states (the training dtype).
 """
@@ -24,16 +29,20 @@ import contextlib
 import io
 import json
 import os
+import pickle
 import re
-from collections.abc import Iterable
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from megacp.checkpoint.dtypes import dtype_from_name, dtype_name
 from megacp.checkpoint.errors import CheckpointError
+from megacp.checkpoint.safetensors_io import WriteSummary
 from megacp.checkpoint.shard_manifest import canonical_sha256, verify_tag
 from megacp.checkpoint.tokenizer_files import TokenizerSource, write_tokenizer
 from megacp.models.config import ModelConfig
@@ -65,14 +74,123 @@ class DeepSpeedCheckpoint:
     path: Path
 
 
-def train_state(*, model_config: Any, dtype: torch.dtype, tp_size: int, zero_stage: int,
+Tensors = Iterable[tuple[str, torch.Tensor]]
+Progress = Callable[[Tensors, int], AbstractContextManager[Tensors]]
+"""``progress(tensors, total)``: the converter's bar (and finiteness check) around a tensor stream."""
+
+
+class ModelRecord(ABC):
+    """A kind of model megacp's readers know in :data:`TRAIN_STATE_FILE`: the sidecar's entry
+    ``{key: values}`` that the model's family wrote when it saved (see the module docstring), read back.
+
+    Attributes:
+        key: the sidecar's key of this kind of record; values: its JSON values.
+    """
+
+    key: ClassVar[str]
+
+    def __init__(self, values: dict[str, Any]) -> None:
+        self.values = values
+
+    def entry(self) -> dict[str, Any]:
+        """The sidecar's entry of this record, ``{key: values}``."""
+        return {self.key: self.values}
+
+    @property
+    @abstractmethod
+    def held(self) -> str:
+        """What the checkpoint holds, as a reader of another kind of model refuses it."""
+
+    def model_config(self, path: Path) -> ModelConfig:
+        """The megacp :class:`ModelConfig` of the trained model.
+
+        Raises:
+            CheckpointError: the model is not one of megacp's own (one line naming what it is).
+        """
+        raise CheckpointError(f"{path} holds {self.held}")
+
+    @abstractmethod
+    def write_hf(self, directory: str | os.PathLike[str], tag: str | None, *, output: str, dtype: torch.dtype | None, force: bool,
+                 trust: bool, progress: Progress) -> WriteSummary:
+        """Write checkpoint ``tag`` of ``directory`` (``None``: the latest) as a Hugging Face directory
+        ``output`` in ``dtype`` (``None``: the one it was trained in)."""
+
+
+class MegacpRecord(ModelRecord):
+    """megacp's own model: ``model_config``, its :class:`ModelConfig` as a dict."""
+
+    key = "model_config"
+    held = "one of megacp's own models: read it with read_deepspeed_checkpoint"
+
+    @classmethod
+    def of(cls, config: ModelConfig) -> MegacpRecord:
+        """The record of a model of ``config``."""
+        return cls(config.to_dict())
+
+    def model_config(self, path: Path) -> ModelConfig:
+        try:
+            return ModelConfig.from_dict(self.values)
+        except (KeyError, TypeError, ValueError) as err:
+            raise CheckpointError(f"{path / TRAIN_STATE_FILE}: bad model_config or dtype ({err})") from None
+
+    def write_hf(self, directory: str | os.PathLike[str], tag: str | None, *, output: str, dtype: torch.dtype | None, force: bool,
+                 trust: bool, progress: Progress) -> WriteSummary:
+        from megacp.checkpoint.hf import hf_parameter_shapes, megacp_to_hf, save_hf_checkpoint
+
+        source = read_deepspeed_checkpoint(directory, tag, trust=trust)
+        tensors = megacp_to_hf(source.config, source.tensors.__getitem__, source.tensors)
+        with progress(tensors, len(hf_parameter_shapes(source.config))) as stream:
+            return save_hf_checkpoint(output, source.config, stream, dtype=dtype or source.dtype,
+                                      tokenizer=source.path, force=force)
+
+
+class TransformersRecord(ModelRecord):
+    """A model trained through transformers' modules: its config's ``to_json_string`` values."""
+
+    key = "transformers_config"
+
+    @property
+    def held(self) -> str:
+        kind = (self.values.get("architectures") or ["a transformers model"])[0]
+        return (f"{kind} trained through transformers' modules, not one of megacp's models: "
+                "tools/convert_checkpoint.py deepspeed-to-hf writes it as a Hugging Face directory")
+
+    def write_hf(self, directory: str | os.PathLike[str], tag: str | None, *, output: str, dtype: torch.dtype | None, force: bool,
+                 trust: bool, progress: Progress) -> WriteSummary:
+        """The model's own ``save_pretrained`` directory, built from its config with the weights
+        loaded strictly (``progress`` is not shown: ``save_pretrained`` writes them)."""
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        from megacp.checkpoint.staging import staged_directory
+
+        values, state, trained = read_transformers_checkpoint(directory, tag, trust=trust)
+        dtype = dtype or trained
+        values = dict(values)
+        config = AutoConfig.for_model(values.pop("model_type"), **values)
+        with torch.device("meta"):
+            model: Any = AutoModelForCausalLM.from_config(config)
+        try:
+            model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True, assign=True)
+        except RuntimeError as err:
+            raise CheckpointError(f"{directory}: the weights do not match the model of its config "
+                                  f"({str(err).splitlines()[0]})") from None
+        with staged_directory(output, force=force) as staging:
+            model.save_pretrained(staging)
+            write_tokenizer(directory, staging)
+        return WriteSummary(tensors=len(state),
+                            bytes=sum(t.numel() * t.element_size() for t in model.state_dict().values()))
+
+
+RECORDS: tuple[type[ModelRecord], ...] = (MegacpRecord, TransformersRecord)
+"""Every kind of :class:`ModelRecord` a sidecar may hold."""
+
+
+def train_state(*, model: dict[str, Any], dtype: torch.dtype, tp_size: int, zero_stage: int,
                 tag: str) -> dict[str, Any]:
-    """The contents of :data:`TRAIN_STATE_FILE` (see the module docstring); ``model_config`` is a
-    :class:`ModelConfig`, or a transformers config (a model trained through transformers' modules:
-    kept as ``transformers_config``, its ``to_json_string`` values)."""
-    described = ({"model_config": model_config.to_dict()} if isinstance(model_config, ModelConfig)
-                 else {"transformers_config": json.loads(model_config.to_json_string(use_diff=False))})
-    return {"format": FORMAT, "version": FORMAT_VERSION, **described,
+    """The contents of :data:`TRAIN_STATE_FILE` (see the module docstring); ``model`` is what the
+    model's family records of it, one entry ``{key: values}`` (megacp's readers know the keys of
+    :data:`RECORDS`)."""
+    return {"format": FORMAT, "version": FORMAT_VERSION, **model,
             "dtype": dtype_name(dtype), "tp_size": tp_size, "zero_stage": zero_stage, "tag": tag}
 
 
@@ -82,11 +200,11 @@ def train_state_sha256(meta: dict[str, Any]) -> str:
     return canonical_sha256({key: value for key, value in meta.items() if key != "tag"})
 
 
-def write_train_state(directory: str | os.PathLike[str], *, model_config: Any, dtype: torch.dtype,
+def write_train_state(directory: str | os.PathLike[str], *, model: dict[str, Any], dtype: torch.dtype,
                       tp_size: int, zero_stage: int, tag: str, tokenizer: TokenizerSource) -> None:
     """Write :data:`TRAIN_STATE_FILE` (atomically) and the tokenizer files into ``directory``."""
     path = Path(directory)
-    meta = train_state(model_config=model_config, dtype=dtype, tp_size=tp_size, zero_stage=zero_stage, tag=tag)
+    meta = train_state(model=model, dtype=dtype, tp_size=tp_size, zero_stage=zero_stage, tag=tag)
     tmp = path / f".{TRAIN_STATE_FILE}.tmp"
     tmp.write_text(json.dumps(meta, indent=1), encoding="utf-8")
     tmp.replace(path / TRAIN_STATE_FILE)
@@ -108,14 +226,29 @@ def _read_meta(path: Path) -> dict[str, Any]:
     return meta
 
 
+def _record(path: Path, meta: dict[str, Any]) -> ModelRecord:
+    """The :class:`ModelRecord` of the sidecar ``meta`` of ``path``."""
+    for kind in RECORDS:
+        if kind.key in meta:
+            return kind(meta[kind.key])
+    known = ", ".join(kind.key for kind in RECORDS)
+    raise CheckpointError(f"{path / TRAIN_STATE_FILE}: records no model megacp reads (none of {known})")
+
+
+def read_record(directory: str | os.PathLike[str]) -> ModelRecord:
+    """What the checkpoints of ``directory`` record of their model.
+
+    Raises:
+        CheckpointError: no readable :data:`TRAIN_STATE_FILE`, or none of :data:`RECORDS` in it.
+    """
+    path = Path(directory)
+    return _record(path, _read_meta(path))
+
+
 def _config_and_dtype(path: Path, meta: dict[str, Any]) -> tuple[ModelConfig, torch.dtype]:
-    if "transformers_config" in meta:
-        kind = (meta["transformers_config"].get("architectures") or ["a transformers model"])[0]
-        raise CheckpointError(f"{path} holds {kind} trained through transformers' modules, not one of megacp's "
-                              "models: tools/convert_checkpoint.py deepspeed-to-hf writes it as a Hugging Face "
-                              "directory")
+    config = _record(path, meta).model_config(path)
     try:
-        return ModelConfig.from_dict(meta["model_config"]), dtype_from_name(meta["dtype"])
+        return config, dtype_from_name(meta["dtype"])
     except (KeyError, TypeError, ValueError) as err:
         raise CheckpointError(f"{path / TRAIN_STATE_FILE}: bad model_config or dtype ({err})") from None
 
@@ -131,11 +264,12 @@ def read_transformers_checkpoint(directory: str | os.PathLike[str], tag: str | N
     """
     path = Path(directory)
     meta = _read_meta(path)
-    if "transformers_config" not in meta:
-        raise CheckpointError(f"{path} holds one of megacp's own models: read it with read_deepspeed_checkpoint")
+    record = _record(path, meta)
+    if not isinstance(record, TransformersRecord):
+        raise CheckpointError(f"{path} holds {record.held}")
     tag = tag or _latest_tag(path)
     state = _merged_state(path, tag, meta, trust=trust)
-    return meta["transformers_config"], state, dtype_from_name(meta["dtype"])
+    return record.values, state, dtype_from_name(meta["dtype"])
 
 
 def _merged_state(path: Path, tag: str, meta: dict[str, Any], *, trust: bool, remedy: str = "") -> dict[str, Any]:
@@ -159,15 +293,6 @@ def _merged_state(path: Path, tag: str, meta: dict[str, Any], *, trust: bool, re
         with torch.serialization.safe_globals(_deepspeed_safe_globals()):
             state = torch.load(model_file, map_location="cpu", weights_only=not trust)["module"]
     return _model_names(state, int(meta.get("zero_stage", 0)))
-
-
-def read_train_kind(directory: str | os.PathLike[str]) -> str:
-    """``"megacp"`` or ``"transformers"``: which kind of model the checkpoints of ``directory`` hold.
-
-    Raises:
-        CheckpointError: no readable :data:`TRAIN_STATE_FILE`.
-    """
-    return "transformers" if "transformers_config" in _read_meta(Path(directory)) else "megacp"
 
 
 def read_zero_stage(directory: str | os.PathLike[str]) -> int:
@@ -207,7 +332,13 @@ def _latest_tag(path: Path) -> str:
     latest = path / "latest"
     if not latest.is_file():
         raise CheckpointError(f"{path} has no 'latest' file naming a checkpoint tag; pass --tag")
-    return latest.read_text(encoding="utf-8").strip()
+    try:
+        tag = latest.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{latest} cannot be read ({err}); pass --tag") from None
+    if not tag:
+        raise CheckpointError(f"{latest} is empty: it names no checkpoint tag; pass --tag")
+    return tag
 
 
 def tag_dir(path: Path, tag: str) -> Path:
@@ -240,8 +371,8 @@ def check_data_only(files: Iterable[Path], remedy: str = TRUST_REMEDY) -> None:
     before DeepSpeed's own loader (which unpickles without that guard) reads it.
 
     Raises:
-        CheckpointError: a symbolic link, or a file that is not plain data (naming it, the type it
-            holds and ``remedy``).
+        CheckpointError: a symbolic link, a file that is not plain data (naming it, the type it
+            holds and ``remedy``), or one that cannot be read at all (truncated or corrupt).
     """
     with torch.serialization.safe_globals(_deepspeed_safe_globals()):
         for file in files:
@@ -249,11 +380,19 @@ def check_data_only(files: Iterable[Path], remedy: str = TRUST_REMEDY) -> None:
                 raise CheckpointError(f"{file} is a symbolic link; a checkpoint's files must be its own")
             try:
                 torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-            except Exception as err:  # noqa: BLE001 - the unpickler's refusal, or a corrupt file
+            except pickle.UnpicklingError as err:  # the weights-only unpickler's refusal
                 found = re.search(r"GLOBAL (\S+)", str(err))  # the type the unpickler refused
-                first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-                why = f"it holds the object type {found.group(1)}" if found else first[:160]
+                why = f"it holds the object type {found.group(1)}" if found else _first_line(err)
                 raise CheckpointError(f"{file} is not plain tensor data ({why}); {remedy}") from None
+            except Exception as err:  # noqa: BLE001 - no torch.save archive: truncated, empty or corrupt
+                raise CheckpointError(f"cannot read {file} ({file.stat().st_size} bytes; truncated or corrupt?): "
+                                      f"{_first_line(err)}") from None
+
+
+def _first_line(err: BaseException) -> str:
+    """The first line of ``err``'s message (at most 160 characters), else its type's name."""
+    text = str(err).strip()
+    return text.splitlines()[0][:160] if text else type(err).__name__
 
 
 ZERO3_PREFIX = "model."

@@ -227,6 +227,12 @@ def _moe_from_hf(arch: str, hf_config: dict[str, Any]) -> dict[str, Any]:
     return {}
 
 
+def own_architectures() -> tuple[str, ...]:
+    """The transformers classes whose checkpoints megacp's own models implement (what ``hf-to-megacp``
+    converts): Llama, Mistral, Qwen2, Mixtral, Qwen2-MoE."""
+    return tuple(_HF_CLASSES.values())
+
+
 def implements(hf_config: dict[str, Any]) -> bool:
     """Whether megacp's own models implement the architecture a Hugging Face ``config.json`` names
     (its one ``architectures`` class, else its ``model_type``)."""

@@ -27,17 +27,17 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from megacp.attention.plans import reuse_plans_across_lengths
+from megacp.attention.kernels.plans import reuse_plans_across_lengths
 from megacp.attention.strategy import STRATEGIES
 from megacp.checkpoint.dtypes import DTYPES
 from megacp.checkpoint.front import default_model_path
-from megacp.config import OneLineArgumentParser, add_launcher_args, launcher_rank, print_error_once
+from megacp.families import family_for
 from megacp.generate.llm import LLM
 from megacp.generate.outputs import TextStream, chat_ids, stop_string_check
 from megacp.generate.requests import ModelLimits, check_context, check_prompt, check_text
 from megacp.generate.sampling import SamplingParams
-from megacp.integrations.families import family_for
 from megacp.kv_cache import KV_CACHE_DTYPES
+from megacp.launch import OneLineArgumentParser, add_launcher_args, launcher_rank, print_error_once
 from megacp.parallel import initialize, peak_memory_mib
 
 PROG = "megacp.generate"
@@ -79,7 +79,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--presence-penalty", type=float, default=0.0, help="subtracted from generated tokens' logits; 0 = off")
     p.add_argument("--frequency-penalty", type=float, default=0.0,
                    help="subtracted per occurrence in the generated tokens; 0 = off")
-    p.add_argument("--seed", type=int, default=0, help="the request's sampler seed (the same on every rank)")
+    p.add_argument("--seed", type=int,
+                   help="the requests' sampler seed, to repeat a sampled run (default: a fresh seed per request "
+                        "and run, the same on every rank, as LLM and the server draw)")
     p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable; default: none)")
     p.add_argument("--no-stop", action="store_true", help="ignore the model's end-of-sequence tokens")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
@@ -210,7 +212,8 @@ def _set_threads(prog: str = PROG, quiet: bool = False) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the CLI; bad input (arguments, config, environment knobs, checkpoint, prompts) is one
+    """Run the CLI; bad input (arguments, config, environment knobs, checkpoint, a model megacp cannot run
+    exactly, prompts) is one
     line from the launcher's rank 0 (every rank fails alike; the others exit quietly), exit 2."""
     args = parse_args(argv)
     from megacp.checkpoint import CheckpointError
@@ -229,14 +232,17 @@ def _run(args: argparse.Namespace) -> int:
     _set_threads(quiet=args.quiet)
     reuse_plans_across_lengths()  # no attention backward runs in this process (see attention.plans)
     state = initialize(args.deepspeed_config)
-    model_path = args.model or default_model_path()
-    cfg: ModelLimits | None = family_for(model_path).limits()  # sizes only, before anything loads
-    if cfg is not None:
-        check_model_limits(cfg, params, prompt_ids)
-    llm = LLM(model_path, dtype=args.dtype, strategy=args.strategy, prefill_chunk=args.prefill_chunk,
-              kv_cache_dtype=args.kv_cache_dtype, calibrate=args.calibrate,
-              cuda_graphs=False if args.no_cuda_graphs else None, allow_non_finite=args.allow_non_finite, state=state,
-              verbose=not args.quiet)
+    try:  # the family refuses a model it cannot run exactly (an architecture, a feature): one line
+        family = family_for(args.model or default_model_path())  # resolved once: the checks and the load
+        cfg: ModelLimits | None = family.limits()  # sizes only, before anything loads
+        if cfg is not None:
+            check_model_limits(cfg, params, prompt_ids)
+        llm = LLM(family, dtype=args.dtype, strategy=args.strategy, prefill_chunk=args.prefill_chunk,
+                  kv_cache_dtype=args.kv_cache_dtype, calibrate=args.calibrate,
+                  cuda_graphs=False if args.no_cuda_graphs else None, allow_non_finite=args.allow_non_finite,
+                  state=state, verbose=not args.quiet)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
     try:  # what only the loaded tokenizer can tell, before any prefill
         if prompt_ids is None and llm.tokenizer is None:
             raise UsageError("--prompt needs a model with a tokenizer; use --prompt-ids otherwise")

@@ -37,7 +37,7 @@ from megacp.generate.loop import Generator
 from megacp.generate.outputs import GenerationResult, TextStream, stop_string_check
 from megacp.generate.sampling import SamplingParams, batch_params, logprob_dicts
 from megacp.generate.worker import Admit, Work, Worker
-from megacp.kv_cache import CacheCapacityError
+from megacp.kv_cache import CacheCapacityError, SlotState, SlotTable
 
 
 @dataclass
@@ -138,6 +138,11 @@ class EngineCore:
     (``Worker(shared=True)``); offline callers (``LLM``, sessions) on every rank alike, each rank
     scheduling the same steps from the same tokens.
 
+    The engine schedules on the slot table of the worker's cache (:attr:`table`: allocation is the
+    worker's, once for good; the engine cuts slots back and checks their room) and never touches
+    the device storage; sessions ask the engine about their slot (:meth:`held`,
+    :meth:`check_room`, :meth:`snapshot`, :meth:`restore`, :meth:`truncate`).
+
     Args:
         worker: the worker (its cache's slots are the engine's).
         tokenizer: for stop strings and streamed text (``None``: token ids only).
@@ -156,6 +161,8 @@ class EngineCore:
         if max_batched_tokens < 0:
             raise ValueError(f"max_batched_tokens must be >= 0 (0 = no limit), got {max_batched_tokens}")
         self.worker, self.tokenizer, self.prefix_reuse = worker, tokenizer, prefix_reuse
+        self.table: SlotTable = worker.cache.table
+        """The slot table the engine schedules on (the worker's steps plan and commit on it too)."""
         self.feed_last = feed_last
         self.max_batched_tokens = max_batched_tokens
         self.slots = [Slot() for _ in worker.slots]
@@ -209,7 +216,6 @@ class EngineCore:
             idle = [req.pin] if req.pin in idle else []
         if not idle:
             return False
-        cache, gen = self.worker.cache, self.worker.gen
         req.chunk = self.max_batched_tokens if decoding else 0
         if req.pin is not None:
             i, keep = req.pin, 0
@@ -218,13 +224,12 @@ class EngineCore:
                      if self.prefix_reuse else 0 for i in idle}
             i = max(idle, key=lambda i: (reuse[i], -self.slots[i].used))
             keep = reuse[i]
-            cache.truncate(i, keep)
+            self.table.truncate(i, keep)
             try:
-                steps = gen.steps(len(req.prompt) - keep, req.params.max_tokens, req.chunk)
-                cache.check_room(i, steps + [1] if self.feed_last else steps, spare=1)
+                self.check_room(i, len(req.prompt) - keep, req.params.max_tokens, req.chunk)
             except CacheCapacityError:  # the reused prefix's placement leaves too little room: prefill cold
                 keep = 0
-                cache.truncate(i, 0)
+                self.table.truncate(i, 0)
             work.truncate.append((i, keep))
         slot = self.slots[i]
         slot.tokens, slot.request, slot.used = req.prompt[:], req, self._clock
@@ -328,7 +333,7 @@ class EngineCore:
         slot = self.slots[r.slot]
         if slot.request is not r:
             return
-        slot.tokens = [] if r.pin is not None else (r.prompt + r.tokens)[: self.worker.cache.length(r.slot)]
+        slot.tokens = [] if r.pin is not None else (r.prompt + r.tokens)[: self.table.length(r.slot)]
         slot.request, slot.used = None, self._clock
 
     def _emit(self, r: Request, tok: int, logprobs: dict[int, float] | None = None) -> None:
@@ -346,6 +351,32 @@ class EngineCore:
         text = r.stream.piece(r.tokens, r.finish_reason is not None) if r.stream is not None else ""
         r.done = r.finish_reason is not None
         self._outbox.append((r, Event(tok, text, r.finish_reason, logprobs=logprobs)))
+
+    # ------------------------------------------------------------------ a slot's bookkeeping (sessions)
+    def held(self, slot: int) -> int:
+        """Tokens whose keys and values ``slot`` holds."""
+        return self.table.length(slot)
+
+    def check_room(self, slot: int, pending: int, max_tokens: int, chunk: int = 0) -> None:
+        """Raise :class:`~megacp.kv_cache.CacheCapacityError` unless ``slot`` can take a request
+        that prefills ``pending`` tokens on top of what it holds (in chunks of ``chunk`` tokens; 0:
+        the generator's own) and generates up to ``max_tokens`` (with :attr:`feed_last`, one more
+        step), with the spare row a static decode step writes past a rank's tokens."""
+        steps = self.worker.gen.steps(pending, max_tokens, chunk)
+        self.table.check_room(slot, steps + [1] if self.feed_last else steps, spare=1)
+
+    def snapshot(self, slot: int) -> SlotState:
+        """``slot``'s bookkeeping, for :meth:`restore` after a request that failed part-way."""
+        return self.table.snapshot(slot)
+
+    def restore(self, slot: int, state: SlotState) -> None:
+        """Put back ``slot``'s bookkeeping as :meth:`snapshot` returned it."""
+        self.table.restore(slot, state)
+
+    def truncate(self, slot: int, length: int) -> None:
+        """Keep the first ``length`` tokens ``slot`` holds (an engine whose every rank schedules
+        alike: a server's rank 0 cuts slots back through the steps' :class:`Work`)."""
+        self.table.truncate(slot, length)
 
     def reset(self, truncate: Sequence[tuple[int, int]] = ()) -> None:
         """Drop every request (queued, prefilling, running) and unread tokens; the decoder leaves
@@ -446,7 +477,7 @@ def offline_fits(engine: EngineCore, lengths: Sequence[int], max_tokens: int, *,
     its CUDA graphs are reused)."""
     worker = engine.worker
     return (worker.decode_mode == decode_mode(worker.gen) and len(engine.slots) == offline_slots(lengths, max_num_seqs)
-            and worker.cache.capacity >= worker.gen.cache_rows(lengths, max_tokens))
+            and engine.table.capacity >= worker.gen.cache_rows(lengths, max_tokens))
 
 
 def offline_engine(gen: Generator, lengths: Sequence[int], max_tokens: int, *, vocab: int,

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from megacp.generate.sampling import Features, Sampler, draw_logprobs
+from megacp.generate.sampling import GREEDY, Features, Sampler, draw_logprobs
 from megacp.kv_cache import ShardedKVCache
 from megacp.layers.settings import CPSettings
 from megacp.layers.step import StaticDecodeStep, static_decode_step
@@ -94,10 +94,6 @@ def batch_sizes(max_batch: int) -> list[int]:
     ``max_batch`` (1, 2, 4, 8, 16, 32 for 32; 1, 2, 4, 6 for 6)."""
     sizes = [1 << i for i in range(max_batch.bit_length()) if 1 << i < max_batch]
     return sizes + [max_batch]
-
-
-GREEDY: Features = (False, (False, False, False), False, False)
-"""The features of an all-greedy batch without penalties (one argmax)."""
 
 
 class BatchDecoder:
@@ -194,15 +190,6 @@ class BatchDecoder:
         n = len(self.slots)
         return next(b for b in self.sizes if b >= n) if n else 0
 
-    def _update_features(self) -> None:
-        rows = list(self._features.values())
-
-        def on(flag: Callable[[Features], bool]) -> bool:
-            return any(flag(f) for f in rows)
-
-        self.features = (on(lambda f: f[0]), (on(lambda f: f[1][0]), on(lambda f: f[1][1]), on(lambda f: f[1][2])),
-                         on(lambda f: f[2]), on(lambda f: f[3]))
-
     def leave(self, slots: Sequence[int]) -> None:
         """Take the requests in ``slots`` out of the batch (their rows are reused at the next
         :meth:`join`), recording the tokens each fed in the cache's bookkeeping."""
@@ -212,7 +199,7 @@ class BatchDecoder:
                 self.cache.advance_decoded(s, fed)
             del self._features[s], self._rows[s], self._top[s]
         self.slots = [s for s in self.slots if s in self.fed]
-        self._update_features()
+        self.features = Features.union(self._features.values())
 
     def join(self, slots: Sequence[int], new: dict[int, tuple[Tensor, Sampler]]) -> None:
         """Make the batch ``slots`` in this row order (ascending: the flash decode kernel takes the
@@ -245,7 +232,7 @@ class BatchDecoder:
                 self.sampler.put_rows(index[k: k + 1], new[s][1], zero)
                 self.fed[s], self._features[s], self._top[s] = 0, new[s][1].features, new[s][1].top_logprobs
         self.slots, self._rows = list(slots), {s: i for i, s in enumerate(slots)}
-        self._update_features()
+        self.features = Features.union(self._features.values())
 
     def _sampler(self, size: int, features: Features) -> Sampler:
         if (size, features) not in self._samplers:

@@ -6,20 +6,31 @@ model; :meth:`LLM.generate`, :meth:`LLM.chat` and :meth:`LLM.stream` run request
 request engine (:mod:`megacp.generate.engine`: continuous batching over a cache sized for the batch,
 kept while later batches fit it), :meth:`LLM.session` opens a conversation on the persistent
 CP-sharded cache of a second engine (one slot per session).
+
+One ``LLM`` may be called from several threads: its calls run one at a time (a stream holds the
+``LLM`` until it ends or is closed). Under CP every rank must make the same calls in the same order;
+each call first checks that with one small collective, so calls that reach the ranks in different
+orders (e.g. from several threads) are one ``ValueError`` on every rank, never mixed work.
 """
 
 from __future__ import annotations
 
 import gc
+import hashlib
+import threading
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence, Union
 
 import torch
 
+from megacp.attention.preconditions import agree
 from megacp.attention.strategy import STRATEGIES
 from megacp.checkpoint.dtypes import DTYPES
+from megacp.checkpoint.tokenizer_files import check_companion_files
+from megacp.families import ModelFamily, family_for
 from megacp.generate.engine import (
     EngineCore,
     Request,
@@ -35,7 +46,6 @@ from megacp.generate.outputs import GenerationOutput, chat_ids, outputs_of, stop
 from megacp.generate.requests import check_prompt, encode
 from megacp.generate.sampling import SamplingParams, SeedSource, batch_params
 from megacp.generate.session import Session
-from megacp.integrations.families import family_for
 from megacp.kv_cache import CacheCapacityError, kv_cache_format
 from megacp.layers.settings import CPSettings
 from megacp.models.config import ModelConfig
@@ -71,6 +81,45 @@ def resolve_dtype(dtype: str | torch.dtype | None, state: ParallelState) -> torc
     return DTYPES[name] if name else (torch.bfloat16 if state.device.type == "cuda" else torch.float32)
 
 
+class TokenStream(Iterator["StreamPiece"]):
+    """The iterator :meth:`LLM.stream` returns: the pieces of one request. It holds its ``LLM``
+    (other threads' calls wait) until it ends, fails or is closed (:meth:`close`, or when it is
+    garbage collected).
+
+    Args:
+        pieces: the request's pieces.
+        release: gives the ``LLM`` back (called once).
+    """
+
+    def __init__(self, pieces: Iterator[StreamPiece], release: Callable[[], None]) -> None:
+        self._pieces, self._release = pieces, release
+        self._open = True
+
+    def __iter__(self) -> TokenStream:
+        return self
+
+    def __next__(self) -> StreamPiece:
+        try:
+            return next(self._pieces)
+        except BaseException:  # the end (StopIteration), a cut-off or a failed step
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Stop the request (if it is still running) and give the ``LLM`` back; idempotent."""
+        if self._open:
+            self._open = False
+            try:
+                close = getattr(self._pieces, "close", None)
+                if close is not None:
+                    close()
+            finally:
+                self._release()
+
+    def __del__(self) -> None:
+        self.close()
+
+
 @dataclass
 class StreamPiece:
     """One generated token of :meth:`LLM.stream`, with the text it adds (may be empty while a
@@ -90,7 +139,8 @@ class LLM:
             object. An object, and a directory of an architecture megacp's own models do not
             implement, run transformers' modules with ``attn_implementation="megacp"``
             (:mod:`megacp.integrations.hf_generate`; the object itself is switched to it, cast to
-            ``dtype`` when given, moved to the device and put in eval mode).
+            ``dtype`` when given, moved to the device and put in eval mode); or the family a caller
+            already resolved (:func:`~megacp.families.family_for`).
         config: a DeepSpeed JSON path or dict with megacp's sections (default: every rank in one
             CP group); ignored when ``state`` is given.
         dtype: ``"float32"``, ``"bfloat16"``, ... or a torch dtype (default: see :func:`resolve_dtype`).
@@ -123,18 +173,18 @@ class LLM:
         ValueError: another argument is invalid (before the model loads).
     """
 
-    def __init__(self, model: str | Path | torch.nn.Module | None = None, config: Any = None,
+    def __init__(self, model: str | Path | torch.nn.Module | ModelFamily | None = None, config: Any = None,
                  dtype: str | torch.dtype | None = None, *, strategy: str | None = None, prefill_chunk: int = 0,
                  kv_cache_dtype: str = "auto", calibrate: bool = False, max_num_seqs: int = 256, max_sessions: int = 2,
                  max_session_tokens: int | None = None,
                  cuda_graphs: bool | None = None, allow_non_finite: bool = False, tokenizer: Any = None,
                  state: ParallelState | None = None, verbose: bool = False) -> None:
-        if prefill_chunk < 0:
-            raise ValueError(f"prefill_chunk must be >= 0 (0 = automatic), got {prefill_chunk}")
-        if max_sessions < 1:
-            raise ValueError(f"max_sessions must be >= 1, got {max_sessions}")
-        if max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        sizes = {"prefill_chunk": (prefill_chunk, 0), "max_sessions": (max_sessions, 1),
+                 "max_num_seqs": (max_num_seqs, 1), "max_session_tokens": (max_session_tokens, 2)}
+        for name, (value, least) in sizes.items():
+            if value is not None or name != "max_session_tokens":
+                if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                    raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
         self.state = state or initialize(config)
         self.dtype = resolve_dtype(dtype, self.state)
         cp, runtime = self.state.config.context_parallel, self.state.config.runtime
@@ -142,8 +192,10 @@ class LLM:
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy {strategy!r} is not one of {', '.join(STRATEGIES)}")
         self.family = family_for(model, tokenizer=tokenizer)
-        """The model's family (:mod:`megacp.integrations.families`): how it loads and what it can do."""
+        """The model's family (:mod:`megacp.families`): how it loads and what it can do."""
         self.model_path = self.family.source
+        if not isinstance(model, torch.nn.Module) and Path(self.model_path).is_dir():
+            check_companion_files(Path(self.model_path))  # before the weights load, not after
         cfg = self.family.limits()
         if dtype is None:
             self.dtype = self.family.native_dtype() or self.dtype
@@ -186,6 +238,9 @@ class LLM:
         self.max_num_seqs, self.max_sessions = max_num_seqs, max_sessions
         self.max_session_tokens = max_session_tokens or min(mc.max_position_embeddings, 4096)
         self._engine: EngineCore | None = None  # generate / chat / stream
+        self._lock = threading.Lock()  # held by the running call, or by an open stream
+        self._owner: int | None = None  # the thread that holds it
+        self._stream_hold: object | None = None  # the open stream's token while a stream holds it
         self._sessions: EngineCore | None = None
         self._free_sessions: list[int] = []
         self.last_report: dict[str, Any] = {}
@@ -202,6 +257,9 @@ class LLM:
                ) -> tuple[list[list[int]], list[SamplingParams]]:
         """Token ids of one prompt or many and each one's settings (``sampling``: one for all or
         one per prompt), each prompt checked against the model with its ``max_tokens``."""
+        if not isinstance(prompts, (str, Sequence)):
+            raise ValueError("prompts must be text, token ids, or a list of them, got "
+                             f"{'None' if prompts is None else type(prompts).__name__}")
         one = isinstance(prompts, str) or (len(prompts) > 0 and all(type(t) is int for t in prompts))
         batch = [prompts] if one else list(prompts)
         if not batch:
@@ -244,6 +302,12 @@ class LLM:
                 ``max_tokens`` longer than the model's context; a list of ``sampling`` of another
                 length than the prompts (before any work).
         """
+        with self._held("generate", (prompts, sampling)):
+            return self._generate(prompts, sampling, on_token, progress)
+
+    def _generate(self, prompts: Prompt | Sequence[Prompt], sampling: SamplingParams | Sequence[SamplingParams] | None,
+                  on_token: Callable[[int, int], None] | None, progress: bool) -> list[GenerationOutput]:
+        """:meth:`generate` on the held ``LLM``."""
         ids, params = self._batch(prompts, sampling)
         engine = self._offline(ids, params)
         requests = [Request(p, sp) for p, sp in zip(ids, params)]
@@ -251,7 +315,8 @@ class LLM:
         return outputs_of(result_of(requests, self.last_report), ids, self.tokenizer, params)
 
     def chat(self, messages: Sequence[dict[str, str]] | Sequence[Sequence[dict[str, str]]],
-             sampling: SamplingParams | None = None, **kw: Any) -> list[GenerationOutput]:
+             sampling: SamplingParams | None = None, *, on_token: Callable[[int, int], None] | None = None,
+             progress: bool = False) -> list[GenerationOutput]:
         """:meth:`generate` for one conversation (``[{"role": "user", "content": ...}, ...]``) or a
         list of them, through the tokenizer's chat template."""
         if isinstance(messages, (str, dict)) or not messages:
@@ -262,32 +327,110 @@ class LLM:
         if not all(isinstance(c, (list, tuple)) and c and all(isinstance(m, dict) for m in c) for c in convs):
             raise ValueError("chat takes a conversation, a list of {'role': ..., 'content': ...} messages (or a list "
                              "of conversations)")
-        return self.generate([chat_ids(self.tokenizer, c) for c in convs], sampling, **kw)
+        with self._held("chat", (messages, sampling)):
+            return self._generate([chat_ids(self.tokenizer, c) for c in convs], sampling, on_token, progress)
 
-    def stream(self, prompt: Prompt, sampling: SamplingParams | None = None) -> Iterator[StreamPiece]:
+    def stream(self, prompt: Prompt, sampling: SamplingParams | None = None) -> TokenStream:
         """Generate for one prompt, yielding each token with its new text as it comes (the prompt
-        and parameters are checked on the call, before the iterator starts). A later
-        :meth:`generate`, :meth:`chat` or :meth:`stream` call before the stream ends cuts it off
+        and parameters are checked on the call, before the iterator starts). The stream holds the
+        ``LLM`` until it ends or is closed: other threads' calls wait for it. A :meth:`generate`,
+        :meth:`chat` or :meth:`stream` call of the same thread before the stream ends cuts it off
         (its next step raises ``RuntimeError``)."""
-        ids, (params,) = self._batch([prompt], sampling)
-        engine = self._offline(ids, [params])
-        req = Request(ids[0], params)
+        self._take("stream", (prompt, sampling))
+        try:
+            ids, (params,) = self._batch([prompt], sampling)
+            engine = self._offline(ids, [params])
+        except BaseException:
+            self._give()
+            raise
+        req, hold = Request(ids[0], params), object()
+        self._stream_hold = hold
 
         def pieces() -> Iterator[StreamPiece]:
-            engine.add(req)
+            if self._stream_hold is hold:
+                engine.add(req)
             try:
-                while engine.busy:
+                while self._stream_hold is hold and engine.busy:
                     for _, ev in engine.step():
                         assert ev.token is not None  # offline events carry tokens
                         yield StreamPiece(ev.token, ev.text, ev.finish_reason)
             except BaseException:  # the caller stopped iterating, or a step failed
-                engine.reset()
+                if self._stream_hold is hold:
+                    engine.reset()
                 raise
             if not req.done:
                 raise RuntimeError("this stream was cut off: another generate/chat/stream call of this LLM ran "
                                    "before it finished (iterate one stream to its end at a time)")
 
-        return pieces()
+        def release() -> None:
+            if self._stream_hold is hold:  # not cut off: the stream still holds the LLM
+                self._stream_hold = None
+                self._give()
+
+        return TokenStream(pieces(), release)
+
+    # ------------------------------------------------------------------ one call at a time
+    def _take(self, call: str, arguments: Any = None, *, session: bool = False) -> bool:
+        """Hold the ``LLM`` for one call: wait while another thread's call or open stream holds it.
+        In the thread that holds it, a session call runs inside the running call (sessions have their
+        own engine), and a generate/chat/stream call cuts this thread's open stream off. Then, under
+        CP and unless ``arguments`` is ``None``, the ranks agree on the call (:meth:`_agree`).
+
+        Returns:
+            Whether this call took the ``LLM`` (and must :meth:`_give` it back).
+
+        Raises:
+            RuntimeError: a generate/chat/stream call from inside another call of this thread (an
+                ``on_token`` callback).
+            ValueError: the CP ranks were given different calls (the ``LLM`` is given back).
+        """
+        took = self._owner != threading.get_ident()
+        if took:
+            self._lock.acquire()
+            self._owner = threading.get_ident()
+        elif not session:
+            if self._stream_hold is None:
+                raise RuntimeError(f"LLM.{call}() was called from inside another call of this LLM in the same thread "
+                                   "(an on_token callback?): call it after that call returns")
+            self._stream_hold = None  # this thread's open stream is cut off: its next step says so
+            took = True
+        if arguments is not None:
+            try:
+                self._agree(call, arguments)
+            except BaseException:
+                if took:
+                    self._give()
+                raise
+        return took
+
+    def _give(self) -> None:
+        """Give back the ``LLM`` :meth:`_take` took."""
+        self._owner = None
+        self._lock.release()
+
+    @contextmanager
+    def _held(self, call: str, arguments: Any = None, *, session: bool = False) -> Iterator[None]:
+        """The ``LLM`` held (:meth:`_take`) for the body of a ``with``."""
+        took = self._take(call, arguments, session=session)
+        try:
+            yield
+        finally:
+            if took:
+                self._give()
+
+    def _agree(self, call: str, arguments: Any) -> None:
+        """Under CP, raise ``ValueError`` on every rank unless every rank makes this call with equal
+        ``arguments`` (the call's name and a digest of their ``repr``: one small all-gather per call)."""
+        ring = self.generator.settings.ring
+        if ring is None or ring.size == 1:
+            return
+        digest = hashlib.blake2b(repr(arguments).encode(), digest_size=8).hexdigest()
+        try:
+            agree(ring, [("call", f"{call} {digest}")], device=self.state.device, what=f"LLM.{call}")
+        except ValueError as err:
+            raise ValueError(f"{err}: every CP rank must make the same calls of its LLM in the same order (calls "
+                             "from several threads reach the ranks in different orders: make them from one thread "
+                             "per rank)") from None
 
     # ------------------------------------------------------------------ sessions
     def session(self) -> Session:
@@ -296,6 +439,11 @@ class LLM:
         Raises:
             CacheCapacityError: ``max_sessions`` sessions are open.
         """
+        with self._held("session", (), session=True):
+            return self._session()
+
+    def _session(self) -> Session:
+        """:meth:`session` on the held ``LLM``."""
         engine = self._sessions
         if engine is not None and engine.worker.decode_mode != decode_mode(self.generator) \
                 and len(self._free_sessions) == len(engine.slots):
@@ -310,4 +458,5 @@ class LLM:
                                      "LLM(max_sessions=...)")
         slot = self._free_sessions.pop(0)
         return Session(self._sessions, slot, self.model_config, self.tokenizer, self.max_session_tokens, self.seeds,
-                       release=lambda: self._free_sessions.append(slot))
+                       release=lambda: self._free_sessions.append(slot),
+                       hold=lambda call, arguments: self._held(call, arguments, session=True))

@@ -11,9 +11,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from megacp.attention.preconditions import content_digest
+from megacp.attention.preconditions import agree, content_digest
 from megacp.generate.sampling import SamplingParams
 from megacp.kv_cache import ShardedKVCache, kv_cache_format
+from megacp.kv_cache.storage import available_bytes, storage_bytes
 from megacp.layers.settings import CPSettings
 from megacp.layers.step import CPStep, HeadShape, begin_step
 from megacp.placement import held_after
@@ -92,9 +93,8 @@ class Generator:
         """The automatic prefill chunk on CUDA (0 = whole prompts elsewhere), the same on every CP rank."""
         if self.device.type != "cuda":
             return 0
-        free = torch.cuda.mem_get_info(self.device)[0]
-        free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
-        chunk = auto_prefill_chunk(free, num_heads=self.heads.num_heads, num_kv_heads=self.heads.num_kv_heads,
+        chunk = auto_prefill_chunk(available_bytes(self.device), num_heads=self.heads.num_heads,
+                                   num_kv_heads=self.heads.num_kv_heads,
                                    head_dim=self.shape["head_dim"], elem_bytes=self.dtype.itemsize,
                                    cp_size=self.cp_size)
         if self.settings.ring is not None and self.cp_size > 1:
@@ -115,7 +115,22 @@ class Generator:
                    static_step=static_step)
 
     def new_cache(self, max_requests: int, capacity: int) -> ShardedKVCache:
-        """A KV cache of ``max_requests`` slots holding ``capacity`` tokens each on this rank."""
+        """A KV cache of ``max_requests`` slots holding ``capacity`` tokens each on this rank.
+
+        Raises:
+            ValueError: on every CP rank, before allocating, when the cache is larger than the
+                memory its device has available on some rank
+                (:func:`~megacp.kv_cache.storage.available_bytes`), naming both.
+        """
+        need = storage_bytes(**self.shape, max_requests=max_requests, capacity=capacity, dtype=self.dtype,
+                             kv_cache_dtype=self.kv_cache_dtype)
+        limit = available_bytes(self.device)
+        error = None if need <= limit else (
+            f"the KV cache of {max_requests} slots x {capacity} rows per CP rank needs {need} bytes "
+            f"({need / 2**30:.1f} GiB) on {self.device}, more than the {limit} bytes ({limit / 2**30:.1f} GiB) "
+            "available there: lower the request slots (--max-num-seqs, LLM(max_num_seqs=...), max_sessions) or the "
+            "tokens per request (--max-model-len, max_session_tokens)")
+        agree(self.settings.ring, [], device=self.device, what="the KV cache", local_error=error)
         return ShardedKVCache(**self.shape, max_requests=max_requests, capacity=capacity, cp_size=self.cp_size,
                               cp_rank=self.cp_rank, dtype=self.dtype, device=self.device,
                               load_balance=self.settings.load_balance, kv_cache_dtype=self.kv_cache_dtype)

@@ -1,8 +1,8 @@
 """Checks of a generation request against the model, cheap enough to run before any weight loads.
 
 The model's config comes from :func:`megacp.checkpoint.front.read_model_config` (no weights read);
-:func:`encode`, :func:`check_prompt` and :func:`check_text` raise one ``ValueError`` line naming the
-problem.
+:func:`encode`, :func:`check_prompt`, :func:`check_text` and :func:`check_text_tokens` raise one
+``ValueError`` line naming the problem.
 """
 
 from __future__ import annotations
@@ -43,6 +43,25 @@ def check_context(cfg: ModelLimits, tokens: int, max_tokens: int, what: str = "p
                          f"{cfg.max_position_embeddings} tokens (max_position_embeddings)")
 
 
+def longest_token(tokenizer: Any) -> int:
+    """Characters of ``tokenizer``'s longest token (the text of its vocabulary's tokens, added
+    tokens included; a byte-level token's text has one character per byte): no token covers more
+    characters of a text (:func:`check_text_tokens`)."""
+    return max(map(len, tokenizer.get_vocab()), default=1)
+
+
+def check_text_tokens(chars: int, longest: int, context: int, what: str = "prompt") -> None:
+    """Raise ``ValueError`` when a text of ``chars`` characters cannot leave room for a new token in
+    a context of ``context`` tokens whatever its tokens: each token covers at most ``longest``
+    characters (:func:`longest_token`; a tokenizer whose normaliser never shortens text, as
+    byte-level BPE and SentencePiece), so the text is at least ``ceil(chars / longest)`` tokens.
+    Costs nothing of the text: a prompt is refused before it is tokenised. ``longest`` 0: no check."""
+    least = -(-chars // longest) if longest else 0
+    if least >= context:
+        raise ValueError(f"the {what} of {chars} characters is at least {least} tokens (the tokenizer's longest token "
+                         f"has {longest} characters): it leaves no room in the context of {context} tokens")
+
+
 def check_text(text: str, what: str = "prompt") -> None:
     """Raise ``ValueError`` unless ``text`` is valid Unicode (no undecodable bytes smuggled in as
     surrogates, as a non-UTF-8 command-line argument arrives)."""
@@ -66,6 +85,6 @@ def encode(tokenizer: Any, prompt: str | Sequence[int], what: str = "prompt", *,
         if tokenizer is None:
             raise ValueError(f"a text {what} needs a model with a tokenizer; pass token ids instead")
         return list(tokenizer(prompt, add_special_tokens=special_tokens)["input_ids"])
-    if set(map(type, prompt)) - {int}:
+    if not isinstance(prompt, Sequence) or set(map(type, prompt)) - {int}:  # None, a number, floats
         raise ValueError(f"{what} must be text or a list of integer token ids")
-    return list(prompt)
+    return list(map(int, prompt))

@@ -25,22 +25,61 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Sequence, TypeVar
+from typing import NamedTuple, Sequence, TypeVar
 
 import torch
 from torch import Tensor
 
 from megacp.generate import sampling_kernel
 
-Features = tuple[bool, tuple[bool, bool, bool], bool, bool]
-"""Which steps a :class:`Sampler`'s draw runs (:attr:`Sampler.features`)."""
+
+class Filters(NamedTuple):
+    """Which filters a :class:`Sampler`'s draw runs (those any sampled row of its batch asks for)."""
+
+    top_k: bool
+    top_p: bool
+    min_p: bool
+
+
+class Features(NamedTuple):
+    """Which steps a :class:`Sampler`'s draw runs (:attr:`Sampler.features`; with the batch size,
+    the key of a captured decode graph)."""
+
+    sampled: bool
+    """Some row samples (else every row is greedy: one argmax)."""
+    filters: Filters
+    penalised: bool
+    """Some row has a repetition, presence or frequency penalty (the counts of generated tokens)."""
+    repeats: bool
+    """Some row has a repetition penalty (the context tokens it also penalises)."""
+
+    @classmethod
+    def union(cls, rows: Iterable[Features]) -> Features:
+        """The steps a batch of requests drawing with ``rows`` runs: each one any of them runs."""
+        every = list(rows)
+        filters = [f.filters for f in every]
+        return cls(any(f.sampled for f in every),
+                   Filters(any(x.top_k for x in filters), any(x.top_p for x in filters), any(x.min_p for x in filters)),
+                   any(f.penalised for f in every), any(f.repeats for f in every))
+
+
+GREEDY = Features(False, Filters(False, False, False), False, False)
+"""The features of an all-greedy batch without penalties (one argmax)."""
 
 GREEDY_BELOW = 1e-5
 """Temperatures below this sample greedily (argmax); 0 is the documented way to ask for it."""
 
 DEFAULT_MAX_TOKENS = 16
+
+MAX_LOGPROBS = 20
+"""The most top log-probabilities per generated token a request may ask for (vLLM's default
+``max_logprobs``, OpenAI's chat ``top_logprobs`` limit)."""
+
+SEED_RANGE = (-(2**63), 2**64)
+"""The seeds a request may give, ``[low, high)``: ``torch.manual_seed``'s range (a seed's low 64
+bits make its key, :func:`seed_key`, so a larger one would alias a smaller one)."""
 
 
 @dataclass
@@ -53,8 +92,8 @@ class SamplingParams:
         top_p: nucleus sampling, in (0, 1].
         top_k: keep the ``top_k`` most likely tokens (0 = all).
         min_p: drop tokens less likely than ``min_p`` times the most likely one, in [0, 1] (0 = off).
-        seed: seed of the request's draws (its tokens depend on its seed and logits only: the same
-            alone or in any batch, on every rank and CP size); ``None`` (default): a fresh seed per
+        seed: seed of the request's draws, in :data:`SEED_RANGE` (its tokens depend on its seed and
+            logits only: the same alone or in any batch, on every rank and CP size); ``None`` (default): a fresh seed per
             request, as vLLM's and OpenAI's unseeded requests (:class:`SeedSource`).
         stop: strings that end a request (found in the decoded text; the text ends before it).
         stop_token_ids: token ids that end a request (kept in ``token_ids``).
@@ -64,7 +103,8 @@ class SamplingParams:
         presence_penalty: subtracted from the logit of every token generated so far (0 = off).
         frequency_penalty: subtracted once per time a token was generated so far (0 = off).
         logprobs: per generated token, return the natural-log probability of the chosen token and
-            of the ``logprobs`` most likely tokens (``None`` = none; 0 = the chosen token's only):
+            of the ``logprobs`` most likely tokens (``None`` = none; 0 = the chosen token's only; at
+            most :data:`MAX_LOGPROBS`):
             the log-softmax of the model's fp32 logits, before penalties, temperature and filters
             (vLLM's default ``raw_logprobs``).
 
@@ -95,6 +135,7 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be an integer >= 1, got {n!r}")
         self.max_tokens = self.max_new_tokens = n
         _check_float("temperature", self.temperature, lambda x: x >= 0, ">= 0 (0 = greedy)")
+        _check_float("temperature", self.temperature, math.isfinite, "a finite number (0 = greedy)")
         _check_float("top_p", self.top_p, lambda x: 0 < x <= 1, "in (0, 1]")
         _check_float("repetition_penalty", self.repetition_penalty, lambda x: x > 0, "> 0 (1 = off)")
         _check_float("min_p", self.min_p, lambda x: 0 <= x <= 1, "in [0, 1] (0 = off)")
@@ -103,11 +144,13 @@ class SamplingParams:
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 = all tokens), got {self.top_k!r}")
         if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
-                                          or self.logprobs < 0):
-            raise ValueError(f"logprobs must be None or an integer >= 0 (top tokens per generated token), "
-                             f"got {self.logprobs!r}")
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be None or an integer >= 0 and <= {MAX_LOGPROBS} (top tokens per "
+                             f"generated token; vLLM's max_logprobs), got {self.logprobs!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        if self.seed is not None and not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]:
+            raise ValueError(f"seed must be in [-2**63, 2**64) (torch.manual_seed's range), got {self.seed}")
         if isinstance(self.stop, str):
             self.stop = (self.stop,)
         if not all(isinstance(s, str) and s for s in self.stop):
@@ -342,7 +385,8 @@ class Sampler:
         self.vocab, self.device = vocab, device
         self.sampled = any(not p.greedy for p in params)
         drawn = [p for p in params if not p.greedy]
-        self.filters = (any(p.top_k > 0 for p in drawn), any(p.top_p < 1.0 for p in drawn), any(p.min_p > 0 for p in drawn))
+        self.filters = Filters(any(p.top_k > 0 for p in drawn), any(p.top_p < 1.0 for p in drawn),
+                               any(p.min_p > 0 for p in drawn))
         self.penalised = any(p.penalised for p in params)
         repeats = any(p.repetition_penalty != 1.0 for p in params)
         self.top_logprobs = max((p.logprobs for p in params if p.logprobs is not None), default=None)
@@ -384,7 +428,7 @@ class Sampler:
     def features(self) -> Features:
         """Which steps a draw runs (a captured graph's key with the batch size): sampling, the
         (top-k, top-p, min-p) filters, penalties, the repetition penalty's context tokens."""
-        return self.sampled, self.filters, self.penalised, self.prompt_seen is not None
+        return Features(self.sampled, self.filters, self.penalised, self.prompt_seen is not None)
 
     @classmethod
     def buffers(cls, rows: int, vocab: int, device: torch.device) -> Sampler:
@@ -397,13 +441,13 @@ class Sampler:
     def view(self, rows: int, features: Features) -> Sampler:
         """The first ``rows`` rows (views of this sampler's tensors) drawing with the steps of
         ``features`` only (this sampler must hold their tensors: :meth:`buffers`)."""
-        sampled, filters, penalised, repeats = features
-        if ((sampled and self.columns.numel() != self.vocab) or (penalised and self.counts.shape[1] != self.vocab)
-                or (repeats and self.prompt_seen is None)):
+        if ((features.sampled and self.columns.numel() != self.vocab)
+                or (features.penalised and self.counts.shape[1] != self.vocab)
+                or (features.repeats and self.prompt_seen is None)):
             raise ValueError(f"a sampler of features {self.features} has no tensors for the steps of {features}")
         out = self._map(lambda t: t[:rows])
-        out.sampled, out.filters, out.penalised = sampled, filters, penalised
-        if not repeats:
+        out.sampled, out.filters, out.penalised = features.sampled, features.filters, features.penalised
+        if not features.repeats:
             out.prompt_seen = None
         return out
 
@@ -449,8 +493,8 @@ class Sampler:
         if not self.sampled:
             tokens = logits.argmax(dim=-1)
         else:
-            top_k, top_p, min_p = self.filters
-            floor = min_p_floor(logits.amax(dim=-1) / self.temperature, self.log_min_p) if min_p else None
+            top_k, top_p = self.filters.top_k, self.filters.top_p
+            floor = min_p_floor(logits.amax(dim=-1) / self.temperature, self.log_min_p) if self.filters.min_p else None
             if top_k or top_p:
                 # ascending, as the warpers sort; stable: a greedy row's first largest column is its argmax
                 ordered, index = (logits / self.temperature[:, None]).sort(dim=-1, stable=True)

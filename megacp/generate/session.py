@@ -11,6 +11,7 @@ and engine, one request slot each.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any, Sequence
 
 from megacp.generate.engine import EngineCore, Request, result_of, token_events
@@ -24,14 +25,16 @@ class Session:
     """One conversation's slot of a shared cache (make it with :meth:`megacp.LLM.session`).
 
     Every CP rank must call the same methods with the same arguments. Use it as a context manager
-    or call :meth:`close` to give its slot back (``release`` is then called).
+    or call :meth:`close` to give its slot back (``release`` is then called). Each method runs under
+    ``hold(call, arguments)``: its ``LLM`` held for the call (calls from several threads run one at a
+    time), and under CP the ranks' agreement on the call when ``arguments`` is not ``None``.
     """
 
     def __init__(self, engine: EngineCore, slot: int, model_config: ModelLimits, tokenizer: Any, max_tokens: int,
-                 seeds: SeedSource, release: Callable[[], None]) -> None:
+                 seeds: SeedSource, release: Callable[[], None],
+                 hold: Callable[[str, Any], AbstractContextManager[None]]) -> None:
         self._engine, self._slot, self._cfg, self._tokenizer = engine, slot, model_config, tokenizer
-        self._cache = engine.worker.cache
-        self._seeds, self._release = seeds, release
+        self._seeds, self._release, self._hold = seeds, release, hold
         self.max_tokens = max_tokens
         """Tokens the session may hold in all (``LLM(max_session_tokens=...)``)."""
         self._history: list[int] = []
@@ -57,6 +60,12 @@ class Session:
             Both before any work. Any error part-way (an ``on_token`` callback raising,
             ``KeyboardInterrupt``) leaves the session and its cache slot as before the turn.
         """
+        with self._hold(f"session {self._slot} send", (turn, sampling)):
+            return self._send(turn, sampling, on_token)
+
+    def _send(self, turn: str | Sequence[int], sampling: SamplingParams | None,
+              on_token: Callable[[int, int], None] | None) -> GenerationOutput:
+        """:meth:`send` on the held ``LLM``."""
         if self.closed:
             raise ValueError("this session is closed")
         params = with_eos(self._seeds.resolve(sampling or SamplingParams()), self._cfg.eos_token_ids)
@@ -68,15 +77,14 @@ class Session:
             raise CacheCapacityError(f"the session would hold {len(self._history)} + {len(turn)} (turn) + "
                                      f"{params.max_tokens} (max_tokens) = {total} tokens, more than its "
                                      f"{self.max_tokens} (LLM(max_session_tokens=...))")
-        pending = self._history[self._cache.length(self._slot):] + turn
-        # the spare row is the one the cache keeps past the session's tokens (the static step writes it)
-        self._cache.check_room(self._slot, self._engine.worker.gen.steps(len(pending), params.max_tokens), spare=1)
-        before = self._cache.snapshot(self._slot)
+        pending = self._history[self._engine.held(self._slot):] + turn
+        self._engine.check_room(self._slot, len(pending), params.max_tokens)
+        before = self._engine.snapshot(self._slot)
         req = Request(pending, params, context=self._history + turn, pin=self._slot)
         try:
             self.last_report = self._engine.run([req], token_events(on_token))
         except BaseException:  # an on_token callback raising, KeyboardInterrupt: the turn never happened
-            self._cache.restore(self._slot, before)
+            self._engine.restore(self._slot, before)
             raise
         out = outputs_of(result_of([req], self.last_report), [pending], self._tokenizer, [params])[0]
         self._history += turn + out.token_ids
@@ -94,19 +102,22 @@ class Session:
                 (e.g. an earlier reply was edited).
         """
         ids = chat_ids(self._tokenizer, messages)
-        n = len(self._history)
-        if ids[:n] != self._history:
-            at = next((i for i, (a, b) in enumerate(zip(ids, self._history)) if a != b), min(n, len(ids)))
-            raise ValueError(f"the conversation does not continue this session: its tokens differ from the "
-                             f"cached history at token {at} of {n}")
-        return self.send(ids[n:], sampling, on_token)
+        with self._hold(f"session {self._slot} chat", (messages, sampling)):
+            n = len(self._history)
+            if ids[:n] != self._history:
+                at = next((i for i, (a, b) in enumerate(zip(ids, self._history)) if a != b), min(n, len(ids)))
+                raise ValueError(f"the conversation does not continue this session: its tokens differ from the "
+                                 f"cached history at token {at} of {n}")
+            return self._send(ids[n:], sampling, on_token)
 
     def close(self) -> None:
-        """Free the session's cache slot (idempotent)."""
-        if not self.closed:
-            self.closed = True
-            self._cache.truncate(self._slot, 0)
-            self._release()
+        """Free the session's cache slot (idempotent; no collective: a rank may close alone while
+        unwinding an error)."""
+        with self._hold(f"session {self._slot} close", None):
+            if not self.closed:
+                self.closed = True
+                self._engine.truncate(self._slot, 0)
+                self._release()
 
     def __enter__(self) -> Session:
         return self

@@ -64,7 +64,9 @@ class StepOutput:
 
 
 class Worker:
-    """Executes :class:`Work` on this rank's cache (every slot allocated once, for good).
+    """Executes :class:`Work` on this rank's cache, which it owns (every slot allocated once, for
+    good; an engine on this rank schedules on the cache's slot table, :attr:`EngineCore.table
+    <megacp.generate.engine.EngineCore.table>`).
 
     Args:
         gen: the generator.

@@ -196,14 +196,13 @@ def prepare_model(model: nn.Module, *, dtype: torch.dtype, state: Any, allow_non
     by :func:`~megacp.integrations.transformers.load_pretrained`).
 
     Raises:
-        ValueError: the model is no transformers model, has a feature megacp cannot run exactly, a
-            weight holds NaN or inf (unless ``allow_non_finite``), or the state splits it over TP or
-            PP ranks; one line, before any work.
+        ValueError: the model is no transformers model, has a feature megacp cannot run exactly, or a
+            weight holds NaN or inf (unless ``allow_non_finite``); one line, before any work. (The
+            transformers family refuses a state that splits it over TP or PP ranks before:
+            :func:`~megacp.integrations.transformers.check_mesh`.)
     """
     if not hasattr(model, "set_attn_implementation") or getattr(model, "config", None) is None:
         raise ValueError(f"LLM takes a transformers causal LM object; got a {type(model).__name__}")
-    if state.size("tp") > 1 or state.size("pp") > 1:
-        raise ValueError("a transformers model runs under CP only: tensor and pipeline parallel sizes must be 1")
     check_model(model, training=False)  # what its class and config state: before anything moves
     if not allow_non_finite:
         bad = next((n for n, p in model.named_parameters() if not all_finite(p)), None)

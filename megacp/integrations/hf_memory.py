@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -42,10 +43,12 @@ import torch
 from torch import Tensor, nn
 
 from megacp.config import ConfigError, MemoryOptions
-from megacp.models.checkpointing import HostStash, checkpoint_block, checkpoint_layer
+from megacp.layers.step import TrainStep
+from megacp.models.checkpointing import HostStash, SelfCheckpointed, checkpoint_block, checkpoint_layer
 from megacp.models.config import ModelConfig
 from megacp.models.lm_head import DEFAULT_CHUNK_TOKENS, chunked_cross_entropy
 from megacp.models.ops import rms_norm
+from megacp.models.tiled_layer import TiledLayer, tiled_layer
 from megacp.placement.batch import TrainShard
 
 
@@ -109,7 +112,8 @@ class _TiledPartitioned(torch.autograd.Function):
     (ZeRO 3 gathers them only around each projection's call, so their recorded shapes would be the
     empty partitions); the backward recomputes each tile through the module's own calls and
     back-propagates into the parameters' ``.grad``, telling DeepSpeed (``ds_grad_is_ready``, its
-    protocol for tiled compute) that a parameter's gradient is complete only after the last tile.
+    protocol for tiled compute) that a parameter's gradient is complete only after the last tile (and
+    only where an enclosing tiled computation does not hold it back: :mod:`megacp.models.tiled_layer`).
     Every rank cuts the same number of tiles (:func:`_common_tiles`; some may be empty), so that their
     weight gathers pair up."""
 
@@ -126,15 +130,19 @@ class _TiledPartitioned(torch.autograd.Function):
         (x,) = ctx.saved_tensors
         wants_dx = ctx.needs_input_grad[0]
         grads = []
+        # an enclosing tiled computation (a layer over query tiles) may hold the gradients back itself
+        outer = [getattr(p, "ds_grad_is_ready", True) for p in ctx.params]
         for n, (xt, dyt) in enumerate(zip(torch.tensor_split(x, ctx.tiles, dim=1),
                                           torch.tensor_split(dy.contiguous(), ctx.tiles, dim=1))):
-            for p in ctx.params:
-                p.ds_grad_is_ready = n == ctx.tiles - 1
+            for p, ready in zip(ctx.params, outer):
+                p.ds_grad_is_ready = ready and n == ctx.tiles - 1
             with torch.enable_grad():
                 xt = xt.detach().requires_grad_(wants_dx)
                 yt = ctx.run(xt)
             torch.autograd.backward(yt, dyt)
             grads.append(xt.grad)
+        for p, ready in zip(ctx.params, outer):
+            p.ds_grad_is_ready = ready
         return (torch.cat(grads, dim=1) if wants_dx else None), None, None, None  # type: ignore[arg-type]
 
 
@@ -227,6 +235,95 @@ def tile_mlps(model: nn.Module, tile: int) -> Tiling:
     return tiling
 
 
+def _llama_layer_forward() -> str | None:
+    """The source of transformers' ``LlamaDecoderLayer.forward`` (``None`` where it cannot be read)."""
+    try:
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+        return inspect.getsource(LlamaDecoderLayer.forward)
+    except (ImportError, OSError, TypeError):
+        return None
+
+
+def pre_norm_layer(layer: nn.Module) -> bool:
+    """Whether a transformers decoder layer computes Llama's pre-norm formula —
+    ``h = x + self_attn(input_layernorm(x)); y = h + mlp(post_attention_layernorm(h))`` — read from
+    its class's forward, which must be Llama's line for line (Llama, Mistral, Qwen2, Qwen3 and the
+    other families transformers generates from Llama's layer). Only such layers run their attention
+    over query tiles (:func:`tile_attention`)."""
+    reference = _llama_layer_forward()
+    try:
+        return reference is not None and inspect.getsource(type(layer).forward) == reference
+    except (OSError, TypeError):
+        return False
+
+
+@dataclass
+class AttentionTiling:
+    """The query tiling of a model's decoder layers (what :func:`tile_attention` returns).
+
+    Attributes:
+        tile: local rows per tile (0: untiled; a memory plan may set it per step).
+        layers: the decoder layers that can run tiled (:func:`pre_norm_layer`); the others run as
+            transformers wrote them.
+    """
+
+    tile: int
+    layers: int = 0
+
+
+def tile_attention(model: nn.Module, tile: int) -> AttentionTiling:
+    """Train every decoder layer that computes Llama's pre-norm formula (:func:`pre_norm_layer`)
+    over query tiles of ``tile`` local rows (:func:`~megacp.models.tiled_layer.tiled_layer`: its
+    attention module's own code per tile, K/V projected once per pass, only the layer input kept),
+    in training steps whose ranks hold more than ``tile`` tokens; 0: untiled until the returned
+    :class:`AttentionTiling`'s ``tile`` is set. Layers of another formula run as before.
+
+    Raises:
+        ValueError: ``tile < 0``.
+    """
+    from megacp.integrations.transformers import STEP_KWARG
+
+    if tile < 0:
+        raise ValueError(f"sequence_tiling.attention must be at least 0 tokens; got {tile}")
+    tiling = AttentionTiling(tile)
+    for layer in decoder_layers(model):
+        if not pre_norm_layer(layer):
+            continue
+        tiling.layers += 1
+
+        def tiled(args: tuple[Any, ...], kwargs: dict[str, Any], _layer: Any = layer) -> TiledLayer | None:
+            step = kwargs.get(STEP_KWARG)
+            if not (tiling.tile > 0 and torch.is_grad_enabled() and isinstance(step, TrainStep) and not args
+                    and step.plan.max_local > tiling.tile):
+                return None
+            cos, sin = kwargs["position_embeddings"]
+            position_ids = kwargs.get("position_ids")
+
+            def sublayer(x: Tensor, tile_step: Any, rows: slice) -> Tensor:
+                call = {**kwargs, STEP_KWARG: tile_step, "position_embeddings": (cos[:, rows], sin[:, rows]),
+                        "attention_mask": None}
+                if position_ids is not None:
+                    call["position_ids"] = position_ids[:, rows]
+                return _layer.self_attn(hidden_states=_layer.input_layernorm(x), **call)[0]
+
+            def rest(h: Tensor) -> Tensor:
+                return h + _layer.mlp(_layer.post_attention_layernorm(h))
+
+            return TiledLayer(step, sublayer, rest, list(_layer.parameters()), tiling.tile, dim=1)
+
+        original = layer.forward
+
+        def forward(hidden_states: Tensor, *args: Any, _run: Callable[..., Tensor] = original,
+                    _tiled: Callable[..., TiledLayer | None] = tiled, **kwargs: Any) -> Tensor:
+            plan = _tiled(args, kwargs)
+            return _run(hidden_states, *args, **kwargs) if plan is None else tiled_layer(plan, hidden_states)
+
+        layer.forward = forward  # called through the module (its hooks fire)
+        setattr(layer, "megacp_tiled", tiled)  # noqa: B010 - checkpoint_layers hands such a layer its stash
+    return tiling
+
+
 @dataclass
 class LayerCheckpoints:
     """How :func:`checkpoint_layers` checkpoints a model's decoder layers (read at every forward, so
@@ -267,7 +364,7 @@ def checkpoint_layers(model: nn.Module, checkpoints: LayerCheckpoints) -> LayerC
     if checkpoints.offloaded_layers and checkpoints.stash is None:
         raise ValueError("offloaded decoder layers need a host stash")
     layers = decoder_layers(model)
-    if getattr(model, "is_gradient_checkpointing", False):
+    if any(getattr(module, "gradient_checkpointing", False) is True for module in model.modules()):
         model.gradient_checkpointing_disable()  # type: ignore[operator]  # a transformers PreTrainedModel
     originals = [layer.forward for layer in layers]
     for i, layer in enumerate(layers):
@@ -277,7 +374,7 @@ def checkpoint_layers(model: nn.Module, checkpoints: LayerCheckpoints) -> LayerC
             per = checkpoints.layers_per_checkpoint
             if _i % per:  # inside a block, whose first layer ran it
                 return hidden_states
-            runs = [_bind(f, args, kwargs) for f in originals[_i:_i + per]]
+            runs = [_bind(f, args, kwargs, layers[j]) for j, f in enumerate(originals[_i:_i + per], _i)]
             stash = checkpoints.stash if _i in checkpoints.offloaded_layers else None
             return checkpoint_layer(runs[0] if len(runs) == 1 else checkpoint_block(runs), hidden_states, stash)
 
@@ -293,8 +390,14 @@ def checkpoint_layers(model: nn.Module, checkpoints: LayerCheckpoints) -> LayerC
     return checkpoints
 
 
-def _bind(layer: Callable[..., Tensor], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Callable[[Tensor], Tensor]:
-    """``x -> layer(x, *args, **kwargs)``."""
+def _bind(layer: Callable[..., Tensor], args: tuple[Any, ...], kwargs: dict[str, Any],
+          module: nn.Module) -> Callable[[Tensor], Tensor]:
+    """``x -> layer(x, *args, **kwargs)``; a layer trained over query tiles (:func:`tile_attention`) as a
+    run that keeps its input itself."""
+    tiled = getattr(module, "megacp_tiled", None)
+    plan = tiled(args, kwargs) if tiled is not None else None
+    if plan is not None:
+        return SelfCheckpointed(lambda x, stash: tiled_layer(plan, x, stash))
     return lambda x: layer(x, *args, **kwargs)
 
 
@@ -489,16 +592,20 @@ class HFMemory:
     Attributes:
         tiling: the MLPs' tiling (``None``: untiled).
         checkpoints: the decoder layers' checkpointing (``None``: not checkpointed).
+        attention: the decoder layers' query tiling (``None``: untiled).
     """
 
     tiling: Tiling | None
     checkpoints: LayerCheckpoints | None
+    attention: AttentionTiling | None = None
 
     def apply(self, plan: Any) -> None:
-        """Set the MLP tile, the checkpoint blocks and the offloaded blocks ``plan`` (a
+        """Set the MLP and attention tiles, the checkpoint blocks and the offloaded blocks ``plan`` (a
         :class:`~megacp.train.memory.MemoryPlan`) chose."""
         if self.tiling is not None:
             self.tiling.tile = plan.mlp_tile
+        if self.attention is not None:
+            self.attention.tile = plan.attention_tile
         if self.checkpoints is not None:
             self.checkpoints.layers_per_checkpoint = plan.layers_per_checkpoint
             self.checkpoints.offloaded_layers = plan.offloaded_layers
@@ -515,7 +622,10 @@ def apply_memory(model: nn.Module, memory: MemoryOptions, device: torch.device, 
     Raises:
         ConfigError: ``"auto"`` without a plan, or a model these features cannot apply to.
     """
+    tileable = not num_experts(getattr(model, "config", None)) and any(map(pre_norm_layer, decoder_layers(model)))
     settings: list[tuple[str, object]] = [("sequence_tiling.mlp", memory.mlp_tile)]
+    if tileable:
+        settings.append(("sequence_tiling.attention", memory.attention_tile))
     if memory.activation_checkpointing:
         settings[:0] = [("activation_checkpointing.offload", memory.offload),
                         ("activation_checkpointing.layers_per_checkpoint", memory.layers_per_checkpoint)]
@@ -524,8 +634,10 @@ def apply_memory(model: nn.Module, memory: MemoryOptions, device: torch.device, 
         raise ConfigError(f'{automatic[0]}: "auto" is chosen by megacp\'s memory plan, and {unplanned}; give it a '
                           'value (offload "cpu" or "none", layers_per_checkpoint and sequence_tiling.mlp numbers)')
     fuse_norms(model)
-    tiling = checkpoints = None
+    tiling = checkpoints = attention = None
     try:
+        if memory.attention_tile != 0 and tileable:  # before checkpoint_layers, which hands tiled layers its stash
+            attention = tile_attention(model, 0 if memory.attention_tile == "auto" else memory.attention_tile)
         if memory.activation_checkpointing:
             per = memory.layers_per_checkpoint if isinstance(memory.layers_per_checkpoint, int) else 1
             offload = memory.offload in ("cpu", "auto")
@@ -538,4 +650,4 @@ def apply_memory(model: nn.Module, memory: MemoryOptions, device: torch.device, 
             tiling = tile_mlps(model, memory.mlp_tile)
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    return HFMemory(tiling, checkpoints)
+    return HFMemory(tiling, checkpoints, attention)

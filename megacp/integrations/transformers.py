@@ -124,12 +124,21 @@ def check_config_architecture(config: Any) -> None:
         raise ValueError(problem)
 
 
+def without_adapters(model: nn.Module) -> nn.Module:
+    """The transformers model inside a PEFT ``PeftModel`` (whose adapter layers PEFT put into that
+    model's own modules), or ``model`` itself when it is not one."""
+    if callable(getattr(type(model), "get_base_model", None)) and hasattr(model, "peft_config"):
+        return model.get_base_model()  # type: ignore[operator]  # a peft.PeftModel
+    return model
+
+
 def check_model(model: nn.Module, *, training: bool | None = None) -> None:
     """Refuse, in one line, a model megacp's attention cannot run exactly, before any work (what its
     class and config state; :func:`verify_attention_calls` then runs it once).
 
     Args:
-        model: a transformers ``PreTrainedModel`` (its ``config``).
+        model: a transformers ``PreTrainedModel`` (its ``config``), or a PEFT ``PeftModel`` of one
+            (:func:`without_adapters`: the transformers model's class is checked).
         training: whether it will be trained (default: ``model.training``); attention dropout then
             counts.
 
@@ -140,7 +149,7 @@ def check_model(model: nn.Module, *, training: bool | None = None) -> None:
     config: Any = getattr(model, "config", None)
     problem = config_problem(config) if config is not None else f"{type(model).__name__} has no transformers config"
     if problem is None:
-        problem = _interface_problem(type(model), config)
+        problem = _interface_problem(type(without_adapters(model)), config)
     training = model.training if training is None else training
     if problem is None and training and float(getattr(config, "attention_dropout", 0.0) or 0.0):
         problem = (f"{config.model_type} has attention_dropout={config.attention_dropout} and trains: megacp's "
@@ -168,7 +177,7 @@ def verify_attention_calls(model: nn.Module) -> None:
     """
     global _PROBE
     config: Any = getattr(model, "config", None)
-    name = type(model).__name__
+    name = type(without_adapters(model)).__name__
     layers = getattr(config, "num_hidden_layers", None)
     device = next(model.parameters()).device
     inputs = prepare_batch(torch.tensor([[0, min(1, int(getattr(config, "vocab_size", 2)) - 1)]]), training=False)
@@ -448,6 +457,17 @@ def read_transformers_config(path: str) -> Any:
         raise CheckpointError(f"{path}: transformers cannot read its config ({str(err).splitlines()[0]})") from None
 
 
+def check_mesh(state: Any) -> None:
+    """Refuse a mesh that would split a transformers model: its modules run whole on every rank,
+    under CP and DP only.
+
+    Raises:
+        ValueError: ``state``'s TP or PP size is above 1 (one line).
+    """
+    if state.size("tp") > 1 or state.size("pp") > 1:
+        raise ValueError("a transformers model runs under CP and DP only: tensor and pipeline parallel sizes must be 1")
+
+
 def load_pretrained(path: str, *, dtype: torch.dtype, state: Any = None, activation_checkpointing: bool = False,
                     training: bool = True) -> nn.Module:
     """``AutoModelForCausalLM.from_pretrained(path, attn_implementation="megacp")`` on the state's
@@ -455,16 +475,14 @@ def load_pretrained(path: str, *, dtype: torch.dtype, state: Any = None, activat
 
     Args:
         path: a Hugging Face model directory; dtype: of the parameters.
-        state: the :class:`megacp.ParallelState` (its device; TP must be 1: the transformers modules
-            are not split); ``None``: CPU, CP = 1.
+        state: the :class:`megacp.ParallelState` (its device; the transformers family has checked
+            that it splits nothing over TP or PP ranks: :func:`check_mesh`); ``None``: CPU, CP = 1.
         activation_checkpointing: transformers' non-reentrant gradient checkpointing of every
             decoder layer (the recompute runs the CP ring again).
         training: whether the model will be trained (attention dropout is refused then).
     """
     from transformers import AutoModelForCausalLM
 
-    if state is not None and (state.size("tp") > 1 or state.size("pp") > 1):
-        raise ValueError("a transformers model runs under CP and DP only: tensor and pipeline parallel sizes must be 1")
     model: Any = AutoModelForCausalLM.from_pretrained(path, attn_implementation=NAME, dtype=dtype)
     check_model(model, training=training)
     model = model.to(state.device if state is not None else "cpu")

@@ -10,7 +10,7 @@ Later steps (chunks, decode, session turns) reuse them; anything beyond ``448 * 
 the wire and the FP8 result does not depend on the CP size. Writes quantise (``x / s`` rounds once,
 to nearest, in the cast); reads dequantise to the compute dtype, exactly (a power-of-two scale loses
 nothing), never more than a tile of rows at a time in a prefill (:data:`FP8_TILE_ROWS`), and not at
-all where a decode kernel reads the FP8 rows as stored (:mod:`megacp.attention.fp8_decode_kernel`).
+all where a decode kernel reads the FP8 rows as stored (:mod:`megacp.attention.kernels.fp8_decode_kernel`).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ FP8_HEADROOM = 4.0
 """A request's first step maps its largest key (value) of each head to between ``448 / 8`` and
 ``448 / 4``: later tokens up to 4-8x larger are stored without clamping."""
 FP8_TILE_ROWS = 65536
-"""Rows of an FP8 KV block a prefill dequantises at a time (:mod:`megacp.attention.fp8_kv`): a
+"""Rows of an FP8 KV block a prefill dequantises at a time (:mod:`megacp.attention.blocks`): a
 chunk's transient is O(chunk + this), not O(cached length). 64K rows of the Llama-3.1-8B shape
 (8 KV heads of 128) are 256 MiB of bf16 keys and values; a 16K-query chunk spends ~30 ms of
 attention on them on an H100, against well under 1 ms to dequantise and merge them."""

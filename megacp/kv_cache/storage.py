@@ -8,6 +8,7 @@ many rows to read.
 
 from __future__ import annotations
 
+import os
 from typing import Sequence
 
 import torch
@@ -23,6 +24,34 @@ from megacp.kv_cache.fp8 import (
     quantize_fp8,
 )
 from megacp.placement import ShardPlan
+
+
+def available_bytes(device: torch.device | str) -> int:
+    """Bytes new tensors on ``device`` can take now: on CUDA its free memory plus what torch's
+    allocator holds unused; elsewhere the host's available memory (``MemAvailable``; its total
+    memory where that is unreadable)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def storage_bytes(*, num_layers: int, num_kv_heads: int, head_dim: int, max_requests: int, capacity: int,
+                  dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
+    """Bytes of the tensors a :class:`KVStorage` of these arguments allocates (keys, values and,
+    FP8 only, the scales)."""
+    quantized = kv_cache_format(kv_cache_dtype, dtype) == "fp8_e4m3"
+    rows = num_layers * max_requests * capacity * num_kv_heads * head_dim
+    scales = num_layers * max_requests * 2 * num_kv_heads * 4 if quantized else 0
+    return 2 * rows * (1 if quantized else dtype.itemsize) + scales
 
 
 class KVStorage:
@@ -174,7 +203,7 @@ class KVStorage:
 
     def stored_rows(self, layer: int, starts: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """An FP8 cache's rows as stored, for a decode kernel that reads them so
-        (:mod:`~megacp.attention.fp8_decode_kernel`): ``(k, v, scales)``, the :meth:`flat_kv` views
+        (:mod:`~megacp.attention.kernels.fp8_decode_kernel`): ``(k, v, scales)``, the :meth:`flat_kv` views
         and the ``[B, 2, Hkv]`` fp32 scales of the requests whose first rows are ``starts [B]``
         (int64). No host synchronisation."""
         if self.scales is None:

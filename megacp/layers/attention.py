@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from megacp.attention.partial import partial_attention
+from megacp.attention.kernels.partial import partial_attention
 from megacp.attention.training import ring_attention
 from megacp.placement import ShardPlan, seq_lengths
 
@@ -102,6 +102,76 @@ def check_te_arguments(layer: str, kwargs: dict[str, Any]) -> None:
                             "self-attention with the vanilla softmax only)")
 
 
+_CALL_ARGS: dict[str, tuple[tuple[Any, ...], str]] = {
+    "checkpoint_core_attention": ((False, None), "recomputing core attention in the backward is not implemented"),
+    "core_attention_bias_type": (("no_bias", None), "attention biases are not implemented"),
+    "core_attention_bias": ((None,), "attention biases are not implemented"),
+    "alibi_slopes": ((None,), "ALiBi is not implemented"),
+    "pad_between_seqs": ((False, None), "padding between sequences is not supported"),
+    "fp8_output": ((False, None), "FP8 attention is not implemented (the output has the inputs' dtype)"),
+    "num_splits": ((1, None), "the kernels choose their own splits"),
+    "fast_zero_fill": ((True, False, None), ""),
+}
+"""Per-call arguments of TE's ``DotProductAttention.forward`` that the layers' own signature does
+not name: the values a call may give (those that leave the result unchanged) and why others are refused."""
+
+
+def _is_one_of(value: Any, allowed: tuple[Any, ...]) -> bool:
+    """Whether ``value`` is one of ``allowed`` (same type and equal; never compares a tensor elementwise)."""
+    return any(value is a or (type(value) is type(a) and value == a) for a in allowed)
+
+
+def _shown(value: Any) -> str:
+    return f"<tensor of shape {tuple(value.shape)}>" if isinstance(value, Tensor) else repr(value)
+
+
+def _call_argument_problem(layer: DotProductAttention, name: str, value: Any, attn_mask_type: str,
+                           cu_seqlens: dict[str, Tensor | None]) -> str | None:
+    """Why the layer cannot honour ``name=value`` in a call, or ``None`` when it does."""
+    if name == "window_size":
+        if value is None:
+            return None
+        try:
+            window = sliding_window_of(value, attn_mask_type)
+        except ValueError as err:
+            return str(err)
+        if window == layer.sliding_window:
+            return None
+        return (f"window_size={tuple(value)} differs from the layer's own window_size={layer.window_size}: a layer's "
+                "window is set when it is built")
+    if name in ("cu_seqlens_q_padded", "cu_seqlens_kv_padded"):
+        unpadded = cu_seqlens[name.removesuffix("_padded")]
+        if value is None or (unpadded is not None and torch.equal(value.to(unpadded.device), unpadded)):
+            return None
+        return (f"{name}={_shown(value)}: padding between sequences is not supported "
+                f"(allowed: None or {name.removesuffix('_padded')})")
+    if name not in _CALL_ARGS:
+        return f"unexpected keyword argument {name!r}"
+    allowed, reason = _CALL_ARGS[name]
+    if _is_one_of(value, allowed):
+        return None
+    return f"{name}={_shown(value)}: {reason} (allowed: {', '.join(map(repr, allowed))})"
+
+
+def check_call_arguments(layer: DotProductAttention, te_kwargs: dict[str, Any], attn_mask_type: str,
+                         cu_seqlens_q: Tensor | None, cu_seqlens_kv: Tensor | None) -> None:
+    """Refuse the per-call arguments of TE's ``DotProductAttention.forward`` that ``layer`` does not
+    honour. Accepted: ``window_size`` ``None`` or equal to the layer's own; ``cu_seqlens_*_padded``
+    ``None`` or equal to the unpadded ``cu_seqlens_*``; ``checkpoint_core_attention=False``,
+    ``core_attention_bias_type="no_bias"``, ``core_attention_bias=None``, ``alibi_slopes=None``,
+    ``pad_between_seqs`` ``None``/``False``, ``fp8_output=False``, ``num_splits=1`` and any
+    ``fast_zero_fill`` (outputs hold no padding to fill); ``None`` for each of these as well.
+
+    Raises:
+        ValueError: one line naming every argument refused (an unknown name included).
+    """
+    cu_seqlens = {"cu_seqlens_q": cu_seqlens_q, "cu_seqlens_kv": cu_seqlens_kv}
+    problems = [p for name, value in te_kwargs.items()
+                if (p := _call_argument_problem(layer, name, value, attn_mask_type, cu_seqlens)) is not None]
+    if problems:
+        raise ValueError(f"{type(layer).__name__}.forward: " + "; ".join(problems))
+
+
 class DotProductAttention(nn.Module):
     """Local attention, TE-compatible constructor and forward.
 
@@ -162,12 +232,14 @@ class DotProductAttention(nn.Module):
         max_seqlen_kv: int | None = None,
         attn_mask_type: str | None = None,
         inference_params: Any = None,
-        **_: Any,
+        **te_kwargs: Any,
     ) -> Tensor:
-        """Causal (or unmasked) attention within each sequence; returns heads flattened."""
+        """Causal (or unmasked) attention within each sequence; returns heads flattened.
+        ``te_kwargs``: TE's other per-call arguments, checked by :func:`check_call_arguments`."""
         fmt = qkv_format or self.qkv_format
         mask = attn_mask_type or self.attn_mask_type
         check_format(fmt, mask)
+        check_call_arguments(self, te_kwargs, mask, cu_seqlens_q, cu_seqlens_kv)
         if inference_params is not None:
             raise TypeError(
                 f"{type(self).__name__} is local attention and takes no inference_params; "

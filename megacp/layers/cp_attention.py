@@ -14,7 +14,14 @@ from typing import Any
 from torch import Tensor
 
 from megacp.attention.preconditions import agree, check_inputs
-from megacp.layers.attention import DotProductAttention, check_dropout, check_format, from_thd, to_thd
+from megacp.layers.attention import (
+    DotProductAttention,
+    check_call_arguments,
+    check_dropout,
+    check_format,
+    from_thd,
+    to_thd,
+)
 from megacp.layers.settings import CPSettings
 from megacp.layers.step import CPStep, cacheless_step, step_fields
 from megacp.placement import seq_lengths
@@ -77,12 +84,15 @@ class CPDotProductAttention(DotProductAttention):
         max_seqlen_kv: int | None = None,
         attn_mask_type: str | None = None,
         inference_params: Any = None,
-        **_: Any,
+        **te_kwargs: Any,
     ) -> Tensor:
+        """CP attention of this rank's tokens; returns heads flattened. ``te_kwargs``: TE's other
+        per-call arguments (:func:`~megacp.layers.attention.check_call_arguments`)."""
         fmt = qkv_format or self.qkv_format
         mask = attn_mask_type or self.attn_mask_type
         check_format(fmt, mask)
         _check_causal(mask)
+        check_call_arguments(self, te_kwargs, mask, cu_seqlens_q, cu_seqlens_kv)
         if attention_mask is not None:
             raise ValueError("attention_mask tensors are not supported under CP: delimit sequences with cu_seqlens")
         check_dropout(self)

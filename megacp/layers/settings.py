@@ -14,7 +14,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from megacp.attention.partial import resolve_backend
+from megacp.attention.kernels.registry import resolve_backend
 from megacp.attention.strategy import STRATEGIES
 from megacp.parallel.ring import Ring
 
@@ -30,8 +30,8 @@ class CPSettings:
         prefill: prefill strategy, ``"auto"`` (the paper's rule, resolved per step by the planner),
             ``"pass_kv"`` or ``"pass_q"``.
         decode: decode algorithm (``"allgather"``).
-        backend: partial-attention kernel backend (``"auto"``, ``"cudnn"``, ``"flash"``,
-            ``"reference"``; :mod:`megacp.attention.partial`).
+        backend: partial-attention kernel backend, ``"auto"`` or a backend of
+            :mod:`megacp.attention.kernels.registry` (:mod:`megacp.attention.kernels.partial`).
         load_balance: 2N-chunk prefill sharding (else contiguous chunks).
         calibration_dir: where ``auto`` reads this host's calibration (``None``: ``~/.cache/megacp``).
     """

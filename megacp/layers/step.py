@@ -30,11 +30,11 @@ from typing import ClassVar, Protocol, Sequence
 import torch
 from torch import Tensor
 
-from megacp.attention import fp8_decode_kernel
+from megacp.attention.blocks import FP8KVBlock, KVBlock, block_owners, build_kv_block
 from megacp.attention.decode import allgather_decode, static_decode
-from megacp.attention.fp8_kv import FP8KVBlock, KVBlock
+from megacp.attention.kernels import fp8_decode_kernel
 from megacp.attention.preconditions import agree, check_inputs
-from megacp.attention.prefill import block_owners, build_kv_block, cp_prefill, resolve_strategy, strategy_name
+from megacp.attention.prefill import cp_prefill, resolve_strategy, strategy_name
 from megacp.attention.strategy import Choice
 from megacp.attention.training import ring_attention
 from megacp.kv_cache import AmaxReduce, ShardedKVCache
@@ -197,7 +197,7 @@ class CPStep(ABC):
                 return ("the CP layer computes gradients only without a KV cache (training); run cached prefill and "
                         "decode under torch.no_grad() or torch.inference_mode()")
             return (f"a {type(self).__name__} runs without autograd; train through a TrainStep "
-                    "(megacp.train.loss.lm_loss), or run inference under torch.no_grad() / torch.inference_mode()")
+                    "(megacp.models.loss.lm_loss), or run inference under torch.no_grad() / torch.inference_mode()")
         if self.replicated and q.shape[0] != self.plan.num_requests:
             return (f"a decode step of {self.plan.num_requests} requests needs one query token each on every CP rank; "
                     f"got {q.shape[0]}")
@@ -266,7 +266,7 @@ class CachedStep(PrefillStep):
     slots: list[int] = field(kw_only=True)
     cached: ClassVar[bool] = True
     owners: Tensor | None = field(default=None, init=False, repr=False)
-    """An FP8 cache's :func:`~megacp.attention.prefill.block_owners` of the plan, on the device
+    """An FP8 cache's :func:`~megacp.attention.blocks.block_owners` of the plan, on the device
     (made at the first layer)."""
 
     def _attention(self, layer: AttentionLayer, q: Tensor, k: Tensor, v: Tensor, scale: float | None,

@@ -12,8 +12,11 @@ the same order on every rank. megacp's layers hold no dropout, so no RNG state i
 With a :class:`HostStash` the input goes to pinned host memory instead: copied on a side CUDA
 stream right after the layer's forward (overlapped with the next layer's compute), and copied back
 on that stream when the backward of the *following* layer starts (overlapped with that layer's
-recompute and backward), so that at most two offloaded inputs are on the GPU at once. Pinned buffers
-are pooled by shape and reused across steps. On CPU the stash holds plain copies (tests).
+recompute and backward), so that at most two offloaded inputs are on the GPU at once. Each host
+buffer holds exactly its input's bytes (:func:`page_locked_empty`: whole pages of its own, locked with
+``cudaHostRegister``, where torch's caching host allocator would round it up to a power of two); the
+buffers are pooled by shape, reused across steps, and unlocked and freed when the stash is. On CPU the
+stash holds plain copies (tests).
 
 :func:`checkpoint_block` makes several layers one checkpoint (a second level: one kept input per block,
 the block's layers checkpointed again while its backward runs).
@@ -21,12 +24,50 @@ the block's layers checkpointed again while its backward runs).
 
 from __future__ import annotations
 
+import math
+import mmap
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
+
+CUDA_HOST_REGISTER_PORTABLE = 1
+"""``cudaHostRegisterPortable``: the locked pages count as pinned memory in every CUDA context of the
+process, not only the current device's."""
+
+
+def page_locked_empty(shape: Sequence[int], dtype: torch.dtype) -> Tensor:
+    """An uninitialised host tensor of ``shape`` and ``dtype`` in page-locked (pinned) memory of
+    exactly its size: an anonymous mapping of its own (``ceil(bytes / page)`` pages, shared with no
+    other allocation) locked with ``cudaHostRegister``, so that copies to and from CUDA devices run
+    asynchronously. Release it with :func:`page_unlock` before the tensor is freed.
+
+    Raises:
+        RuntimeError: CUDA refuses to lock the pages (its error code in the message).
+    """
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.empty(tuple(shape), dtype=dtype)
+    pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)  # unmapped once the tensor's storage is freed
+    host = torch.frombuffer(pages, dtype=torch.uint8).view(dtype).view(tuple(shape))
+    err = int(torch.cuda.cudart().cudaHostRegister(host.data_ptr(), nbytes, CUDA_HOST_REGISTER_PORTABLE))
+    if err != 0:
+        raise RuntimeError(f"cudaHostRegister of a {nbytes}-byte host buffer failed with cudaError {err}")
+    return host
+
+
+def page_unlock(buffers: list[Tensor], stream: torch.cuda.Stream | None) -> None:
+    """Unlock the pages of the :func:`page_locked_empty` tensors ``buffers`` once ``stream``'s copies
+    have finished, and drop them (their memory is unmapped when nothing else holds them)."""
+    if stream is not None:
+        stream.synchronize()
+    for host in buffers:
+        if host.numel():
+            torch.cuda.cudart().cudaHostUnregister(host.data_ptr())  # a failure leaves pages locked until exit
+    buffers.clear()
 
 
 @dataclass
@@ -56,6 +97,9 @@ class HostStash:
         self._free: dict[tuple[tuple[int, ...], torch.dtype], list[Tensor]] = {}
         self._entries: list[_Entry | None] = []  # None once fetched (its buffer is back in the pool)
         self.bytes_offloaded = 0
+        self._locked: list[Tensor] = []  # every page-locked buffer, unlocked when the stash is collected
+        if self.cuda:
+            weakref.finalize(self, page_unlock, self._locked, self.stream)
 
     def begin(self) -> None:
         """Start a step: buffers of entries a previous step left unfetched return to the pool."""
@@ -69,7 +113,13 @@ class HostStash:
         """Copy ``x`` to host memory (asynchronously on CUDA); returns the entry's index."""
         key = (tuple(x.shape), x.dtype)
         pool = self._free.get(key)
-        host = pool.pop() if pool else torch.empty(x.shape, dtype=x.dtype, pin_memory=self.cuda)
+        if pool:
+            host = pool.pop()
+        elif self.cuda:
+            host = page_locked_empty(x.shape, x.dtype)
+            self._locked.append(host)
+        else:
+            host = torch.empty(x.shape, dtype=x.dtype)
         entry = _Entry(host, x.device)
         if self.stream is not None:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -124,27 +174,55 @@ class HostStash:
         entry.fetched = None
 
 
+def keep_input(ctx: Any, x: Tensor, stash: HostStash | None) -> None:
+    """Keep a checkpoint's input ``x`` for its backward in an autograd function's ``ctx``: on the
+    device, or in ``stash``'s host memory (:func:`kept_input` gets it back)."""
+    ctx.stash = stash
+    if stash is None:
+        ctx.save_for_backward(x)
+    else:
+        ctx.index = stash.put(x)
+
+
+def kept_input(ctx: Any) -> Tensor:
+    """The input :func:`keep_input` kept (fetched back from the host stash, if there)."""
+    return ctx.saved_tensors[0] if ctx.stash is None else ctx.stash.fetch(ctx.index)
+
+
 class _Checkpoint(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, anchor: Tensor | None, run: Callable[[Tensor], Tensor],
                 stash: HostStash | None) -> Tensor:
         with torch.no_grad():
             y = run(x)
-        ctx.run, ctx.stash = run, stash
-        if stash is None:
-            ctx.save_for_backward(x)
-        else:
-            ctx.index = stash.put(x)
+        ctx.run = run
+        keep_input(ctx, x, stash)
         return y
 
     @staticmethod
     def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, None, None, None]:
-        x = ctx.saved_tensors[0] if ctx.stash is None else ctx.stash.fetch(ctx.index)
+        x = kept_input(ctx)
         with torch.enable_grad():
             xd = x.detach().requires_grad_(ctx.needs_input_grad[0])
             y = ctx.run(xd)
         torch.autograd.backward(y, dy)
         return (xd.grad if ctx.needs_input_grad[0] else None), None, None, None
+
+
+class SelfCheckpointed:
+    """A layer run that keeps only its input for the backward by itself (a layer trained over query
+    tiles, :func:`~megacp.models.tiled_layer.tiled_layer`): :func:`checkpoint_layer` hands it the
+    stash instead of wrapping it in a second checkpoint.
+
+    Args:
+        run: ``(x, stash) -> y``, keeping ``x`` (in ``stash`` when given) for its own backward.
+    """
+
+    def __init__(self, run: Callable[[Tensor, HostStash | None], Tensor]) -> None:
+        self.run = run
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return self.run(x, None)
 
 
 def checkpoint_layer(run: Callable[[Tensor], Tensor], x: Tensor, stash: HostStash | None = None) -> Tensor:
@@ -157,8 +235,11 @@ def checkpoint_layer(run: Callable[[Tensor], Tensor], x: Tensor, stash: HostStas
         stash: host memory for ``x`` (``None``: ``x`` stays on the device).
 
     The output needs gradients whenever autograd is on, also when ``x`` does not (frozen
-    embeddings): the layer's parameters still get theirs.
+    embeddings): the layer's parameters still get theirs. A :class:`SelfCheckpointed` run keeps its
+    input itself (in ``stash`` when given).
     """
+    if isinstance(run, SelfCheckpointed):
+        return run.run(x, stash)
     anchor = None if x.requires_grad else torch.empty(0, requires_grad=True)
     return _Checkpoint.apply(x, anchor, run, stash)
 

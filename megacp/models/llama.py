@@ -33,7 +33,7 @@ backward all-reduce of the input gradient) and :func:`reduce_from_tp` after each
 replicated weights and of the residual stream.
 
 Training: :meth:`CausalLM.hidden_states` returns the final-norm hidden states (the LM head is
-applied by the loss, chunk by chunk: :mod:`megacp.train.loss`); with
+applied by the loss, chunk by chunk: :mod:`megacp.models.loss`); with
 ``activation_checkpointing=True`` each decoder layer's activations are recomputed in backward.
 """
 
@@ -48,11 +48,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from megacp.layers.attention import DotProductAttention
-from megacp.models.checkpointing import HostStash, checkpoint_block, checkpoint_layer
+from megacp.layers.step import TrainStep
+from megacp.models.checkpointing import HostStash, SelfCheckpointed, checkpoint_block, checkpoint_layer
 from megacp.models.config import ModelConfig
 from megacp.models.moe import MoEMLP
 from megacp.models.ops import copy_to_tp, group_size, reduce_from_tp, rms_norm, swiglu, tp_shard
 from megacp.models.rope import RotaryEmbedding, apply_rotary
+from megacp.models.tiled_layer import TiledLayer, tiled_layer
 from megacp.models.tiling import INFERENCE_TILE_TOKENS, tiled_norm_swiglu
 
 
@@ -196,7 +198,15 @@ class LayerNormMLP(nn.Module):
 class DecoderLayer(nn.Module):
     """One pre-norm transformer layer: ``x + self_attention(x)``, then ``+ layernorm_mlp(.)`` (a dense
     layer) or ``+ moe(.)`` (an MoE layer of ``cfg``, :class:`~megacp.models.moe.MoEMLP`, its experts
-    sharded over ``ep_group``)."""
+    sharded over ``ep_group``).
+
+    ``attention_tile`` (a plain attribute, 0 = untiled): in training (a
+    :class:`~megacp.layers.step.TrainStep` under autograd), a dense layer whose ranks hold more
+    local tokens than that runs over query tiles of that many rows, keeping only its input
+    (:func:`~megacp.models.tiled_layer.tiled_layer`: the layer is then its own activation checkpoint).
+    """
+
+    attention_tile: int = 0
 
     def __init__(
         self, cfg: ModelConfig, layer_number: int, tp_group: dist.ProcessGroup | None = None,
@@ -215,12 +225,34 @@ class DecoderLayer(nn.Module):
         inference_params: Any = None,
     ) -> torch.Tensor:
         """x [T, H], cos/sin [T, D] (RoPE at each token's global position), cu_seqlens [B+1] int32 -> [T, H]."""
+        tiled = self.tiled(cos, sin, cu_seqlens, inference_params)
+        if tiled is not None:
+            return tiled_layer(tiled, x)
         x = x + self.self_attention(x, cos, sin, cu_seqlens, inference_params)
         return x + getattr(self, self.mlp_name)(x)
 
+    def tiled(self, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: torch.Tensor, step: Any) -> TiledLayer | None:
+        """The layer over query tiles for a training ``step`` (``None`` where it runs untiled: no
+        ``attention_tile``, no autograd, not a training step, an MoE layer, or a step whose ranks
+        hold at most ``attention_tile`` tokens)."""
+        if not (self.attention_tile > 0 and torch.is_grad_enabled() and isinstance(step, TrainStep)
+                and self.mlp_name == "layernorm_mlp" and step.plan.max_local > self.attention_tile):
+            return None
+
+        def sublayer(x: torch.Tensor, tile_step: Any, rows: slice) -> torch.Tensor:
+            return self.self_attention(x, cos[rows], sin[rows], cu_seqlens, tile_step)
+
+        def rest(h: torch.Tensor) -> torch.Tensor:
+            return h + self.layernorm_mlp(h)
+
+        return TiledLayer(step, sublayer, rest, list(self.parameters()), self.attention_tile)
+
 
 def _bound(layer: nn.Module, *args: Any) -> Callable[[torch.Tensor], torch.Tensor]:
-    """``x -> layer(x, *args)``."""
+    """``x -> layer(x, *args)``; a layer trained over query tiles as a run that keeps its input itself."""
+    tiled = layer.tiled(*args) if isinstance(layer, DecoderLayer) else None
+    if tiled is not None:
+        return SelfCheckpointed(lambda x, stash: tiled_layer(tiled, x, stash))
     return lambda x: layer(x, *args)
 
 
@@ -279,7 +311,7 @@ class CausalLM(nn.Module):
         """Random init: norm weights 1, biases 0, matrices N(0, std²) (a no-op on ``meta``).
 
         Layers passed in by the caller (TE) keep their own initialisation. A model built inside
-        ``deepspeed.zero.Init`` (:func:`megacp.train.engine.build_for_training`) has its parameters
+        ``deepspeed.zero.Init`` (:func:`megacp.train.setup.build_for_training`) has its parameters
         partitioned by the time this runs: each rank initialises its partition (``ds_tensor``) in
         place, on the device DeepSpeed keeps it on, and no full copy is made.
         """

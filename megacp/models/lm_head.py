@@ -7,7 +7,7 @@ The final hidden states are taken ``chunk_tokens`` rows at a time, and each chun
 never runs twice. What it keeps from the forward to the backward instead is those gradients:
 ``d hidden`` ``[n_local, H]`` in the hidden states' dtype and ``d weight`` ``[V, H]`` (fp32 when the
 shard spans several chunks; one chunk's single matmul gives it in the weight's dtype, rounded once
-as autograd's would be). Used by megacp's own models' loss (:func:`megacp.train.loss.lm_loss`) and
+as autograd's would be). Used by megacp's own models' loss (:func:`megacp.models.loss.lm_loss`) and
 a transformers model's tiled loss (:func:`megacp.integrations.hf_memory.tiled_loss`).
 """
 

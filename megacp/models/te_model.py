@@ -145,7 +145,9 @@ if te is not None:
             ) -> tuple[tuple[Any, ...], dict[str, Any]]:
                 q, k, v, *rest = args
                 rotated = (apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v, *rest)
-                return rotated, {**kwargs, "inference_params": inference_params}
+                # TE's MultiheadAttention passes the window it was built with (none here: None or
+                # (-1, 0)); the layer's window is that of megacp's core attention (window_size=None)
+                return rotated, {**kwargs, "inference_params": inference_params, "window_size": None}
 
             hook = self.self_attention.core_attention.register_forward_pre_hook(
                 rope_and_handle, with_kwargs=True

@@ -14,8 +14,8 @@ process or of a process group, never a setting:
 * ``megacp.parallel.ring.side_stream``: one side stream per device and role.
 * ``megacp.attention.strategy``: the calibration numbers a CP group agreed on (so that every
   later strategy choice of the group reads the same numbers).
-* ``megacp.attention.partial`` / ``partial_backward``: shapes a fused kernel refused (so that
-  ``auto`` does not retry them).
+* ``megacp.attention.kernels.partial`` / ``partial_backward``: shapes a fused kernel refused (so that
+  ``auto`` does not retry them), and each fused kernel's module, imported on first use.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megacp.attention.kernels import registry
 from megacp.config import ConfigError, MegacpConfig, load_config, with_env_overrides
 from megacp.parallel.layout import GROUP_KINDS, ParallelLayout
 from megacp.parallel.ring import Ring
@@ -217,9 +218,10 @@ def initialize(
     """
     cfg = with_env_overrides(load_config({} if config is None else config), os.environ)
     kernels = cfg.runtime.attention_backend
-    if kernels in ("cudnn", "flash") and not torch.cuda.is_available():
+    if kernels != registry.AUTO and "cpu" not in registry.get(kernels).devices and not torch.cuda.is_available():
+        anywhere = [name for name in registry.choices() if name == registry.AUTO or "cpu" in registry.get(name).devices]
         raise ConfigError(f"runtime.attention_backend: {kernels!r} runs on CUDA GPUs and this machine has none; "
-                          "use 'auto' or 'reference'")
+                          f"use {' or '.join(map(repr, anywhere))}")
     atexit.unregister(shutdown)  # registered once, however often initialize runs
     atexit.register(shutdown)
     if dist.is_initialized():

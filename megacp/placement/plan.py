@@ -13,7 +13,7 @@ from torch import Tensor
 
 from megacp.placement.layout import SeqLayout, pack_layouts
 from megacp.placement.sharding import Range, shard_ranges
-from megacp.placement.tiles import Tile, plan_tiles
+from megacp.placement.tiles import Tile, plan_tiles, restrict_rows
 
 _T = TypeVar("_T")
 
@@ -153,9 +153,12 @@ class ShardPlan:
         load-balanced layout a later rank reads only the first chunk of an earlier rank's block."""
         return self._memo(("rows", q_rank, kv_rank), lambda: max((t.k1 for t in self.tiles(q_rank, kv_rank)), default=0))
 
-    def tiles(self, q_rank: int, kv_rank: int) -> list[Tile]:
+    def tiles(self, q_rank: int, kv_rank: int, rows: tuple[int, int] | None = None) -> list[Tile]:
         """Kernel calls for ``q_rank``'s queries over ``kv_rank``'s KV block; computed once per plan
-        and reused by every layer."""
+        and reused by every layer. ``rows``: only the queries of local rows ``[a, b)``, renumbered
+        from ``a`` (:func:`~megacp.placement.tiles.restrict_rows`; a query tile of a training layer)."""
+        if rows is not None:
+            return self._memo(("tiles", q_rank, kv_rank, rows), lambda: restrict_rows(self.tiles(q_rank, kv_rank), *rows))
         return self._memo(("tiles", q_rank, kv_rank), lambda: plan_tiles(
             self.q_layout(q_rank), self.kv_layout(kv_rank), self.window,
             self.prefix_runs(kv_rank) if self.window is not None and self.has_cached_kv else None))

@@ -1,4 +1,4 @@
-"""Turning buffer layouts into kernel calls (pure planning; :mod:`megacp.attention.tile_attention`
+"""Turning buffer layouts into kernel calls (pure planning; :mod:`megacp.attention.kernels.tile_attention`
 runs them).
 
 Given where a block's queries sit (:class:`~megacp.placement.layout.SeqLayout` per request, no
@@ -137,6 +137,27 @@ def plan_tiles(q_layout: Sequence[SeqLayout], kv_layout: Sequence[SeqLayout], wi
     return tiles
 
 
+def restrict_rows(tiles: Sequence[Tile], a: int, b: int) -> list[Tile]:
+    """``tiles`` cut to the query rows ``[a, b)`` and renumbered from ``a`` (row ``a`` becomes row 0):
+    the kernel calls of a query tile (a training layer's attention over tiles of its queries). A
+    causal tile keeps the keys its last kept row sees (bottom-right aligned, as before); a dense
+    windowed tile moves its band bound ``left`` by the rows cut from its end. Tiles without a kept
+    row are dropped."""
+    if a > b:
+        raise ValueError(f"query rows [{a}, {b}) are empty the wrong way round")
+    out: list[Tile] = []
+    for t in tiles:
+        lo, hi = max(t.q0, a), min(t.q1, b)
+        if lo >= hi:
+            continue
+        cut = t.q1 - hi  # rows dropped from the tile's end
+        if t.causal:
+            out.append(Tile(lo - a, hi - a, t.k0, t.k1 - cut, True, t.left))
+        else:
+            out.append(Tile(lo - a, hi - a, t.k0, t.k1, False, None if t.left is None else t.left + cut))
+    return out
+
+
 def split_keys(tiles: Sequence[Tile], max_keys: int) -> list[Tile]:
     """``tiles`` with every tile that reads more than ``max_keys`` keys cut, where its mask allows,
     into tiles of at most ``max_keys`` keys (queries whose rows overlap are merged as partial
@@ -144,7 +165,7 @@ def split_keys(tiles: Sequence[Tile], max_keys: int) -> list[Tile]:
     before its last ``q1 - q0`` — go in dense pieces of ``max_keys``; a causal tile's last
     ``q1 - q0`` keys stay one causal tile, and a windowed (``left``) tile stays whole (it reads at
     most its queries plus the window). So each piece reads at most ``max(max_keys, q1 - q0 + window)``
-    keys: what an FP8 block dequantises at a time (:mod:`megacp.attention.fp8_kv`)."""
+    keys: what an FP8 block dequantises at a time (:mod:`megacp.attention.blocks`)."""
     if max_keys < 1:
         raise ValueError(f"a key tile must hold at least 1 key, got {max_keys}")
     out: list[Tile] = []

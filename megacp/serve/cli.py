@@ -25,13 +25,13 @@ from typing import Any, NoReturn, Sequence
 import torch
 import torch.distributed as dist
 
-from megacp.attention.plans import reuse_plans_across_lengths
+from megacp.attention.kernels.plans import reuse_plans_across_lengths
 from megacp.attention.strategy import STRATEGIES
 from megacp.checkpoint.dtypes import DTYPES
 from megacp.checkpoint.front import default_model_path
-from megacp.config import OneLineArgumentParser, add_launcher_args, launcher_rank, print_error_once
 from megacp.generate.llm import LLM, rank_capacity
 from megacp.kv_cache import KV_CACHE_DTYPES
+from megacp.launch import OneLineArgumentParser, add_launcher_args, launcher_rank, print_error_once
 from megacp.serve.protocol import MAX_BODY_BYTES
 from megacp.version import __version__
 
@@ -150,8 +150,8 @@ def _drain_on_signals(server: Any) -> Iterator[None]:
 def _serve(args: argparse.Namespace) -> int:
     from megacp.generate.cli import _set_threads
     from megacp.generate.engine import decoder_worker
+    from megacp.launch.watch import watch_launcher
     from megacp.parallel import initialize
-    from megacp.parallel.launcher_watch import watch_launcher
 
     watch_launcher(PROG)  # a SIGKILLed launcher ends this rank too
     _set_threads(PROG)

@@ -8,7 +8,7 @@ from typing import Any, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
-from megacp.generate.sampling import SamplingParams
+from megacp.generate.sampling import MAX_LOGPROBS, SamplingParams
 
 
 class APIError(Exception):
@@ -26,10 +26,6 @@ class APIError(Exception):
 UNSUPPORTED_DEFAULTS: dict[str, Any] = {"n": 1, "best_of": 1, "echo": False, "logit_bias": None, "suffix": None,
                                         "user": None}
 """Fields accepted only at these values (anything else is refused, naming the field)."""
-
-MAX_LOGPROBS = 20
-"""The most top log-probabilities per token a request may ask for (OpenAI's chat ``top_logprobs``
-limit, vLLM's default ``--max-logprobs``; at most the vocabulary)."""
 
 
 class StreamOptions(BaseModel):

@@ -37,17 +37,16 @@ With TP > 1 the EP group spans the TP ranks, which therefore hold different expe
 tags the expert weights ``tensor_model_parallel`` (:func:`megacp.train.engine.mark_tensor_parallel`)
 so that ZeRO's gradient norm sums them over the TP ranks too.
 
-Refused (one line, :func:`check_expert_training`): ZeRO 0 with ``gradient_clipping`` (DeepSpeed's
-fp32 clipping averages the per-rank norms over DP, which differ when the ranks hold different
-experts) and saving (DeepSpeed writes MoE checkpoints in its own per-expert layout, which
-:mod:`megacp.checkpoint` does not read).
+Refused, in one line: ZeRO 0 with ``gradient_clipping`` (DeepSpeed's fp32 clipping averages the
+per-rank norms over DP, which differ when the ranks hold different experts; a rule of the training
+config, :meth:`megacp.config.TrainingConfig.read`) and saving (:func:`check_expert_saving`: DeepSpeed
+writes MoE checkpoints in its own per-expert layout, which :mod:`megacp.checkpoint` does not read).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
-from typing import Any
+from collections.abc import Iterator
 
 import torch
 from deepspeed.moe.layer import MoE
@@ -69,22 +68,16 @@ def sharded_expert_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter
             for p in (m.expert_fc1_weight, m.expert_fc2_weight)]
 
 
-def check_expert_training(raw: Mapping[str, Any], zero_stage: int, ep_size: int, *, save: bool = False) -> None:
-    """Refuse, in one line, what training experts sharded over ``ep_size`` > 1 ranks does not
-    support (see the module docstring). ``raw`` is the DeepSpeed config, ``zero_stage`` its ZeRO
-    stage, ``save`` whether a checkpoint will be written. Needs no process
-    group: it runs before anything is loaded.
+def check_expert_saving(ep_size: int) -> None:
+    """Refuse saving a checkpoint of experts sharded over ``ep_size`` ranks, when more than one
+    (see the module docstring). Needs no process group: ``megacp.train`` asks before anything is loaded.
 
     Raises:
-        ConfigError: the first unsupported combination.
+        ConfigError: one line.
     """
-    experts = f"experts sharded over expert_model_parallel.size={ep_size} ranks"
-    if zero_stage == 0 and (raw.get("gradient_clipping") or 0) > 0:
-        raise ConfigError(f"gradient_clipping with {experts} needs ZeRO 1 or 2 (ZeRO 0's clipping norm "
-                          "leaves out the other ranks' experts)")
-    if save:
-        raise ConfigError(f"saving a checkpoint of {experts} is not supported (DeepSpeed writes its own "
-                          "per-expert layout)")
+    if ep_size > 1:
+        raise ConfigError(f"saving a checkpoint of experts sharded over expert_model_parallel.size={ep_size} ranks is "
+                          "not supported (DeepSpeed writes its own per-expert layout)")
 
 
 class _GroupRegistration(MoE):

@@ -21,9 +21,9 @@ import torch
 import torch.distributed as dist
 
 import megacp
-from megacp.config import add_launcher_args
 from megacp.generate import Generator, SamplingParams
 from megacp.generate.engine import generate
+from megacp.launch import add_launcher_args
 from megacp.layers.settings import CPSettings
 from megacp.models import build_model
 from scripts.bench import harness as bh

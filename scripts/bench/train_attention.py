@@ -15,7 +15,7 @@ Rows (every time is forward + backward, each call timed alone):
   kernels forward and backward).
 * ``megacp_cp2_rank{0,1}`` — what a CP=2 rank computes, on one GPU: its queries (two load-balanced
   chunks) over its own block and over the other rank's block — the ring's tiles
-  (``plan.tiles``) through :func:`~megacp.attention.tile_attention.run_tiles` and the fused
+  (``plan.tiles``) through :func:`~megacp.attention.kernels.tile_attention.run_tiles` and the fused
   backward :func:`~megacp.attention.training.block_gradients`, with the merge and the fp32
   gradient accumulation (:func:`~megacp.attention.training.accumulate`); no communication. Efficiency T1 / (2 · T_rank), T_rank the slower rank.
 * ``bound_cp2`` — the zero-communication bound of one CP=2 rank: SDPA cuDNN forward+backward of a
@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from megacp.attention import ring_attention
-from megacp.attention.tile_attention import run_tiles
+from megacp.attention.kernels.tile_attention import run_tiles
 from megacp.attention.training import accumulate, block_gradients
 from megacp.placement import ShardPlan
 from scripts.bench import harness as bh
@@ -67,7 +67,7 @@ def sdpa(backend: SDPBackend, causal: bool = True) -> Callable[..., torch.Tensor
 def rank_work(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, plan: ShardPlan,
               idx: list[torch.Tensor], backend: str | None = None) -> Callable[[], None]:
     """One CP rank's tiles forward and backward over every rank's block, computed locally
-    (``backend``: the attention kernels, :mod:`megacp.attention.partial`)."""
+    (``backend``: the attention kernels, :mod:`megacp.attention.kernels.partial`)."""
     r, n = plan.rank, plan.cp_size
     qr, dor = q[idx[r]].contiguous(), dout[idx[r]].contiguous()
     blocks = [(k[i].contiguous(), v[i].contiguous()) for i in idx]

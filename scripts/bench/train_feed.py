@@ -62,7 +62,7 @@ from typing import Any
 
 import torch
 
-from megacp.attention.plans import plan_length
+from megacp.attention.kernels.plans import plan_length
 from megacp.train.data import CorpusBatches, PackedSequence, resolve_corpus
 from scripts.bench import harness as bh
 from scripts.bench.decode_kinds import save_random_model
@@ -164,7 +164,7 @@ def allocator_counts(device: torch.device) -> dict[str, int]:
 
 
 def new_plan_lengths(group: Sequence[PackedSequence], seen: set[int]) -> int:
-    """How many padded cuDNN tile lengths (:func:`~megacp.attention.plans.plan_length` of the
+    """How many padded cuDNN tile lengths (:func:`~megacp.attention.kernels.plans.plan_length` of the
     document pieces, CP 1) of ``group`` are not in ``seen`` yet (added to it): the kernel plans a
     step would build if nothing had warmed them."""
     lengths = {plan_length(int(n)) for s in group for n in torch.diff(s.cu_seqlens.cpu())}
@@ -226,12 +226,13 @@ def run_memory(ctx: bh.Ctx, args: argparse.Namespace, work: Path, config_path: P
     from megacp.layers.settings import CPSettings
     from megacp.train.cli import silence_harmless_warnings
     from megacp.train.collector import GarbageCollection
-    from megacp.train.engine import Trainer, read_settings
+    from megacp.train.engine import Trainer
     from megacp.train.token_cache import build_token_cache
 
     silence_harmless_warnings()
-    config = load_config(config_path)
-    settings = read_settings(config.deepspeed)
+    config = load_config(config_path, training=True)
+    settings = config.training
+    assert settings is not None  # built with training=True
     cp = CPSettings.from_state(ctx.state, prefill="pass_kv")
     loaded = load_on_mesh(str(work / "model"), ctx.state, dtype=settings.dtype, settings=cp)
     model = loaded.model.train()
@@ -246,7 +247,7 @@ def run_memory(ctx: bh.Ctx, args: argparse.Namespace, work: Path, config_path: P
     sequences = [PackedSequence(b.input_ids.to(ctx.device), b.cu_seqlens.to(ctx.device))
                  for b in islice(batches, args.steps * accumulation)]
     groups = [sequences[i: i + accumulation] for i in range(0, len(sequences), accumulation)]
-    trainer = Trainer(model, config.deepspeed, ctx.state, settings, cp=cp)
+    trainer = Trainer(model, config, ctx.state, cp=cp)
     seen: set[int] = set()
     few, warm = groups[: args.diagnose_steps], 1  # the trainer is warm after the main run
     heaviest = max(groups[args.warmup:], key=lambda g: attention_work(g, args.seq_len))

@@ -4,6 +4,7 @@ one run, on the same model shape, optimizer, sequence and device.
 
     python -m scripts.bench.train_long --layers 4 --seq-lens 256K,512K,1M --json out/train_long.json
     python -m scripts.bench.train_long --layers 32 --bf16-optimizer-states --seq-lens 128K,256K,384K --json out/32.json
+    python -m scripts.bench.train_long --layers 32 --bf16-optimizer-states --methods alst --alst-search --seq-lens 128K,256K,384K
     python -m scripts.bench.train_long --tiny --device cpu --seq-lens 64,128     # a CPU check of the logic
 
 The model has Llama-3.1-8B's shape (hidden 4096, 32 Q / 8 KV heads of 128, SwiGLU 14336, vocab
@@ -16,7 +17,7 @@ gradient clipping 1.0. Both DeepSpeed configs share :func:`ds_config`: ZeRO ``--
 (which need DeepSpeed's CPU Adam in place of torch's AdamW, for both methods; the parent builds that
 extension before any child runs, :func:`build_cpu_adam`, so no build time includes its compile).
 
-* ``megacp``: ``build_model`` + ``swap_attention`` + ``read_settings`` + ``Trainer`` (as in
+* ``megacp``: ``build_model`` + ``swap_attention`` + ``load_config(..., training=True)`` + ``Trainer`` (as in
   ``scripts/bench/train_step.py``); the memory sections come from ``--megacp-config``, a preset of
   :data:`MEGACP_PRESETS` or a JSON file whose top-level sections replace the base config's. The
   memory plan runs from the config before the model is built (``plan_from_config``; a refusal ends
@@ -32,8 +33,22 @@ extension before any child runs, :func:`build_cpu_adam`, so no build time includ
   the LM head + loss through ``TiledFusedLogitsLoss`` over the base model's hidden states (shards of
   megacp's loss chunk, 8192 tokens; ``--no-alst-tiled-loss``: transformers' own loss), non-reentrant
   gradient checkpointing (``--no-alst-checkpointing``) whose layer inputs go to the host through
-  DeepSpeed's ``CheckpointHiddenStatesOffload`` (``--no-alst-offload``; on CPU DeepSpeed offloads
-  nothing, which the row notes).
+  DeepSpeed's ``CheckpointHiddenStatesOffload`` but the last ``--alst-keep-last`` K layers' (its
+  ``keep_last_count``, DeepSpeed's default 1; 0: every input on the host; ``--no-alst-offload``: all
+  stay on the GPU; on CPU DeepSpeed offloads nothing, which the row notes). Its knobs on DeepSpeed
+  0.19.8 are these, ``--alst-offload-param`` and ``--bf16-optimizer-states`` (which it honours as
+  megacp does: the row names the optimizer DeepSpeed built and its states' dtype); each row names its
+  configuration (``alst_config``, :class:`AlstConfig`'s label, e.g. ``keep-last-8+offload-param``).
+
+``--alst-search`` tries ALST's configurations at each length instead, each in its own child, and
+keeps the fastest that runs: by default (:func:`search_configs`) the checkpointed inputs offloaded
+all / all but the last L/4, L/2, 3L/4 of the L layers / none, each with ``offload_param`` on then off,
+from the most GPU-frugal and host-hungry to the least (``--alst-search LABEL,...`` names others). A
+configuration that failed at one length is not tried at longer ones, nor, after a GPU out-of-memory
+("CUDA out of memory"), is any that holds at least as much on the GPU (as many kept inputs, parameters
+on the GPU if its were). The length's row is the fastest configuration's, with every attempt
+(``alst_tried``: its tokens/s or failure, peak GPU memory and host RSS) and the ones skipped
+(``alst_skipped``); ALST's longest is the longest any configuration trained.
 
 With ``--from-checkpoint DIR`` the megacp and hf methods load the model from a Hugging Face directory
 of safetensors instead (the loaders of ``megacp.train --model DIR`` and ``--hf-native``: read on the
@@ -47,9 +62,10 @@ failure, recorded as ``oom`` (GPU), ``host-oom`` (killed by a signal), ``plan`` 
 refused it) or ``error``; ``--concurrent`` (CPU checks only) climbs the methods' ladders side by
 side. Per point: the build time, ``--steps`` step times after ``--warmup``, tokens/s of the median
 timed step, the loss, peak GPU memory allocated / reserved over the child's whole run, the child's
-peak host RSS (``os.wait4``), megacp's plan; then each method's longest sequence and megacp / ALST
-tokens/s at equal lengths (and hf / megacp). The header records the command, GPU, host
-RAM and the torch / DeepSpeed / transformers versions.
+peak host RSS (``os.wait4``), megacp's plan, ALST's configuration; then each method's longest
+sequence, megacp / ALST tokens/s at equal lengths (and hf / megacp), and ALST's configuration at
+each length it trained (``alst_configs``). The header records the command, GPU, host RAM and the
+torch / DeepSpeed / transformers versions.
 """
 
 from __future__ import annotations
@@ -63,6 +79,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -83,6 +100,72 @@ TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_heads=4, 
 """``--tiny``: the model shape of the CPU check."""
 
 Step = Callable[[], float]
+
+
+@dataclass(frozen=True)
+class AlstConfig:
+    """One configuration of the ALST peer: where its checkpointed layer inputs and its parameters wait.
+
+    Attributes:
+        keep_last: ``None``: every layer input stays on the GPU (no offload); ``K >= 0``: all go to the
+            host but the last ``K`` layers' (``CheckpointHiddenStatesOffload(keep_last_count=K)``).
+        offload_param: ZeRO 3's parameters on the host (``offload_param``).
+    """
+
+    keep_last: int | None
+    offload_param: bool
+
+    @property
+    def label(self) -> str:
+        """``offload-all`` / ``keep-last-K`` / ``no-offload``, then ``+offload-param`` when on."""
+        inputs = ("no-offload" if self.keep_last is None else "offload-all" if self.keep_last == 0
+                  else f"keep-last-{self.keep_last}")
+        return inputs + ("+offload-param" if self.offload_param else "")
+
+    @classmethod
+    def parse(cls, label: str) -> AlstConfig:
+        """The configuration of a :attr:`label`.
+
+        Raises:
+            ValueError: not a label.
+        """
+        inputs, _, param = label.strip().partition("+")
+        keep = {"offload-all": 0, "no-offload": None}.get(inputs, -1)
+        if keep == -1 and inputs.startswith("keep-last-") and inputs[len("keep-last-"):].isdigit():
+            keep = int(inputs[len("keep-last-"):])
+        if keep == -1 or param not in ("", "offload-param"):
+            raise ValueError(f"{label!r} is not an ALST configuration: offload-all, keep-last-K or no-offload, "
+                             "optionally followed by +offload-param")
+        return cls(keep, param == "offload-param")
+
+    @classmethod
+    def of(cls, args: argparse.Namespace) -> AlstConfig:
+        """The configuration the ``--alst-*`` flags set."""
+        return cls(args.alst_keep_last if args.alst_offload else None, args.alst_offload_param)
+
+    def argv(self) -> list[str]:
+        """The flags that set this configuration in a child."""
+        inputs = ["--no-alst-offload"] if self.keep_last is None else ["--alst-offload", "--alst-keep-last",
+                                                                         str(self.keep_last)]
+        return [*inputs, "--alst-offload-param" if self.offload_param else "--no-alst-offload-param"]
+
+    def kept(self, layers: int) -> int:
+        """Layer inputs of ``layers`` this configuration keeps on the GPU."""
+        return layers if self.keep_last is None else min(self.keep_last, layers)
+
+    def holds_as_much_gpu_as(self, other: AlstConfig, layers: int) -> bool:
+        """Whether this configuration keeps at least what ``other`` keeps on the GPU (as many layer
+        inputs, and the parameters there if ``other``'s are), so that it cannot fit where ``other``
+        ran out of GPU memory."""
+        return self.kept(layers) >= other.kept(layers) and (other.offload_param or not self.offload_param)
+
+
+def search_configs(layers: int) -> list[AlstConfig]:
+    """``--alst-search``'s configurations for a model of ``layers`` layers, from the most GPU-frugal
+    and host-hungry to the least: the layer inputs offloaded all, all but the last L/4, L/2 and 3L/4
+    (those between 0 and L, once each), none; each with ``offload_param`` on, then off."""
+    keeps = sorted({k for k in (layers // 4, layers // 2, 3 * layers // 4) if 0 < k < layers})
+    return [AlstConfig(keep, param) for keep in (0, *keeps, None) for param in (True, False)]
 
 
 def model_config(args: argparse.Namespace) -> Any:
@@ -149,20 +232,27 @@ def megacp_step(args: argparse.Namespace, cfg: Any, state: Any, seq: int) -> tup
         MemoryPlanError: the Trainer's plan refuses the step.
     """
     import megacp
+    from megacp.config import load_config
+    from megacp.families import PlanShape
+    from megacp.families.base import all_layers_dense
     from megacp.models import build_model
     from megacp.train.data import PackedSequence
-    from megacp.train.engine import Trainer, build_for_training, plan_from_config, read_settings
+    from megacp.train.engine import Trainer
+    from megacp.train.setup import build_for_training, plan_from_config
 
-    config = megacp_config(args, state.device.type == "cuda")
-    settings = read_settings(config)
-    plan_from_config(cfg, settings, state, seq_len=seq, micro_batch=1, backend="torch")  # refused before the build
+    config = load_config(megacp_config(args, state.device.type == "cuda"), training=True)
+    settings = config.training
+    assert settings is not None  # built with training=True
+    dense = all_layers_dense(cfg)  # megacp's torch layers: dense ones tile their MLP and their attention
+    shape = PlanShape(cfg, dense_mlp=dense, tiled_attention=dense)
+    plan_from_config(shape, settings, state, seq_len=seq, micro_batch=1)  # refused before the build
     if args.from_checkpoint:  # as megacp.train --model DIR loads it (ZeRO 3: the Trainer partitions it)
         model = loaded_for_training(args.from_checkpoint, state, settings.dtype, transformers=False)
     else:
         model = build_for_training(lambda device: build_model(cfg, dtype=settings.dtype, device=device, backend="torch"),
-                                   config, state, settings)  # ZeRO 3: built partitioned, initialised on the GPU
+                                   config, state)  # ZeRO 3: built partitioned, initialised on the GPU
         megacp.swap_attention(model, state, strategy="pass_kv")
-    trainer = Trainer(model.train(), config, state, settings)
+    trainer = Trainer(model.train(), config, state)
     plan = trainer.prepare(seq)  # the plan and the attention kernels' plans, before the timed steps
     ids = torch.randint(0, cfg.vocab_size, (seq,), device=state.device)
     batch = PackedSequence(ids, torch.tensor([0, seq], dtype=torch.int32))
@@ -177,12 +267,12 @@ def loaded_for_training(directory: str, state: Any, dtype: torch.dtype, *, trans
     """The model of the Hugging Face ``directory`` loaded by its family's ``load_for_training``, the
     loader of ``megacp.train --model DIR`` (``transformers``: as ``--hf-native``, transformers'
     modules with ``attn_implementation="megacp"``; else megacp's own model, CP-swapped, pass-KV)."""
-    from megacp.integrations.families import family_for
+    from megacp.families import family_for
     from megacp.layers.settings import CPSettings
 
     family = family_for(directory, transformers=transformers)
     return family.load_for_training(state, dtype=dtype, settings=CPSettings.from_state(state, prefill="pass_kv"),
-                                    backend="auto" if transformers else "torch").model.train()
+                                    backend="auto" if transformers else "torch").module.train()
 
 
 def checkpoint_mismatch(args: argparse.Namespace) -> str | None:
@@ -239,17 +329,22 @@ def hf_step(args: argparse.Namespace, cfg: Any, state: Any, seq: int) -> tuple[S
     """
     from transformers import LlamaForCausalLM
 
+    from megacp.config import load_config
+    from megacp.families import PlanShape
     from megacp.integrations.hf_memory import plan_config, training_loss
     from megacp.train.data import PackedSequence
-    from megacp.train.engine import Trainer, build_for_training, plan_from_config, read_settings
+    from megacp.train.engine import Trainer
+    from megacp.train.setup import build_for_training, plan_from_config
     from scripts.bench.train_step import hf_config
 
-    config = megacp_config(args, state.device.type == "cuda")
-    settings = read_settings(config)
+    config = load_config(megacp_config(args, state.device.type == "cuda"), training=True)
+    settings = config.training
+    assert settings is not None  # built with training=True
     hf = hf_config(cfg, "megacp")
     plan_cfg = plan_config(hf)
     assert plan_cfg is not None  # a Llama
-    plan_from_config(plan_cfg, settings, state, seq_len=seq, micro_batch=1, norm_apart=True)  # refused before the build
+    shape = PlanShape(plan_cfg, dense_mlp=True, norm_apart=True, tiled_attention=True)  # transformers' Llama layers
+    plan_from_config(shape, settings, state, seq_len=seq, micro_batch=1)  # refused before the build
 
     def build(device: torch.device) -> torch.nn.Module:
         with torch.device(device):
@@ -259,9 +354,9 @@ def hf_step(args: argparse.Namespace, cfg: Any, state: Any, seq: int) -> tuple[S
     if args.from_checkpoint:  # as megacp.train --hf-native --model DIR loads it
         model = loaded_for_training(args.from_checkpoint, state, settings.dtype, transformers=True)
     else:
-        model = build_for_training(build, config, state, settings)  # ZeRO 3: built partitioned on the GPU
+        model = build_for_training(build, config, state)  # ZeRO 3: built partitioned on the GPU
     loss = training_loss(model)
-    trainer = Trainer(model.train(), config, state, settings, loss=loss)
+    trainer = Trainer(model.train(), config, state, loss=loss)
     plan = trainer.prepare(seq)  # the plan and the attention kernels' plans, before the timed steps
     ids = torch.randint(0, cfg.vocab_size, (seq,), device=state.device)
     batch = PackedSequence(ids, torch.tensor([0, seq], dtype=torch.int32))
@@ -273,15 +368,16 @@ def hf_step(args: argparse.Namespace, cfg: Any, state: Any, seq: int) -> tuple[S
 
 
 def alst_step(args: argparse.Namespace, cfg: Any, state: Any, seq: int) -> tuple[Step, Any, dict[str, Any]]:
-    """The ALST recipe's step at ``seq`` tokens, its engine, and what the row notes (the pieces on)."""
+    """The ALST recipe's step at ``seq`` tokens, its engine, and what the row notes (the pieces on,
+    the configuration, the optimizer DeepSpeed built)."""
     import torch.nn.functional as F
     from deepspeed.runtime.activation_checkpointing.offload_activations import CheckpointHiddenStatesOffload
     from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledFusedLogitsLoss, TiledMLP
     from transformers import LlamaForCausalLM
     from transformers.models.llama import modeling_llama
 
-    from megacp.train.engine import deepspeed_for
-    from megacp.train.loss import DEFAULT_CHUNK_TOKENS
+    from megacp.models.lm_head import DEFAULT_CHUNK_TOKENS
+    from megacp.train.setup import deepspeed_for
     from scripts.bench.train_step import hf_config
 
     deepspeed = deepspeed_for(state)  # as megacp's Trainer: no shared-memory op build on CPU
@@ -305,7 +401,11 @@ def alst_step(args: argparse.Namespace, cfg: Any, state: Any, seq: int) -> tuple
     ids = torch.randint(0, cfg.vocab_size, (1, seq), device=state.device)
     labels = torch.cat([ids[:, 1:], torch.full((1, 1), -100, device=state.device)], dim=1)
     loss_shards = math.ceil(seq / DEFAULT_CHUNK_TOKENS)
+    optimizer = engine.basic_optimizer  # bf16 states: DeepSpeed's CPU Adam keeping its moments in bf16
+    bf16_states = engine.bf16_optimizer_states() and not getattr(optimizer, "fp32_optimizer_states", True)
     notes: dict[str, Any] = {"dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+                             "alst_config": AlstConfig.of(args).label,
+                             "alst_optimizer": f"{type(optimizer).__name__} ({'bf16' if bf16_states else 'fp32'} states)",
                              "alst_mlp_shards": mlp_shards if args.alst_tiled_mlp else None,
                              "alst_loss_shards": loss_shards if args.alst_tiled_loss else None}
     if args.alst_offload and not cuda:
@@ -317,7 +417,8 @@ def alst_step(args: argparse.Namespace, cfg: Any, state: Any, seq: int) -> tuple
 
     def step() -> float:
         module = engine.module
-        offload = CheckpointHiddenStatesOffload(use_pin_memory=cuda, use_streams=cuda) if args.alst_offload else None
+        offload = (CheckpointHiddenStatesOffload(use_pin_memory=cuda, use_streams=cuda, keep_last_count=args.alst_keep_last)
+                   if args.alst_offload else None)
         with offload if offload is not None else nullcontext():
             if args.alst_tiled_loss:
                 hidden = module.model(input_ids=ids).last_hidden_state
@@ -383,9 +484,60 @@ MODULE = "scripts.bench.train_long"
 METHODS = ("megacp", "hf", "alst")
 
 
-def run_point(argv: list[str], method: str, seq: int) -> dict[str, Any]:
-    """Run one child; its ``RESULT`` row (or the failure) with its peak host RSS and wall time."""
-    return bh.run_child(MODULE, [*argv, "--child", method, "--child-seq", str(seq)], {"method": method, "seq": seq})
+def run_point(argv: list[str], method: str, seq: int, alst: AlstConfig | None = None) -> dict[str, Any]:
+    """Run one child (ALST's in configuration ``alst`` when given); its ``RESULT`` row (or the failure,
+    which names ``alst``) with its peak host RSS and wall time."""
+    row: dict[str, Any] = {"method": method, "seq": seq}
+    if alst is not None:
+        row["alst_config"] = alst.label
+    extra = alst.argv() if alst is not None else []
+    return bh.run_child(MODULE, [*argv, *extra, "--child", method, "--child-seq", str(seq)], row)
+
+
+class AlstSearch:
+    """``--alst-search``: ALST's ``configs`` at each length of its ladder (each in a child), the
+    fastest that runs kept (the module docstring says which are skipped).
+
+    Args:
+        argv: the parent's command line, passed on to each child; layers: the model's layers.
+    """
+
+    ATTEMPT = ("alst_config", "tokens_per_s", "error", "message", "peak_alloc_gib", "peak_reserved_gib", "host_rss_gib",
+               "alst_offloaded_gib")
+    """What ``alst_tried`` keeps of each attempt's row."""
+
+    def __init__(self, argv: list[str], configs: list[AlstConfig], layers: int) -> None:
+        self.argv, self.configs, self.layers = argv, configs, layers
+        self.failed: dict[AlstConfig, dict[str, Any]] = {}  # each configuration's first failure
+
+    def skips(self, config: AlstConfig) -> bool:
+        """Whether ``config`` cannot fit where a configuration already failed."""
+        return config in self.failed or any(
+            "CUDA out of memory" in row.get("message", "") and config.holds_as_much_gpu_as(other, self.layers)
+            for other, row in self.failed.items())
+
+    def __call__(self, seq: int) -> dict[str, Any]:
+        """The row of the fastest configuration that trains ``seq`` tokens (or the failure)."""
+        ran: list[dict[str, Any]] = []
+        tried: list[dict[str, Any]] = []
+        skipped = []
+        for config in self.configs:
+            if self.skips(config):
+                skipped.append(config.label)
+                continue
+            row = run_point(self.argv, "alst", seq, config)
+            tried.append({k: row[k] for k in self.ATTEMPT if k in row})
+            print(json.dumps(tried[-1]), flush=True)
+            if "error" in row:
+                self.failed[config] = row
+            else:
+                ran.append(row)
+        search = {"alst_tried": tried, "alst_skipped": skipped}
+        if ran:
+            return {**max(ran, key=lambda r: r["tokens_per_s"]), **search}
+        kinds = "+".join(sorted({t["error"] for t in tried})) or "skipped"
+        return {"method": "alst", "seq": seq, "error": kinds,
+                "message": f"none of ALST's configurations trained {seq} tokens ({len(tried)} tried)", **search}
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -411,6 +563,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--alst-tiled-loss", action=bool_flag, default=True)
     p.add_argument("--alst-checkpointing", action=bool_flag, default=True)
     p.add_argument("--alst-offload", action=bool_flag, default=True, help="checkpointed layer inputs on the host")
+    p.add_argument("--alst-keep-last", type=int, default=1, metavar="K",
+                   help="with --alst-offload: the last K layers' inputs stay on the GPU (DeepSpeed's keep_last_count; "
+                        "0: every input on the host)")
+    p.add_argument("--alst-search", nargs="?", const="", default=None, metavar="LABEL,...",
+                   help="at each length, try ALST's configurations (by default offload-all, keep-last-L/4, L/2, 3L/4 and "
+                        "no-offload, each +offload-param then without) and keep the fastest that runs; the --alst-offload, "
+                        "--alst-keep-last and --alst-offload-param flags then set nothing")
     p.add_argument("--concurrent", action="store_true", help="CPU checks: the methods' ladders side by side")
     p.add_argument("--from-checkpoint", metavar="DIR", default=None,
                    help="megacp and hf: load the model from this Hugging Face directory as megacp.train --model DIR "
@@ -428,6 +587,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error(f"--offload-param needs --zero 3 (got --zero {args.zero})")
     if args.alst_offload and not args.alst_checkpointing:
         p.error("--alst-offload offloads the checkpointed inputs: it needs --alst-checkpointing")
+    if args.alst_keep_last < 0:
+        p.error(f"--alst-keep-last must be >= 0 (got {args.alst_keep_last})")
+    if args.alst_search is not None:
+        try:
+            args.alst_configs = ([AlstConfig.parse(label) for label in bh.parse_names(args.alst_search)]
+                                 if args.alst_search else search_configs(args.layers))
+        except ValueError as err:
+            p.error(f"--alst-search: {err}")
+        if "alst" not in args.methods:
+            p.error("--alst-search searches ALST's configurations: it needs alst in --methods")
+        if not args.alst_checkpointing and any(c.keep_last is not None for c in args.alst_configs):
+            p.error("--alst-search: configurations that offload checkpointed inputs need --alst-checkpointing")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("no CUDA device (use --device cpu --tiny for a check of the logic)")
     if args.concurrent and args.device == "cuda":
@@ -439,10 +610,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if args.from_checkpoint and (problem := checkpoint_mismatch(args)):
         p.error(f"--from-checkpoint {args.from_checkpoint}: {problem}")
     if {"megacp", "hf"} & set(args.methods):
-        from megacp.train.engine import read_settings
+        from megacp.config import load_config
 
         try:  # a config megacp refuses: one line before any child runs
-            read_settings(megacp_config(args, args.device == "cuda"))
+            load_config(megacp_config(args, args.device == "cuda"), training=True)
         except ValueError as err:
             p.error(str(err))
     return args
@@ -450,7 +621,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 COLUMNS = [("method", "method", "s"), ("seq", "S", "d"), ("step", "step s", ".2f"), ("tokens_per_s", "tokens/s", ".0f"),
            ("peak_alloc_gib", "GPU alloc GiB", ".1f"), ("peak_reserved_gib", "GPU reserved GiB", ".1f"),
-           ("host_rss_gib", "host RSS GiB", ".1f"), ("loss", "loss", ".4f"), ("error", "failure", "s")]
+           ("host_rss_gib", "host RSS GiB", ".1f"), ("loss", "loss", ".4f"), ("alst_config", "ALST configuration", "s"),
+           ("error", "failure", "s")]
 
 
 def build_cpu_adam() -> float:
@@ -475,11 +647,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.from_checkpoint and not os.path.isfile(os.path.join(args.from_checkpoint, "config.json")):
         info["checkpoint_write_s"] = write_checkpoint(args, args.from_checkpoint)
     print(json.dumps(info), flush=True)
+    points: dict[str, Callable[[int], dict[str, Any]]] = {m: (lambda s, m=m: run_point(argv, m, s)) for m in args.methods}
+    if "alst" in args.methods:
+        points["alst"] = (AlstSearch(argv, args.alst_configs, args.layers) if args.alst_search is not None else
+                          lambda s: run_point(argv, "alst", s, AlstConfig.of(args)))
     if args.concurrent:
         with ThreadPoolExecutor(len(args.methods)) as pool:
-            ladders = list(pool.map(lambda m: bh.climb(lambda s: run_point(argv, m, s), args.seq_lens), args.methods))
+            ladders = list(pool.map(lambda m: bh.climb(points[m], args.seq_lens), args.methods))
     else:
-        ladders = [bh.climb(lambda s, m=m: run_point(argv, m, s), args.seq_lens) for m in args.methods]
+        ladders = [bh.climb(points[m], args.seq_lens) for m in args.methods]
     rows = [row for rows_of_method in ladders for row in rows_of_method]
     ok = {(r["method"], r["seq"]): r for r in rows if "error" not in r}
     longest = {m: max((s for (mm, s) in ok if mm == m), default=0) for m in args.methods}
@@ -488,14 +664,18 @@ def main(argv: list[str] | None = None) -> int:
     ratios["hf/megacp"] = {s: round(ok[("hf", s)]["tokens_per_s"] / ok[("megacp", s)]["tokens_per_s"], 3)
                            for (m, s) in ok if m == "hf" and ("megacp", s) in ok}
     ratios = {k: v for k, v in ratios.items() if v}
+    alst_configs = {s: r["alst_config"] for (m, s), r in ok.items() if m == "alst"}
     table = [{**r, "step": statistics.median(r["step_s"]) if "step_s" in r else None} for r in rows]
     bh.print_table(None, table, COLUMNS, f"training steps, {args.layers} layers, one sequence per step")
     print("longest: " + ", ".join(f"{m} {bh.size_label(s) if s else 'none'}" for m, s in longest.items()))
     for name, by_seq in ratios.items():
         print(f"{name} tokens/s: " + ", ".join(f"{bh.size_label(s)} {r:.3f}" for s, r in by_seq.items()))
+    if alst_configs:
+        print("alst configuration: " + ", ".join(f"{bh.size_label(s)} {c}" for s, c in alst_configs.items()))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({**info, "results": rows, "longest": longest, "tokens_per_s_ratios": ratios}, f, indent=1)
+            json.dump({**info, "results": rows, "longest": longest, "tokens_per_s_ratios": ratios,
+                       "alst_configs": alst_configs}, f, indent=1)
     return 0
 
 

@@ -31,7 +31,7 @@ import torch
 import megacp
 from megacp.models import ModelConfig, build_model
 from megacp.train.data import PackedSequence
-from megacp.train.engine import Trainer, read_settings
+from megacp.train.engine import Trainer
 from scripts.bench import harness as bh
 
 DS_CONFIG = {
@@ -76,7 +76,7 @@ def megacp_step(state: megacp.ParallelState, cfg: ModelConfig, ids: torch.Tensor
     model = build_model(cfg, dtype=torch.bfloat16, device=state.device, backend="torch")
     megacp.swap_attention(model, state, strategy="pass_kv")
     model.train()
-    trainer = Trainer(model, DS_CONFIG, state, read_settings(DS_CONFIG))
+    trainer = Trainer(model, DS_CONFIG, state)
     seq = PackedSequence(ids, torch.tensor([0, ids.numel()], dtype=torch.int32))
 
     def step() -> None:
@@ -115,7 +115,7 @@ def hf_megacp_step(state: megacp.ParallelState, cfg: ModelConfig, ids: torch.Ten
     from megacp.integrations.hf_memory import training_loss
 
     model = hf_model(cfg, "megacp")
-    trainer = Trainer(model, DS_CONFIG, state, read_settings(DS_CONFIG), loss=training_loss(model))
+    trainer = Trainer(model, DS_CONFIG, state, loss=training_loss(model))
     seq = PackedSequence(ids, torch.tensor([0, ids.numel()], dtype=torch.int32))
 
     def step() -> None:

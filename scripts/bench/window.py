@@ -6,8 +6,8 @@ how much of the work outside the window the tile planner really skips.
     python -m scripts.bench.window --tiny --json /tmp/window.json      # CPU smoke test (seconds)
 
 Banded tiles (every tile of this plan) run as cuDNN's own band where the cuDNN frontend package is
-installed (:mod:`megacp.attention.cudnn_band`), else as batched square causal cuDNN calls
-(:mod:`megacp.attention.band`) (``window`` rows, backend ``"auto"``) and, with ``--band-kernels
+installed (:mod:`megacp.attention.kernels.cudnn_band`), else as batched square causal cuDNN calls
+(:mod:`megacp.attention.kernels.band`) (``window`` rows, backend ``"auto"``) and, with ``--band-kernels
 auto,flash`` (the default on CUDA), also through FlashAttention-2's window arguments
 (``window_flash`` rows, backend ``"flash"``), in the same run. The kernel that served the
 ``"auto"`` rows' banded tiles is printed (``band kernel: cudnn``, or ``flash`` where cuDNN refused).
@@ -39,7 +39,8 @@ from typing import Callable
 import torch
 from torch.nn.attention import SDPBackend
 
-from megacp.attention import partial, partial_backward, ring_attention
+from megacp.attention import ring_attention
+from megacp.attention.kernels import partial, partial_backward
 from megacp.placement import ShardPlan
 from scripts.bench import harness as bh
 from scripts.bench.train_attention import fwd_bwd, rank_work, sdpa

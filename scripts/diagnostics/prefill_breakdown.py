@@ -34,8 +34,8 @@ import torch
 
 
 from megacp.attention import build_kv_block, cp_prefill, partial_attention, pass_kv
-from megacp.attention.merge import merge_into
-from megacp.attention.tile_attention import run_tiles
+from megacp.attention.kernels.merge import merge_into
+from megacp.attention.kernels.tile_attention import run_tiles
 from megacp.parallel.peer import peer_window
 from megacp.parallel.ring import Ring
 from megacp.placement import ShardPlan

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """New tokens after a cached prefix (a chunk, a chat turn): FlashAttention-2's varlen forward
-against its batched forward, the one :func:`megacp.attention.varlen.varlen_attention` runs for such
+against its batched forward, the one :func:`megacp.attention.kernels.varlen.varlen_attention` runs for such
 a tile, on one GPU.
 
     python -m scripts.diagnostics.prefix_attention            # prefixes 8K/32K/128K, 1..2048 queries

@@ -27,7 +27,8 @@ from collections.abc import Callable
 
 import torch
 
-from megacp.attention.partial_backward import _KERNELS
+from megacp.attention.kernels import registry
+from megacp.attention.kernels.partial import kernel_module
 from scripts.bench import harness as bh
 
 
@@ -53,7 +54,7 @@ def main() -> None:
         k, v = t(2 * c, hkv), t(2 * c, hkv)
         lse = torch.randn(2 * c, h, device=dev, dtype=torch.float32).add_(8.0)
         fns: dict[str, Callable[[], object]] = {}
-        for name, kern in _KERNELS.items():
+        for name, kern in ((b.name, kernel_module(b.name).backward) for b in registry.fused()):
             def call(qa: int, qb: int, kb: int, b: int = 1, kern=kern) -> tuple:
                 kk, vv = k[:kb], v[:kb]
                 if b > 1:  # the same keys for every batch entry

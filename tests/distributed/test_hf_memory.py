@@ -102,7 +102,7 @@ def _train(rank: int, world_size: int) -> dict:
     import megacp
     from megacp.integrations.transformers import shard_loss
     from megacp.train.data import PackedSequence
-    from megacp.train.engine import Trainer, read_settings
+    from megacp.train.engine import Trainer
     from megacp.integrations.hf_memory import tiled_loss
 
     g = torch.Generator().manual_seed(5)
@@ -121,7 +121,7 @@ def _train(rank: int, world_size: int) -> dict:
             state = megacp.initialize(config)
             model = make_model("qwen3")
             model.set_attn_implementation("megacp")
-            trainer = Trainer(model.train(), config, state, read_settings(config),
+            trainer = Trainer(model.train(), config, state,
                               loss=tiled_loss if extra else shard_loss)
             losses = [trainer.step(iter([b])).loss for b in batches]
             params = list(trainer.module.parameters())

@@ -7,6 +7,7 @@ The LLM is built inside each rank of a real gloo process group (CP = world size)
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -185,3 +186,73 @@ def test_llm_refuses_non_finite_weights_unless_allowed(tmp_path: Path) -> None:
     refused, loaded_nan = run_distributed(_non_finite_body, 1, str(tmp_path))[0]
     assert "tensor 'layers.1.self_attention.layernorm_qkv.key_weight'" in refused and "holds 1 non-finite value" in refused
     assert loaded_nan
+
+
+THREAD_CALLS = 4
+
+
+def _thread_calls(thread: int) -> list[tuple[str, list[int], int]]:
+    """The calls one thread makes: (kind, prompt, seed); thread 1 streams every other call."""
+    g = torch.Generator().manual_seed(11 + thread)
+    kinds = ["generate"] * THREAD_CALLS if thread == 0 else ["generate", "stream"] * (THREAD_CALLS // 2)
+    return [(kind, torch.randint(3, 256, (5 + 7 * i + thread,), generator=g).tolist(), 100 * thread + i)
+            for i, kind in enumerate(kinds)]
+
+
+def _threads_body(rank: int, n: int, path: str) -> dict:
+    """Every call of two threads alone, then the two threads at once on one LLM (each call's tokens
+    or its error message), then one more call from the main thread (the ranks are still in step)."""
+    import threading
+
+    from megacp import LLM, SamplingParams
+
+    llm = LLM(path, dtype="float32")
+
+    def call(kind: str, prompt: list[int], seed: int) -> list[int]:
+        params = SamplingParams(max_tokens=NEW, ignore_eos=True, temperature=0.8, seed=seed)
+        if kind == "stream":
+            return [piece.token_id for piece in llm.stream(prompt, params)]
+        return llm.generate([prompt], params)[0].token_ids
+
+    calls = [_thread_calls(t) for t in range(2)]
+    alone = [[call(*c) for c in thread_calls] for thread_calls in calls]
+    together: list[list] = [[], []]
+    start = threading.Barrier(2)
+
+    def run(t: int) -> None:
+        start.wait()
+        for c in calls[t]:
+            try:
+                together[t].append(call(*c))
+            except ValueError as err:
+                together[t].append(str(err))
+
+    threads = [threading.Thread(target=run, args=(t,)) for t in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    return dict(alone=alone, together=together, after=call(*calls[0][0]))
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_two_threads_on_one_llm_get_the_single_threaded_tokens(n: int, tiny) -> None:
+    """Two threads x 4 calls (generate and streams) on one LLM: at CP 1 every call gives the tokens it
+    gives alone; at CP 2 each call gives them or, where the threads' calls reached the two ranks in
+    different orders, one error on every rank saying so; the ranks stay in step."""
+    path, _ = tiny
+    results = run_distributed(_threads_body, n, path)
+    for rank, res in enumerate(results):
+        assert res["alone"] == results[0]["alone"] and res["after"] == res["alone"][0][0]
+        for t in range(2):
+            assert len(res["together"][t]) == THREAD_CALLS
+            for i, got in enumerate(res["together"][t]):
+                if n == 1 or isinstance(got, list):
+                    assert got == res["alone"][t][i], (rank, t, i, got)
+                    continue
+                kind = _thread_calls(t)[i][0]
+                assert re.fullmatch(
+                    rf"LLM\.{kind}: the 2 CP ranks must pass the same values but differ in call \(rank {rank} has "
+                    rf"'{kind} [0-9a-f]{{16}}', rank\(s\) \[{1 - rank}\] another value\): every CP rank must make the "
+                    r"same calls of its LLM in the same order \(calls from several threads reach the ranks in different "
+                    r"orders: make them from one thread per rank\)", got), got

@@ -245,9 +245,9 @@ def _moe_config() -> ModelConfig:
 
 def _train_worker(rank: int, world: int, cp: int, tp: int) -> dict:
     from megacp import swap_attention
+    from megacp.layers.settings import CPSettings
     from megacp.parallel.layout import ParallelLayout
     from megacp.parallel.state import ParallelState
-    from megacp.layers.settings import CPSettings
     from tests.helpers.training import seeded_model, train_steps
 
     state = ParallelState.build(ParallelLayout(cp=cp, tp=tp))
@@ -326,8 +326,8 @@ def _ep_reference(kind: str, clip: float) -> dict:
     """One process, every expert, plain ``torch.optim.AdamW``: per step the mean of the two DP
     replicas' losses is differentiated (DeepSpeed's average over DP), clipped, and stepped. Returns
     the losses, the gradient norms before clipping, step 0's gradients and the final parameters."""
+    from megacp.models.loss import lm_loss
     from megacp.placement.batch import shard_batch
-    from megacp.train.loss import lm_loss
     from tests.helpers.training import seeded_model
 
     model = seeded_model(_ep_model_config(kind)).train()
@@ -358,9 +358,9 @@ def _ep_train_worker(rank: int, world: int) -> dict:
     from megacp.checkpoint.tp import shard_experts, shard_tensor
     from megacp.models import CausalLM
     from megacp.models.build import expert_parallel_group
+    from megacp.models.loss import lm_loss
     from megacp.placement.batch import shard_batch
-    from megacp.train.engine import Trainer, read_settings
-    from megacp.train.loss import lm_loss
+    from megacp.train.engine import Trainer
     from tests.helpers.training import seeded_model
 
     torch.set_num_threads(1)
@@ -377,7 +377,7 @@ def _ep_train_worker(rank: int, world: int) -> dict:
         model.load_state_dict({n: shard_experts(n, shard_tensor(cfg, n, t, tp_rank, tp), ep_rank, ep_size).clone()
                                for n, t in seeded_model(cfg).state_dict().items()})
         megacp.swap_attention(model, state, strategy="pass_kv")
-        trainer = Trainer(model, config, state, read_settings(config))
+        trainer = Trainer(model, config, state)
         dp, first = state.rank_in("dp"), {}
         if stage == 0:
             batch = _ep_batches()[dp]

@@ -53,7 +53,7 @@ def _rms_rel(x: torch.Tensor, ref: torch.Tensor) -> float:
 
 def _bf16_ratios(cuda: bool) -> dict[tuple[int, str], float]:
     """Worst ratio per ``(N, strategy)`` over :data:`BF16_SEEDS` (see the tests below)."""
-    from megacp.attention.partial import partial_attention
+    from megacp.attention.kernels.partial import partial_attention
 
     world = min(4, torch.cuda.device_count()) if cuda else 4
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
@@ -229,8 +229,8 @@ def test_rows_with_no_visible_key_or_only_neg_inf_scores_match_sdpa() -> None:
     more queries than keys (the first rows see no key) and rows whose every visible score is -inf
     give out = 0 where SDPA gives 0, with LSE -inf (so a merge weighs them 0); a +inf score gives NaN
     in both. A partial with LSE -inf merged into another leaves it unchanged, bit for bit."""
-    from megacp.attention.merge import merge_states
-    from megacp.attention.partial import partial_attention
+    from megacp.attention.kernels.merge import merge_states
+    from megacp.attention.kernels.partial import partial_attention
 
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(n, 2, 8, generator=g) for n in (7, 4, 4))

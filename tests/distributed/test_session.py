@@ -128,7 +128,7 @@ def test_check_room_predicts_the_steps_that_fit(n: int) -> None:
 
     g = torch.Generator().manual_seed(n)
     outcomes = set()
-    for trial in range(40):
+    for _ in range(40):
         steps = [int(x) for x in torch.randint(1, 12, (int(torch.randint(1, 6, (1,), generator=g)),), generator=g)]
         steps += [1] * int(torch.randint(0, 6, (1,), generator=g))
         capacity = int(torch.randint(2, 12, (1,), generator=g))

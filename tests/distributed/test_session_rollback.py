@@ -44,7 +44,7 @@ def _rollback_body(rank: int, n: int, path: str, turns: list[list[int]]) -> dict
 
 def llm_cache_state(session) -> tuple:
     """The session slot's cache bookkeeping, comparable with ``==``."""
-    return session._cache.snapshot(session._slot)
+    return session._engine.snapshot(session._slot)
 
 
 @pytest.mark.parametrize("n", [1, 2])

@@ -107,3 +107,48 @@ def test_te_arguments_megacp_does_not_honour_are_refused(kwargs: dict, message: 
         with pytest.raises(TypeError, match=re.escape(message)):
             cls(4, 8, 2, **kwargs)
         cls(4, 8, 2, sequence_parallel=False, tp_size=1, tp_group=None, attention_type="self", cp_group=None)
+
+
+TE_NEUTRAL_CALL = dict(cu_seqlens_kv_padded=None, window_size=(-1, 0), checkpoint_core_attention=False,
+                       core_attention_bias_type="no_bias", core_attention_bias=None, alibi_slopes=None,
+                       fast_zero_fill=True, pad_between_seqs=None, fp8_output=False)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(alibi_slopes=torch.ones(4)), "alibi_slopes=<tensor of shape (4,)>: ALiBi is not implemented (allowed: None)"),
+    (dict(core_attention_bias_type="post_scale_bias", core_attention_bias=torch.zeros(1, 4, 10, 10)),
+     "core_attention_bias_type='post_scale_bias': attention biases are not implemented (allowed: 'no_bias', None); "
+     "core_attention_bias=<tensor of shape (1, 4, 10, 10)>: attention biases are not implemented (allowed: None)"),
+    (dict(window_size=(3, 0)),
+     "window_size=(3, 0) differs from the layer's own window_size=None: a layer's window is set when it is built"),
+    (dict(checkpoint_core_attention=True), "checkpoint_core_attention=True: recomputing core attention in the "
+     "backward is not implemented (allowed: False, None)"),
+    (dict(cu_seqlens_q_padded=torch.tensor([0, 5, 12], dtype=torch.int32)),
+     "cu_seqlens_q_padded=<tensor of shape (3,)>: padding between sequences is not supported "
+     "(allowed: None or cu_seqlens_q)"),
+    (dict(windw_size=(3, 0)), "unexpected keyword argument 'windw_size'"),
+])
+def test_te_call_arguments_the_layer_does_not_honour_are_refused(kwargs: dict, message: str) -> None:
+    """A per-call TE argument the layer would ignore (ALiBi, a bias, another window, a typo) is one
+    ValueError naming it; TE's neutral values give the output of a call without them."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = torch.randn(10, 4, 8, generator=g), torch.randn(10, 2, 8, generator=g), torch.randn(10, 2, 8, generator=g)
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32)
+    for cls in (DotProductAttention, CPDotProductAttention):
+        layer = cls(4, 8, 2, qkv_format="thd", layer_number=1).eval()
+        with pytest.raises(ValueError) as caught:
+            layer(q, k, v, cu_seqlens_q=cu, **kwargs)
+        assert str(caught.value) == f"{cls.__name__}.forward: {message}"
+        plain = layer(q, k, v, cu_seqlens_q=cu, cu_seqlens_kv=cu)
+        neutral = layer(q, k, v, cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu, **TE_NEUTRAL_CALL)
+        assert torch.equal(plain, neutral)
+
+
+def test_a_windowed_layer_takes_its_own_window_per_call() -> None:
+    g = torch.Generator().manual_seed(4)
+    q, k, v = torch.randn(12, 4, 8, generator=g), torch.randn(12, 2, 8, generator=g), torch.randn(12, 2, 8, generator=g)
+    cu = torch.tensor([0, 12], dtype=torch.int32)
+    layer = CPDotProductAttention(4, 8, 2, qkv_format="thd", layer_number=1, window_size=(3, 0))
+    assert torch.equal(layer(q, k, v, cu_seqlens_q=cu, window_size=(3, 0)), layer(q, k, v, cu_seqlens_q=cu))
+    with pytest.raises(ValueError, match=re.escape("window_size=(-1, 0) differs from the layer's own window_size=(3, 0)")):
+        layer(q, k, v, cu_seqlens_q=cu, window_size=(-1, 0))

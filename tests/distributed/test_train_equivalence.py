@@ -24,11 +24,14 @@ import torch
 
 from megacp.layers.settings import CPSettings
 from megacp.layers.swap import settings_for
+from megacp.models.lm_head import chunked_cross_entropy
+from megacp.models.loss import lm_loss
 from megacp.placement.batch import IGNORE_INDEX, shard_batch
-from megacp.train.loss import chunked_cross_entropy, lm_loss, logged_loss
+from megacp.train.loss import logged_loss
 from tests.helpers.distributed import run_distributed
-from tests.helpers.training import ELEMENT_RTOL, RTOL, grads_of, seeded_model, step_batch, tiny_config, train_steps
 from tests.helpers.reference import rel_err
+from tests.helpers.training import ELEMENT_RTOL, RTOL, grads_of, seeded_model, step_batch, tiny_config, train_steps
+
 
 @pytest.fixture(autouse=True)
 def _one_thread() -> Iterator[None]:

@@ -28,8 +28,8 @@ def _grads(rank: int, world_size: int) -> float:
     import megacp
     from megacp.layers.settings import CPSettings
     from megacp.models import CausalLM
+    from megacp.models.loss import lm_loss
     from megacp.placement.batch import shard_batch
-    from megacp.train.loss import lm_loss
 
     state = megacp.initialize({"context_parallel": {"size": world_size}})
     torch.manual_seed(0)
@@ -68,7 +68,7 @@ def _train(rank: int, world_size: int) -> dict:
     import megacp
     from megacp.models import CausalLM
     from megacp.train.data import PackedSequence
-    from megacp.train.engine import Trainer, read_settings
+    from megacp.train.engine import Trainer
 
     out = {}
     g = torch.Generator().manual_seed(5)
@@ -86,7 +86,7 @@ def _train(rank: int, world_size: int) -> dict:
         torch.manual_seed(0)
         model = CausalLM(CFG, dtype=torch.float32).train()
         megacp.swap_attention(model, state, strategy="pass_kv")
-        trainer = Trainer(model, config, state, read_settings(config))
+        trainer = Trainer(model, config, state)
         losses = [trainer.step(iter([b])).loss for b in batches]
         params = list(trainer.module.parameters())
         with deepspeed.zero.GatheredParameters(params):

@@ -19,7 +19,7 @@ def _resave(rank: int, world_size: int, directory: str) -> tuple[list[str], floa
     from megacp.checkpoint.deepspeed import read_deepspeed_checkpoint
     from megacp.models import CausalLM, ModelConfig
     from megacp.train.data import PackedSequence
-    from megacp.train.engine import Trainer, read_settings
+    from megacp.train.engine import Trainer
 
     cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=1, num_heads=4,
                       num_kv_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
@@ -27,13 +27,13 @@ def _resave(rank: int, world_size: int, directory: str) -> tuple[list[str], floa
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}}}
     state = megacp.initialize(config)
     torch.manual_seed(0)
-    trainer = Trainer(CausalLM(cfg, dtype=torch.float32).train(), config, state, read_settings(config))
-    trainer.save(directory, model_config=cfg, tokenizer=None)
+    trainer = Trainer(CausalLM(cfg, dtype=torch.float32).train(), config, state)
+    trainer.save(directory)
     first = read_deepspeed_checkpoint(directory).tensors["embedding.weight"].clone()
     ids = torch.randint(0, cfg.vocab_size, (16,), generator=torch.Generator().manual_seed(1))
     trainer.step(iter([PackedSequence(ids, torch.tensor([0, 16], dtype=torch.int32))]))
     trainer.steps_done = 0  # the run repeated into its own directory: the same tag, step0, again
-    trainer.save(directory, model_config=cfg, tokenizer=None)
+    trainer.save(directory)
     saved = read_deepspeed_checkpoint(directory).tensors["embedding.weight"]
     trained = trainer.module.embedding.weight.detach()
     names = sorted(p.name for p in Path(directory).iterdir())
@@ -43,7 +43,7 @@ def _resave(rank: int, world_size: int, directory: str) -> tuple[list[str], floa
     trainer.steps_done = 1
     (Path(directory) / ".step1.staging").write_text("not a directory")
     try:
-        trainer.save(directory, model_config=cfg, tokenizer=None)
+        trainer.save(directory)
         failure = ""
     except CheckpointError as err:
         failure = str(err)

@@ -81,8 +81,8 @@ def _flat(model: torch.nn.Module, tp_group: torch.distributed.ProcessGroup | Non
 
 def _plain_torch() -> tuple[list[float], torch.Tensor]:
     """CP = 1 without DeepSpeed: per-step mean micro-batch loss and the final weights."""
+    from megacp.models.loss import lm_loss
     from megacp.placement.batch import shard_batch
-    from megacp.train.loss import lm_loss
 
     model = _model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
@@ -106,7 +106,7 @@ def _zero_stages(rank: int, world_size: int) -> dict:
 
     os.environ["DS_ACCELERATOR"] = "cpu"  # before DeepSpeed is imported: no accelerator probing
     import megacp
-    from megacp.train.engine import Trainer, read_settings
+    from megacp.train.engine import Trainer
 
     state = megacp.initialize({"context_parallel": {"size": 2}})
     out: dict = {}
@@ -114,13 +114,13 @@ def _zero_stages(rank: int, world_size: int) -> dict:
         model = _model()
         megacp.swap_attention(model, state, strategy="pass_kv")
         config = _ds_config(stage)
-        trainer = Trainer(model, config, state, read_settings(config))
+        trainer = Trainer(model, config, state)
         batches = iter(_batches())
         out[stage] = ([trainer.step(batches).loss for _ in range(STEPS)], _flat(trainer.module))
     tp_config = {**_ds_config(1), "context_parallel": {"size": 1}, "tensor_model_parallel": {"size": 2}}
     tp_state = megacp.initialize(tp_config)
     tp_group = tp_state.group("tp")
-    trainer = Trainer(_model(tp_group), tp_config, tp_state, read_settings(tp_config))
+    trainer = Trainer(_model(tp_group), tp_config, tp_state)
     batches = iter(_batches())
     out["tp2"] = ([trainer.step(batches).loss for _ in range(STEPS)], _flat(trainer.module, tp_group))
     if rank == 0:
@@ -143,13 +143,14 @@ def test_zero_stages_and_tp_train_like_plain_torch() -> None:
 
 def _bf16_on_gpu(rank: int, world_size: int) -> dict:
     import megacp
-    from megacp.train.engine import Trainer, read_settings
+    from megacp.config import load_config
+    from megacp.train.engine import Trainer
 
     config = {**_ds_config(1), "bf16": {"enabled": True}, "context_parallel": {"size": 1}}
     state = megacp.initialize(config)
-    settings = read_settings(config)
-    model = _model().to(device=state.device, dtype=settings.dtype)
-    trainer = Trainer(model, config, state, settings)
+    config = load_config(config, training=True)
+    model = _model().to(device=state.device, dtype=config.training.dtype)
+    trainer = Trainer(model, config, state)
     batches = iter(_batches())
     return {"losses": [trainer.step(batches).loss for _ in range(STEPS)], "dtype": str(next(model.parameters()).dtype)}
 

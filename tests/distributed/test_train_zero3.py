@@ -60,7 +60,7 @@ def _train(rank: int, world_size: int, cp: int, save_dir: str) -> dict:
     os.environ["DS_ACCELERATOR"] = "cpu"  # before DeepSpeed is imported: no accelerator probing
     import megacp
     from megacp.models import CausalLM
-    from megacp.train.engine import Trainer, read_settings
+    from megacp.train.engine import Trainer
 
     dp = world_size // cp
     out: dict = {}
@@ -71,13 +71,13 @@ def _train(rank: int, world_size: int, cp: int, save_dir: str) -> dict:
         model = CausalLM(CFG, dtype=torch.float32).train()
         if cp > 1:
             megacp.swap_attention(model, state, strategy="pass_kv")
-        trainer = Trainer(model, config, state, read_settings(config))
+        trainer = Trainer(model, config, state)
         batches = iter(_batches(state.rank_in("dp")))
         out[name] = ([trainer.step(batches).loss for _ in range(STEPS)], _weights(trainer))
         if name == "zero3":  # the saved ZeRO 3 shards convert back to the trained weights
             from megacp.checkpoint.deepspeed import read_deepspeed_checkpoint
 
-            trainer.save(save_dir, model_config=CFG, tokenizer=None)
+            trainer.save(save_dir)
             converted = read_deepspeed_checkpoint(save_dir).tensors
             out["zero3_converted"] = torch.cat([converted[n].flatten() for n, _ in trainer.module.named_parameters()])
     return out
@@ -107,24 +107,28 @@ def _built_partitioned(rank: int, world_size: int, cp: int) -> dict:
     import deepspeed
 
     import megacp
+    from megacp.config import load_config
+    from megacp.families import PlanShape
     from megacp.models import CausalLM, build_model
-    from megacp.train.engine import Trainer, build_for_training, plan_from_config, read_settings
+    from megacp.train.engine import Trainer
+    from megacp.train.setup import build_for_training, plan_from_config
 
     dp = world_size // cp
     config = _ds_config({**ZERO3, **OFFLOAD}, cp, dp)
     state = megacp.initialize(config)
-    settings = read_settings(config)
+    config = load_config(config, training=True)
     torch.manual_seed(rank)
     model = build_for_training(lambda device: build_model(CFG, dtype=torch.float32, device=device, backend="torch"),
-                               config, state, settings)
+                               config, state)
     partitioned = all(hasattr(p, "ds_id") and p.numel() == 0 for p in model.parameters())
     params = list(model.parameters())
     with deepspeed.zero.GatheredParameters(params):
         weights = {n: p.detach().clone() for n, p in model.named_parameters()}
     if cp > 1:
         megacp.swap_attention(model, state, strategy="pass_kv")
-    trainer = Trainer(model.train(), config, state, settings)
-    early = plan_from_config(CFG, settings, state, seq_len=SEQ_LEN, micro_batch=1)[1].describe()
+    trainer = Trainer(model.train(), config, state)
+    shape = PlanShape(CFG, dense_mlp=True, tiled_attention=True)  # megacp's torch layers
+    early = plan_from_config(shape, config.training, state, seq_len=SEQ_LEN, micro_batch=1)[1].describe()
     planned = trainer.plan_memory(SEQ_LEN // cp)
     losses = [trainer.step(iter(_batches(state.rank_in("dp")))).loss for _ in range(4)]
     # the same weights in a plain (ZeRO 0) model train to the same losses
@@ -134,7 +138,7 @@ def _built_partitioned(rank: int, world_size: int, cp: int) -> dict:
     plain.load_state_dict(weights)
     if cp > 1:
         megacp.swap_attention(plain, state, strategy="pass_kv")
-    ref = Trainer(plain.train(), plain_config, state, read_settings(plain_config))
+    ref = Trainer(plain.train(), plain_config, state)
     ref_losses = [ref.step(iter(_batches(state.rank_in("dp")))).loss for _ in range(4)]
     return {"partitioned": partitioned, "weights": weights, "losses": losses, "ref_losses": ref_losses,
             "plans": (early, planned.describe() if planned else None)}

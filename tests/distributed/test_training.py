@@ -86,7 +86,7 @@ def _tile_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.T
     """Gradients of the pass-KV ring's tiles of every rank of a CP=n group, computed in one process:
     each rank's forward state over every block (the tiles the ring runs), then each block's
     gradients from :func:`block_gradients`, summed at the block's owner as the ring does."""
-    from megacp.attention.tile_attention import run_tiles
+    from megacp.attention.kernels.tile_attention import run_tiles
     from megacp.attention.training import accumulate, block_gradients
     from megacp.placement import ShardPlan
 

@@ -9,9 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megacp.attention import partial as pa
-from megacp.attention import partial_backward as pb
-from megacp.attention.plans import plans_reused_across_lengths
+from megacp.attention.kernels import cudnn
+from megacp.attention.kernels import partial as pa
+from megacp.attention.kernels import partial_backward as pb
+from megacp.attention.kernels.plans import plans_reused_across_lengths
 
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
               pytest.mark.skipif(plans_reused_across_lengths(), reason="TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1 is set: "
@@ -45,8 +46,9 @@ def test_batched_backward_is_exact() -> None:
     b, n, h, hkv, d = 3, 777, 8, 2, 128
     q, dout = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
     k, v = (torch.randn(b, n, hkv, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
-    out, lse = pa._kernel_attention(pa._cudnn, q, k, v, causal=True, scale=d ** -0.5)
-    grads = pb._kernel_backward(pb._cudnn_backward, q, k, v, out, lse, dout, causal=True, scale=d ** -0.5)
+    out, lse = pa._kernel_attention(cudnn.forward, q, k, v, causal=True, scale=d ** -0.5, padded=True)
+    grads = pb._kernel_backward(cudnn.backward, q, k, v, out, lse, dout, causal=True, scale=d ** -0.5,
+                                padded=True)
     for i in range(b):
         ref, ref_lse = pa.partial_attention(q[i].float(), k[i].float(), v[i].float(), causal=True, backend="reference")
         assert _relative(out[i], ref) < 2e-2
@@ -61,7 +63,7 @@ def test_plans_are_warmed_on_the_thread_the_backward_runs_on() -> None:
     warm-up must run there (it did not, and every new tile length slowed its first training step)."""
     import threading
 
-    from megacp.attention.training import run_on_backward_thread
+    from megacp.attention.kernels.warmup import run_on_backward_thread
     from tests.helpers.threads import backward_thread
 
     names: list[str] = []

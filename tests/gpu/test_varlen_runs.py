@@ -1,5 +1,5 @@
 """Packed documents through one FlashAttention-2 varlen call per run of tiles
-(:mod:`megacp.attention.varlen`), forward and the training backward, against the exact fp32
+(:mod:`megacp.attention.kernels.varlen`), forward and the training backward, against the exact fp32
 reference of each document alone, on a CUDA GPU (skips without one: the CI machine)."""
 
 from __future__ import annotations
@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megacp.attention import partial as pa
-from megacp.attention import partial_backward as pb
-from megacp.attention.tile_attention import run_tiles
+from megacp.attention.kernels import partial as pa
+from megacp.attention.kernels import partial_backward as pb
+from megacp.attention.kernels.tile_attention import run_tiles
+from megacp.attention.kernels.varlen import TileRun, tile_runs
 from megacp.attention.training import accumulate, block_gradients
-from megacp.attention.varlen import TileRun, tile_runs
 from megacp.placement import ShardPlan
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megacp.attention import cudnn_band, partial_backward
-from megacp.attention.partial import partial_attention
-from megacp.attention.partial_backward import partial_attention_backward
+from megacp.attention.kernels import cudnn_band, partial_backward
+from megacp.attention.kernels.partial import partial_attention
+from megacp.attention.kernels.partial_backward import partial_attention_backward
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

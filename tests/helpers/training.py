@@ -8,8 +8,9 @@ import torch
 
 from megacp.layers.settings import CPSettings
 from megacp.models import CausalLM, ModelConfig
+from megacp.models.loss import lm_loss
 from megacp.placement.batch import IGNORE_INDEX, shard_batch
-from megacp.train.loss import lm_loss, logged_loss
+from megacp.train.loss import logged_loss
 from tests.helpers.reference import rel_err
 
 STEPS = 20

@@ -1,12 +1,15 @@
 """Census of refused input: every bad input below gets exactly the one-line message pinned here (no
-newline, no traceback), and a command line exit status 2 with that line alone on stderr.
+newline, no traceback), a command line exit status 2 with that line alone on stderr, and the
+server HTTP 400 with it.
 
 Rows are checked in-process where a function validates (config, runtime knobs, checkpoints,
-attention inputs, the converter's ``main``); two command lines run as real processes. Two rows run
-real gloo ranks: a CP 2 ZeRO 1 training job whose checkpoint is re-saved with rank 0 stopped at each
-rename (the previous checkpoint stays loadable and converting) and then tampered with (shards of
-another run, swapped, missing, extra; an edited ``megacp_train.json``), and generation with
-rank-divergent prompts, seeds and ``max_tokens``.
+attention inputs, sampling values, the converter's ``main``, the server's app); four command lines
+run as real processes (a tokenizer file symlinked out of the model directory and a KV cache larger
+than the host's memory among them). Real gloo ranks run a CP 2 ZeRO 1 training job whose checkpoint
+is re-saved with rank 0 stopped at each rename (the previous checkpoint stays loadable and
+converting) and then tampered with (shards of another run, swapped, missing, extra; an edited
+``megacp_train.json``), generation with rank-divergent prompts, seeds and ``max_tokens``, and an
+``LLM`` given prompts that are no prompts.
 """
 
 from __future__ import annotations
@@ -14,7 +17,10 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import math
 import os
+import re
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable
@@ -210,9 +216,9 @@ def _train_save_and_kill_resaves(rank: int, world_size: int, root: str) -> dict[
     import megacp
     from megacp.checkpoint.deepspeed import read_deepspeed_checkpoint
     from megacp.models import CausalLM
-    from megacp.train import engine
+    from megacp.train import saving
     from megacp.train.data import PackedSequence, StreamPosition
-    from megacp.train.engine import Trainer, read_settings
+    from megacp.train.engine import Trainer
     from megacp.train.resume import ResumePoint
 
     config = {"train_micro_batch_size_per_gpu": 1, "steps_per_print": 10**6, "zero_optimization": {"stage": 1},
@@ -222,21 +228,21 @@ def _train_save_and_kill_resaves(rank: int, world_size: int, root: str) -> dict[
     torch.manual_seed(0)
     model = CausalLM(CFG, dtype=torch.float32).train()
     megacp.swap_attention(model, state, strategy="pass_kv")
-    trainer = Trainer(model, config, state, read_settings(config))
+    trainer = Trainer(model, config, state)
     ids = torch.randint(0, CFG.vocab_size, (16,), generator=torch.Generator().manual_seed(1))
     batch = PackedSequence(ids, torch.tensor([0, 16], dtype=torch.int32))
     run = Path(root) / "run"
     trainer.step(iter([batch]))
     point = ResumePoint(step=1, data=StreamPosition(), seq_len=16, micro_batch=1, dp_size=1, world_size=world_size)
-    trainer.save(run, model_config=CFG, tokenizer=None, resume=point)
+    trainer.save(run, resume=point)
     trainer.step(iter([batch]))
-    trainer.save(Path(root) / "other", model_config=CFG, tokenizer=None)
+    trainer.save(Path(root) / "other")
     if rank == 0:
         shutil.copytree(run, Path(root) / "pristine")
     trainer.steps_done = 1  # the run repeated into its own directory: step1 again, with the new weights
 
     renames = [0, 0]  # [calls so far, the call to stop before]
-    real_replace, real_exchange = os.replace, engine.exchange_directories
+    real_replace, real_exchange = os.replace, saving.exchange_directories
 
     def counted(fn: Callable[..., Any]) -> Callable[..., Any]:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -249,15 +255,15 @@ def _train_save_and_kill_resaves(rank: int, world_size: int, root: str) -> dict[
     read: list[str] = []
     for stop in range(1, 10):
         renames[:] = [0, stop if rank == 0 else 0]
-        os.replace, engine.exchange_directories = counted(real_replace), counted(real_exchange)  # type: ignore[assignment]
+        os.replace, saving.exchange_directories = counted(real_replace), counted(real_exchange)  # type: ignore[assignment]
         try:
-            trainer.save(run, model_config=CFG, tokenizer=None)
+            trainer.save(run)
             done = True
         except _Killed:
             dist.barrier()  # the one the stopped rank 0 owed its peer at the end of the save
             done = False
         finally:
-            os.replace, engine.exchange_directories = real_replace, real_exchange  # type: ignore[assignment]
+            os.replace, saving.exchange_directories = real_replace, real_exchange  # type: ignore[assignment]
         done_everywhere = torch.tensor([done], dtype=torch.int64)
         dist.all_reduce(done_everywhere, op=dist.ReduceOp.MIN)
         if rank == 0:
@@ -415,3 +421,111 @@ def test_rank_divergent_generation_is_one_error_on_every_rank() -> None:
         assert f"seed={rank}," in res["seed"] and "new token ids" not in res["seed"], res
         assert f"max_tokens={2 + rank}," in res["max_tokens"], res
     assert results[0]["after"] == results[1]["after"] and len(results[0]["after"][0]) == 3
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama with a character-level tokenizer (a Hugging Face directory)."""
+    from tests.helpers.hf_models import make_hf_model, save_char_tokenizer
+
+    directory = tmp_path_factory.mktemp("llama")
+    make_hf_model("llama3", directory)
+    save_char_tokenizer(directory)
+    return directory
+
+
+def test_generate_and_serve_command_lines(tiny_llama: Path, tmp_path: Path) -> None:
+    """Two real processes side by side: ``megacp.generate`` on a model whose ``tokenizer.json`` is a
+    symlink to a file outside its directory (refused before the weights load, as the converter
+    refuses to copy it), and ``megacp.serve --max-num-seqs 100000`` (a KV cache larger than the
+    host's memory, refused before it is allocated, naming both sizes)."""
+    from tests.helpers.distributed import free_port
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_llama, model)
+    (tmp_path / "outside.json").write_text("not a tokenizer")
+    (model / "tokenizer.json").unlink()
+    (model / "tokenizer.json").symlink_to(tmp_path / "outside.json")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    rows = [([sys.executable, "-m", "megacp.generate", "--model", str(model), "--prompt", "hi", "--max-new-tokens", "2",
+              "--dtype", "float32"],
+             re.escape(f"megacp.generate: {model / 'tokenizer.json'} is a symlink leading outside the checkpoint "
+                       f"{model}; refusing to read it")),
+            ([sys.executable, "-m", "megacp.serve", "--model", str(tiny_llama), "--dtype", "float32", "--max-num-seqs",
+              "100000", "--host", "127.0.0.1", "--port", str(free_port())],
+             r"megacp\.serve: the KV cache of 100001 slots x 4097 rows per CP rank needs 314652746496 bytes \(293\.0 "
+             r"GiB\) on cpu, more than the \d+ bytes \(\d+\.\d GiB\) available there: lower the request slots "
+             r"\(--max-num-seqs, LLM\(max_num_seqs=\.\.\.\), max_sessions\) or the tokens per request "
+             r"\(--max-model-len, max_session_tokens\)")]
+    procs = [subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+             for argv, _ in rows]
+    for proc, (_, message) in zip(procs, rows):
+        stdout, stderr = proc.communicate(timeout=HANG_GUARD_S)
+        assert proc.returncode == 2 and "loading" not in stdout, (proc.returncode, stdout, stderr)
+        assert stderr.count("\n") == 1 and re.fullmatch(message, stderr.rstrip("\n")), stderr
+
+
+class _NoEngine:
+    """What the server's handlers read of an engine before a request reaches it."""
+
+    tokenizer = None
+    failure = None
+
+
+def test_server_bodies_that_are_no_object_and_values_out_of_range_are_400() -> None:
+    """A JSON body ``null`` or ``[]``, a seed of 2**64 (would alias seed 0) and an infinite
+    temperature: HTTP 400 in OpenAI's error shape, one line naming the problem."""
+    from fastapi.testclient import TestClient
+
+    from megacp.serve.app import build_app
+
+    client = TestClient(build_app(_NoEngine(), CFG, model_name="tiny", max_model_len=32,  # type: ignore[arg-type]
+                                  api_key=None))  # no `with`: the engine is never started
+    ok = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2}
+    rows = [(b"null", None, "the request body must be a JSON object, got null"),
+            (b"[]", None, "the request body must be a JSON object, got an array"),
+            (json.dumps(dict(ok, seed=2**64)).encode(), "seed",
+             "seed must be in [-2**63, 2**64) (torch.manual_seed's range), got 18446744073709551616"),
+            (json.dumps(dict(ok, temperature=math.inf)).encode(), "temperature",
+             "temperature must be a finite number (0 = greedy), got inf")]
+    for body, param, message in rows:
+        r = client.post("/v1/completions", content=body, headers={"Content-Type": "application/json"})
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert (error["param"], _one_line(error["message"])) == (param, message), error
+    r = client.post("/v1/chat/completions", content=b"[]", headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["message"] == "the request body must be a JSON object, got an array"
+
+
+def test_sampling_values_that_would_be_ignored_or_aliased() -> None:
+    from megacp import LLM, SamplingParams
+
+    rows = [(dict(seed=2**64), "seed must be in [-2**63, 2**64) (torch.manual_seed's range), got 18446744073709551616"),
+            (dict(seed=-(2**63) - 1),
+             "seed must be in [-2**63, 2**64) (torch.manual_seed's range), got -9223372036854775809"),
+            (dict(temperature=math.inf), "temperature must be a finite number (0 = greedy), got inf"),
+            (dict(logprobs=21), "logprobs must be None or an integer >= 0 and <= 20 (top tokens per generated token; "
+                                "vLLM's max_logprobs), got 21")]
+    for kwargs, message in rows:
+        assert _one_line(_message(lambda kwargs=kwargs: SamplingParams(**kwargs), ValueError)) == message
+    assert SamplingParams(seed=2**64 - 1, logprobs=20).seed == 2**64 - 1
+    assert _one_line(_message(lambda: LLM(max_num_seqs="2"), ValueError)) == (  # type: ignore[arg-type]
+        "max_num_seqs must be an integer >= 1, got '2'")
+
+
+def _no_prompts(rank: int, n: int, path: str) -> dict[str, str]:
+    """The messages of ``generate`` given ``None``, a list holding ``None`` and a number."""
+    from megacp import LLM
+
+    llm = LLM(path, dtype="float32")
+    return {repr(bad): _message(lambda bad=bad: llm.generate(bad), ValueError) for bad in (None, [None], 5)}
+
+
+def test_llm_generate_of_no_prompt_is_one_error(tiny_llama: Path) -> None:
+    from tests.helpers.distributed import run_distributed
+
+    (got,) = run_distributed(_no_prompts, 1, str(tiny_llama))
+    assert {k: _one_line(v) for k, v in got.items()} == {
+        "None": "prompts must be text, token ids, or a list of them, got None",
+        "[None]": "prompt 0 must be text or a list of integer token ids",
+        "5": "prompts must be text, token ids, or a list of them, got int"}

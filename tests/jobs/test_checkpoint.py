@@ -275,6 +275,19 @@ def test_cli_errors_in_subprocess(hf_dirs: dict, tmp_path: Path) -> None:
     assert _listing(tmp_path) == before
 
 
+def test_hf_to_megacp_names_what_it_converts(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
+    """A Qwen3 directory (trained and served by megacp through transformers' modules) is refused in
+    one line naming the architectures ``hf-to-megacp`` converts and where the directory runs as it is."""
+    qwen3 = tmp_path / "qwen3"
+    qwen3.mkdir()
+    (qwen3 / "config.json").write_text(json.dumps({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}))
+    _expect_error(capsys, ["hf-to-megacp", "--input", str(qwen3), "--output", str(tmp_path / "out")],
+                  "unsupported architecture Qwen3ForCausalLM; hf-to-megacp converts the architectures megacp's own "
+                  "models implement: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, MixtralForCausalLM, "
+                  "Qwen2MoeForCausalLM. megacp.train, megacp.generate, megacp.serve and LLM take a directory of "
+                  "another architecture as it is", tmp_path)
+
+
 def _copy_hf(source: Path, destination: Path) -> Path:
     destination.mkdir()
     for path in source.iterdir():

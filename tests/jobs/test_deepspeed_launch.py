@@ -150,7 +150,7 @@ def test_init_check_accepts_launcher_arguments() -> None:
     """Both spellings the launchers use parse (no job started)."""
     import argparse
 
-    from megacp.config import add_launcher_args
+    from megacp.launch import add_launcher_args
 
     parser = add_launcher_args(argparse.ArgumentParser())
     assert parser.parse_args(["--local_rank=3"]).local_rank == 3

@@ -1,4 +1,4 @@
-"""The FP8 decode kernel (:mod:`megacp.attention.fp8_decode_kernel`) against attention over the
+"""The FP8 decode kernel (:mod:`megacp.attention.kernels.fp8_decode_kernel`) against attention over the
 dequantised rows (fp32, masked, computed here), run by Triton's CPU interpreter
 (``TRITON_INTERPRET=1``, set before Triton is imported: hence a subprocess). Covers GQA groups of 1,
 4 and 8, requests of 0, 1, a few and all ``capacity`` rows (several key splits), scales that differ
@@ -14,7 +14,7 @@ from tests.helpers.triton_interpreter import needs_triton, run_interpreted
 SCRIPT = textwrap.dedent(
     """
     import torch
-    from megacp.attention import fp8_decode_kernel as fk
+    from megacp.attention.kernels import fp8_decode_kernel as fk
     from megacp.kv_cache import quantize_fp8
 
     fk._ROWS_PER_SPLIT = 48  # several splits of a small capacity

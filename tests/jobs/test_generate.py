@@ -256,6 +256,45 @@ def test_config_error_is_one_line_from_one_rank_under_torchrun(config: str, argv
     assert "exitcode: 2" in result.stderr
 
 
+def _refused_model(arch: str, directory: Path) -> None:
+    """Save the tiny ``arch`` model megacp refuses: Falcon and BLOOM (attention outside transformers'
+    interface, :data:`~tests.helpers.hf_archs.REFUSED`) or Gemma-2 (soft-capped attention logits)."""
+    import transformers
+
+    from tests.helpers.hf_archs import SMALL, make_refused
+
+    if arch == "gemma2":
+        config = transformers.Gemma2Config(**{**SMALL, "head_dim": 8}, attn_logit_softcapping=50.0)
+        transformers.Gemma2ForCausalLM(config).save_pretrained(directory)
+    else:
+        make_refused(arch, "eager").save_pretrained(directory)
+
+
+@pytest.mark.parametrize("arch,message", [
+    ("falcon", "FalconForCausalLM (falcon) computes attention in its own modules"),
+    ("bloom", "BloomForCausalLM (bloom) computes attention in its own modules"),
+    ("gemma2", "gemma2 soft-caps attention logits (attn_logit_softcapping=50.0)"),
+])
+def test_a_refused_architecture_is_one_line_from_rank_0_under_torchrun(arch: str, message: str, tmp_path: Path) -> None:
+    """A model megacp cannot run exactly is refused as ``LLM``, the server and training refuse it:
+    one line from rank 0 naming the problem, no traceback on any rank, exit 2."""
+    _refused_model(arch, tmp_path / arch)
+    (tmp_path / "ids.json").write_text("[5, 6, 7]")
+    logs = tmp_path / "logs"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+           "--log-dir", str(logs), "--redirects", "3", "-m", "megacp.generate", "--model", str(tmp_path / arch),
+           "--prompt-ids", str(tmp_path / "ids.json")]
+    result = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                            timeout=1200)
+    worker_err = sorted(logs.rglob("stderr.log"))
+    assert len(worker_err) == 2, result.stderr[-2000:]
+    texts = [f.read_text() for f in worker_err]
+    assert not any("Traceback" in t for t in texts), texts
+    said = [line for t in texts for line in t.splitlines() if line.startswith("megacp.generate:")]
+    assert len(said) == 1 and said[0].startswith(f"megacp.generate: {message}") and said[0] in texts[0], said
+    assert "exitcode: 2" in result.stderr
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--max-new-tokens", "0"], "megacp.generate: max_tokens must be an integer >= 1, got 0"),
     (["--temperature", "nan"], "megacp.generate: temperature must be >= 0 (0 = greedy), got nan"),

@@ -12,9 +12,9 @@ from tests.helpers.triton_interpreter import needs_triton, run_interpreted
 SCRIPT = textwrap.dedent(
     """
     import torch
-    from megacp.attention import merge_kernel
-    from megacp.attention.merge import merge_into, merge_stack, merge_states, pack_states, unpack_states
-    from megacp.attention.partial import partial_attention
+    from megacp.attention.kernels import merge_kernel
+    from megacp.attention.kernels.merge import merge_into, merge_stack, merge_states, pack_states, unpack_states
+    from megacp.attention.kernels.partial import partial_attention
     from tests.helpers.reference import naive_attention, rel_err
 
     torch.manual_seed(0)

@@ -196,7 +196,7 @@ def test_initialize_without_launcher() -> None:
 
 def _deepspeed_engine_step(rank: int, world_size: int) -> dict:
     """A real DeepSpeed engine with megacp's mpu: gradients are summed over the CP ranks."""
-    from megacp.train.engine import deepspeed_for
+    from megacp.train.setup import deepspeed_for
 
     state = megacp.initialize({"context_parallel": {"size": 2}})
     deepspeed = deepspeed_for(state)  # DeepSpeed prepared as megacp.train prepares it (no shm op build on CPU)

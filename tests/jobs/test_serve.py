@@ -393,6 +393,33 @@ def test_oversized_bodies_loose_types_and_the_docs_are_refused(servers) -> None:
     assert draws[0] != draws[1] and draws[2] == draws[3]
 
 
+def _rss_kib(pid: int) -> int:
+    """The resident memory of process ``pid`` (KiB, from ``/proc``)."""
+    status = open(f"/proc/{pid}/status").read()
+    return int(status.split("VmRSS:")[1].split()[0])
+
+
+def test_a_text_longer_than_the_context_is_refused_before_it_is_tokenised(servers) -> None:
+    """30 MiB of text (under the 32 MiB body limit; the character tokenizer would make 31M tokens of
+    it) against the 256-token context: a completion and a chat are refused with 400
+    context_length_exceeded naming the text's characters, before tokenising; the server holds no
+    more than 256 MiB more afterwards, and goes on."""
+    url, headers = servers["urls"][0], {"Authorization": f"Bearer {KEY}"}
+    pid = servers["procs"][0].pid
+    before = _rss_kib(pid)
+    text = "a" * (30 << 20)
+    for path, body in (("/v1/completions", {"model": "tiny", "prompt": text}),
+                       ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": text}]})):
+        r = httpx.post(url + path, json=body, headers=headers, timeout=HANG_GUARD_S)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["code"] == "context_length_exceeded" and f"of {30 << 20} characters is at least" in err["message"]
+    assert _rss_kib(pid) - before < 256 << 10
+    ok = {"model": "tiny", "prompt": "hello", "max_tokens": 2}
+    assert httpx.post(url + "/v1/completions", json=ok, headers=headers,
+                      timeout=HANG_GUARD_S).json()["usage"]["completion_tokens"] >= 1
+
+
 def test_errors_name_no_source_paths_or_peer_addresses() -> None:
     from megacp.serve.engine import public_error
 

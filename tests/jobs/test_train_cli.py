@@ -280,12 +280,12 @@ def test_bad_input_is_one_line(case: str, expected: str, tiny: tuple[Path, Path]
     model_dir, corpus = tiny
     base = ["--model", str(model_dir), "--corpus", str(corpus), "--deepspeed_config", str(CPU_CONFIG)]
     if case == "save_other_model":
-        from megacp.checkpoint.deepspeed import write_train_state
+        from megacp.checkpoint.deepspeed import MegacpRecord, write_train_state
         from tests.helpers.training import tiny_config
 
         (tmp_path / "other").mkdir()
-        write_train_state(tmp_path / "other", model_config=tiny_config(tied=False), dtype=torch.float32, tp_size=1,
-                          zero_stage=1, tag="step1", tokenizer=None)
+        write_train_state(tmp_path / "other", model=MegacpRecord.of(tiny_config(tied=False)).entry(),
+                          dtype=torch.float32, tp_size=1, zero_stage=1, tag="step1", tokenizer=None)
     held = None
     if case == "save_in_use":  # another run's lock on the directory
         from megacp.train.save_target import SaveLock
@@ -413,10 +413,9 @@ def test_shipped_training_configs_parse(name: str) -> None:
     from deepspeed.runtime.config import DeepSpeedConfig
 
     from megacp.config import load_config
-    from megacp.train.engine import read_settings
 
-    config = load_config(ROOT / "configs" / f"{name}.json")
-    settings = read_settings(config.deepspeed)
+    config = load_config(ROOT / "configs" / f"{name}.json", training=True)
+    settings = config.training
     parsed = DeepSpeedConfig(dict(config.deepspeed))
     assert parsed.zero_optimization_stage == settings.zero_stage
     assert parsed.optimizer_name == "adamw" and parsed.gradient_clipping > 0

@@ -1,5 +1,5 @@
 """Banded (sliding-window) tiles on one GPU: the batched square cuDNN calls
-(:mod:`megacp.attention.band`, backend ``"cudnn"``) against FlashAttention-2's window (``"flash"``),
+(:mod:`megacp.attention.kernels.band`, backend ``"cudnn"``) against FlashAttention-2's window (``"flash"``),
 both judged against the exact fp32 reference, bf16, forward out/LSE and backward dq/dk/dv.
 
     python -m tests.programs.band_check                 # one GPU: the tiles of 64K tokens, 4096-token window
@@ -22,9 +22,9 @@ import sys
 import torch
 from torch import Tensor
 
-from megacp.attention import partial as pa
-from megacp.attention import partial_backward as pb
-from megacp.attention.band import band_attention, band_backward
+from megacp.attention.kernels import partial as pa
+from megacp.attention.kernels import partial_backward as pb
+from megacp.attention.kernels.band import band_attention, band_backward
 from megacp.placement import ShardPlan
 from scripts.bench import harness as bh
 

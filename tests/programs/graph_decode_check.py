@@ -8,7 +8,7 @@ is available).
 Models (random weights): a tiny Llama (2 layers, 4 Q / 2 KV heads, head dim 16) and the SmolLM2-135M
 shape (``scripts.bench.decode_hf.MODELS["smollm2"]``), each in float32 and bfloat16. Per case:
 
-* ``kernel``: :func:`megacp.attention.partial.cache_decode_states` (flash varlen with ``seqused_k``
+* ``kernel``: :func:`megacp.attention.kernels.partial.cache_decode_states` (flash varlen with ``seqused_k``
   for bf16, the masked fp32 path for fp32) against ``partial_attention`` per request, lengths 0, 1,
   37 and the whole capacity: out (fp32 1e-5, bf16 3e-2 relative) and LSE (1e-5 / 1e-3 absolute).
 * ``step``: a ragged batch (3, 50, 200 tokens) prefilled into two caches; 64 steps of eager
@@ -38,7 +38,7 @@ shape (``scripts.bench.decode_hf.MODELS["smollm2"]``), each in float32 and bfloa
   the graph LLM: identical tokens (the sampler runs inside the captured step).
 
 With ``--kv-cache-dtype fp8_e4m3`` both LLMs of every case keep an FP8 cache (bf16 decode reads the
-FP8 rows as stored, :mod:`megacp.attention.fp8_decode_kernel`, checked first against attention over
+FP8 rows as stored, :mod:`megacp.attention.kernels.fp8_decode_kernel`, checked first against attention over
 the dequantised rows by ``fp8 kernel``; fp32 decode dequantises the rows it gathers; pass-KV prefill at CP = 2 passes the FP8 bytes over NCCL or the
 copy engine), and one more check per case, ``fp8``, feeds the eager FP8 LLM and an eager LLM with
 the unquantised cache the unquantised one's greedy tokens (prefill + 32 steps) and reports the
@@ -87,9 +87,10 @@ class Checks:
         if self.rank == 0:
             print(f"{verdict} {what}: {detail}", flush=True)
 
-    def run(self, what: str, fn: Callable[[], tuple[str, str]]) -> None:
+    def run(self, what: str, fn: Callable[..., tuple[str, str]], *args: Any) -> None:
+        """Say ``fn(*args)``'s verdict and detail (an exception: FAIL, its traceback on rank 0)."""
         try:
-            verdict, detail = fn()
+            verdict, detail = fn(*args)
         except Exception as exc:  # noqa: BLE001 - report and go on with the next check
             verdict, detail = "FAIL", f"{type(exc).__name__}: {exc}"
             if self.rank == 0:
@@ -103,7 +104,7 @@ def prompts(vocab: int) -> list[list[int]]:
 
 
 def check_kernel(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> tuple[str, str]:
-    from megacp.attention.partial import cache_decode_states, partial_attention
+    from megacp.attention.kernels.partial import cache_decode_states, partial_attention
 
     cap, used = 64, [0, 1, 37, 64]
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -130,8 +131,8 @@ def check_kernel(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -
 def check_fp8_kernel(heads: int, kv_heads: int, head_dim: int) -> tuple[str, str]:
     """The compiled FP8 decode kernel (bf16 queries) against fp32 attention over the dequantised
     rows: requests of 0, 1, 37 and all rows of a 64-row capacity, and one of 300K rows (64 key splits)."""
-    from megacp.attention.fp8_decode_kernel import fp8_cache_decode_states
-    from megacp.attention.partial import partial_attention
+    from megacp.attention.kernels.fp8_decode_kernel import fp8_cache_decode_states
+    from megacp.attention.kernels.partial import partial_attention
     from megacp.kv_cache import quantize_fp8
 
     worst_o = worst_l = 0.0
@@ -319,17 +320,17 @@ def main() -> int:
                 checks.say("FAIL", f"{case} load", f"{type(exc).__name__}: {exc}")
                 continue
             mc = graph.model_config
-            checks.run(f"{case} kernel", lambda: check_kernel(dtype, mc.num_heads, mc.num_kv_heads, mc.head_dim))
-            checks.run(f"{case} step", lambda: check_step(graph, dtype))
-            checks.run(f"{case} generate", lambda: check_generate(graph, eager, dtype))
-            checks.run(f"{case} session", lambda: check_session(graph, eager, dtype))
-            checks.run(f"{case} sampled", lambda: check_sampled(graph, eager, dtype))
+            checks.run(f"{case} kernel", check_kernel, dtype, mc.num_heads, mc.num_kv_heads, mc.head_dim)
+            checks.run(f"{case} step", check_step, graph, dtype)
+            checks.run(f"{case} generate", check_generate, graph, eager, dtype)
+            checks.run(f"{case} session", check_session, graph, eager, dtype)
+            checks.run(f"{case} sampled", check_sampled, graph, eager, dtype)
             if kv != "auto" and dtype == torch.bfloat16:
-                checks.run(f"{case} fp8 kernel", lambda: check_fp8_kernel(mc.num_heads, mc.num_kv_heads, mc.head_dim))
+                checks.run(f"{case} fp8 kernel", check_fp8_kernel, mc.num_heads, mc.num_kv_heads, mc.head_dim)
             if kv != "auto":
                 plain = LLM(str(path), dtype=dtype, cuda_graphs=False, state=state)
                 plain.generator.static_step = False
-                checks.run(f"{case} fp8", lambda: check_fp8(eager, plain))
+                checks.run(f"{case} fp8", check_fp8, eager, plain)
                 del plain
             del graph, eager
             torch.cuda.empty_cache()

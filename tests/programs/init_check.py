@@ -23,7 +23,8 @@ import torch
 import torch.distributed as dist
 
 import megacp
-from megacp.config import ConfigError, add_launcher_args
+from megacp.config import ConfigError
+from megacp.launch import add_launcher_args
 
 PREFIX = "MEGACP_INIT_CHECK "
 

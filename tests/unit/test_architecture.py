@@ -1,19 +1,26 @@
 """The import-layer contract of the megacp package, read from the source (AST, nothing imported).
 
 Layers, top first; a module may import its own package, and packages of its own layer or of
-layers below it, never above (README, "Architecture"):
+layers below it, never above (README, "Architecture"). A layer is a package of ``megacp`` or a
+sub-package or module inside one (a module belongs to the longest name below that holds it):
 
     megacp, generate, train  the package root (public re-exports), the entry points
-    integrations, serve      (``python -m megacp.generate`` / ``train`` / ``serve``) and the
-                             transformers attention interface
+    serve, launch            (``python -m megacp.generate`` / ``train`` / ``serve``) and what they
+                             need of their launcher
+    families                 the model-family seam: what a model is, how it loads, trains and saves
+    integrations             the transformers attention interface, memory features, CPTrainer
     checkpoint               formats, conversion, loading weights into a built model
     models                   the model, its config and parameter schema
     layers                   CP attention modules, CPSettings, the step kinds, swap_attention
-    attention                partial attention, merge, ring prefill, decode, strategy
+    attention                the ring floor: KV blocks and ring checks, ring prefill, decode,
+                             the training ring, strategy
+    attention.kernels        the kernel floor: one block of attention (partial attention and its
+                             backward, the fused kernels, varlen runs, tiles, merges, plans)
     kv_cache                 the CP-sharded KV cache
     placement                which CP rank holds which token, layouts, tiles, training batches
     parallel                 process mesh, groups, the CP ring
-    config, version          megacp's validated config sections; its version
+    config, version,         megacp's validated config sections; its version; the table of
+    attention.kernels.registry  attention backends (data only: the config takes its choices from it)
 
 Every import counts, also one inside a function (it is a dependency all the same). There must be
 no import cycle between modules, and none between packages of one layer.
@@ -28,15 +35,18 @@ from tests.helpers.paths import ROOT
 PACKAGE = ROOT / "megacp"
 
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("megacp", "generate", "train", "integrations", "serve"),
+    ("megacp", "generate", "train", "serve", "launch"),
+    ("families",),
+    ("integrations",),
     ("checkpoint",),
     ("models",),
     ("layers",),
     ("attention",),
+    ("attention.kernels",),
     ("kv_cache",),
     ("placement",),
     ("parallel",),
-    ("config", "version"),
+    ("config", "version", "attention.kernels.registry"),
 )
 RANK = {name: depth for depth, names in enumerate(LAYERS) for name in names}
 
@@ -82,8 +92,12 @@ def _graph() -> dict[str, set[str]]:
 
 
 def _component(module: str) -> str:
-    parts = module.split(".")
-    return parts[1] if len(parts) > 1 else "megacp"
+    """The layer name of ``module``: the longest name of :data:`RANK` that holds it, else its package."""
+    parts = module.split(".")[1:]
+    for end in range(len(parts), 0, -1):
+        if ".".join(parts[:end]) in RANK:
+            return ".".join(parts[:end])
+    return parts[0] if parts else "megacp"
 
 
 def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -148,8 +162,12 @@ def test_the_contract_sees_real_imports() -> None:
     graph = _graph()
     assert "megacp.placement" in graph["megacp.kv_cache"]
     assert "megacp.placement.tiles" in graph["megacp.placement.plan"]
-    assert "megacp.attention.merge_kernel" in graph["megacp.attention.merge"]  # `from megacp.attention import merge_kernel`
+    assert "megacp.attention.kernels.merge_kernel" in graph["megacp.attention.kernels.merge"]  # `from megacp.attention.kernels import merge_kernel`
     assert "megacp.config" in graph["megacp.parallel.state"]
+    assert "megacp.attention.kernels.registry" in graph["megacp.config"]  # the backend choices
+    assert [_component(m) for m in ("megacp.attention.pass_kv", "megacp.attention.kernels.partial",
+                                    "megacp.attention.kernels.registry", "megacp")] == \
+        ["attention", "attention.kernels", "attention.kernels.registry", "megacp"]
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megacp.attention import build_kv_block, merge_stack, merge_states, partial_attention
-from megacp.attention.merge import pack_states, unpack_states
+from megacp.attention.kernels.merge import pack_states, unpack_states
 from megacp.placement import ShardPlan
 from tests.helpers.reference import naive_attention, rel_err
 
@@ -86,7 +86,7 @@ def test_kv_block_is_the_local_kv_when_blocks_are_unpadded() -> None:
 def test_lower_level_entry_points_reject_bad_input_clearly() -> None:
     from megacp.attention.training import ring_attention
     from megacp.attention.decode import local_decode_states
-    from megacp.attention.merge import merge_into
+    from megacp.attention.kernels.merge import merge_into
     from megacp.attention.pass_kv import ring_pass_kv
     from megacp.attention.pass_q import ring_pass_q
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megacp.attention import partial_backward as pb
-from megacp.attention.partial import partial_attention
+from megacp.attention.kernels import partial_backward as pb
+from megacp.attention.kernels.partial import partial_attention
 
 
 def _as_kernel(dout4, q4, k4, v4, out4, lse3, causal, scale):

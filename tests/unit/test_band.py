@@ -1,4 +1,4 @@
-"""Banded tiles built from square causal calls (megacp.attention.band) against the banded
+"""Banded tiles built from square causal calls (megacp.attention.kernels.band) against the banded
 reference (the band masked by index), fp32 on CPU: forward out/LSE and backward dq/dk/dv, over
 random lengths and bands (one block, several, a short last block, a head whose band is clipped at
 key 0, Lq > Lk, queries that see nothing, GQA), causal and not. The causal calls run on the exact
@@ -13,9 +13,9 @@ import pytest
 import torch
 from torch import Tensor
 
-from megacp.attention import partial as pa
-from megacp.attention import partial_backward as pb
-from megacp.attention.band import band_attention, band_backward
+from megacp.attention.kernels import partial as pa
+from megacp.attention.kernels import partial_backward as pb
+from megacp.attention.kernels.band import band_attention, band_backward
 
 SCALE = 0.3
 
@@ -98,7 +98,7 @@ def test_band_plan_batches_the_full_blocks() -> None:
     """The tiles of a 64K sequence under a 4096-token window (band 4095) at CP 1: 32K queries over
     their own keys (a head of 4096 queries, then 7 blocks of 4096 in one batch), and over a 4095-key
     history (8 blocks, no head); a short last block and a head clipped at key 0."""
-    from megacp.attention.band import _Blocks, _causal_plan
+    from megacp.attention.kernels.band import _Blocks, _causal_plan
 
     assert _causal_plan(32768, 32768, 4095) == ((0, 4096, 4096), [_Blocks(4096, 4096, 7, 4096, 4095, 4095)])
     assert _causal_plan(32768, 32768 + 4095, 4095) == (None, [_Blocks(0, 4095, 8, 4096, 4095, 4095)])

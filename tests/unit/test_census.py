@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megacp.checkpoint.deepspeed import read_deepspeed_checkpoint, write_train_state
+from megacp.checkpoint.deepspeed import MegacpRecord, read_deepspeed_checkpoint, write_train_state
 from megacp.checkpoint.errors import CheckpointError
 from megacp.checkpoint.tokenizer_files import write_tokenizer
 from megacp.models.schema import parameter_shapes
@@ -31,7 +31,7 @@ def _checkpoint(root: Path, tag: str = "step1", module: object = None) -> Path:
     """A ``megacp.train`` style checkpoint without ZeRO shards: sidecar, ``latest``, module states."""
     config = tiny_config(tied=False)
     root.mkdir(parents=True, exist_ok=True)
-    write_train_state(root, model_config=config, dtype=torch.float32, tp_size=1, zero_stage=0, tag=tag,
+    write_train_state(root, model=MegacpRecord.of(config).entry(), dtype=torch.float32, tp_size=1, zero_stage=0, tag=tag,
                       tokenizer=None)
     (root / tag).mkdir()
     if module is None:
@@ -134,6 +134,40 @@ def test_symlinked_companion_file_outside_is_not_copied(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="symlink leading outside the checkpoint"):
         write_tokenizer(source, target)
     assert list(target.iterdir()) == []
+
+
+def test_symlinked_companion_file_outside_is_not_read(tmp_path: Path) -> None:
+    from megacp.checkpoint.tokenizer_files import load_tokenizer
+
+    (tmp_path / "secret.txt").write_text("not yours")
+    source = tmp_path / "model"
+    source.mkdir()
+    (source / "tokenizer.json").symlink_to(tmp_path / "secret.txt")
+    with pytest.raises(CheckpointError) as err:
+        load_tokenizer(source)
+    assert str(err.value) == (f"{source / 'tokenizer.json'} is a symlink leading outside the checkpoint {source}; "
+                              "refusing to read it")
+
+
+@pytest.mark.parametrize("how", ["empty_latest", "truncated_shard"])
+def test_empty_latest_or_truncated_shard_is_one_line_saying_so(how: str, tmp_path: Path) -> None:
+    """Where a model loads (and the converters read): an empty ``latest`` names no tag, a shard cut
+    short is unreadable (not a file to trust)."""
+    from megacp.checkpoint.load import load_model
+
+    root = _checkpoint(tmp_path / "ck")
+    shard = root / "step1" / "mp_rank_00_model_states.pt"
+    if how == "empty_latest":
+        (root / "latest").write_text("\n")
+        message = f"{root / 'latest'} is empty: it names no checkpoint tag; pass --tag"
+    else:
+        shard.write_bytes(shard.read_bytes()[:1000])
+        message = f"cannot read {shard} (1000 bytes; truncated or corrupt?): "
+    for load in (lambda: read_deepspeed_checkpoint(root), lambda: load_model(root, dtype=torch.float32, device="cpu")):
+        with pytest.raises(CheckpointError) as err:
+            load()
+        assert "\n" not in str(err.value) and str(err.value).startswith(message), str(err.value)
+        assert how == "empty_latest" or "trust" not in str(err.value)
 
 
 def test_symlinked_companion_file_inside_is_copied(tmp_path: Path) -> None:

@@ -308,7 +308,6 @@ def test_deepspeed_sections_are_read_once_into_one_view() -> None:
     """Precision and ZeRO placement come from one reader (the trainer, the memory plan and the dtype of
     generation all take them from it), with one-line refusals of malformed values."""
     from megacp.config import DeepSpeedSections
-    from megacp.train.engine import read_settings
     from megacp.train.memory import ZeroSettings
 
     raw = {"bfloat16": {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True},
@@ -316,7 +315,7 @@ def test_deepspeed_sections_are_read_once_into_one_view() -> None:
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}
     view = DeepSpeedSections.read(raw)
     assert view == DeepSpeedSections("bfloat16", True, 3, True, True, True)
-    settings = read_settings(raw)
+    settings = load_config(raw, training=True).training
     assert settings.sections == view and settings.dtype == torch.bfloat16 and settings.zero_stage == 3
     zero = ZeroSettings.of(settings.sections, partition=2, dtype=settings.dtype)
     assert (zero.stage, zero.offload_param, zero.offload_optimizer, zero.bf16_optimizer_states) == (3, True, True, True)

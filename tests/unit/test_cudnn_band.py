@@ -1,6 +1,6 @@
-"""The cuDNN band call of a banded tile (:class:`megacp.attention.cudnn_band.Band`): the
+"""The cuDNN band call of a banded tile (:class:`megacp.attention.kernels.cudnn_band.Band`): the
 ``TOP_LEFT`` diagonal band cuDNN is given, on the rows and keys it is given, must show each query
-exactly the keys of megacp's bottom-right band (:func:`megacp.attention.partial.hidden_by_band`),
+exactly the keys of megacp's bottom-right band (:func:`megacp.attention.kernels.partial.hidden_by_band`),
 checked pair by pair."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import itertools
 import pytest
 import torch
 
-from megacp.attention.cudnn_band import Band
-from megacp.attention.partial import hidden_by_band
+from megacp.attention.kernels.cudnn_band import Band
+from megacp.attention.kernels.partial import hidden_by_band
 
 
 def cudnn_visible(lq: int, lk: int, band: Band | None) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Attention over an FP8 KV block one key tile at a time (:mod:`megacp.attention.fp8_kv`).
+"""Attention over an FP8 KV block one key tile at a time (:mod:`megacp.attention.blocks`).
 
 * the key splitting (:func:`~megacp.placement.split_keys`, :func:`~megacp.placement.key_groups`)
   keeps every tile's mask: attention over the split tiles equals attention over the planned tiles,
@@ -15,10 +15,10 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from megacp.attention.fp8_kv import FP8KVBlock
+from megacp.attention.blocks import FP8KVBlock
+from megacp.attention.kernels.tile_attention import run_tiles
 from megacp.attention.pass_kv import ring_pass_kv
 from megacp.attention.pass_q import ring_pass_q
-from megacp.attention.tile_attention import run_tiles
 from megacp.kv_cache import dequantize_fp8, fp8_scale, quantize_fp8
 from megacp.placement import ShardPlan, Tile, key_groups, split_keys
 

@@ -1,6 +1,7 @@
 """The memory plan of a transformers model (:mod:`megacp.integrations.hf_memory`): the sizes it reads
-from the model's config, the activations its MLP norm adds, and the fused RMSNorm that equals a norm of
-Llama's formula bitwise and leaves any other norm alone."""
+from the model's config, the activations its MLP norm adds, the fused RMSNorm that equals a norm of
+Llama's formula bitwise and leaves any other norm alone, and megacp's layer checkpoints replacing
+transformers' own without its deprecation warnings."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from torch import nn
 
 from megacp.checkpoint.hf import config_from_hf
 from megacp.config import MemoryOptions
-from megacp.integrations.hf_memory import fuse_norms, plan_config
+from megacp.integrations.hf_memory import LayerCheckpoints, checkpoint_layers, fuse_norms, plan_config
 from megacp.train.memory import ZeroSettings, plan_memory, working_bytes_per_token
 from tests.helpers.hf_archs import make_model
 
@@ -76,3 +77,18 @@ def test_fused_norms_equal_llamas_bitwise_and_leave_other_norms_alone():
     assert torch.equal(own, fused) and torch.allclose(gx, fx, rtol=2e-2, atol=1e-2)
     other = nn.Sequential(_GemmaLikeNorm(32))
     assert fuse_norms(other) == 0 and "forward" not in vars(other[0])
+
+
+
+def test_layer_checkpoints_replace_transformers_own_without_a_warning():
+    """``checkpoint_layers`` switches transformers' gradient checkpointing off where it is on and
+    reads whether it is without transformers' deprecated ``is_gradient_checkpointing``."""
+    import warnings
+
+    plain, checkpointed = make_model("llama"), make_model("llama")
+    checkpointed.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        checkpoint_layers(plain, LayerCheckpoints())
+    checkpoint_layers(checkpointed, LayerCheckpoints())
+    assert not any(getattr(m, "gradient_checkpointing", False) for m in checkpointed.modules())

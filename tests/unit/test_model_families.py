@@ -1,4 +1,4 @@
-"""The model-family seam (:mod:`megacp.integrations.families`): which family a source gets, what each
+"""The model-family seam (:mod:`megacp.families`): which family a source gets, what each
 says it can do, and that a refused architecture is refused from its config alone (no weight read)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megacp.integrations.families import (
+from megacp.families import (
     MOE_GRAPHS,
     WINDOW_GRAPHS,
     MegacpFamily,

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megacp.attention.partial import partial_attention
-from megacp.attention.partial_backward import partial_attention_backward
-from megacp.attention.plans import LONGEST_PADDED, pad_rows, plan_length, plan_lengths
-from megacp.attention.training import warm_kernel_plans
+from megacp.attention.kernels.partial import partial_attention
+from megacp.attention.kernels.partial_backward import partial_attention_backward
+from megacp.attention.kernels.plans import LONGEST_PADDED, pad_rows, plan_length, plan_lengths
+from megacp.attention.kernels.warmup import warm_kernel_plans
 
 
 def test_plan_length_is_the_next_of_four_per_octave() -> None:
@@ -73,7 +73,7 @@ def test_run_on_backward_thread_runs_where_a_backward_runs() -> None:
 
     import torch
 
-    from megacp.attention.training import run_on_backward_thread
+    from megacp.attention.kernels.warmup import run_on_backward_thread
     from tests.helpers.threads import backward_thread
 
     calls: list[str] = []

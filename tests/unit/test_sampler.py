@@ -418,3 +418,12 @@ def test_unseeded_requests_get_fresh_seeds_and_seeded_ones_keep_theirs() -> None
     body = {"model": "m", "prompt": "hi", "temperature": 0.8}
     drawn = {CompletionRequest(**body).sampling(None, 4, 64).seed for _ in range(3)}
     assert len(drawn) == 3 and CompletionRequest(**body, seed=5).sampling(None, 4, 64).seed == 5
+
+
+def test_the_generate_cli_samples_with_a_fresh_seed_unless_given() -> None:
+    """``python -m megacp.generate --temperature 0.8`` hands ``LLM`` an unseeded request (which
+    :class:`~megacp.generate.sampling.SeedSource` gives a fresh seed), ``--seed N`` a seeded one."""
+    from megacp.generate.cli import parse_args, validate
+
+    assert validate(parse_args(["--prompt", "hi", "--temperature", "0.8"]))[0].seed is None
+    assert validate(parse_args(["--prompt", "hi", "--temperature", "0.8", "--seed", "3"]))[0].seed == 3

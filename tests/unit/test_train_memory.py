@@ -1,12 +1,16 @@
 """The training memory options and plan: config parsing with one-line refusals, the ZeRO placement
-of model states, and the plan's choices against hand-computed sizes (Llama-3.1-8B shape)."""
+of model states, the plan's choices against hand-computed sizes (Llama-3.1-8B shape), and the host
+bytes an offloaded input holds."""
 
 from __future__ import annotations
+
+import mmap
 
 import pytest
 import torch
 
 from megacp.config import ConfigError, MemoryOptions, read_memory_options
+from megacp.models.checkpointing import CUDA_HOST_REGISTER_PORTABLE, page_locked_empty, page_unlock
 from megacp.models.config import ModelConfig
 from megacp.train.memory import (
     HOST_RESERVE_BYTES,
@@ -148,11 +152,11 @@ def test_the_32_layer_8b_shape_on_one_h100():
     # every layer input on the host: 32 x 2 GiB at 256K is past the host
     with pytest.raises(MemoryPlanError, match="will not fit in host memory: 262144 tokens"):
         plan_memory(cfg, params=params, tokens=256 << 10, options=every, zero=zero, capacity=cap, host=host)
-    # a 192K input (1.5 GiB) is held in a 2 GiB pinned buffer
-    assert pinned_bytes(2 * 4096 * (192 << 10)) == 2 * GIB and pinned_bytes(2 * GIB) == 2 * GIB
+    # a 192K input (1.5 GiB) is held in a pinned buffer of exactly 1.5 GiB
+    assert pinned_bytes(2 * 4096 * (192 << 10)) == 3 * GIB // 2
     mid = plan_memory(cfg, params=params, tokens=192 << 10, options=auto, zero=zero, capacity=cap, host=host)
     assert (mid.layers_per_checkpoint, len(mid.offloaded_layers), mid.mlp_tile) == (1, 11, 8192)
-    assert mid.host_bytes == states + 11 * 2 * GIB
+    assert mid.host_bytes == states + 11 * 3 * GIB // 2
     # 256K: every layer its own checkpoint needs 20 inputs (40 GiB) on the host beside 74.8 GiB of
     # states, past 120 GiB less the reserve; blocks of 2 keep 10 of 16 block inputs on the GPU
     long = plan_memory(cfg, params=params, tokens=256 << 10, options=auto, zero=zero, capacity=cap, host=host)
@@ -163,3 +167,32 @@ def test_the_32_layer_8b_shape_on_one_h100():
         plan_memory(cfg, params=params, tokens=384 << 10, options=auto, zero=zero, capacity=cap, host=host)
     assert 256 << 10 < longest_fitting(cfg, params=params, options=auto, zero=zero, capacity=cap, host=host,
                                        multiple=2) < 384 << 10
+
+
+def test_offloaded_inputs_hold_whole_pages(monkeypatch):
+    """An offloaded input holds its bytes rounded up to a page, not to a power of two: the plan's
+    :func:`pinned_bytes` and the buffer :func:`page_locked_empty` pins for the stash (its CUDA calls
+    recorded here: the exact byte count from a page boundary, then unlocked by :func:`page_unlock`)."""
+    assert [pinned_bytes(n, page=4096) for n in (0, 1, 4096, 4097, 3 * GIB // 2)] == [0, 4096, 4096, 8192, 3 * GIB // 2]
+    assert pinned_bytes(100_000, page=65536) == 131072 and pinned_bytes(3 * GIB + 1) == 3 * GIB + mmap.PAGESIZE
+
+    calls = []
+
+    class Cudart:
+        def cudaHostRegister(self, ptr, nbytes, flags):  # noqa: N802 - the CUDA runtime's name
+            calls.append(("register", ptr, nbytes, flags))
+            return 0
+
+        def cudaHostUnregister(self, ptr):  # noqa: N802
+            calls.append(("unregister", ptr))
+            return 0
+
+    monkeypatch.setattr(torch.cuda, "cudart", Cudart)
+    host = page_locked_empty((3, 1000), torch.bfloat16)
+    assert host.shape == (3, 1000) and host.dtype == torch.bfloat16 and host.data_ptr() % mmap.PAGESIZE == 0
+    host.fill_(2.0)
+    assert calls == [("register", host.data_ptr(), 6000, CUDA_HOST_REGISTER_PORTABLE)]
+    ptr, buffers = host.data_ptr(), [host, page_locked_empty((0, 8), torch.float32)]  # nothing to pin
+    assert len(calls) == 1 and buffers[1].numel() == 0
+    page_unlock(buffers, None)
+    assert calls[1:] == [("unregister", ptr)] and buffers == [] and host.float().sum().item() == 6000.0

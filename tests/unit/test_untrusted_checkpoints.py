@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from megacp.checkpoint import CheckpointError
-from megacp.checkpoint.deepspeed import read_deepspeed_checkpoint, write_train_state
+from megacp.checkpoint.deepspeed import MegacpRecord, read_deepspeed_checkpoint, write_train_state
 from megacp.models import ModelConfig
 
 CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4, num_kv_heads=2,
@@ -32,7 +32,8 @@ class _Payload:
 def _checkpoint(root: Path, marker: Path, latest: str = "step1") -> Path:
     ckpt = root / "ckpt"
     (ckpt / "step1").mkdir(parents=True)
-    write_train_state(ckpt, model_config=CFG, dtype=torch.float32, tp_size=1, zero_stage=0, tag="step1", tokenizer=None)
+    write_train_state(ckpt, model=MegacpRecord.of(CFG).entry(), dtype=torch.float32, tp_size=1, zero_stage=0,
+                      tag="step1", tokenizer=None)
     torch.save({"module": {"x": torch.zeros(1)}, "payload": _Payload(marker)}, ckpt / "step1" / "mp_rank_00_model_states.pt")
     (ckpt / "latest").write_text(latest)
     return ckpt

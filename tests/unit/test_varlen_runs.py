@@ -1,9 +1,9 @@
-"""Which planned tiles share one varlen call (:func:`megacp.attention.varlen.group_runs`): packed
+"""Which planned tiles share one varlen call (:func:`megacp.attention.kernels.varlen.group_runs`): packed
 documents' tiles as the planner makes them, at CP 1 and CP 2."""
 
 from __future__ import annotations
 
-from megacp.attention.varlen import TileRun, group_runs
+from megacp.attention.kernels.varlen import TileRun, group_runs
 from megacp.placement import ShardPlan, Tile
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megacp.attention.partial import partial_attention
-from megacp.attention.partial_backward import partial_attention_backward
-from megacp.attention.tile_attention import run_tiles
+from megacp.attention.kernels.partial import partial_attention
+from megacp.attention.kernels.partial_backward import partial_attention_backward
+from megacp.attention.kernels.tile_attention import run_tiles
 from megacp.placement import ShardPlan
 from tests.helpers.reference import naive_attention
 

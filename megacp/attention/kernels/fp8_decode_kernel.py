@@ -7,13 +7,13 @@ reads each request's ``float8_e4m3fn`` rows straight from the cache's packed row
 the query's dtype in registers (exact: every e4m3 value is a bf16 and an fp16 value) and applies the request's power-of-two
 scales to the scores (keys) and to the output (values), which is exact as well.
 
-Layout (as :func:`~megacp.attention.partial.cache_decode_states`): ``q`` ``[B, Hq, D]``; ``k``/``v``
+Layout (as :func:`~megacp.attention.kernels.partial.cache_decode_states`): ``q`` ``[B, Hq, D]``; ``k``/``v``
 ``[R * capacity, Hkv, D]`` float8 (or its ``uint8`` view); request ``b`` owns rows
 ``starts[b] .. starts[b] + capacity`` and attends over the first ``used[b]``, both read from device
 memory, so a CUDA graph replays one captured step for every token. Work is split over
 ``(request, KV head, key split)`` programs; each program serves the ``Hq / Hkv`` query heads of its KV
 head (GQA) over ``ceil(capacity / splits)`` rows and writes a partial (out, LSE); the partials of the
-splits are merged exactly in fp32 (:func:`~megacp.attention.merge.merge_stack`). Returns
+splits are merged exactly in fp32 (:func:`~megacp.attention.kernels.merge.merge_stack`). Returns
 ``out [B, Hq, D]`` (``q.dtype``) and ``lse [B, Hq]`` fp32 natural log; a request with ``used = 0`` gets
 ``out = 0``, ``lse = -inf``. Available when Triton imports, on CUDA (or any device under
 ``TRITON_INTERPRET=1``, how the tests run it without a GPU).
@@ -26,7 +26,7 @@ import os
 import torch
 from torch import Tensor
 
-from megacp.attention.merge import merge_stack
+from megacp.attention.kernels.merge import merge_stack
 
 try:
     import triton

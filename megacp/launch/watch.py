@@ -18,7 +18,7 @@ import threading
 import time
 from pathlib import Path
 
-from megacp.config import launcher_rank
+from megacp.launch import launcher_rank
 
 POLL_S = 1.0
 """Seconds between two looks at the launcher processes."""

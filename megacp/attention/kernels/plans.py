@@ -19,7 +19,7 @@ prompts come in every length, so without care nearly every step of a packed corp
   processes that never run a backward (:func:`reuse_plans_across_lengths`: ``megacp.generate``
   and ``megacp.serve``), where it spares the rectangular prefix tiles of each new prompt or chat
   turn a plan; where it is set anyway, the fused backward runs FlashAttention-2 under ``"auto"``
-  and a forced ``"cudnn"`` backward is refused (:mod:`~megacp.attention.partial_backward`).
+  and a forced ``"cudnn"`` backward is refused (:mod:`~megacp.attention.kernels.partial_backward`).
 """
 
 from __future__ import annotations

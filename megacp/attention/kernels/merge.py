@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from megacp.attention import merge_kernel
+from megacp.attention.kernels import merge_kernel
 
 
 def finite_or_zero(m: Tensor) -> Tensor:
@@ -77,7 +77,7 @@ def merge_into(acc_out: Tensor, acc_lse: Tensor, out: Tensor, lse: Tensor, *, fu
         acc_out: ``[..., H, D]`` running output (any float dtype; updated in place; may be a slice).
         acc_lse: fp32 ``[..., H]`` running LSE (updated in place).
         out, lse: the partial to add, same leading shape, ``out`` in any float dtype.
-        fused: use the one-kernel Triton merge (:mod:`megacp.attention.merge_kernel`); ``None`` =
+        fused: use the one-kernel Triton merge (:mod:`megacp.attention.kernels.merge_kernel`); ``None`` =
             when it applies (CUDA tensors ``[L, H, D]``, Triton installed).
     """
     if _use_fused(fused, acc_out, 3):
@@ -94,7 +94,7 @@ def merge_stack(outs: Tensor, lses: Tensor, *, fused: bool | None = None) -> tup
     Args:
         outs: ``[N, ..., H, D]`` partial outputs.
         lses: ``[N, ..., H]`` fp32 LSEs.
-        fused: use the one-kernel Triton merge (:mod:`megacp.attention.merge_kernel`); ``None`` =
+        fused: use the one-kernel Triton merge (:mod:`megacp.attention.kernels.merge_kernel`); ``None`` =
             when it applies (CUDA tensors ``[N, L, H, D]``, Triton installed).
 
     Returns:

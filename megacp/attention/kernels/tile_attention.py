@@ -1,6 +1,6 @@
 """Running planned tiles (:func:`megacp.placement.plan_tiles`) through the partial-attention
 kernels and folding them into a running (out, LSE) state; runs of short contiguous tiles (packed
-documents) take one varlen call (:mod:`~megacp.attention.varlen`)."""
+documents) take one varlen call (:mod:`~megacp.attention.kernels.varlen`)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ from typing import Sequence
 
 from torch import Tensor
 
-from megacp.attention.merge import merge_into
-from megacp.attention.partial import empty_state, partial_attention, resolve_backend, softmax_scale
-from megacp.attention.varlen import Unit, tile_runs, varlen_attention
+from megacp.attention.kernels.merge import merge_into
+from megacp.attention.kernels.partial import empty_state, partial_attention, softmax_scale
+from megacp.attention.kernels.registry import resolve_backend
+from megacp.attention.kernels.varlen import Unit, tile_runs, varlen_attention
 from megacp.placement.tiles import Tile
 
 
@@ -41,7 +42,7 @@ def run_tiles(
         if isinstance(t, Tile):
             return partial_attention(q[t.q0:t.q1], k[t.k0:t.k1], v[t.k0:t.k1], causal=t.causal, scale=scale,
                                      backend=backend, left=t.left)
-        return varlen_attention(q, k, v, t, scale=scale)
+        return varlen_attention(q, k, v, t, scale=scale, backend=backend)
 
     if acc is None:
         if len(units) == 1 and units[0].q0 == 0 and units[0].q1 == lq:

@@ -1,10 +1,10 @@
-"""Fused GPU kernels (Triton) for the merges of :mod:`megacp.attention.merge`.
+"""Fused GPU kernels (Triton) for the merges of :mod:`megacp.attention.kernels.merge`.
 
 * :func:`merge_stack_fused` — N stacked partial states → one. It sits on the decode critical path
   right after the all-gather; written in torch it is about ten small kernels (logsumexp, weights,
   weighted sum, cast), each a few microseconds of launch inside a CUDA graph — a sizeable share of
   a ~90 µs decode step. The kernel reads the N partials once, straight from the strided views
-  :func:`~megacp.attention.merge.unpack_states` returns (the packed buffer is never copied).
+  :func:`~megacp.attention.kernels.merge.unpack_states` returns (the packed buffer is never copied).
 * :func:`merge_into_fused` — the online merge of the pass-KV ring, in place: one pass that reads
   the running and the new state and writes the running state (torch needs weight tensors and
   several passes over mixed layouts; even a single-``lerp_`` torch merge was ~3× slower on H200 at
@@ -120,7 +120,7 @@ if triton is not None:
 
 
 def merge_into_fused(acc_out: Tensor, acc_lse: Tensor, out: Tensor, lse: Tensor) -> None:
-    """:func:`~megacp.attention.merge.merge_into` in one kernel (in place).
+    """:func:`~megacp.attention.kernels.merge.merge_into` in one kernel (in place).
 
     Args:
         acc_out: ``[L, H, D]`` running output, any float dtype (updated); acc_lse: ``[L, H]`` fp32 (updated).
@@ -138,7 +138,7 @@ def merge_into_fused(acc_out: Tensor, acc_lse: Tensor, out: Tensor, lse: Tensor)
 
 
 def merge_stack_fused(outs: Tensor, lses: Tensor) -> tuple[Tensor, Tensor]:
-    """:func:`~megacp.attention.merge.merge_stack` in one kernel.
+    """:func:`~megacp.attention.kernels.merge.merge_stack` in one kernel.
 
     Args:
         outs: ``[N, L, H, D]`` partial outputs (any strides with a unit last stride).

@@ -12,51 +12,78 @@ sees key ``j`` iff ``j <= i + (Lk - Lq)``; this is the plain causal mask when ``
 ``left=w`` (a sliding-window band, bottom-right aligned as FlashAttention's ``window_size_left``)
 also hides key ``j`` from query ``i`` when ``j < i + (Lk - Lq) - w``.
 
-Which kernel serves which tile: a tile without ``left`` (inside the window, or no window) runs as
-below. cuDNN's SDPA op in torch takes no window, so for fp16/bf16 CUDA tensors ``[L, H, D]`` a
-banded tile (``left >= 0``; ``"cudnn"``, and ``"auto"`` for causal bands of at least
-:data:`CUDNN_BAND_MIN` keys) runs cuDNN's own band through the cuDNN frontend package where it is
-installed (:mod:`~megacp.attention.cudnn_band`), else is built from batched square causal cuDNN
-calls (:mod:`~megacp.attention.band`), or runs FlashAttention-2 with its window arguments
-(``aten._flash_attention_forward(window_size_left=, window_size_right=)``; ``"flash"``, and
-``"auto"`` for narrower causal bands or where cuDNN refuses); everywhere else it takes the reference
-path with the band masked by index.
-
 Backends (``backend=``; default ``"auto"``; a job configures it as ``runtime.attention_backend`` or
-env ``MEGACP_ATTN_BACKEND``, read once by :func:`megacp.initialize` and handed to the CP layers):
+env ``MEGACP_ATTN_BACKEND``, read once by :func:`megacp.initialize` and handed to the CP layers) are
+the entries of :mod:`~megacp.attention.kernels.registry`:
 
-* ``"cudnn"`` — ``aten._scaled_dot_product_cudnn_attention`` (fastest on H100/H200, LSE ``[B,H,S,1]``).
-* ``"flash"`` — ``aten._scaled_dot_product_flash_attention`` (FlashAttention-2, LSE ``[B,H,S]``).
+* ``"cudnn"`` — cuDNN's fused attention (:mod:`~megacp.attention.kernels.cudnn`; fastest on H100/H200).
+* ``"flash"`` — FlashAttention-2 (:mod:`~megacp.attention.kernels.flash`).
 * ``"reference"`` — exact blocked computation in fp32 on any device with memory bounded by
   ``block_q × block_k`` scores per head (never an ``Lq × Lk`` matrix).
 
-``"auto"`` tries cuDNN then flash for fp16/bf16 CUDA tensors and falls back to the next backend
-for shapes a kernel refuses (the refusal is remembered per dtype, batch dimension, heads, head dim
-and mask, not per length; an out-of-memory error is raised, not taken for a refusal); fp32 and CPU
-tensors use the reference path. Every kernel's LSE is natural log, fp32 (checked on H200, see docs/GPU_FACTS.md).
+A named kernel serves every call (its errors are raised). ``"auto"`` tries the fused kernels whose
+devices and dtypes take the tensors (fp16/bf16 CUDA tensors), in the registry's order, and falls
+back to the next for shapes a kernel refuses (the refusal is remembered per dtype, batch dimension,
+heads, head dim and mask, not per length; an out-of-memory error is raised, not taken for a
+refusal); tensors no fused kernel takes (fp32, CPU) use the reference path. Every kernel's LSE is
+natural log, fp32 (checked on H200, see docs/GPU_FACTS.md).
 
-cuDNN plans: torch builds a cuDNN execution plan for every shape it meets; a square causal cuDNN
-call of at most 16K rows runs padded to one of a few lengths so that tiles of every length share
-plans (exact; see :mod:`megacp.attention.plans`).
+Fused kernels compute no mask or a square causal one: a bottom-right mask with ``Lq != Lk`` runs
+as a dense part, a square causal part and their merge (:func:`_kernel_attention`). A kernel whose
+entry says ``plan_padding`` (cuDNN: torch builds an execution plan for every shape it meets) runs a
+square causal call of at most 16K rows padded to one of a few lengths, so that tiles of every
+length share plans (exact; see :mod:`~megacp.attention.kernels.plans`).
+
+Which kernel serves a banded tile (``left >= 0``) of ``[L, H, D]`` tensors a fused kernel takes:
+the kernel's own band (``band_forward``: cuDNN's band through the cuDNN frontend package where it
+is installed, FlashAttention-2's window arguments), else batched square causal calls of that
+kernel (:mod:`~megacp.attention.kernels.band`); under ``"auto"`` a causal band narrower than a
+kernel's ``auto_band_min`` keys (cuDNN: 128) runs on the next kernel of the order
+(:func:`band_kernel`). Everywhere else it takes the reference path with the band masked by index.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
 import math
-from typing import Callable, TypeVar
+from typing import Callable, Protocol, TypeVar, cast
 
 import torch
 from torch import Tensor
 
-from megacp.attention import cudnn_band
-from megacp.attention.band import band_attention
-from megacp.attention.merge import finite_or_zero, merge_into, merge_states
-from megacp.attention.plans import pad_rows, plan_length
+from megacp.attention.kernels import registry
+from megacp.attention.kernels.band import band_attention
+from megacp.attention.kernels.merge import finite_or_zero, merge_into, merge_states
+from megacp.attention.kernels.plans import pad_rows, plan_length
+from megacp.attention.kernels.registry import AUTO, resolve_backend
 
-BACKENDS = ("auto", "cudnn", "flash", "reference")
-_KERNEL_ORDER = ("cudnn", "flash")
+State = tuple[Tensor, Tensor]
+Grads = tuple[Tensor, Tensor, Tensor]
 _refused: set[tuple] = set()
 _R = TypeVar("_R")
+
+
+class FusedKernel(Protocol):
+    """The functions every fused kernel's module provides (:mod:`~megacp.attention.kernels.registry`
+    gives their conventions)."""
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> State: ...
+
+    def backward(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool,
+                 scale: float) -> Grads: ...
+
+    def band_forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float, left: int) -> State | None: ...
+
+    def band_backward(self, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor, *,
+                      causal: bool, scale: float, left: int) -> Grads | None: ...
+
+
+class CacheDecodeKernel(Protocol):
+    """A fused kernel that decodes over a packed cache (registry entry ``cache_decode``)."""
+
+    def cache_decode(self, q: Tensor, k: Tensor, v: Tensor, starts: Tensor, used: Tensor, capacity: int,
+                     scale: float) -> State: ...
 
 
 def softmax_scale(scale: float | None, head_dim: int) -> float:
@@ -64,36 +91,53 @@ def softmax_scale(scale: float | None, head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim) if scale is None else scale
 
 
-def resolve_backend(backend: str | None) -> str:
-    """``backend`` checked against :data:`BACKENDS` (``None``: ``"auto"``, the backend of a call
-    that names none). Raises ``ValueError`` naming the allowed values."""
-    backend = backend or "auto"
-    if backend not in BACKENDS:
-        raise ValueError(f"attention backend {backend!r} is not one of {', '.join(BACKENDS)}")
-    return backend
+@functools.cache
+def kernel_module(name: str) -> FusedKernel:
+    """The module of fused kernel ``name`` (its registry entry's ``module``), imported on first use."""
+    module = registry.get(name).module
+    if module is None:
+        raise ValueError(f"attention backend {name!r} is not a fused kernel")
+    return cast(FusedKernel, importlib.import_module(module))
+
+
+@functools.cache
+def _order(backend: str, device_type: str, dtype: torch.dtype) -> tuple[str, ...]:
+    if backend != AUTO:
+        return (backend,) if registry.get(backend).module is not None else ()
+    return tuple(b.name for b in registry.fused()
+                 if device_type in b.devices and dtype in tuple(getattr(torch, name) for name in b.dtypes))
+
+
+def kernel_order(backend: str, x: Tensor) -> tuple[str, ...]:
+    """The fused kernels a call of ``backend`` (resolved) tries on tensors like ``x``, in order: the
+    kernel a fused backend names; under ``"auto"`` every fused kernel whose registry entry takes
+    ``x``'s device and dtype; none for the reference."""
+    return _order(backend, x.device.type, x.dtype)
 
 
 def kernels_apply(x: Tensor) -> bool:
-    """Whether ``"auto"`` tries the fused kernels for tensors like ``x`` (fp16/bf16 on CUDA)."""
-    return x.is_cuda and x.dtype in (torch.float16, torch.bfloat16)
+    """Whether ``"auto"`` tries a fused kernel for tensors like ``x`` (fp16/bf16 on CUDA)."""
+    return bool(kernel_order(AUTO, x))
 
 
-def first_kernel(backend: str, shape_class: tuple, call: Callable[[str], _R], refused: set[tuple]) -> _R | None:
-    """``call(name)`` for the kernels ``backend`` names: one forced kernel, or for ``"auto"`` cuDNN
-    then flash. Under ``"auto"`` a kernel that raises ``RuntimeError`` (a refused shape) is
+def first_kernel(backend: str, x: Tensor, shape_class: tuple, call: Callable[[str], _R],
+                 refused: set[tuple]) -> _R | None:
+    """``call(name)`` for the kernels of :func:`kernel_order` (``backend`` resolved, ``x`` one of the
+    call's tensors). Under ``"auto"`` a kernel that raises ``RuntimeError`` (a refused shape) is
     remembered in ``refused`` with ``shape_class`` (never the lengths: they change every step) and
-    the next is tried; a forced kernel's error is raised, and so is an out-of-memory error (no
+    the next is tried; a named kernel's error is raised, and so is an out-of-memory error (no
     fallback would fit either). Returns ``None`` when every kernel refused."""
-    for name in _KERNEL_ORDER if backend == "auto" else (backend,):
+    named = backend != AUTO
+    for name in kernel_order(backend, x):
         key = (name, *shape_class)
-        if backend == "auto" and key in refused:
+        if not named and key in refused:
             continue
         try:
             return call(name)
         except torch.OutOfMemoryError:
             raise
         except RuntimeError:
-            if backend != "auto":
+            if named:
                 raise
             refused.add(key)
     return None
@@ -131,21 +175,19 @@ def partial_attention(
     if lq == 0 or lk == 0 or q.numel() == 0:
         return empty_state(*q.shape, dtype=q.dtype, device=q.device)
     if left is not None:
-        if backend != "reference" and kernels_apply(q) and q.dim() == 3 and left >= 0:
+        if kernels_apply(q) and kernel_order(backend, q) and q.dim() == 3 and left >= 0:
             a = dense_rows(lq, lk, causal=causal, left=left)
             if a:
                 o1, l1 = partial_attention(q[:a], k, v, scale=scale, backend=backend)
                 o2, l2 = partial_attention(q[a:], k, v, scale=scale, backend=backend, left=left)
                 return torch.cat([o1, o2]), torch.cat([l1, l2])
-            res = first_kernel(band_kernel(backend, causal, left), (q.dtype, "band", hq, k.shape[-2], d, causal),
+            res = first_kernel(band_kernel(backend, causal, left), q, (q.dtype, "band", hq, k.shape[-2], d, causal),
                                lambda name: _band(name, q, k, v, causal=causal, scale=scale, left=left), _refused)
             if res is not None:
                 return res
         return _reference_batched(q, k, v, causal=causal, scale=scale, left=left)
-    if backend == "reference" or (backend == "auto" and not kernels_apply(q)):
-        return _reference_batched(q, k, v, causal=causal, scale=scale)
-    res = first_kernel(backend, (q.dtype, q.dim(), hq, k.shape[-2], d, causal),
-                       lambda name: _kernel_attention(_KERNELS[name], q, k, v, causal=causal, scale=scale), _refused)
+    res = first_kernel(backend, q, (q.dtype, q.dim(), hq, k.shape[-2], d, causal),
+                       lambda name: _fused(name, q, k, v, causal=causal, scale=scale), _refused)
     if res is not None:
         return res
     return _reference_batched(q, k, v, causal=causal, scale=scale)
@@ -169,30 +211,22 @@ def _check_shapes(q: Tensor, k: Tensor, v: Tensor) -> None:
 # --------------------------------------------------------------------------- fused kernels
 
 
-def _cudnn(q4: Tensor, k4: Tensor, v4: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
-    res = torch.ops.aten._scaled_dot_product_cudnn_attention(
-        q4, k4, v4, None, True, 0.0, causal, False, scale=scale
-    )
-    return res[0], res[1].reshape(res[1].shape[0], res[1].shape[1], -1)
-
-
-def _flash(q4: Tensor, k4: Tensor, v4: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
-    res = torch.ops.aten._scaled_dot_product_flash_attention(q4, k4, v4, 0.0, causal, False, scale=scale)
-    return res[0], res[1]
-
-
-_KERNELS: dict[str, Callable[..., tuple[Tensor, Tensor]]] = {"cudnn": _cudnn, "flash": _flash}
-
-
-CUDNN_BAND_MIN = 128
-"""Narrowest causal band (``left + 1`` keys) that ``"auto"`` builds from square cuDNN calls: a
-narrower one is mostly masked pairs in the kernels' 128-row tiles, and runs FlashAttention-2's window."""
+def _fused(name: str, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float) -> State:
+    """One tile (``[(B,) L, H, D]``, bottom-right ``causal``) through fused kernel ``name``."""
+    return _kernel_attention(kernel_module(name).forward, q, k, v, causal=causal, scale=scale,
+                             padded=registry.get(name).plan_padding)
 
 
 def band_kernel(backend: str, causal: bool, left: int) -> str:
     """The backend a banded tile's kernels are chosen under (:func:`first_kernel`): ``backend``,
-    but ``"flash"`` for a causal band narrower than :data:`CUDNN_BAND_MIN` under ``"auto"``."""
-    return "flash" if backend == "auto" and causal and left + 1 < CUDNN_BAND_MIN else backend
+    but under ``"auto"`` a causal band of fewer keys (``left + 1``) than a kernel's
+    ``auto_band_min`` (mostly masked pairs in its tiles) goes to the first kernel of the order
+    that takes it, named (``"flash"`` for a causal band narrower than 128 keys)."""
+    if backend != AUTO or not causal:
+        return backend
+    kernels = registry.fused()
+    takes = [b.name for b in kernels if left + 1 >= b.auto_band_min]
+    return takes[0] if takes and len(takes) < len(kernels) else backend
 
 
 def dense_rows(lq: int, lk: int, *, causal: bool, left: int) -> int:
@@ -205,38 +239,26 @@ def dense_rows(lq: int, lk: int, *, causal: bool, left: int) -> int:
     return min(lq, left - (lk - lq) + 1)
 
 
-def _band(name: str, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float, left: int) -> tuple[Tensor, Tensor]:
-    """One banded tile through kernel ``name``: cuDNN's band (:mod:`~megacp.attention.cudnn_band`,
-    where the cuDNN frontend is installed) or square causal cuDNN calls (:func:`band_attention`),
-    or FlashAttention-2's window."""
-    if name == "flash":
-        return _flash_band(q, k, v, causal=causal, scale=scale, left=left)
-    if cudnn_band.serves(q, k, causal=causal, left=left, backward=False):
-        return cudnn_band.band_attention(q, k, v, causal=causal, left=left, scale=scale)
+def _band(name: str, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float, left: int) -> State:
+    """One banded tile (``[L, H, D]``) through fused kernel ``name``: its own band
+    (``band_forward``), or where it has none for this tile, batched square causal calls of it
+    (:func:`band_attention`)."""
+    kernel = kernel_module(name)
+    res = kernel.band_forward(q, k, v, causal=causal, scale=scale, left=left)
+    if res is not None:
+        return res
+    padded = registry.get(name).plan_padding
     return band_attention(q, k, v, causal=causal, left=left,
-                          attend=lambda a, b, c, mask: _kernel_attention(_cudnn, a, b, c, causal=mask, scale=scale))
+                          attend=lambda a, b, c, mask: _kernel_attention(kernel.forward, a, b, c, causal=mask,
+                                                                         scale=scale, padded=padded))
 
 
-def _flash_band(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float, left: int) -> tuple[Tensor, Tensor]:
-    """One banded tile (``[L, H, D]``) through FlashAttention-2's varlen forward: one sequence,
-    ``window_size_left=left``, ``window_size_right`` 0 (causal) or unbounded (-1). Queries that see
-    no key get ``out = 0``, ``lse = -inf`` (the kernel writes +inf there)."""
-    lq, lk = q.shape[0], k.shape[0]
-    cu_q = torch.tensor([0, lq], dtype=torch.int32, device=q.device)
-    cu_k = torch.tensor([0, lk], dtype=torch.int32, device=q.device)
-    res = torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, lq, lk, 0.0, causal, False, scale=scale,
-                                                  window_size_left=left, window_size_right=0 if causal else -1)
-    out, lse = res[0], res[1]
-    lse = (lse.transpose(0, 1) if lse.dim() == 2 else lse.reshape(q.shape[1], lq).t()).float()
-    empty = ~torch.isfinite(lse)
-    return out.masked_fill(empty.unsqueeze(-1), 0), lse.masked_fill(empty, float("-inf"))
-
-
-def _kernel_call(kernel: Callable, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
-    """One fused call on ``[(B,) L, H, D]`` inputs viewed as ``[B, H, L, D]`` (no copies); a square
-    causal cuDNN call runs padded to its :func:`~megacp.attention.plans.plan_length`."""
+def _kernel_call(kernel: Callable[..., State], q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float,
+                 padded: bool = False) -> State:
+    """One fused call on ``[(B,) L, H, D]`` inputs viewed as ``[B, H, L, D]`` (no copies); with
+    ``padded`` a square causal call runs padded to its :func:`~megacp.attention.kernels.plans.plan_length`."""
     n = q.shape[-3]
-    if kernel is _cudnn and causal and k.shape[-3] == n and plan_length(n) != n:
+    if padded and causal and k.shape[-3] == n and plan_length(n) != n:
         m = plan_length(n)
         out, lse = _kernel_call(kernel, pad_rows(q, m), pad_rows(k, m), pad_rows(v, m), causal, scale)
         return out[..., :n, :, :], lse[..., :n, :]
@@ -247,23 +269,25 @@ def _kernel_call(kernel: Callable, q: Tensor, k: Tensor, v: Tensor, causal: bool
     return out.transpose(1, 2), lse.transpose(1, 2)
 
 
-def _kernel_attention(kernel: Callable, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+def _kernel_attention(kernel: Callable[..., State], q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float,
+                      padded: bool = False) -> State:
     """Fused kernels only do square (top-left == bottom-right) causal masks; a bottom-right mask
-    with ``Lq != Lk`` is split into a dense prefix and a square causal block, then merged."""
+    with ``Lq != Lk`` is split into a dense prefix and a square causal block, then merged
+    (``padded``: see :func:`_kernel_call`)."""
     lq, lk = q.shape[-3], k.shape[-3]
     if not causal:
-        return _kernel_call(kernel, q, k, v, False, scale)
+        return _kernel_call(kernel, q, k, v, False, scale, padded)
     if lq > lk:  # the first lq - lk queries see nothing
         out, lse = empty_state(*q.shape, dtype=q.dtype, device=q.device)
-        o, l = _kernel_call(kernel, q[..., lq - lk:, :, :], k, v, True, scale)
+        o, l = _kernel_call(kernel, q[..., lq - lk:, :, :], k, v, True, scale, padded)
         out[..., lq - lk:, :, :] = o
         lse[..., lq - lk:, :] = l
         return out, lse
     if lq == lk:
-        return _kernel_call(kernel, q, k, v, True, scale)
+        return _kernel_call(kernel, q, k, v, True, scale, padded)
     prefix = lk - lq
-    o1, l1 = _kernel_call(kernel, q, k[..., :prefix, :, :], v[..., :prefix, :, :], False, scale)
-    o2, l2 = _kernel_call(kernel, q, k[..., prefix:, :, :], v[..., prefix:, :, :], True, scale)
+    o1, l1 = _kernel_call(kernel, q, k[..., :prefix, :, :], v[..., :prefix, :, :], False, scale, padded)
+    o2, l2 = _kernel_call(kernel, q, k[..., prefix:, :, :], v[..., prefix:, :, :], True, scale, padded)
     if q.dim() == 3:  # in place: no fp32 copies of the outputs where the fused merge applies
         merge_into(o1, l1, o2, l2)
         return o1, l1
@@ -367,36 +391,24 @@ def cache_decode_states(
             ``starts[b] .. starts[b] + capacity`` and attends over the first ``used[b]``.
         starts: ``[B]`` int64, multiples of ``capacity``; used: ``[B]`` int32, in ``[0, capacity]``.
 
-    Kernels: fp16/bf16 CUDA tensors use FlashAttention-2's varlen forward
-    (``aten._flash_attention_forward`` with ``cum_seq_k = starts`` and ``seqused_k = used``: with
-    ``seqused_k`` the kernel reads only each request's start and length); every other case attends
-    over each request's whole ``capacity`` rows in fp32 with the rows past ``used`` masked.
+    Kernels: the first fused kernel of the registry with ``cache_decode`` that takes ``q``'s device
+    and dtype (fp16/bf16 CUDA tensors: FlashAttention-2's varlen forward,
+    :func:`~megacp.attention.kernels.flash.cache_decode`); every other case attends over each
+    request's whole ``capacity`` rows in fp32 with the rows past ``used`` masked.
 
     Returns:
         ``(out [B, Hq, D] in q.dtype, lse [B, Hq] fp32 natural log)``; a request with ``used = 0``
         gets ``out = 0``, ``lse = -inf``.
     """
-    b, hq, d = q.shape
-    scale = softmax_scale(scale, d)
-    if kernels_apply(q):
-        out, lse = _flash_varlen_decode(q, k, v, starts, used, capacity, scale)
+    scale = softmax_scale(scale, q.shape[-1])
+    decoders = [name for name in kernel_order(AUTO, q) if registry.get(name).cache_decode]
+    if decoders:
+        kernel = cast(CacheDecodeKernel, kernel_module(decoders[0]))
+        out, lse = kernel.cache_decode(q, k, v, starts, used, capacity, scale)
     else:
         out, lse = _masked_decode(q, k, v, starts, used, capacity, scale)
-    empty = (used == 0).unsqueeze(-1)  # flash gives an empty request lse = +inf
+    empty = (used == 0).unsqueeze(-1)  # a kernel may give an empty request lse = +inf
     return out.masked_fill(empty.unsqueeze(-1), 0), lse.masked_fill(empty, float("-inf"))
-
-
-def _flash_varlen_decode(q: Tensor, k: Tensor, v: Tensor, starts: Tensor, used: Tensor, capacity: int,
-                         scale: float) -> tuple[Tensor, Tensor]:
-    b, hq, _ = q.shape
-    cu_q = torch.arange(b + 1, dtype=torch.int32, device=q.device)
-    cu_k = torch.cat((starts, starts[-1:] + capacity)).to(torch.int32)
-    res = torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, 1, capacity, 0.0, False, False,
-                                                  scale=scale, seqused_k=used)
-    out, lse = res[0], res[1]
-    # the varlen LSE is [B, Hq, 1] (padded layout) or [Hq, total_q] (unpadded layout)
-    lse = lse.transpose(0, 1) if lse.dim() == 2 else lse.reshape(b, hq)
-    return out.reshape(b, hq, -1), lse.float()
 
 
 def _masked_decode(q: Tensor, k: Tensor, v: Tensor, starts: Tensor, used: Tensor, capacity: int,

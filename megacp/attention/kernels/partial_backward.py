@@ -11,30 +11,30 @@ the full attention's dQ; dK/dV of a block are complete once every query that see
 share. This is what a fused attention backward kernel computes when it is fed the final
 ``out``/``lse`` instead of those of its own forward.
 
-Layout as :mod:`~megacp.attention.partial`: ``q``/``out``/``dout`` ``[Lq, Hq, D]``, ``k``/``v``
-``[Lk, Hkv, D]``, ``lse`` ``[Lq, Hq]`` fp32 natural log; ``causal`` is bottom-right aligned and
-``left`` is the forward's sliding-window band (:func:`~megacp.attention.partial.partial_attention`).
+Layout as :mod:`~megacp.attention.kernels.partial`: ``q``/``out``/``dout`` ``[Lq, Hq, D]``,
+``k``/``v`` ``[Lk, Hkv, D]``, ``lse`` ``[Lq, Hq]`` fp32 natural log; ``causal`` is bottom-right
+aligned and ``left`` is the forward's sliding-window band
+(:func:`~megacp.attention.kernels.partial.partial_attention`).
 
-Backends (the forward's names and default, ``backend=``):
+Backends: the forward's (:mod:`~megacp.attention.kernels.registry`), chosen as in the forward. A
+fused kernel's ``backward`` (cuDNN: ``aten._scaled_dot_product_cudnn_attention_backward``; flash:
+``aten._scaled_dot_product_flash_attention_backward``) takes fewer KV heads than query heads and
+returns dK/dV with the KV head count; ``"reference"`` is exact fp32 math on any device,
+``Hq × block_q × Lk`` scores at a time. Kernels return gradients in the input dtype, the reference
+in fp32; callers accumulate blocks in fp32.
 
-* ``"cudnn"`` — ``aten._scaled_dot_product_cudnn_attention_backward`` (LSE ``[B,H,S,1]``);
-* ``"flash"`` — ``aten._scaled_dot_product_flash_attention_backward`` (LSE ``[B,H,S]``);
-* ``"reference"`` — exact fp32 math on any device, ``Hq × block_q × Lk`` scores at a time.
+A banded tile (``left >= 0``) of tensors a fused kernel takes runs the forward's choice of kernel
+(:func:`~megacp.attention.kernels.partial.band_kernel`): its band backward (``band_backward``:
+cuDNN's band backward where the cuDNN frontend is installed, FlashAttention-2's varlen backward
+with its window arguments), else batched square causal backward calls of it
+(:func:`~megacp.attention.kernels.band.band_backward`, whose gradients are fp32 sums); the
+reference with the band masked everywhere else.
 
-A banded tile (``left >= 0``) of fp16/bf16 CUDA tensors runs the forward's choice of kernel
-(:func:`~megacp.attention.partial.band_kernel`): cuDNN's band backward where the cuDNN frontend is
-installed (:mod:`~megacp.attention.cudnn_band`), else batched square causal cuDNN backward calls
-(:func:`~megacp.attention.band.band_backward`, whose gradients are fp32 sums), or FlashAttention-2's
-varlen backward with its window arguments (``aten._flash_attention_backward``); the reference with
-the band masked everywhere else. Both kernels take fewer KV heads than query heads and return dK/dV with the KV head count. ``"auto"``
-tries cuDNN then flash for fp16/bf16 CUDA tensors (a shape a kernel refuses falls back to the next,
-remembered per shape class as in the forward) and uses the reference elsewhere. Kernels return
-gradients in the input dtype, the reference in fp32; callers accumulate blocks in fp32.
-
-A square causal cuDNN call runs padded to its plan length as in the forward (zero rows, LSE 0;
-exact, see :mod:`megacp.attention.plans`). Where torch reuses cuDNN plans across lengths
-(``TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1``) its backward is wrong, so there ``"auto"`` runs
-FlashAttention-2 and ``"cudnn"`` is refused (``ValueError``).
+A square causal call of a ``plan_padding`` kernel runs padded to its plan length as in the
+forward (zero rows, LSE 0; exact, see :mod:`~megacp.attention.kernels.plans`). Where torch reuses
+cuDNN plans across lengths (``TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1``) the cuDNN backward is wrong:
+there ``"auto"`` runs the first kernel whose entry says ``backward_under_plan_reuse``
+(FlashAttention-2) and naming one that does not is refused (``ValueError``).
 """
 
 from __future__ import annotations
@@ -45,23 +45,25 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from megacp.attention import cudnn_band
-from megacp.attention.band import band_backward
-from megacp.attention.merge import finite_or_zero
-from megacp.attention.partial import (
+from megacp.attention.kernels import registry
+from megacp.attention.kernels.band import band_backward
+from megacp.attention.kernels.merge import finite_or_zero
+from megacp.attention.kernels.partial import (
+    Grads,
     band_kernel,
     dense_rows,
     first_kernel,
     heads_first,
     hidden_by_band,
     hidden_by_causal_mask,
+    kernel_module,
+    kernel_order,
     kernels_apply,
-    resolve_backend,
     softmax_scale,
 )
-from megacp.attention.plans import CUDNN_PLAN_REUSE, pad_rows, plan_length, plans_reused_across_lengths
+from megacp.attention.kernels.plans import CUDNN_PLAN_REUSE, pad_rows, plan_length, plans_reused_across_lengths
+from megacp.attention.kernels.registry import AUTO, resolve_backend
 
-Grads = tuple[Tensor, Tensor, Tensor]
 _refused: set[tuple] = set()
 """Shape classes a kernel refused under ``"auto"`` (per process, like the forward's: a property of
 the installed kernels, not of any job)."""
@@ -90,7 +92,7 @@ def partial_attention_backward(
     if q.shape[0] == 0 or k.shape[0] == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     if left is not None:
-        if backend != "reference" and kernels_apply(q) and left >= 0:
+        if kernels_apply(q) and kernel_order(backend, q) and left >= 0:
             a = dense_rows(q.shape[0], k.shape[0], causal=causal, left=left)
             if a:  # as the forward: the rows that see every key without the window
                 g1 = partial_attention_backward(q[:a], k, v, out[:a], lse[:a], dout[:a], causal=False, scale=scale,
@@ -99,17 +101,18 @@ def partial_attention_backward(
                                                 backend=backend, left=left)
                 return torch.cat([g1[0], g2[0]]), g1[1].float() + g2[1], g1[2].float() + g2[2]
             dout = dout.contiguous()
-            res = first_kernel(band_kernel(backend, causal, left), (q.dtype, "band", q.shape[1], k.shape[1], d, causal),
+            res = first_kernel(band_kernel(backend, causal, left), q, (q.dtype, "band", q.shape[1], k.shape[1], d, causal),
                                lambda name: _band_backward(name, q, k, v, out, lse, dout, causal=causal, scale=scale,
                                                            left=left), _refused)
             if res is not None:
                 return res
         return reference_backward(q, k, v, out, lse, dout, causal=causal, scale=scale, left=left)
-    if backend == "reference" or (backend == "auto" and not kernels_apply(q)):
+    if not kernel_order(backend, q):
         return reference_backward(q, k, v, out, lse, dout, causal=causal, scale=scale)
     dout = dout.contiguous()
-    res = first_kernel(backend, (q.dtype, q.shape[1], k.shape[1], d, causal),
-                       lambda name: _kernel_backward(_KERNELS[name], q, k, v, out, lse, dout, causal=causal, scale=scale),
+    res = first_kernel(backend, q, (q.dtype, q.shape[1], k.shape[1], d, causal),
+                       lambda name: _kernel_backward(kernel_module(name).backward, q, k, v, out, lse, dout,
+                                                     causal=causal, scale=scale, padded=registry.get(name).plan_padding),
                        _refused)
     if res is not None:
         return res
@@ -117,15 +120,18 @@ def partial_attention_backward(
 
 
 def _without_wrong_kernels(backend: str, q: Tensor) -> str:
-    """``backend``, but ``"flash"`` for ``"auto"`` on tensors the kernels take (``q``) where torch
-    reuses cuDNN plans across lengths (its cuDNN backward is wrong there); a forced ``"cudnn"``
-    there raises ``ValueError``."""
+    """``backend``, where torch reuses cuDNN plans across lengths (the cuDNN backward is wrong
+    there), with the kernels whose registry entry lacks ``backward_under_plan_reuse`` left out:
+    ``"auto"`` on tensors a kernel takes (``q``) becomes the first kernel that is exact there
+    (``"flash"``), and naming a kernel that is not raises ``ValueError``."""
     if not plans_reused_across_lengths():
         return backend
-    if backend == "cudnn":
-        raise ValueError(f"the cuDNN attention backward gives wrong gradients under {CUDNN_PLAN_REUSE}=1 "
-                         "(torch 2.11 reuses plans across lengths); unset it, or use attention backend auto or flash")
-    return "flash" if backend == "auto" and kernels_apply(q) else backend
+    exact = [b.name for b in registry.fused() if b.backward_under_plan_reuse]
+    if backend != AUTO and not registry.get(backend).backward_under_plan_reuse:
+        raise ValueError(f"the {backend} attention backward gives wrong gradients under {CUDNN_PLAN_REUSE}=1 "
+                         f"(torch 2.11 reuses plans across lengths); unset it, or use attention backend "
+                         f"{' or '.join([AUTO, *exact])}")
+    return exact[0] if backend == AUTO and kernels_apply(q) and exact else backend
 
 
 # --------------------------------------------------------------------------- fused kernels
@@ -137,62 +143,29 @@ def zero_seed(device: torch.device) -> Tensor:
     return torch.zeros((), dtype=torch.int64, device=device)
 
 
-def _cudnn_backward(dout4: Tensor, q4: Tensor, k4: Tensor, v4: Tensor, out4: Tensor, lse3: Tensor,
-                    causal: bool, scale: float) -> Grads:
-    lq, lk, seed = q4.shape[2], k4.shape[2], zero_seed(q4.device)
-    return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-        dout4, q4, k4, v4, out4, lse3.unsqueeze(-1), seed, seed, None, None, None, lq, lk, 0.0, causal, scale=scale)
-
-
-def _flash_backward(dout4: Tensor, q4: Tensor, k4: Tensor, v4: Tensor, out4: Tensor, lse3: Tensor,
-                    causal: bool, scale: float) -> Grads:
-    lq, lk, seed = q4.shape[2], k4.shape[2], zero_seed(q4.device)
-    return torch.ops.aten._scaled_dot_product_flash_attention_backward(
-        dout4, q4, k4, v4, out4, lse3, None, None, lq, lk, 0.0, causal, seed, seed, scale=scale)
-
-
-_KERNELS: dict[str, Callable[..., Grads]] = {"cudnn": _cudnn_backward, "flash": _flash_backward}
-
-
 def _band_backward(name: str, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor, *,
                    causal: bool, scale: float, left: int) -> Grads:
-    """One banded tile's backward through kernel ``name``: cuDNN's band backward
-    (:mod:`~megacp.attention.cudnn_band`, where the cuDNN frontend is installed; per group of KV
-    heads as :func:`head_groups` says), cuDNN square causal calls (:func:`band_backward`, fp32 sums)
-    or FlashAttention-2's window."""
-    if name == "flash":
-        return _flash_band_backward(q, k, v, out, lse, dout, causal=causal, scale=scale, left=left)
-    if cudnn_band.serves(q, k, causal=causal, left=left, backward=True):
-        groups = head_groups(q.shape[0], q.shape[1], k.shape[1], q.shape[2])
-        return cudnn_band.band_backward(q, k, v, out, lse, dout, causal=causal, left=left, scale=scale,
-                                        heads=head_group_slices(q.shape[1], k.shape[1], groups))
+    """One banded tile's backward through fused kernel ``name``: its band backward
+    (``band_backward``), or where it has none for this tile, batched square causal backward calls
+    of it (:func:`band_backward`, fp32 sums)."""
+    kernel = kernel_module(name)
+    res = kernel.band_backward(q, k, v, out, lse, dout, causal=causal, scale=scale, left=left)
+    if res is not None:
+        return res
+    padded = registry.get(name).plan_padding
     return band_backward(q, k, v, out, lse, dout, causal=causal, left=left,
-                         grads=lambda *xs: _kernel_backward(_cudnn_backward, *xs[:6], causal=xs[6], scale=scale))
-
-
-def _flash_band_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor, *,
-                         causal: bool, scale: float, left: int) -> Grads:
-    """One banded tile (``[L, H, D]``) through FlashAttention-2's varlen backward (one sequence, the
-    forward's window: ``window_size_left=left``, right 0 when causal else unbounded)."""
-    lq, lk, seed = q.shape[0], k.shape[0], zero_seed(q.device)
-    cu_q = torch.tensor([0, lq], dtype=torch.int32, device=q.device)
-    cu_k = torch.tensor([0, lk], dtype=torch.int32, device=q.device)
-    dq, dk, dv = torch.ops.aten._flash_attention_backward(
-        dout, q, k, v, out, lse.t().contiguous(), cu_q, cu_k, lq, lk, 0.0, causal, seed, seed, scale=scale,
-        window_size_left=left, window_size_right=0 if causal else -1)
-    return dq, dk, dv
+                         grads=lambda *xs: _kernel_backward(kernel.backward, *xs[:6], causal=xs[6], scale=scale,
+                                                            padded=padded))
 
 
 def _kernel_call(kernel: Callable[..., Grads], q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                 dout: Tensor, causal: bool, scale: float) -> Grads:
+                 dout: Tensor, causal: bool, scale: float, padded: bool = False) -> Grads:
     """One fused backward on ``[(B,) L, H, D]`` tensors viewed as ``[B, H, L, D]`` (no copies but the
-    small LSE, which the kernels want contiguous ``[B, H, Lq]``; a square causal cuDNN call runs
-    padded to its plan length), per group of KV heads when one
-    call's workspace would be large (:func:`head_groups`; the groups' gradients are copied into
-    place). cuDNN (9.19) refuses one query over one key ("s_q = s_kv = 1 is not supported"): that
-    call takes the exact path."""
+    small LSE, which the kernels want contiguous ``[B, H, Lq]``; with ``padded`` a square causal
+    call runs padded to its plan length), per group of KV heads when one call's workspace would be
+    large (:func:`head_groups`; the groups' gradients are copied into place)."""
     n = q.shape[-3]
-    if kernel is _cudnn_backward and causal and k.shape[-3] == n and plan_length(n) != n:
+    if padded and causal and k.shape[-3] == n and plan_length(n) != n:
         m = plan_length(n)
         dq, dk, dv = _kernel_call(kernel, pad_rows(q, m), pad_rows(k, m), pad_rows(v, m), pad_rows(out, m),
                                   pad_rows(lse, m, dim=-2), pad_rows(dout, m), causal, scale)
@@ -201,10 +174,7 @@ def _kernel_call(kernel: Callable[..., Grads], q: Tensor, k: Tensor, v: Tensor, 
         q1, k1, v1, o1, l1, d1 = (x.unsqueeze(0) for x in (q, k, v, out, lse, dout))
         dq, dk, dv = _kernel_call(kernel, q1, k1, v1, o1, l1, d1, causal, scale)
         return dq[0], dk[0], dv[0]
-    if kernel is _cudnn_backward and q.shape[1] == 1 and k.shape[1] == 1:
-        grads = [reference_backward(*xs, causal=causal, scale=scale) for xs in zip(q, k, v, out, lse, dout)]
-        dq, dk, dv = (torch.stack(g).to(q.dtype) for g in zip(*grads))
-        return dq, dk, dv
+
     def view(x: Tensor) -> Tensor:
         return x.transpose(1, 2)
 
@@ -247,28 +217,28 @@ def head_group_slices(hq: int, hkv: int, groups: int) -> list[tuple[slice, slice
 
 
 def _kernel_backward(kernel: Callable[..., Grads], q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                     dout: Tensor, *, causal: bool, scale: float) -> Grads:
+                     dout: Tensor, *, causal: bool, scale: float, padded: bool = False) -> Grads:
     """As the forward's kernels, the fused backward only does square causal masks: a bottom-right
     mask with ``Lq != Lk`` is split into a dense prefix and a square causal block (``[(B,) L, H, D]``
-    tensors, ``lse`` ``[(B,) L, H]``)."""
+    tensors, ``lse`` ``[(B,) L, H]``; ``padded``: see :func:`_kernel_call`)."""
     if q.dim() == 3:
         q1, k1, v1, o1, l1, d1 = (x.unsqueeze(0) for x in (q, k, v, out, lse, dout))
-        dq, dk, dv = _kernel_backward(kernel, q1, k1, v1, o1, l1, d1, causal=causal, scale=scale)
+        dq, dk, dv = _kernel_backward(kernel, q1, k1, v1, o1, l1, d1, causal=causal, scale=scale, padded=padded)
         return dq[0], dk[0], dv[0]
     lq, lk = q.shape[1], k.shape[1]
     if not causal:
-        return _kernel_call(kernel, q, k, v, out, lse, dout, False, scale)
+        return _kernel_call(kernel, q, k, v, out, lse, dout, False, scale, padded)
     if lq == lk:
-        return _kernel_call(kernel, q, k, v, out, lse, dout, True, scale)
+        return _kernel_call(kernel, q, k, v, out, lse, dout, True, scale, padded)
     if lq > lk:  # the first lq - lk queries see nothing
         tail = slice(lq - lk, lq)
         dq = torch.zeros_like(q)
         dq[:, tail], dk, dv = _kernel_call(kernel, q[:, tail], k, v, out[:, tail], lse[:, tail], dout[:, tail], True,
-                                           scale)
+                                           scale, padded)
         return dq, dk, dv
     p = lk - lq
-    dq1, dk1, dv1 = _kernel_call(kernel, q, k[:, :p], v[:, :p], out, lse, dout, False, scale)
-    dq2, dk2, dv2 = _kernel_call(kernel, q, k[:, p:], v[:, p:], out, lse, dout, True, scale)
+    dq1, dk1, dv1 = _kernel_call(kernel, q, k[:, :p], v[:, :p], out, lse, dout, False, scale, padded)
+    dq2, dk2, dv2 = _kernel_call(kernel, q, k[:, p:], v[:, p:], out, lse, dout, True, scale, padded)
     return dq1 + dq2, torch.cat([dk1, dk2], dim=1), torch.cat([dv1, dv2], dim=1)
 
 

@@ -1,12 +1,12 @@
 """Sliding-window band tiles as batched square causal calls (exact; no windowed kernel needed).
 
-Convention as :mod:`~megacp.attention.partial`: ``q`` ``[Lq, Hq, D]``, ``k``/``v`` ``[Lk, Hkv, D]``,
+Convention as :mod:`~megacp.attention.kernels.partial`: ``q`` ``[Lq, Hq, D]``, ``k``/``v`` ``[Lk, Hkv, D]``,
 bottom-right aligned: query ``i``'s diagonal key is ``p = i + Lk - Lq``. A causal band (``left=w``)
 lets query ``i`` see keys ``[p - w, p]`` (``W = w + 1`` keys); a non-causal band keys ``[p - w, Lk)``.
 Fused causal kernels (cuDNN) only take square causal masks, and :func:`band_attention` /
 :func:`band_backward` build every band from calls of a ``causal`` kernel on ``[(B,) L, H, D]``
 tensors that applies a bottom-right causal mask for any lengths (``_kernel_attention`` in
-:mod:`~megacp.attention.partial` splits those into square calls):
+:mod:`~megacp.attention.kernels.partial` splits those into square calls):
 
 * non-causal band: reversing queries and keys (``torch.flip`` on the token dim) turns "keys from
   ``p - w`` on" into "keys up to ``i' + w``": one causal call over the first ``Lk - w`` reversed
@@ -20,7 +20,7 @@ tensors that applies a bottom-right causal mask for any lengths (``_kernel_atten
   call per part (queries and diagonal keys are reshapes of the tile, edge keys an ``as_strided`` view
   ``[nb, w, Hkv, D]`` with a stride of ``W`` tokens), and the two parts' ``(out, LSE)`` are merged.
 
-The backward takes the tile's final ``out``/``lse`` (see :mod:`~megacp.attention.partial_backward`)
+The backward takes the tile's final ``out``/``lse`` (see :mod:`~megacp.attention.kernels.partial_backward`)
 and runs the same pieces through a causal backward kernel: each piece's dQ lands on its query rows
 and dK/dV on its keys (reversed back, added up where pieces share keys).
 
@@ -36,7 +36,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from megacp.attention.merge import merge_into
+from megacp.attention.kernels.merge import merge_into
 
 State = tuple[Tensor, Tensor]
 Grads = tuple[Tensor, Tensor, Tensor]

@@ -9,7 +9,7 @@ H100 (cuDNN 9.19, frontend 1.32): the forward skips the key tiles outside the ba
 alignment, the backward **only** under ``TOP_LEFT`` (a ``BOTTOM_RIGHT`` band's backward visits
 every tile: 16x slower at 64K tokens with a 4K window), so every tile is posed ``TOP_LEFT`` here.
 
-A tile in :mod:`~megacp.attention.partial`'s convention (``q`` ``[Lq, Hq, D]``, ``k``/``v``
+A tile in :mod:`~megacp.attention.kernels.partial`'s convention (``q`` ``[Lq, Hq, D]``, ``k``/``v``
 ``[Lk, Hkv, D]``, bottom-right band ``left = w``: query ``i`` sees keys ``[p - w, p]`` with
 ``p = i + Lk - Lq`` when causal, ``[p - w, Lk)`` when not) becomes one cuDNN call over queries
 ``[r0, Lq)`` and keys ``[s0, Lk)``: with ``o = Lk - Lq``, ``r0 = max(0, -o)`` when causal (earlier
@@ -221,13 +221,13 @@ def band_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, left: int, 
 def band_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor, *,
                   causal: bool, left: int, scale: float, heads: Sequence[tuple[slice, slice]]) -> Grads:
     """The gradients of one banded tile's share of attention, given the queries' final ``out`` /
-    ``lse`` (:mod:`~megacp.attention.partial_backward`), as cuDNN band backward calls: one per
+    ``lse`` (:mod:`~megacp.attention.kernels.partial_backward`), as cuDNN band backward calls: one per
     group of heads (the call's workspace grows with its heads).
 
     Args:
         q, out, dout: ``[Lq, Hq, D]``; k, v: ``[Lk, Hkv, D]``; lse: ``[Lq, Hq]`` fp32 natural log;
         heads: ``(query heads, KV heads)`` of each call, covering every head once
-            (:func:`~megacp.attention.partial_backward.head_group_slices`).
+            (:func:`~megacp.attention.kernels.partial_backward.head_group_slices`).
 
     Returns:
         ``(dq [Lq, Hq, D], dk [Lk, Hkv, D], dv [Lk, Hkv, D])`` in ``q.dtype`` (zero where no pair of
