@@ -147,7 +147,7 @@ def test_decode_hf_bench_refuses_cpu_and_copies_weights() -> None:
     from scripts.bench.decode_hf import MODELS, hf_copy, model_lengths
 
     proc = subprocess.run([sys.executable, "-m", "scripts.bench.decode_hf", "--device", "cpu"], cwd=ROOT,
-                          env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=120)
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert proc.returncode == 2 and proc.stdout == "" and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert model_lengths("smollm2", [1024, 8192, 32768], 128) == [1024, 8064]
     assert model_lengths("llama8b", [1024, 32768], 128) == [1024, 32768]

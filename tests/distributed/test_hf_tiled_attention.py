@@ -73,7 +73,7 @@ def _grads(rank: int, world: int) -> dict[str, float]:
 
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_tiled_attention_leaves_losses_and_gradients_unchanged(world: int) -> None:
-    for rank, errors in enumerate(run_distributed(_grads, world, timeout=600)):
+    for rank, errors in enumerate(run_distributed(_grads, world)):
         bad = {k: v for k, v in errors.items() if v > RTOL}
         assert not bad, f"rank {rank}: {bad}"
         assert len(errors) == 4 * len(ARCHS) + 1

@@ -106,7 +106,7 @@ def _capacity_body(rank: int, n: int, path: str, turn: list[int]) -> list[str]:
 
 def test_session_capacity_errors_are_clear_and_come_before_any_work(tiny) -> None:
     path, _ = tiny
-    got = run_distributed(_capacity_body, 2, path, _turns((5,), 3)[0], timeout=120)
+    got = run_distributed(_capacity_body, 2, path, _turns((5,), 3)[0])
     assert got[0] == got[1]
     assert got[0] == [
         "the session would hold 0 + 100 (turn) + 4 (max_tokens) = 104 tokens, more than its 64 "

@@ -285,7 +285,7 @@ def test_a_refused_architecture_is_one_line_from_rank_0_under_torchrun(arch: str
            "--log-dir", str(logs), "--redirects", "3", "-m", "megacp.generate", "--model", str(tmp_path / arch),
            "--prompt-ids", str(tmp_path / "ids.json")]
     result = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
-                            timeout=1200)
+                            timeout=HANG_GUARD_S)
     worker_err = sorted(logs.rglob("stderr.log"))
     assert len(worker_err) == 2, result.stderr[-2000:]
     texts = [f.read_text() for f in worker_err]
