@@ -24,11 +24,11 @@ ARCHS = {"llama": {}, "qwen3": {}, "mistral": dict(sliding_window=4)}
 
 def _grads(rank: int, world: int) -> dict[str, dict[str, float]]:
     import megacp
+    from megacp.integrations import hf_memory
     from megacp.integrations.transformers import shard_loss
     from megacp.layers.settings import CPSettings
     from megacp.models.checkpointing import HostStash
     from megacp.placement.batch import shard_batch
-    from megacp.integrations import hf_memory
     from megacp.train.memory import MemoryPlan
 
     state = megacp.initialize()
@@ -100,10 +100,10 @@ def _train(rank: int, world_size: int) -> dict:
     import deepspeed
 
     import megacp
+    from megacp.integrations.hf_memory import tiled_loss
     from megacp.integrations.transformers import shard_loss
     from megacp.train.data import PackedSequence
     from megacp.train.engine import Trainer
-    from megacp.integrations.hf_memory import tiled_loss
 
     g = torch.Generator().manual_seed(5)
     batches = [PackedSequence(torch.randint(3, SMALL["vocab_size"], (24,), generator=g),

@@ -13,8 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megacp.checkpoint import CheckpointError
-from megacp.checkpoint import load_model, save_megacp_checkpoint
+from megacp.checkpoint import CheckpointError, load_model, save_megacp_checkpoint
 from megacp.models import CausalLM, ModelConfig, build_model, parameter_shapes
 from megacp.models.build import resolve_backend
 from megacp.models.rope import RotaryEmbedding, apply_rotary, rope_inv_freq

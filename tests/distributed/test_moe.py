@@ -87,10 +87,10 @@ def _generate(rank: int, world: int, paths: list[str], prompts: list[list[int]],
         megacp.swap_attention(model, state)
         moe = [m for m in model.modules() if isinstance(m, MoEMLP)]
 
-        def run(chunk: int, tokens: int, batch: list[list[int]] = prompts) -> list[list[int]]:
-            gen = Generator.for_model(model, cfg, CPSettings(ring=ring), device=torch.device("cpu"), dtype=torch.float32,
-                                      tp_size=tp, prefill_chunk=chunk)
-            return generate(gen, batch, SamplingParams(max_new_tokens=tokens), vocab=cfg.vocab_size).tokens
+        def run(chunk: int, tokens: int, batch: list[list[int]] = prompts) -> list[list[int]]:  # called in this iteration only
+            gen = Generator.for_model(model, cfg, CPSettings(ring=ring), device=torch.device("cpu"),  # noqa: B023
+                                      dtype=torch.float32, tp_size=tp, prefill_chunk=chunk)
+            return generate(gen, batch, SamplingParams(max_new_tokens=tokens), vocab=cfg.vocab_size).tokens  # noqa: B023
 
         whole, chunked, alone = run(0, new), run(CHUNK, new), run(0, new, prompts[1:2])
         for m in moe:

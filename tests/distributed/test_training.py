@@ -28,10 +28,10 @@ def _reference_grads() -> tuple[torch.Tensor, ...]:
 
 def _cp_grads(rank: int, n: int, through_layer: bool) -> tuple[torch.Tensor, ...]:
     from megacp.attention.training import ring_attention
-    from megacp.placement import ShardPlan
     from megacp.layers.cp_attention import CPDotProductAttention
     from megacp.layers.settings import CPSettings
     from megacp.parallel.ring import Ring
+    from megacp.placement import ShardPlan
 
     ring = Ring() if n > 1 else None
     plan = ShardPlan([0] * len(LENS), LENS, n, rank)

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from tests.helpers.distributed import free_port
-
 from tests.helpers.paths import ROOT
+
 CPU_SIZES = ["--device", "cpu", "--dtype", "float32", "--heads", "8", "--kv-heads", "2", "--head-dim", "32",
              "--seqlens", "256", "--odd-extra", "5", "--ragged", "64:32,0:48,40:1,50:17", "--decode", "300:5,1:0",
              "--decode-batched", "2:256", "--rows", "16"]

@@ -81,7 +81,7 @@ def test_sizes_and_runtime_knobs() -> None:
             ({"MEGACP_RING_TRANSPORT": "nvlink"},
              "MEGACP_RING_TRANSPORT='nvlink': allowed values: 'auto', 'nccl', 'copy_engine'")]
     for env, message in rows:
-        assert _one_line(_message(lambda: with_env_overrides(cfg, env), ConfigError)) == message
+        assert _one_line(_message(lambda: with_env_overrides(cfg, env), ConfigError)) == message  # noqa: B023  # called at once
 
 
 def test_corrupt_calibration_cache_warns_and_falls_back(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -162,7 +162,7 @@ def test_cp_attention_input_errors() -> None:
                                          "rank); inputs that require grad need megacp.attention.ring_attention on "
                                          "this rank's shard, or the CP layer")]
     for args, message in rows:
-        assert _one_line(_message(lambda: cp_attention(*args), ValueError)) == message
+        assert _one_line(_message(lambda: cp_attention(*args), ValueError)) == message  # noqa: B023  # called at once
 
 
 def test_command_lines(tmp_path: Path) -> None:

@@ -136,7 +136,7 @@ def check_prefill(ctx, ver: Verifier, args, s: int, strategies, *, load_balance:
             ver.error(f"prefill_{strat}", e, S=s)
     bh.barrier(ctx)
     if ctx.rank == 0 and outs:
-        kern = ver.kernels(lambda be: partial_attention(q, k, v, causal=True, backend=be)[0])
+        kern = ver.kernels(lambda be: partial_attention(q, k, v, causal=True, backend=be)[0])  # noqa: F821  # called at once
         c = -(-s // (2 * ctx.world))
         rows = bh.sample_rows(s, args.rows, args.seed + s, edges=[c * i for i in range(1, 2 * ctx.world)])
         exact = bh.truth_rows(q, k, v, rows, causal=True)
@@ -224,7 +224,7 @@ def check_decode_ragged(ctx, ver: Verifier, args, spec: list[tuple[int, int]]) -
         ver.error("decode_ragged", e)
     bh.barrier(ctx)
     if ctx.rank == 0 and out is not None:
-        kern = ver.kernels(lambda be: torch.cat([partial_attention(q[i:i + 1], ks[i], vs[i], backend=be)[0]
+        kern = ver.kernels(lambda be: torch.cat([partial_attention(q[i:i + 1], ks[i], vs[i], backend=be)[0]  # noqa: F821
                                                  for i in range(b)]))
         exact = torch.cat([bh.truth_rows(q[i:i + 1], ks[i], vs[i], torch.tensor([0]), causal=False) for i in range(b)])
         desc = ",".join(f"{length}({steps} decoded)" for length, steps in spec)

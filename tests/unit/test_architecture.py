@@ -32,6 +32,7 @@ import ast
 from pathlib import Path
 
 from tests.helpers.paths import ROOT
+
 PACKAGE = ROOT / "megacp"
 
 LAYERS: tuple[tuple[str, ...], ...] = (

@@ -84,11 +84,11 @@ def test_kv_block_is_the_local_kv_when_blocks_are_unpadded() -> None:
 
 
 def test_lower_level_entry_points_reject_bad_input_clearly() -> None:
-    from megacp.attention.training import ring_attention
     from megacp.attention.decode import local_decode_states
     from megacp.attention.kernels.merge import merge_into
     from megacp.attention.pass_kv import ring_pass_kv
     from megacp.attention.pass_q import ring_pass_q
+    from megacp.attention.training import ring_attention
 
     plan = ShardPlan([0], [16], 2, 1)  # CP = 2: without a ring only the own block would be attended
     q, k = torch.randn(8, 4, 8), torch.randn(8, 2, 8)

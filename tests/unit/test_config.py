@@ -10,7 +10,6 @@ import torch
 
 from megacp import ConfigError, MegacpConfig, ParallelLayout, load_config
 from megacp.config import with_env_overrides
-
 from tests.helpers.paths import CONFIGS
 
 # file name -> (world size it is meant for, expected layout)

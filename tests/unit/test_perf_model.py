@@ -9,8 +9,8 @@ import json
 import pytest
 
 from scripts import perf_model as pm
-from tests.helpers.paths import ROOT
 from scripts.perf_model.validation import PREFILL_RUN, TTFT_RUN, ttft_rows
+from tests.helpers.paths import ROOT
 
 RESULTS = ROOT / "docs" / "results"
 M1 = 1 << 20

@@ -39,7 +39,11 @@ def _corpus(root: Path) -> list:
     return resolve_corpus([root / "a.txt", root / "b.jsonl"])
 
 
-def _batches(sources, tokenizer, cache=None, start=StreamPosition(), n=6) -> list[torch.Tensor]:
+START = StreamPosition()
+"""The corpus stream's beginning."""
+
+
+def _batches(sources, tokenizer, cache=None, start=START, n=6) -> list[torch.Tensor]:
     it = CorpusBatches(sources, tokenizer, eos_id=EOS, seq_len=7, micro_batch=2, dp_size=1, dp_rank=0, start=start,
                        documents=None if cache is None else cache.stream(skip=start.document))
     return [next(it).input_ids for _ in range(n)]
