@@ -497,9 +497,10 @@ import sys, time
 from megacp.checkpoint import safetensors_io
 from megacp.checkpoint.convert import main
 write = safetensors_io.SafetensorsWriter.write
-def slow(self, name, tensor):
-    time.sleep(0.05)
-    return write(self, name, tensor)
+def slow(self, name, tensor):  # mid-write from its first tensor on, until the test's signal ends it
+    out = write(self, name, tensor)
+    time.sleep(3600)
+    return out
 safetensors_io.SafetensorsWriter.write = slow
 sys.exit(main(sys.argv[1:]))
 """
